@@ -9,7 +9,10 @@ STAMP  := $(VENV)/.zfctl-installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
 NATIVE_STAMP := $(VENV)/.zfctl-native
 
-.PHONY: setup native test demo bench lint check-native clean
+.PHONY: setup native test demo bench lint clean
+
+# Native build and sanitizer targets (check-native) live next to the C sources.
+-include native/native.mk
 
 setup: $(STAMP) $(NATIVE_STAMP)
 
