@@ -1,0 +1,180 @@
+"""Metrics: one JSON line per optimizer step and per evaluation, plus optional W&B/TensorBoard.
+
+``metrics.jsonl`` is the record of truth (the console line is a view of it). Records carry a
+``kind`` ("train" or "eval") and the optimizer ``step`` they belong to. A resumed run first drops
+the records written after its checkpoint, so the file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from zfctl.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class Sink(Protocol):
+    """Something that accepts metric records (W&B, TensorBoard)."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class _TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        prefix = record.get("kind", "train")
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                self._w.add_scalar(f"{prefix}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class _WandbSink:
+    def __init__(self, project: str, run_dir: Path, config: dict) -> None:
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=project, dir=str(run_dir), config=config, resume="allow")
+
+    def log(self, record: dict[str, Any]) -> None:
+        prefix = record.get("kind", "train")
+        data = {f"{prefix}/{k}": v for k, v in record.items() if k not in ("kind", "step")}
+        self._run.log(data, step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _clean(v: Any) -> Any:
+    # JSON has no NaN/inf; keep them readable rather than crash the run on a diverging loss.
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsWriter:
+    """Appends metric records to ``OUTPUT/metrics.jsonl`` and forwards them to optional sinks."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None,
+                 sinks: list[Sink] | None = None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+        # Line-buffered: each record reaches the OS as soon as it is written, so a killed run
+        # keeps every step it finished (one small write syscall per step).
+        self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the run)
+        self._sinks = sinks or []
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        for s in self._sinks:
+            s.log(record)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        for s in self._sinks:
+            s.close()
+        self._sinks = []
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the records of steps after ``step`` (written by the run after its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed process
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """All records of ``path`` (optionally of one kind), in file order."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if kind is None or rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: Path,
+                config: dict) -> list[Sink]:
+    """Open the optional sinks; a missing package is a UserError before any training starts."""
+    sinks: list[Sink] = []
+    if tensorboard:
+        try:
+            sinks.append(_TensorBoardSink(Path(run_dir) / "tensorboard"))
+        except ImportError:
+            raise UserError("logging.tensorboard=true needs TensorBoard: pip install tensorboard "
+                            "(or set logging.tensorboard=false)") from None
+    if wandb:
+        try:
+            sinks.append(_WandbSink(wandb_project, Path(run_dir), config))
+        except ImportError:
+            raise UserError("logging.wandb=true needs Weights & Biases: pip install wandb "
+                            "(or set logging.wandb=false)") from None
+    return sinks
+
+
+class StepTimer:
+    """Wall-clock milliseconds of a code span, exact on the device without extra syncs.
+
+    On CUDA a pair of events brackets the span and is read later, after the step has synced
+    anyway (the loss ``.item()``), so timing adds no sync point. On CPU perf_counter is exact.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._t0 = self._t1 = 0.0
+        if self._cuda:
+            self._e0 = torch.cuda.Event(enable_timing=True)
+            self._e1 = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self._cuda:
+            self._e0.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._e1.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        """Elapsed ms; on CUDA call it only after the stream passed ``stop`` (it would block)."""
+        if self._cuda:
+            return float(self._e0.elapsed_time(self._e1))
+        return (self._t1 - self._t0) * 1e3
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak device memory (CUDA) and peak host RSS, in GiB."""
+    out = {"host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    if device.type == "cuda":
+        out["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out

@@ -1,0 +1,61 @@
+"""Learning-rate schedules: linear warm-up, then cosine / linear decay or a constant.
+
+The schedule is a ``torch.optim.lr_scheduler.LambdaLR`` so that it drives
+``param_groups[i]["lr"]`` of any ``torch.optim.Optimizer`` (the ZenFlow optimizer included) and
+its ``state_dict`` is the usual one. The multiplier is a pure function of the step, so a resumed
+run reproduces the exact float the straight run used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def lr_multiplier(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The factor applied to the peak LR before optimizer step ``step`` (0-based).
+
+    Warm-up ramps linearly from ``1/(warmup+1)`` (never exactly 0, so step 0 still learns) to 1.
+    Decay runs from the end of warm-up to ``total_steps`` and reaches 0 at ``total_steps``
+    (cosine, linear); ``constant`` stays at 1.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
+    warmup_steps = max(0, int(warmup_steps))
+    total_steps = max(1, int(total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, *, warmup_steps: int,
+                    total_steps: int) -> LambdaLR:
+    """A LambdaLR over ``optimizer`` implementing :func:`lr_multiplier`."""
+    return LambdaLR(optimizer, lr_multiplier(kind, warmup_steps, total_steps))
+
+
+def restore_scheduler(scheduler: LambdaLR, state: dict) -> None:
+    """Load ``state`` and re-apply the LR it implies to the optimizer's groups.
+
+    ``LambdaLR.load_state_dict`` restores the counter but does not touch ``param_groups``; an
+    optimizer whose own state_dict does not carry the groups' ``lr`` would otherwise run the
+    first resumed step with the LR of step 0.
+    """
+    scheduler.load_state_dict(state)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
