@@ -16,33 +16,41 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 N_TRAIN, N_VALIDATION, SEED = 1880, 120, 1234
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "presets" / "samples" / "alpaca-sample"
 
-WORDS = (
-    "apple river stone cloud garden window candle forest bridge planet mirror pencil rocket "
-    "silver orange yellow purple marble island tunnel castle dragon button ladder basket "
-    "jacket pocket lemon melon tiger zebra rabbit turtle falcon copper bottle kettle harbor "
-    "meadow valley canyon desert summer winter autumn spring morning evening shadow thunder "
-    "lantern compass anchor saddle wagon engine signal puzzle riddle violin guitar trumpet "
-    "carpet pillow blanket cookie muffin pepper ginger walnut cherry banana coffee butter "
-    "paper ticket letter number circle square rhythm breeze storm frost ember glacier "
-    "pebble feather needle thread hammer shovel bucket helmet banner parrot badger otter "
-    "beaver spider dolphin salmon oyster velvet cotton linen wooden golden quiet gentle brave "
-    "clever simple honest modest narrow hollow bright silent rapid steady"
-).split()
+WORDS = [
+    "apple", "river", "stone", "cloud", "garden", "window", "candle", "forest", "bridge", "planet",
+    "mirror", "pencil", "rocket", "silver", "orange", "yellow", "purple", "marble", "island", "tunnel",
+    "castle", "dragon", "button", "ladder", "basket", "jacket", "pocket", "lemon", "melon", "tiger",
+    "zebra", "rabbit", "turtle", "falcon", "copper", "bottle", "kettle", "harbor", "meadow", "valley",
+    "canyon", "desert", "summer", "winter", "autumn", "spring", "morning", "evening", "shadow", "thunder",
+    "lantern", "compass", "anchor", "saddle", "wagon", "engine", "signal", "puzzle", "riddle", "violin",
+    "guitar", "trumpet", "carpet", "pillow", "blanket", "cookie", "muffin", "pepper", "ginger", "walnut",
+    "cherry", "banana", "coffee", "butter", "paper", "ticket", "letter", "number", "circle", "square",
+    "rhythm", "breeze", "storm", "frost", "ember", "glacier", "pebble", "feather", "needle", "thread",
+    "hammer", "shovel", "bucket", "helmet", "banner", "parrot", "badger", "otter", "beaver", "spider",
+    "dolphin", "salmon", "oyster", "velvet", "cotton", "linen", "wooden", "golden", "quiet", "gentle",
+    "brave", "clever", "simple", "honest", "modest", "narrow", "hollow", "bright", "silent", "rapid",
+    "steady",
+]
 
-MONTHS = ("January February March April May June July August September October November "
-          "December").split()
+MONTHS = [
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+    "November", "December",
+]
 
 # A fictional catalogue: names are built from syllables, facts are drawn once from the RNG, so
 # the model can only learn them from this data.
-SYLLABLES = "ka lo mi ra ven tor sul bri dan eth fel gor hal ix jun kel mor nal or pex qua".split()
-COLORS = "red blue green amber violet grey white black teal crimson".split()
-ITEMS = "lamp kettle drone compass radio telescope backpack clock".split()
+SYLLABLES = [
+    "ka", "lo", "mi", "ra", "ven", "tor", "sul", "bri", "dan", "eth", "fel", "gor", "hal", "ix", "jun",
+    "kel", "mor", "nal", "or", "pex", "qua",
+]
+COLORS = ["red", "blue", "green", "amber", "violet", "grey", "white", "black", "teal", "crimson"]
+ITEMS = ["lamp", "kettle", "drone", "compass", "radio", "telescope", "backpack", "clock"]
 
 
 def make_catalogue(rng: random.Random, n: int = 24) -> list[dict]:
@@ -179,8 +187,8 @@ def fact_task(catalogue: list[dict]) -> Callable[[random.Random], Record]:
             ("Give the number of moons of the planet.", p, f"{p} has {e['moons']} moons."),
             (f"What colour is the sky on {p}?", "", f"The sky on {p} is {e['color']}."),
             (f"What does a {e['item']} cost on {p}?", "", f"A {e['item']} on {p} costs {e['price']} credits."),
-            ("Describe the planet.", p, f"{p} has {e['moons']} moons, a {e['color']} sky and its "
-                                        f"capital is {e['capital']}."),
+            ("Describe the planet.", p, (f"{p} has {e['moons']} moons, a {e['color']} sky and its "
+                                        f"capital is {e['capital']}.")),
         ])
 
     return t_fact
@@ -205,8 +213,7 @@ def generate(seed: int = SEED, n_train: int = N_TRAIN, n_val: int = N_VALIDATION
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """One JSON object per line, keys in a fixed order, '\\n' line ends."""
     with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def main(argv: list[str] | None = None) -> None:

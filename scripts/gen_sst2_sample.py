@@ -48,12 +48,16 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
               "the orchestra"]),
 }
 
-POS_ADJ = ("wonderful charming gripping delightful superb moving clever inventive warm polished "
-           "thoughtful generous stunning vivid elegant heartfelt sharp satisfying lovely "
-           "remarkable joyful fresh confident graceful").split()
-NEG_ADJ = ("dull clumsy tedious bland sloppy lifeless shallow grating forgettable muddled stale "
-           "hollow cheap awkward joyless flat irritating sluggish tiresome lazy confusing "
-           "overlong disappointing cold").split()
+POS_ADJ = [
+    "wonderful", "charming", "gripping", "delightful", "superb", "moving", "clever", "inventive", "warm",
+    "polished", "thoughtful", "generous", "stunning", "vivid", "elegant", "heartfelt", "sharp",
+    "satisfying", "lovely", "remarkable", "joyful", "fresh", "confident", "graceful",
+]
+NEG_ADJ = [
+    "dull", "clumsy", "tedious", "bland", "sloppy", "lifeless", "shallow", "grating", "forgettable",
+    "muddled", "stale", "hollow", "cheap", "awkward", "joyless", "flat", "irritating", "sluggish",
+    "tiresome", "lazy", "confusing", "overlong", "disappointing", "cold",
+]
 INTENS = ["", "", "really ", "truly ", "genuinely ", "remarkably ", "quite ", "so "]
 POS_VERB = ["loved", "adored", "enjoyed every minute of", "was won over by", "fell for",
             "could not stop thinking about"]
@@ -186,8 +190,7 @@ def generate(seed: int = SEED, n_train: int = N_TRAIN, n_val: int = N_VALIDATION
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """One JSON object per line, keys in a fixed order, '\\n' line ends."""
     with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def main(argv: list[str] | None = None) -> None:
