@@ -1,0 +1,150 @@
+"""The configurations a benchmark runs: the user's grid plus the two baselines.
+
+A grid is the cross product of the `--topk`, `--interval`, `--overlap` and `--pin` lists. Every
+grid also runs `zero-offload` (topk 0, update every step, no overlap: plain ZeRO-Offload, the
+yardstick of the speedup column), once per pin setting so that speedups compare like with like,
+and `off` (topk 1: everything on the device, no CPU work) when its device state fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from zfctl.errors import UserError
+from zfctl.offload.config import ZenFlowConfig
+
+Interval = int | str  # an int >= 1 or "auto"
+
+ON = ("on", "true", "yes", "1")
+OFF = ("off", "false", "no", "0")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One point of the grid; `name` is 'zenflow', 'zero-offload' or 'off'."""
+
+    name: str
+    topk: float
+    interval: Interval
+    overlap: bool
+    pin: bool
+
+    @property
+    def label(self) -> str:
+        if self.name == "off":
+            return "off (all on device)"
+        tag = "zero-offload" if self.name == "zero-offload" else f"topk {self.topk:g}, U {self.interval}"
+        return f"{tag}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}"
+
+    def zenflow_config(self, base: ZenFlowConfig) -> ZenFlowConfig:
+        """`base` with this point's four knobs; no warm-up rounds (the bench has its own)."""
+        return replace(
+            base,
+            topk_ratio=self.topk,
+            update_interval=self.interval,
+            overlap_step=self.overlap,
+            pin_memory=self.pin,
+            full_warm_up_rounds=0,
+        ).validate()
+
+
+def _items(flag: str, text: str) -> list[str]:
+    items = [s.strip() for s in str(text).split(",")]
+    if not items or any(not s for s in items):
+        raise UserError(f"{flag} {text!r}: give a comma-separated list without empty items, e.g. {flag} 0.1,0.2")
+    return items
+
+
+def parse_topks(text: str) -> list[float]:
+    """'0.1,0.2' -> [0.1, 0.2]; each in [0, 1]."""
+    out = []
+    for s in _items("--topk", text):
+        try:
+            v = float(s)
+        except ValueError:
+            raise UserError(f"--topk {s!r} is not a number: give ratios in [0, 1], e.g. --topk 0.1,0.2") from None
+        if not 0.0 <= v <= 1.0 or math.isnan(v):
+            raise UserError(f"--topk {s}: ratios must be in [0, 1], e.g. --topk 0.1,0.2")
+        out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def parse_intervals(text: str) -> list[Interval]:
+    """'2,4,auto' -> [2, 4, 'auto']; integers >= 1 or 'auto'."""
+    out: list[Interval] = []
+    for s in _items("--interval", text):
+        if s.lower() == "auto":
+            out.append("auto")
+            continue
+        try:
+            v = int(s)
+        except ValueError:
+            raise UserError(f"--interval {s!r}: give integers >= 1 or 'auto', e.g. --interval 2,4") from None
+        if v < 1:
+            raise UserError(f"--interval {s}: update intervals must be >= 1, e.g. --interval 2,4")
+        out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def parse_switch(flag: str, text: str, negated: bool) -> list[bool]:
+    """`--overlap on,off` -> [True, False]; `--no-overlap` (negated) -> [False]."""
+    if negated:
+        if text is not None:
+            raise UserError(f"--{flag} {text!r} and --no-{flag} contradict each other: give one of them")
+        return [False]
+    if text is None:
+        return [True]
+    out = []
+    for s in _items(f"--{flag}", text):
+        if s.lower() in ON:
+            out.append(True)
+        elif s.lower() in OFF:
+            out.append(False)
+        else:
+            raise UserError(f"--{flag} {s!r}: use on, off or on,off (or --no-{flag})")
+    return list(dict.fromkeys(out))
+
+
+def reference_interval(intervals: list[Interval]) -> int:
+    """The interval that sets how many steps every configuration measures (the longest given)."""
+    ints = [i for i in intervals if isinstance(i, int)]
+    default = ZenFlowConfig().update_interval
+    return max(ints) if ints else (default if isinstance(default, int) else 4)
+
+
+def measured_steps(interval: Interval, iterations: int, ref_interval: int) -> int:
+    """Steps timed for one configuration: at least `iterations` x the reference interval, in
+    whole intervals of its own. So every configuration is timed over (about) the same number of
+    steps and contains the same mix of accumulation and update steps as a long run."""
+    want = iterations * ref_interval
+    if not isinstance(interval, int):
+        return want
+    return math.ceil(want / interval) * interval
+
+
+def warmup_steps(interval: Interval, warmup: int) -> int:
+    """Untimed steps, rounded up to whole intervals so the timed window starts at an interval."""
+    if not isinstance(interval, int) or warmup == 0:
+        return warmup
+    return math.ceil(warmup / interval) * interval
+
+
+def build_grid(
+    topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool
+) -> list[BenchConfig]:
+    """Baselines first (zero-offload per pin setting, then off), then the grid; no duplicates."""
+    configs = [BenchConfig("zero-offload", 0.0, 1, False, pin) for pin in pins]
+    if with_off:
+        configs.append(BenchConfig("off", 1.0, 1, False, pins[0]))
+    for topk in topks:
+        for interval in intervals:
+            for overlap in overlaps:
+                for pin in pins:
+                    cfg = BenchConfig("zenflow", topk, interval, overlap, pin)
+                    if topk == 0.0 and interval == 1 and not overlap:
+                        continue  # identical to the zero-offload baseline already in the list
+                    if topk == 1.0 and with_off:
+                        continue  # nothing is offloaded: the same as the 'off' baseline
+                    configs.append(cfg)
+    return configs

@@ -1,0 +1,61 @@
+"""Will a configuration fit? Rough byte counts decided before anything is allocated.
+
+The numbers follow DESIGN.md's state layout: every offloaded element costs the host an fp32
+master, two fp32 moments and an fp32 gradient accumulator (16 B); every element updated on the
+device costs the device the same master and moments (12 B). `off` puts all of them on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zfctl.errors import UserError
+
+GiB = 1024**3
+HOST_BYTES_PER_OFFLOADED_PARAM = 16  # fp32 master + exp_avg + exp_avg_sq + accumulator
+DEVICE_BYTES_PER_DEVICE_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+MARGIN = 0.10  # keep 10% free for activations, allocator slack, pinned rings
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_bytes()
+
+
+def off_fits(n_params: int, grad_bytes: int, device: torch.device) -> tuple[bool, str]:
+    """Can `off` (plain device AdamW) hold fp32 master + moments and the grads on `device`?
+
+    Called with the model already built, so its weights are not counted again.
+    """
+    need = n_params * DEVICE_BYTES_PER_DEVICE_PARAM + grad_bytes
+    have = device_available_bytes(device)
+    ok = need <= have * (1 - MARGIN)
+    return ok, f"needs ~{need / GiB:.1f} GiB on {device.type}, {have / GiB:.1f} GiB free"
+
+
+def check_host_fits(n_params: int) -> None:
+    """Refuse up front when the offloaded optimizer state cannot fit in host RAM."""
+    need = n_params * HOST_BYTES_PER_OFFLOADED_PARAM
+    have = host_available_bytes()
+    if need > have * (1 - MARGIN):
+        raise UserError(
+            f"the benchmark model has {n_params / 1e6:.0f}M params: the offloaded optimizer state "
+            f"needs ~{need / GiB:.1f} GiB of host RAM, {have / GiB:.1f} GiB is available; "
+            "use a smaller --hidden-dim/--nlayers or --model"
+        )

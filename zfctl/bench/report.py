@@ -1,0 +1,123 @@
+"""The benchmark's outputs: two rich tables, a JSON file and a CSV file.
+
+Every file is written to a temporary name next to its destination and renamed into place, so an
+interrupted run never leaves a half-written report.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+DASH = "-"
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None:
+        return DASH
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return DASH
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if v >= size:
+            return f"{v / size:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _mm(agg: dict[str, Any]) -> str:
+    """'mean / median (n)' or '-' when no step has the quantity."""
+    if not agg["n"]:
+        return DASH
+    return f"{fmt_ms(agg['mean'])} / {fmt_ms(agg['median'])} ({agg['n']})"
+
+
+def _pct(v: float | None) -> str:
+    return DASH if v is None else f"{100 * v:.1f}%"
+
+
+def _x(v: float | None) -> str:
+    return DASH if v is None else f"{v:.2f}x"
+
+
+def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Step-time table (mean / median (steps), per step kind) and phase + traffic table."""
+    t = Table(title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
+              title_justify="left")
+    for col in ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall"):
+        t.add_column(col, justify="left" if col == "configuration" else "right")
+    for i, r in enumerate(rows, 1):
+        s = r["step_ms"]
+        t.add_row(str(i), r["label"], _mm(s["accumulate"]), _mm(s["update"]), _mm(s["overall"]),
+                  _x(r["speedup_vs_zero_offload"]), _pct(r["stall_fraction"]))
+    console.print(t)
+
+    p = Table(title="Phases, mean ms per step (CPU step: per completed CPU update) and PCIe bytes per step",
+              title_justify="left")
+    for col in ("#", "forward", "backward", "optimizer", "device opt", "CPU step", "stall",
+                "D2H", "H2D", "x model"):
+        p.add_column(col, justify="right")
+    for i, r in enumerate(rows, 1):
+        p.add_row(str(i), fmt_ms(r["fwd_ms"]["mean"]), fmt_ms(r["bwd_ms"]["mean"]), fmt_ms(r["opt_ms"]["mean"]),
+                  fmt_ms(r["device_opt_ms"]["mean"]), fmt_ms(r["cpu_step_ms"]["mean"]),
+                  fmt_ms(r["stall_ms"]["mean"]), fmt_bytes(r["d2h_bytes_per_step"]),
+                  fmt_bytes(r["h2d_bytes_per_step"]), _x(r["traffic_x_model"]))
+    console.print(p)
+
+
+CSV_COLUMNS = [
+    "name", "label", "topk", "interval", "overlap", "pin", "steps", "trials", "n_accumulate", "n_update",
+    "accumulate_mean_ms", "accumulate_median_ms", "update_mean_ms", "update_median_ms",
+    "overall_mean_ms", "overall_median_ms", "fwd_mean_ms", "bwd_mean_ms", "opt_mean_ms",
+    "device_opt_mean_ms", "cpu_step_mean_ms", "n_cpu_steps", "stall_mean_ms", "stall_fraction",
+    "d2h_bytes_per_step", "h2d_bytes_per_step", "traffic_x_model", "speedup_vs_zero_offload",
+    "wall_ms_per_step", "samples_per_s", "tokens_per_s",
+]
+
+
+def csv_row(r: dict[str, Any]) -> dict[str, Any]:
+    out = {k: r[k] for k in CSV_COLUMNS if k in r}
+    for kind in ("accumulate", "update", "overall"):
+        out[f"{kind}_mean_ms"] = r["step_ms"][kind]["mean"]
+        out[f"{kind}_median_ms"] = r["step_ms"][kind]["median"]
+    for key in ("fwd", "bwd", "opt", "device_opt", "cpu_step", "stall"):
+        out[f"{key}_mean_ms"] = r[f"{key}_ms"]["mean"]
+    out["n_cpu_steps"] = r["cpu_step_ms"]["n"]
+    return {k: ("" if out.get(k) is None else out[k]) for k in CSV_COLUMNS}
+
+
+def render_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow(csv_row(r))
+    return buf.getvalue()
+
+
+def render_json(meta: dict[str, Any], rows: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
+    return json.dumps({"meta": meta, "results": rows, "skipped": skipped}, indent=2) + "\n"
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write to a temporary file in the same folder, then rename over `path` (atomic on POSIX)."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,155 @@
+"""The timed loop: one configuration, one trial, one linear function.
+
+Every configuration gets a fresh model (same seed, same inputs) and a fresh `ZenFlowOptimizer`.
+The first `warmup` steps are untimed (allocator, kernel autotuning, the initial selection and
+the first CPU updates). Then each step is cut into forward / backward / optimizer by three clock
+marks, and the optimizer's own `StepStats` supply the device-optimizer, CPU-step and stall times
+and the PCIe bytes. Nothing in the window synchronises the device beyond what the optimizer
+itself does (see timing.py); the window ends with one synchronisation.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from zfctl.bench.grid import BenchConfig
+from zfctl.bench.model import BenchModel
+from zfctl.bench.timing import clock_for, device_sync
+from zfctl.offload.config import ZenFlowConfig
+
+
+@dataclass
+class StepRecord:
+    """One timed step. `update` = a CPU-update boundary (StepStats.boundary)."""
+
+    update: bool
+    step_ms: float  # forward + backward + step() + zero_grad(), on the device timeline
+    fwd_ms: float
+    bwd_ms: float
+    opt_ms: float  # step() + zero_grad() as the bench sees it (device AdamW, transfers, stall)
+    device_opt_ms: float  # StepStats.device_opt_ms
+    cpu_step_ms: float  # StepStats.cpu_step_ms: 0.0 unless a CPU update completed this step
+    stall_ms: float  # StepStats.stall_ms: time step() waited for the CPU worker
+    d2h_bytes: int
+    h2d_bytes: int
+    skipped: bool  # fp16 overflow: the step did no update
+
+
+@dataclass
+class TrialResult:
+    records: list[StepRecord]
+    window_wall_ms: float  # host wall clock over the whole window, incl. the final sync
+    loss_first: float
+    loss_last: float
+
+
+@dataclass
+class ConfigResult:
+    config: BenchConfig
+    warmup_steps: int
+    steps: int
+    trials: list[TrialResult] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """All timed steps of all trials, pooled."""
+        return [r for t in self.trials for r in t.records]
+
+
+def run_trial(
+    model: BenchModel,
+    zf: ZenFlowConfig,
+    *,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+    opt_kwargs: dict,
+) -> TrialResult:
+    """Train `warmup` untimed then `steps` timed steps; return one record per timed step."""
+    from zfctl.offload import ZenFlowOptimizer  # the engine; imported late so --help stays fast
+
+    if len(model.batches) < warmup + steps:
+        raise ValueError(f"model has {len(model.batches)} batches, needs {warmup + steps}")
+    module, loss_fn, batches = model.module, model.loss_fn, model.batches
+    clock = clock_for(device)
+    with ZenFlowOptimizer(list(module.named_parameters()), zf, **opt_kwargs) as opt:
+        for i in range(warmup):
+            opt.scale_loss(loss_fn(module, batches[i])).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        device_sync(device)
+
+        marks, stats, losses = [], [], []
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            m0 = clock.mark()
+            loss = loss_fn(module, batches[i])
+            m1 = clock.mark()
+            opt.scale_loss(loss).backward()
+            m2 = clock.mark()
+            st = opt.step()
+            opt.zero_grad(set_to_none=True)
+            m3 = clock.mark()
+            marks.append((m0, m1, m2, m3))
+            # Copy the numbers out now: StepStats holds plain Python numbers, but the engine may
+            # reuse one object. The loss stays a device tensor (an .item() here would be a sync).
+            stats.append((st.boundary, st.device_opt_ms, st.cpu_step_ms, st.stall_ms,
+                          st.d2h_bytes, st.h2d_bytes, st.skipped))
+            losses.append(loss.detach())
+        clock.resolve()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        opt.flush()  # install the last in-flight CPU update (untimed) before closing
+
+    records = []
+    for (m0, m1, m2, m3), (boundary, dev_ms, cpu_ms, stall, d2h, h2d, skipped) in zip(marks, stats):
+        records.append(StepRecord(
+            update=bool(boundary),
+            step_ms=clock.elapsed_ms(m0, m3),
+            fwd_ms=clock.elapsed_ms(m0, m1),
+            bwd_ms=clock.elapsed_ms(m1, m2),
+            opt_ms=clock.elapsed_ms(m2, m3),
+            device_opt_ms=float(dev_ms),
+            cpu_step_ms=float(cpu_ms),
+            stall_ms=float(stall),
+            d2h_bytes=int(d2h),
+            h2d_bytes=int(h2d),
+            skipped=bool(skipped),
+        ))
+    return TrialResult(records, wall_ms, float(losses[0]), float(losses[-1]))
+
+
+def run_config(
+    config: BenchConfig,
+    build_model: Callable[[int], BenchModel],
+    base: ZenFlowConfig,
+    *,
+    warmup: int,
+    steps: int,
+    trials: int,
+    device: torch.device,
+    opt_kwargs: dict,
+) -> ConfigResult:
+    """All trials of one configuration, each on a freshly built model."""
+    zf = config.zenflow_config(base)
+    result = ConfigResult(config, warmup, steps)
+    for _ in range(trials):
+        model = build_model(warmup + steps)
+        try:
+            result.trials.append(run_trial(model, zf, warmup=warmup, steps=steps, device=device,
+                                           opt_kwargs=opt_kwargs))
+        finally:
+            del model
+            release_memory(device)
+    return result
+
+
+def release_memory(device: torch.device) -> None:
+    """Free the previous configuration's model, optimizer state and pinned buffers."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

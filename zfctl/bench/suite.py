@@ -1,0 +1,164 @@
+"""Run a whole benchmark grid: decide what fits, run every configuration, summarise.
+
+This is what `zfctl bench` calls; it is also usable from Python:
+
+    report = run_bench(BenchOptions(topks=[0.1], intervals=[2, 4]), console)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import zfctl
+from zfctl.bench.grid import (
+    BenchConfig,
+    Interval,
+    build_grid,
+    measured_steps,
+    reference_interval,
+    warmup_steps,
+)
+from zfctl.bench.memory import check_host_fits, off_fits
+from zfctl.bench.model import BenchModel, preset_model, synthetic_model
+from zfctl.bench.report import fmt_ms
+from zfctl.bench.runner import ConfigResult, release_memory, run_config
+from zfctl.bench.summary import add_speedups, summarize
+from zfctl.errors import UserError
+from zfctl.offload.config import ZenFlowConfig
+
+
+@dataclass
+class BenchOptions:
+    """Everything `zfctl bench` was asked to do (already parsed and range-checked)."""
+
+    topks: list[float] = field(default_factory=lambda: [0.1])
+    intervals: list[Interval] = field(default_factory=lambda: [4])
+    overlaps: list[bool] = field(default_factory=lambda: [True])
+    pins: list[bool] = field(default_factory=lambda: [True])
+    hidden_dim: int = 1024
+    nlayers: int = 1
+    dtype: str = "bf16"
+    model: Any = None  # a zfctl.plan.schema.ModelConfig (source 'config') for --model, else None
+    seq_len: int = 256
+    batch: int = 1
+    warmup: int = 4
+    iterations: int = 5
+    trials: int = 1
+    device: str = "auto"
+    seed: int = 0
+    lr: float = 1e-5
+    max_grad_norm: float | None = None
+    cpu_threads: int = 0
+
+
+@dataclass
+class BenchReport:
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]]
+    skipped: list[dict[str, str]]
+    results: list[ConfigResult]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this torch build sees no CUDA device; use --device cpu or auto")
+    return torch.device(name)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} torch threads, {os.cpu_count()} cores)"
+
+
+def _native_isa() -> str | None:
+    try:
+        from zfctl import _native
+
+        return _native.isa()
+    except (ImportError, UserError):  # not built yet: the engine will say so when it needs it
+        return None
+
+
+def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
+    """Run baselines + grid and return the summarised report (nothing is printed but progress)."""
+    device = resolve_device(opts.device)
+
+    def build(steps: int) -> BenchModel:
+        if opts.model is not None:
+            return preset_model(opts.model, dtype=opts.dtype, device=device, seed=opts.seed, steps=steps,
+                                seq_len=opts.seq_len, batch=opts.batch)
+        return synthetic_model(hidden_dim=opts.hidden_dim, nlayers=opts.nlayers, dtype=opts.dtype,
+                               device=device, seed=opts.seed, steps=steps)
+
+    probe = build(1)
+    n_params, param_bytes = probe.n_params, probe.param_bytes
+    samples, tokens, desc = probe.samples_per_step, probe.tokens_per_step, probe.description
+    check_host_fits(n_params)
+    fits, why = off_fits(n_params, param_bytes, device)
+    del probe
+    release_memory(device)
+
+    skipped: list[dict[str, str]] = []
+    if not fits:
+        skipped.append({"label": "off (all on device)", "reason": why})
+    configs = build_grid(opts.topks, opts.intervals, opts.overlaps, opts.pins, with_off=fits)
+    ref = reference_interval(opts.intervals)
+    meta = {
+        "zfctl": zfctl.__version__,
+        "torch": torch.__version__,
+        "device": _device_name(device),
+        "timing": "CUDA events" if device.type == "cuda" else "wall clock",
+        "model": desc,
+        "n_params": n_params,
+        "param_bytes": param_bytes,
+        "dtype": opts.dtype,
+        "warmup": opts.warmup,
+        "iterations": opts.iterations,
+        "reference_interval": ref,
+        "trials": opts.trials,
+        "seed": opts.seed,
+        "native_isa": _native_isa(),
+        "cpu_threads": opts.cpu_threads,
+        "max_grad_norm": opts.max_grad_norm,
+        "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins},
+        "model_preset": getattr(opts.model, "name", None),
+        "seq_len": opts.seq_len if opts.model is not None else None,
+        "batch": opts.batch if opts.model is not None else None,
+        "hidden_dim": opts.hidden_dim if opts.model is None else None,
+        "nlayers": opts.nlayers if opts.model is None else None,
+    }
+    console.print(f"[bold]zfctl bench[/]: {desc}, {n_params / 1e6:.2f}M params on {meta['device']}; "
+                  f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}")
+    for s in skipped:
+        console.print(f"  skipping {s['label']}: {s['reason']}")
+
+    base = ZenFlowConfig(cpu_threads=opts.cpu_threads)
+    opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
+    results, rows = [], []
+    for i, cfg in enumerate(configs, 1):
+        warm = warmup_steps(cfg.interval, opts.warmup)
+        steps = measured_steps(cfg.interval, opts.iterations, ref)
+        res = run_config(cfg, build, base, warmup=warm, steps=steps, trials=opts.trials, device=device,
+                         opt_kwargs=opt_kwargs)
+        row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens)
+        results.append(res)
+        rows.append(row)
+        _progress(console, i, len(configs), cfg, row)
+    add_speedups(rows)
+    return BenchReport(meta, rows, skipped, results)
+
+
+def _progress(console: Console, i: int, n: int, cfg: BenchConfig, row: dict[str, Any]) -> None:
+    s = row["step_ms"]
+    console.print(f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
+                  f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
+                  f"stall {100 * (row['stall_fraction'] or 0):.1f}%")
