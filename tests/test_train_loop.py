@@ -1,0 +1,153 @@
+"""The training loop on its own: loss normalisation, gradient accumulation, eval, metrics, signals.
+
+These drive `zfctl.train.loop.train` with a tiny Llama and `torch.optim.AdamW` behind the
+optimizer interface, to pin down what the loop itself computes; the ZenFlow optimizer and the
+full run/resume path are exercised in test_resume*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from zfctl.train.display import NullDisplay, format_train_line
+from zfctl.train.loop import LoopInputs, evaluate, lm_loss_sum, train
+from zfctl.train.metrics import MetricsWriter, read_metrics
+from zfctl.train.sampler import ResumableSampler
+from zfctl.train.schedule import build_scheduler
+from zfctl.train.signals import Interrupted
+
+VOCAB = 64
+
+
+class AdamWBehindInterface(torch.optim.AdamW):
+    """torch AdamW with the optimizer interface the loop drives (no offload at all)."""
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self):
+        super().step()
+        return SimpleNamespace(device_opt_ms=0.0, stall_ms=0.0, cpu_step_ms=0.0, boundary=False,
+                               selection=False, warmup=False, skipped=False, selected_fraction=1.0,
+                               grad_norm=None, loss_scale=None, update_interval=1, d2h_bytes=0,
+                               h2d_bytes=0)
+
+    def flush(self):
+        pass
+
+
+def _model():
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).float()
+
+
+def _data(n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 5 + i % 6
+        ids = torch.randint(4, VOCAB, (length,), generator=g).tolist()
+        labels = [-100] * 2 + ids[2:]  # a 2-token "prompt" without loss
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def collate(examples):
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for r, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[r, :n] = torch.tensor(e["input_ids"])
+        labels[r, :n] = torch.tensor(e["labels"])
+        mask[r, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _inputs(tmp_path, *, mbs, ga, steps=3, every=0, metrics=True, save=None, lr=1e-2):
+    model = _model()
+    opt = AdamWBehindInterface(model.parameters(), lr=lr)
+    data = _data()
+    return LoopInputs(
+        model=model, optimizer=opt, scheduler=build_scheduler(opt, "constant", warmup_steps=0, total_steps=steps),
+        sampler=ResumableSampler(len(data), mbs, seed=3), train_data=data, eval_data=data[:6],  # memorisable: eval loss must fall
+        collate=collate, device=torch.device("cpu"), start_step=0, total_steps=steps, grad_accum=ga,
+        micro_batch_size=mbs, eval_every=every, eval_batches=8, checkpoint_every=every, log_every=1,
+        save_checkpoint=save or (lambda step, c: tmp_path / f"ckpt-{step}"),
+        metrics=MetricsWriter(tmp_path) if metrics else None, display=NullDisplay(), run_dir=tmp_path)
+
+
+def test_loss_is_mean_over_target_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, VOCAB)
+    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, 8]])
+    expect = torch.nn.functional.cross_entropy(
+        torch.stack([logits[0, 0], logits[0, 1], logits[1, 1], logits[1, 2]]), torch.tensor([5, 6, 7, 8]),
+        reduction="sum")
+    assert torch.allclose(lm_loss_sum(logits, labels), expect)
+
+
+def test_accumulation_matches_one_big_batch(tmp_path):
+    """ga=2 x mbs=2 sees the same samples as ga=1 x mbs=4 and must give the same update: the loss
+    is normalised by the step's token count, not averaged per micro-batch."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = _inputs(tmp_path / "a", mbs=4, ga=1), _inputs(tmp_path / "b", mbs=2, ga=2)
+    ra, rb = train(a), train(b)
+    assert ra.steps == rb.steps == 3
+    la = [r["loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl", "train")]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl", "train")]
+    assert la == pytest.approx(lb, rel=1e-5)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-5)
+    assert ra.final_eval_loss == pytest.approx(rb.final_eval_loss, rel=1e-5)
+
+
+def test_training_lowers_loss_and_records_metrics(tmp_path):
+    x = _inputs(tmp_path, mbs=4, ga=1, steps=12, every=4)
+    saved = []
+    x.save_checkpoint = lambda step, c: saved.append((step, c["tokens_seen"])) or tmp_path / str(step)
+    first_eval = evaluate(x.model, x.eval_data, collate, x.device, micro_batch_size=4, max_batches=8)
+    res = train(x)
+    x.metrics.close()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in train_recs] == list(range(1, 13))
+    assert [s for s, _ in evals] == [4, 8, 12]
+    assert evals[-1][1] == res.final_eval_loss < first_eval
+    assert train_recs[-1]["loss"] == res.final_train_loss < train_recs[0]["loss"]
+    # tokens: attention-mask tokens, counted exactly; checkpoints at 4, 8 and the end
+    assert train_recs[-1]["tokens_seen"] == sum(r["tokens"] for r in train_recs)
+    assert [s for s, _ in saved] == [4, 8, 12]
+    assert saved[-1][1] == train_recs[-1]["tokens_seen"]
+    line = format_train_line(train_recs[-1], 12)
+    assert line.startswith("step 12/12 | loss ") and "tok/s" in line and "fwd/bwd" in line
+
+
+def test_sigterm_finishes_step_checkpoints_and_exits_143(tmp_path):
+    x = _inputs(tmp_path, mbs=4, ga=1, steps=50)
+    saved, calls = [], []
+
+    def collate_then_signal(examples):
+        calls.append(1)
+        if len(calls) == 3:  # while the 3rd step loads its batch
+            os.kill(os.getpid(), signal.SIGTERM)
+        return collate(examples)
+
+    x.collate = collate_then_signal
+    x.save_checkpoint = lambda step, c: saved.append(step) or tmp_path / f"step-{step}"
+    with pytest.raises(Interrupted) as e:
+        train(x)
+    assert e.value.code == 143 and saved == [3]
+    assert "zfctl resume" in e.value.message and "after step 3" in e.value.message
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -1,0 +1,118 @@
+"""The console view of a run: a rich progress bar with ETA and one dense line per interval.
+
+Only rank 0 draws (the others get :class:`NullDisplay`). The line is a view of the same record
+that goes to ``metrics.jsonl``, formatted by :func:`format_train_line`, e.g.::
+
+    step   40/200 | loss 3.4121 | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 | sel 0.10 | host 1.2G
+
+``step ms`` is the wall time of the whole optimizer step; ``fwd/bwd`` is device compute
+(forward + backward of all micro-batches), ``opt`` the device-side optimizer work, ``stall`` the
+time ``step()`` waited for the CPU worker; what remains is data loading and host overhead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+class Display(Protocol):
+    """What the loop calls; a rich implementation on rank 0, a no-op elsewhere."""
+
+    def start(self, total_steps: int, start_step: int) -> None: ...
+    def advance(self, step: int, loss: float | None) -> None: ...
+    def print(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _si(x: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_train_line(rec: dict[str, Any], total_steps: int) -> str:
+    """One dense line from a ``kind == "train"`` metrics record."""
+    width = len(str(total_steps))
+    split = (f"{rec['step_ms']:.0f} ms = fwd/bwd {rec['compute_ms']:.0f} + opt {rec['device_opt_ms']:.0f}"
+             f" + stall {rec['stall_ms']:.0f}")
+    parts = [f"step {rec['step']:>{width}}/{total_steps}", f"loss {rec['loss']:.4f}",
+             f"lr {rec['lr']:.2e}", f"{_si(rec['tokens_per_s'])} tok/s", split]
+    if rec.get("cpu_step_ms"):
+        parts.append(f"cpu-adam {rec['cpu_step_ms']:.0f} ms")
+    if rec.get("selected_fraction") is not None:
+        parts.append(f"sel {rec['selected_fraction']:.2f}")
+    if rec.get("grad_norm") is not None:
+        parts.append(f"gnorm {rec['grad_norm']:.3g}")
+    if rec.get("loss_scale") is not None:
+        parts.append(f"scale {rec['loss_scale']:.0f}")
+    if rec.get("skipped"):
+        parts.append("SKIPPED (fp16 overflow)")
+    mem = f"host {rec['host_peak_gib']:.1f}G"
+    if rec.get("device_peak_gib") is not None:
+        mem = f"dev {rec['device_peak_gib']:.1f}G " + mem
+    parts.append(mem)
+    return " | ".join(parts)
+
+
+def format_eval_line(step: int, eval_loss: float, total_steps: int) -> str:
+    width = len(str(total_steps))
+    return f"step {step:>{width}}/{total_steps} | eval loss {eval_loss:.4f}"
+
+
+class RichDisplay:
+    """Progress bar (steps, elapsed, ETA, last loss) with lines printed above it."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self._progress: Progress | None = None
+        self._task = None
+
+    def start(self, total_steps: int, start_step: int) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TextColumn("{task.fields[loss]}"), console=self.console, transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="")
+        self._progress.start()
+
+    def advance(self, step: int, loss: float | None) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step,
+                                  loss="" if loss is None else f"loss {loss:.4f}")
+
+    def print(self, text: str) -> None:
+        # Printed through the progress' console so the bar stays below the scrolling lines.
+        (self._progress.console if self._progress else self.console).print(text, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class NullDisplay:
+    """For ranks other than 0: the loop calls the same methods, nothing is drawn."""
+
+    def start(self, total_steps: int, start_step: int) -> None:
+        pass
+
+    def advance(self, step: int, loss: float | None) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,242 @@
+"""The training loop: one linear function, from the first micro-batch to the final checkpoint.
+
+Everything it needs is built beforehand (``zfctl.train.session``) and handed over in a
+:class:`LoopInputs`; this file only trains, evaluates, logs and checkpoints. Per optimizer step:
+
+1. draw ``gradient_accumulation_steps`` micro-batches from the resumable sampler (host only);
+2. forward + backward each, the loss normalised by the step's number of target tokens;
+3. ``optimizer.step()`` (ZenFlow: device AdamW on the selected columns, the rest to the CPU),
+   then the LR scheduler;
+4. one ``.item()`` sync for the loss, a metrics record, a console line every N steps;
+5. evaluation / checkpoint when due, or when a stop signal arrived.
+
+At the end: a checkpoint of the exact training state, then ``optimizer.flush()`` (installs an
+in-flight CPU update into the weights) and the final evaluation of the finished model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from zfctl.train.display import Display, format_eval_line, format_train_line
+from zfctl.train.metrics import MetricsWriter, StepTimer, memory_stats
+from zfctl.train.sampler import ResumableSampler
+from zfctl.train.signals import StopSignals, interrupted
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LoopInputs:
+    """Everything the loop touches, already built and (on resume) restored."""
+
+    model: torch.nn.Module
+    optimizer: Any  # ZenFlowOptimizer: torch.optim.Optimizer + scale_loss/flush/StepStats
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: ResumableSampler
+    train_data: Sequence[dict]
+    eval_data: Sequence[dict] | None
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]]
+    device: torch.device
+    start_step: int
+    total_steps: int
+    grad_accum: int
+    micro_batch_size: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    log_every: int
+    save_checkpoint: Callable[[int, dict], Path]  # (step, loop counters) -> checkpoint folder
+    metrics: MetricsWriter | None  # None on ranks other than 0
+    display: Display
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+    tokens_seen: int = 0  # restored from the checkpoint: totals continue across resumes
+    last_loss: float | None = None  # the checkpoint's last loss (reported if no step is left)
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    final_train_loss: float | None
+    final_eval_loss: float | None
+    last_checkpoint: Path | None
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the target tokens (labels != -100).
+
+    Position t predicts token t+1. Logits are upcast to fp32 for the softmax: bf16 logits lose
+    ~3 significant digits in log-sum-exp over a large vocabulary (costs B*T*V*4 bytes, once).
+    """
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _targets(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # A few KB of token ids per micro-batch cross PCIe here; from unpinned memory the copy is
+    # synchronous, which is negligible next to the forward pass.
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _all_reduce_sum(values: list[float], device: torch.device, world_size: int) -> list[float]:
+    if world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, eval_data: Sequence[dict] | None, collate: Callable,
+             device: torch.device, *, micro_batch_size: int, max_batches: int, rank: int = 0,
+             world_size: int = 1) -> float | None:
+    """Mean next-token loss over the first ``max_batches`` micro-batches of ``eval_data``.
+
+    Always the same batches, in order, so evaluations are comparable across steps and runs.
+    Ranks take every ``world_size``-th batch; the token-weighted sums are all-reduced once.
+    """
+    if not eval_data:
+        return None
+    n_batches = min(max_batches, -(-len(eval_data) // micro_batch_size))
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_tokens = 0
+    for b in range(rank, n_batches, world_size):
+        lo = b * micro_batch_size
+        batch = collate([eval_data[i] for i in range(lo, min(lo + micro_batch_size, len(eval_data)))])
+        n_tokens += _targets(batch)
+        batch = _to_device(batch, device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       use_cache=False).logits
+        loss_sum += lm_loss_sum(logits, batch["labels"]).double()
+    model.train(was_training)
+    total, tokens = _all_reduce_sum([float(loss_sum), float(n_tokens)], device, world_size)  # sync
+    return total / tokens if tokens else None
+
+
+def train(x: LoopInputs) -> LoopResult:
+    """Run optimizer steps ``x.start_step + 1 .. x.total_steps``; see the module docstring."""
+    model, opt = x.model, x.optimizer
+    model.train()
+    step, loss, eval_loss, last_ckpt = x.start_step, x.last_loss, None, None
+    saved_step = x.start_step if x.start_step > 0 else None  # a resumed run starts from a checkpoint
+    tokens_seen = x.tokens_seen
+    timer = StepTimer(x.device)
+    stop = StopSignals(on_first=lambda s: x.display.print(
+        "[yellow]stop requested: finishing this step and writing a checkpoint "
+        "(press Ctrl-C again to abort without one)"))
+
+    def counters() -> dict[str, Any]:
+        return {"tokens_seen": tokens_seen, "last_loss": loss}
+
+    x.display.start(x.total_steps, x.start_step)
+    with stop:
+        while step < x.total_steps:
+            t_step = time.perf_counter()
+            # -- data: the whole step's micro-batches first, so the loss can be normalised by
+            #    the step's total target-token count (each token weighs the same regardless of
+            #    how the step is cut into micro-batches). Host-only work, no device sync.
+            batches = [x.collate([x.train_data[i] for i in x.sampler.next_indices()])
+                       for _ in range(x.grad_accum)]
+            n_targets = max(1, sum(_targets(b) for b in batches))
+            n_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            lr = opt.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
+
+            # -- forward / backward ("device compute"). With several processes every rank
+            #    normalises by its own token count and the optimizer averages gradients over
+            #    ranks: a mean of per-rank means, exact when ranks see equal token counts.
+            timer.start()
+            step_loss = torch.zeros((), device=x.device)
+            for batch in batches:
+                batch = _to_device(batch, x.device)
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).logits
+                micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
+                opt.scale_loss(micro_loss).backward()  # x loss scale under fp16, identity otherwise
+                step_loss += micro_loss.detach()
+                del logits, micro_loss  # free the activations' largest tensor before the next one
+            timer.stop()
+
+            # -- optimizer: ZenFlow updates the selected columns on the device and hands the
+            #    rest to its CPU worker; stats say how long it waited for that worker.
+            stats = opt.step()
+            x.scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss = float(step_loss)  # the step's one deliberate device->host sync
+            tokens_seen += n_tokens * x.world_size
+            step_ms = (time.perf_counter() - t_step) * 1e3
+
+            # -- metrics (rank 0) and the console line every log_every steps.
+            if x.metrics is not None:
+                rec = {"kind": "train", "step": step, "loss": loss, "lr": lr,
+                       "tokens": n_tokens * x.world_size, "tokens_seen": tokens_seen,
+                       "tokens_per_s": n_tokens * x.world_size / max(step_ms, 1e-6) * 1e3,
+                       "step_ms": step_ms, "compute_ms": timer.ms(),
+                       "device_opt_ms": stats.device_opt_ms, "stall_ms": stats.stall_ms,
+                       "cpu_step_ms": stats.cpu_step_ms, "boundary": stats.boundary,
+                       "selection": stats.selection, "warmup": stats.warmup,
+                       "skipped": stats.skipped, "selected_fraction": stats.selected_fraction,
+                       "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
+                       "update_interval": stats.update_interval, "d2h_bytes": stats.d2h_bytes,
+                       "h2d_bytes": stats.h2d_bytes, "epoch": x.sampler.position.epoch,
+                       **memory_stats(x.device)}
+                x.metrics.log(rec)
+                if step % x.log_every == 0 or step == x.start_step + 1 or step == x.total_steps:
+                    x.display.print(format_train_line(rec, x.total_steps))
+            x.display.advance(step, loss)
+
+            # -- evaluation (the last step's is done after flush, on the finished model).
+            if x.eval_every > 0 and step % x.eval_every == 0 and step < x.total_steps:
+                eval_loss = evaluate(model, x.eval_data, x.collate, x.device,
+                                     micro_batch_size=x.micro_batch_size, max_batches=x.eval_batches,
+                                     rank=x.rank, world_size=x.world_size)
+                _log_eval(x, step, eval_loss)
+
+            # -- stop request: every rank must agree, or the ranks would checkpoint at different
+            #    steps (one tiny all-reduce per step when distributed; free otherwise).
+            stopping = _all_reduce_sum([float(stop.requested)], x.device, x.world_size)[0] > 0
+            due = x.checkpoint_every > 0 and step % x.checkpoint_every == 0 and step < x.total_steps
+            if due or stopping:
+                last_ckpt = x.save_checkpoint(step, counters())
+                saved_step = step
+                x.display.print(f"checkpoint {last_ckpt}")
+            if stopping:
+                x.display.close()
+                raise interrupted(stop.signum or 15, step, str(x.run_dir))
+
+    # -- end: save the exact training state first (a later `zfctl resume --max-steps` continues
+    #    the same trajectory), then install any in-flight CPU update: the weights are final.
+    if saved_step != step:
+        last_ckpt = x.save_checkpoint(step, counters())
+        x.display.print(f"checkpoint {last_ckpt}")
+    opt.flush()
+    eval_loss = evaluate(model, x.eval_data, x.collate, x.device, micro_batch_size=x.micro_batch_size,
+                         max_batches=x.eval_batches, rank=x.rank, world_size=x.world_size)
+    _log_eval(x, step, eval_loss)
+    x.display.close()
+    return LoopResult(steps=step, final_train_loss=loss, final_eval_loss=eval_loss,
+                      last_checkpoint=last_ckpt)
+
+
+def _log_eval(x: LoopInputs, step: int, eval_loss: float | None) -> None:
+    if eval_loss is None:
+        return
+    if x.metrics is not None:
+        x.metrics.log({"kind": "eval", "step": step, "eval_loss": eval_loss})
+    x.display.print(format_eval_line(step, eval_loss, x.total_steps))
