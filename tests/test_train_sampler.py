@@ -92,3 +92,18 @@ def test_scheduler_restore_reapplies_lr_to_groups():
     assert opt2.param_groups[0]["lr"] == lr  # bit-equal, not approx
     opt.step(); sched.step(); opt2.step(); sched2.step()
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_scheduler_restore_takes_the_new_peak_lr_and_length():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = build_scheduler(opt, "linear", warmup_steps=0, total_steps=10)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.SGD([p], lr=0.2)  # resumed with a changed peak LR and a longer run
+    sched2 = build_scheduler(opt2, "linear", warmup_steps=0, total_steps=20)
+    restore_scheduler(sched2, sched.state_dict())
+    assert sched2.last_epoch == 4
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.2 * (1 - 4 / 20))
+    assert sched2.get_last_lr() == [opt2.param_groups[0]["lr"]]

@@ -50,12 +50,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, *, warmup_steps
 
 
 def restore_scheduler(scheduler: LambdaLR, state: dict) -> None:
-    """Load ``state`` and re-apply the LR it implies to the optimizer's groups.
+    """Restore the step counter from ``state`` and re-apply the LR it implies to the groups.
 
-    ``LambdaLR.load_state_dict`` restores the counter but does not touch ``param_groups``; an
-    optimizer whose own state_dict does not carry the groups' ``lr`` would otherwise run the
-    first resumed step with the LR of step 0.
+    The peak LR (``base_lrs``) and the multiplier come from the scheduler as built from the
+    current plan, not from ``state``: an allowed plan change (``train.lr``, a longer
+    ``max_steps``) takes effect on resume, and with no change the recomputed LR is the very
+    float the straight run used (same expression, same inputs). ``LambdaLR.load_state_dict``
+    alone would not touch ``param_groups``, so the first resumed step would use the LR of step 0.
     """
+    state = {k: v for k, v in state.items() if k not in ("base_lrs", "_last_lr")}
     scheduler.load_state_dict(state)
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports; LambdaLR keeps it privately
