@@ -1,0 +1,328 @@
+/*
+ * Entry points: fold the per-call constants, split the elements of a run list over threads, and
+ * hand full blocks to the kernels of the selected ISA.
+ *
+ * Threads get equal contiguous chunks of the run list's concatenated elements, aligned to 64
+ * elements, never one chunk per run: a parallel region per tensor or per run costs a wake-up and
+ * a join each, which is what collapses when there are hundreds of tensors (issue 3). Elementwise
+ * results do not depend on the split (kernels.h), and the norm's reduction order is tied to
+ * fixed partitions of the data, not to threads. Nothing is allocated: scratch lives on the stack.
+ */
+#include <math.h>
+#include "kernels.h"
+
+/* Below this many elements per thread, waking a thread costs more than it saves (a few us to
+ * wake vs ~10 us to stream 32K fp32 AdamW elements). */
+#define ZF_MIN_PER_THREAD (1 << 15)
+/* sq_norm partitions: at most ZF_MAX_PARTS, each at least ZF_MIN_PART elements. */
+#define ZF_MAX_PARTS 256
+#define ZF_MIN_PART (1 << 14)
+
+static const zf_kernels *g_kernels; /* NULL until first use: best supported */
+
+int zf_isa_supported(int isa)
+{
+    if (isa == ZF_ISA_SCALAR)
+        return 1;
+#ifdef ZF_HAVE_X86
+    __builtin_cpu_init();
+    if (isa == ZF_ISA_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (isa == ZF_ISA_AVX512)
+        return __builtin_cpu_supports("avx512f");
+#endif
+    return 0;
+}
+
+int zf_set_isa(int isa)
+{
+    if (!zf_isa_supported(isa))
+        return -1;
+    const zf_kernels *k = &zf_kernels_scalar;
+#ifdef ZF_HAVE_X86
+    if (isa == ZF_ISA_AVX2)
+        k = &zf_kernels_avx2;
+    else if (isa == ZF_ISA_AVX512)
+        k = &zf_kernels_avx512;
+#endif
+    __atomic_store_n(&g_kernels, k, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Zero-padded copy of the last k < 16 elements of a 32-bit or 16-bit buffer; a union so that
+ * the kernel reads it through a pointer of the member's own type. */
+typedef union {
+    float f[ZF_BLOCK];
+    uint16_t h[ZF_BLOCK];
+} zf_block;
+
+static const void *zf_block_ptr(const zf_block *b, int dt) { return dt == ZF_F32 ? (const void *)b->f : (const void *)b->h; }
+
+static const zf_kernels *kernels(void)
+{
+    const zf_kernels *k = __atomic_load_n(&g_kernels, __ATOMIC_ACQUIRE);
+    if (!k) {
+        if (zf_set_isa(ZF_ISA_AVX512) && zf_set_isa(ZF_ISA_AVX2))
+            zf_set_isa(ZF_ISA_SCALAR);
+        k = __atomic_load_n(&g_kernels, __ATOMIC_ACQUIRE);
+    }
+    return k;
+}
+
+int zf_isa(void) { return kernels()->isa; }
+
+int64_t zf_check_runs(const int64_t *runs, int64_t nruns, int64_t numel)
+{
+    int64_t end = 0;
+    for (int64_t r = 0; r < nruns; r++) {
+        int64_t off = runs[2 * r], len = runs[2 * r + 1];
+        if (off < end || len < 0 || len > numel - off) /* written so that nothing overflows */
+            return r;
+        end = off + len;
+    }
+    return -1;
+}
+
+/* ---- walking a run list ---- */
+
+/* A position in the run list that only moves forward: run r starts at concatenated index pos. */
+typedef struct {
+    const int64_t *runs;
+    int64_t nruns, r, pos;
+} cursor;
+
+typedef void (*piece_fn)(void *ctx, int64_t off, int64_t n);
+
+/* Calls fn on the buffer ranges holding concatenated elements [lo, hi). */
+static void walk(cursor *c, int64_t lo, int64_t hi, piece_fn fn, void *ctx)
+{
+    while (c->r < c->nruns && c->pos + c->runs[2 * c->r + 1] <= lo) {
+        c->pos += c->runs[2 * c->r + 1];
+        c->r++;
+    }
+    for (int64_t r = c->r, pos = c->pos; r < c->nruns && pos < hi; pos += c->runs[2 * r + 1], r++) {
+        int64_t len = c->runs[2 * r + 1];
+        int64_t a = lo > pos ? lo - pos : 0, b = hi - pos < len ? hi - pos : len;
+        if (a < b)
+            fn(ctx, c->runs[2 * r] + a, b - a);
+    }
+}
+
+static int64_t total_of(const int64_t *runs, int64_t nruns)
+{
+    int64_t t = 0;
+    for (int64_t r = 0; r < nruns; r++)
+        t += runs[2 * r + 1];
+    return t;
+}
+
+static int threads_for(int64_t total)
+{
+    int64_t nt = zf_get_num_threads(), cap = total / ZF_MIN_PER_THREAD;
+    return (int)(nt < cap ? nt : cap > 0 ? cap : 1);
+}
+
+/* Thread tid's share [*lo, *hi) of total elements: equal chunks rounded up to 64 elements. */
+static void chunk(int64_t total, int tid, int nt, int64_t *lo, int64_t *hi)
+{
+    int64_t c = ((total + nt - 1) / nt + 63) & ~(int64_t)63;
+    *lo = c * tid < total ? c * tid : total;
+    *hi = *lo + c < total ? *lo + c : total;
+}
+
+/* The common shape of an elementwise call: the kernels, the runs, and a piece function. */
+typedef struct {
+    const zf_kernels *k;
+    const int64_t *runs;
+    int64_t nruns, total;
+    piece_fn piece;
+    void *job;
+} ew_call;
+
+static void ew_task(void *ctx, int tid, int nt)
+{
+    ew_call *c = ctx;
+    int64_t lo, hi;
+    chunk(c->total, tid, nt, &lo, &hi);
+    cursor cur = {c->runs, c->nruns, 0, 0};
+    if (lo < hi)
+        walk(&cur, lo, hi, c->piece, c);
+}
+
+static void ew_run(ew_call *c, const int64_t *runs, int64_t nruns, int64_t numel)
+{
+    int64_t whole[2] = {0, numel};
+    if (!runs) {
+        runs = whole;
+        nruns = 1;
+    }
+    c->runs = runs;
+    c->nruns = nruns;
+    c->total = total_of(runs, nruns);
+    if (c->total > 0)
+        zf_parallel(ew_task, c, threads_for(c->total));
+}
+
+/* ---- AdamW ---- */
+
+static void adam_piece(void *ctx, int64_t off, int64_t n)
+{
+    const ew_call *c = ctx;
+    const zf_adam_job *j = c->job;
+    int64_t body = n & ~(int64_t)(ZF_BLOCK - 1), k = n - body;
+    if (body)
+        c->k->adam(j, off, body);
+    if (!k)
+        return;
+    /* The last k < 16 elements go through the same kernel on zero-padded copies. */
+    off += body;
+    int64_t gs = zf_dtype_size(j->gdt), os = zf_dtype_size(j->odt);
+    float p[ZF_BLOCK] = {0}, m[ZF_BLOCK] = {0}, v[ZF_BLOCK] = {0};
+    zf_block g = {{0}};
+    uint16_t o[ZF_BLOCK];
+    memcpy(p, j->p + off, k * 4);
+    memcpy(m, j->m + off, k * 4);
+    memcpy(v, j->v + off, k * 4);
+    memcpy(&g, (const char *)j->g + off * gs, k * gs);
+    zf_adam_job t = *j;
+    t.p = p, t.m = m, t.v = v, t.g = zf_block_ptr(&g, j->gdt), t.out = o;
+    c->k->adam(&t, 0, ZF_BLOCK);
+    memcpy(j->p + off, p, k * 4);
+    memcpy(j->m + off, m, k * 4);
+    memcpy(j->v + off, v, k * 4);
+    if (os)
+        memcpy((char *)j->out + off * os, o, k * os);
+}
+
+void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                   void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                   int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, double grad_scale, int adamw)
+{
+    /* Folded in double and rounded once, like torch's Python-side scalars. */
+    double w = 1.0 - beta1;
+    zf_adam_job j = {
+        .p = param, .m = exp_avg, .v = exp_avg_sq, .g = grad, .out = out,
+        .gdt = grad_dtype, .odt = out ? out_dtype : ZF_NONE,
+        .l2 = !adamw && weight_decay != 0.0,
+        .lerp_small = fabs(w) < 0.5,
+        .scale = (float)grad_scale,
+        .decay = adamw ? (float)(1.0 - lr * weight_decay) : 1.0f,
+        .wd = (float)weight_decay,
+        .w = (float)w,
+        .wm1 = (float)w - 1.0f,
+        .beta2 = (float)beta2,
+        .omb2 = (float)(1.0 - beta2),
+        .bc2s = (float)pow(1.0 - pow(beta2, (double)step), 0.5), /* torch: bc2 ** 0.5 */
+        .nstep = (float)(-(lr / (1.0 - pow(beta1, (double)step)))),
+        .eps = (float)eps,
+    };
+    ew_call c = {.k = kernels(), .piece = adam_piece, .job = &j};
+    ew_run(&c, runs, nruns, numel);
+}
+
+/* ---- accumulate ---- */
+
+typedef struct {
+    float *acc;
+    const void *g;
+    int gdt;
+    float scale;
+} acc_job;
+
+static void acc_piece(void *ctx, int64_t off, int64_t n)
+{
+    const ew_call *c = ctx;
+    const acc_job *j = c->job;
+    int64_t body = n & ~(int64_t)(ZF_BLOCK - 1), k = n - body, gs = zf_dtype_size(j->gdt);
+    if (body)
+        c->k->acc(j->acc, j->g, j->gdt, j->scale, off, body);
+    if (!k)
+        return;
+    off += body;
+    float a[ZF_BLOCK] = {0};
+    zf_block g = {{0}};
+    memcpy(a, j->acc + off, k * 4);
+    memcpy(&g, (const char *)j->g + off * gs, k * gs);
+    c->k->acc(a, zf_block_ptr(&g, j->gdt), j->gdt, j->scale, 0, ZF_BLOCK);
+    memcpy(j->acc + off, a, k * 4);
+}
+
+void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,
+                   const int64_t *runs, int64_t nruns)
+{
+    acc_job j = {acc, grad, grad_dtype, scale};
+    ew_call c = {.k = kernels(), .piece = acc_piece, .job = &j};
+    ew_run(&c, runs, nruns, numel);
+}
+
+/* ---- squared norm ----
+ * The concatenated elements are cut into P <= 256 partitions whose size depends only on the
+ * total. Within a partition each piece (a run's part in it) is summed into 16 double lanes,
+ * element k of the piece into lane k % 16; the lanes are folded in a fixed tree, and the P sums
+ * are added in order. Threads take whole partitions, so the bits never depend on thread count. */
+
+typedef struct {
+    const zf_kernels *k;
+    const void *x;
+    int xdt;
+    const int64_t *runs;
+    int64_t nruns, total, part, nparts;
+    double sums[ZF_MAX_PARTS];
+} sq_call;
+
+typedef struct {
+    const sq_call *c;
+    double lanes[ZF_BLOCK];
+} sq_acc;
+
+static void sq_piece(void *ctx, int64_t off, int64_t n)
+{
+    sq_acc *a = ctx;
+    const sq_call *c = a->c;
+    int64_t body = n & ~(int64_t)(ZF_BLOCK - 1), k = n - body, xs = zf_dtype_size(c->xdt);
+    if (body)
+        c->k->sq(c->x, c->xdt, off, body, a->lanes);
+    if (k) { /* zero padding adds +0.0 to the unused lanes: no change */
+        zf_block buf = {{0}};
+        memcpy(&buf, (const char *)c->x + (off + body) * xs, k * xs);
+        c->k->sq(zf_block_ptr(&buf, c->xdt), c->xdt, 0, ZF_BLOCK, a->lanes);
+    }
+}
+
+static void sq_task(void *ctx, int tid, int nt)
+{
+    sq_call *c = ctx;
+    cursor cur = {c->runs, c->nruns, 0, 0};
+    for (int64_t p = c->nparts * tid / nt; p < c->nparts * (tid + 1) / nt; p++) {
+        sq_acc a = {.c = c, .lanes = {0}};
+        int64_t lo = p * c->part, hi = lo + c->part < c->total ? lo + c->part : c->total;
+        walk(&cur, lo, hi, sq_piece, &a);
+        for (int w = ZF_BLOCK / 2; w >= 1; w /= 2)
+            for (int i = 0; i < w; i++)
+                a.lanes[i] += a.lanes[i + w];
+        c->sums[p] = a.lanes[0];
+    }
+}
+
+double zf_sq_norm(const void *x, int x_dtype, int64_t numel, const int64_t *runs, int64_t nruns)
+{
+    int64_t whole[2] = {0, numel};
+    if (!runs) {
+        runs = whole;
+        nruns = 1;
+    }
+    sq_call c = {.k = kernels(), .x = x, .xdt = x_dtype, .runs = runs, .nruns = nruns};
+    c.total = total_of(runs, nruns);
+    if (c.total == 0)
+        return 0.0;
+    int64_t part = (c.total + ZF_MAX_PARTS - 1) / ZF_MAX_PARTS;
+    c.part = part < ZF_MIN_PART ? ZF_MIN_PART : (part + ZF_BLOCK - 1) & ~(int64_t)(ZF_BLOCK - 1);
+    c.nparts = (c.total + c.part - 1) / c.part;
+    int nt = threads_for(c.total);
+    zf_parallel(sq_task, &c, nt < c.nparts ? nt : (int)c.nparts);
+    double s = 0.0;
+    for (int64_t p = 0; p < c.nparts; p++)
+        s += c.sums[p];
+    return s;
+}

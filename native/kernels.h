@@ -1,0 +1,107 @@
+/*
+ * Internal interface between the dispatcher (api.c) and the per-ISA kernels (kern_*.c).
+ *
+ * A kernel only ever sees a count that is a multiple of ZF_BLOCK; the dispatcher runs the
+ * remainder of a piece through the same kernel on zero-padded stack copies. So every element goes
+ * through the same instruction sequence wherever a run or a thread's chunk starts, which is what
+ * makes results independent of thread count and run boundaries. All three paths use the same
+ * operations in the same order (fused multiply-adds exactly where torch's vectorised CPU kernels
+ * use them), and IEEE add/mul/div/sqrt/fma are correctly rounded, so the paths agree bit for bit.
+ */
+#ifndef ZF_KERNELS_H
+#define ZF_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+#include "zfnative.h"
+
+#define ZF_BLOCK 16
+
+/* Per-call constants, folded in double and rounded to float once, as torch does with its Python
+ * scalars. */
+typedef struct {
+    float *p, *m, *v;
+    const void *g;
+    void *out;
+    int gdt, odt;
+    int l2;            /* Adam-with-L2: g += wd*p */
+    int lerp_small;    /* torch's lerp picks its formula on |weight| < 0.5 */
+    float scale;       /* gradient multiplier (interval mean, loss-scale unscale, clipping) */
+    float decay;       /* 1 - lr*wd for AdamW, 1 otherwise (p*1 is exact) */
+    float wd;          /* L2 coefficient */
+    float w, wm1;      /* lerp weight 1-beta1, and weight-1 */
+    float beta2, omb2; /* beta2 and 1-beta2 */
+    float bc2s;        /* sqrt(1 - beta2^step) */
+    float nstep;       /* -lr / (1 - beta1^step) */
+    float eps;
+} zf_adam_job;
+
+typedef struct {
+    int isa; /* ZF_ISA_* */
+    /* elements [off, off+n) of the job's buffers, n % ZF_BLOCK == 0 */
+    void (*adam)(const zf_adam_job *j, int64_t off, int64_t n);
+    void (*acc)(float *acc, const void *g, int gdt, float scale, int64_t off, int64_t n);
+    /* lanes[k] += x[off+i]^2 for i % ZF_BLOCK == k, in double (the square of a float is exact) */
+    void (*sq)(const void *x, int xdt, int64_t off, int64_t n, double lanes[ZF_BLOCK]);
+} zf_kernels;
+
+extern const zf_kernels zf_kernels_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+#define ZF_HAVE_X86 1
+extern const zf_kernels zf_kernels_avx2;
+extern const zf_kernels zf_kernels_avx512;
+#endif
+
+/* Thread pool (pool.c): runs fn(ctx, tid, nt) for tid in [0, nt), the caller being tid 0. */
+typedef void (*zf_task_fn)(void *ctx, int tid, int nt);
+void zf_parallel(zf_task_fn fn, void *ctx, int nt);
+
+static inline int64_t zf_dtype_size(int dt) { return dt == ZF_F32 ? 4 : dt == ZF_NONE ? 0 : 2; }
+
+/* ---- scalar conversions, the reference the SIMD paths are tested against ---- */
+
+static inline float zf_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t zf_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* bf16 is the top half of a float: widening is a shift. */
+static inline float zf_bf16_to_f32(uint16_t h) { return zf_bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest even by adding 0x7FFF plus the lowest kept bit, then truncating; the carry
+ * walks into the exponent correctly (up to inf). NaN must not round into inf: it becomes the
+ * canonical quiet NaN 0x7FC0, as torch's scalar conversion does. Denormals are kept (the
+ * VCVTNEPS2BF16 instruction would flush them, which is why the SIMD paths use integer ops too). */
+static inline uint16_t zf_f32_to_bf16(float f)
+{
+    uint32_t u = zf_f32_bits(f);
+    if (f != f)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float zf_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0x1F) /* inf / NaN, payload kept */
+        return zf_bits_f32(sign | 0x7F800000u | (man << 13));
+    if (exp) /* normal: rebias the exponent 15 -> 127 */
+        return zf_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    /* zero or subnormal: man * 2^-24 is exact in float */
+    return zf_bits_f32(sign | zf_f32_bits((float)man * 0x1p-24f));
+}
+
+/* Same results as F16C's VCVTPS2PH with round-to-nearest-even, NaN payloads included. */
+static inline uint16_t zf_f32_to_f16(float f)
+{
+    uint32_t u = zf_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) /* NaN: quiet it, keep sign and the top payload bits */
+        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x1FFu));
+    if (a >= 0x477FF000u) /* >= 65520 (max half + half an ulp) rounds to inf; inf stays inf */
+        return (uint16_t)(sign | 0x7C00u);
+    if (a >= 0x38800000u) /* normal half (>= 2^-14): RNE at bit 13, rebias 127 -> 15 */
+        return (uint16_t)(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+    /* Subnormal half or zero: adding 0.5 leaves a float whose ulp is 2^-24, so the FPU's own
+     * round-to-nearest-even produces the half's mantissa in the low bits. */
+    return (uint16_t)(sign | (zf_f32_bits(zf_bits_f32(a) + 0.5f) - 0x3F000000u));
+}
+
+#endif

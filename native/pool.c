@@ -1,0 +1,165 @@
+/*
+ * A small pthread pool that sleeps instead of spinning.
+ *
+ * Why not OpenMP: torch ships and loads its own libgomp before we are imported, so
+ * OMP_WAIT_POLICY is read before we could set it, and libgomp's default is to spin for a while
+ * after each parallel region. On a 2-core machine shared with the training loop's own thread (and
+ * torch's intra-op threads) spinning workers steal the cores the real work needs; measured here, a
+ * spin-waiting OpenMP kernel over many tensors went from ~130 ms to ~1.5 s per step. Also two
+ * Python threads calling in at once (the CPU worker's AdamW and the main thread's gradient
+ * accumulation) would each start a full OpenMP team and oversubscribe the cores.
+ *
+ * Here workers block on a condition variable (a futex: no CPU while idle, a few microseconds to
+ * wake), and only one call uses the pool at a time: a second concurrent caller does not wait for
+ * it but runs its own work on its own thread. Kernels produce the same bits for any split, so this
+ * changes timing only. Cost: one broadcast + one join per call, which is why small inputs
+ * (api.c: ZF_MIN_PER_THREAD) are not split at all.
+ */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include "kernels.h"
+
+#define ZF_MAX_THREADS 256
+
+static struct {
+    pthread_mutex_t mu;     /* guards everything below */
+    pthread_cond_t wake;    /* gen moved on: a new task */
+    pthread_cond_t done;    /* pending reached 0 */
+    pthread_mutex_t busy;   /* held by the one caller whose task the pool is running */
+    int nworkers;           /* started workers; worker ids are 1..nworkers */
+    uint64_t gen;           /* task counter */
+    uint64_t start_gen[ZF_MAX_THREADS];
+    zf_task_fn fn;
+    void *ctx;
+    int nt, pending;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+       PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0};
+
+static int g_nthreads; /* 0: not chosen yet, see zf_get_num_threads */
+
+static void *worker(void *arg)
+{
+    int id = (int)(intptr_t)arg;
+    pthread_mutex_lock(&P.mu);
+    uint64_t seen = P.start_gen[id];
+    for (;;) {
+        while (P.gen == seen)
+            pthread_cond_wait(&P.wake, &P.mu);
+        seen = P.gen;
+        if (id >= P.nt) /* not needed for this task */
+            continue;
+        zf_task_fn fn = P.fn;
+        void *ctx = P.ctx;
+        int nt = P.nt;
+        pthread_mutex_unlock(&P.mu);
+        fn(ctx, id, nt);
+        pthread_mutex_lock(&P.mu);
+        if (--P.pending == 0)
+            pthread_cond_signal(&P.done);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's threads: start from an empty pool. (DataLoader workers
+ * fork; they do not normally call in, but must not deadlock if they do.) */
+static void reset_after_fork(void)
+{
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_mutex_init(&P.busy, NULL);
+    pthread_cond_init(&P.wake, NULL);
+    pthread_cond_init(&P.done, NULL);
+    P.nworkers = 0;
+    P.gen = 0;
+}
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static void init_once(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
+/* Called with P.mu held. Workers block all signals so that Ctrl-C reaches Python's thread. */
+static int spawn(int id)
+{
+    pthread_t t;
+    pthread_attr_t attr;
+    sigset_t all, old;
+    P.start_gen[id] = P.gen;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)id);
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
+
+void zf_parallel(zf_task_fn fn, void *ctx, int nt)
+{
+    if (nt > ZF_MAX_THREADS)
+        nt = ZF_MAX_THREADS;
+    if (nt > 1 && pthread_mutex_trylock(&P.busy) == 0) {
+        pthread_once(&g_once, init_once);
+        pthread_mutex_lock(&P.mu);
+        while (P.nworkers < nt - 1 && spawn(P.nworkers + 1) == 0)
+            P.nworkers++;
+        if (nt > P.nworkers + 1) /* thread creation failed: use what we have */
+            nt = P.nworkers + 1;
+        if (nt > 1) {
+            P.fn = fn;
+            P.ctx = ctx;
+            P.nt = nt;
+            P.pending = nt - 1;
+            P.gen++;
+            pthread_cond_broadcast(&P.wake);
+            pthread_mutex_unlock(&P.mu);
+            fn(ctx, 0, nt);
+            pthread_mutex_lock(&P.mu);
+            while (P.pending)
+                pthread_cond_wait(&P.done, &P.mu);
+            pthread_mutex_unlock(&P.mu);
+            pthread_mutex_unlock(&P.busy);
+            return;
+        }
+        pthread_mutex_unlock(&P.mu);
+        pthread_mutex_unlock(&P.busy);
+    }
+    fn(ctx, 0, 1);
+}
+
+/* Default: OMP_NUM_THREADS when set (torchrun sets it to 1 per rank when several ranks share a
+ * node, which is also right for us), else the CPUs this process may run on. */
+static int default_threads(void)
+{
+    const char *env = getenv("OMP_NUM_THREADS");
+    if (env) {
+        int n = atoi(env);
+        if (n > 0)
+            return n < ZF_MAX_THREADS ? n : ZF_MAX_THREADS;
+    }
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set) < ZF_MAX_THREADS ? CPU_COUNT(&set) : ZF_MAX_THREADS;
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (n < ZF_MAX_THREADS ? (int)n : ZF_MAX_THREADS) : 1;
+}
+
+void zf_set_num_threads(int n)
+{
+    __atomic_store_n(&g_nthreads, n < 1 ? 1 : n > ZF_MAX_THREADS ? ZF_MAX_THREADS : n, __ATOMIC_RELAXED);
+}
+
+int zf_get_num_threads(void)
+{
+    int n = __atomic_load_n(&g_nthreads, __ATOMIC_RELAXED);
+    if (n == 0) {
+        n = default_threads();
+        __atomic_store_n(&g_nthreads, n, __ATOMIC_RELAXED);
+    }
+    return n;
+}

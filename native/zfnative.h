@@ -1,0 +1,56 @@
+/*
+ * zfnative: the CPU side of ZenFlow's optimizer offload. Fused AdamW, gradient accumulation and a
+ * deterministic squared norm over flat buffers.
+ *
+ * Every call works on the elements named by a run list: `runs` holds `nruns` (offset, length)
+ * pairs of int64, sorted and non-overlapping, within [0, numel). This is how the CPU skips the
+ * columns the GPU owns (a host buffer of a 2-D weight is column-major, so a column is one run).
+ * `runs == NULL` means the whole buffer. The entry points trust their arguments: the Python
+ * binding (zfctl/_native.py) checks dtypes, lengths and zf_check_runs() before calling.
+ *
+ * The block between the CDEF markers is read by native/build.py as the cffi declaration, so it
+ * must stay plain C declarations (no macros, no includes).
+ */
+#ifndef ZFNATIVE_H
+#define ZFNATIVE_H
+
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+/* Element types of the grad / out / x buffers. */
+enum { ZF_F32 = 0, ZF_BF16 = 1, ZF_F16 = 2, ZF_NONE = 3 };
+
+/* Code paths. */
+enum { ZF_ISA_SCALAR = 0, ZF_ISA_AVX2 = 1, ZF_ISA_AVX512 = 2 };
+
+/* One AdamW (adamw=1) or Adam-with-L2 (adamw=0) step, torch.optim's formula order:
+ *   g  = grad * grad_scale                     (grad fp32, bf16 or fp16)
+ *   p *= 1 - lr*wd           (adamw=1)     |    g += wd*p     (adamw=0)
+ *   m  = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g*g
+ *   p += -lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)
+ * If out_dtype is ZF_BF16 or ZF_F16, out[i] receives the new p[i] rounded to nearest even. */
+void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                   void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                   int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, double grad_scale, int adamw);
+
+/* acc[i] += scale * grad[i]; acc fp32, grad fp32/bf16/fp16. */
+void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,
+                   const int64_t *runs, int64_t nruns);
+
+/* Sum of x[i]^2 in double; the reduction order depends only on the run list, never on threads. */
+double zf_sq_norm(const void *x, int x_dtype, int64_t numel, const int64_t *runs, int64_t nruns);
+
+/* -1 when the run list is valid for a buffer of numel elements, else the index of the first bad run
+ * (negative offset or length, overlapping or unsorted, or past the end). */
+int64_t zf_check_runs(const int64_t *runs, int64_t nruns, int64_t numel);
+
+void zf_set_num_threads(int n);
+int zf_get_num_threads(void);
+int zf_isa(void);
+int zf_isa_supported(int isa);
+/* 0 on success, -1 when this CPU (or this build) lacks the path. */
+int zf_set_isa(int isa);
+/* CDEF-END */
+
+#endif

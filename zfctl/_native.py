@@ -1,0 +1,192 @@
+"""The native CPU kernels of ZenFlow's offload (C in `native/`, bound with cffi).
+
+Everything takes CPU torch tensors, contiguous, treated as flat buffers, and works in place. The
+optional `runs` is an int64 tensor of shape [n, 2] of (offset, length) pairs, sorted and
+non-overlapping: only those elements are read or written, which is how the CPU skips the columns
+the GPU owns. Each call is one pass over memory with the GIL released, split over a pool of
+threads that sleep (not spin) between calls. A bad argument raises ValueError naming it; nothing
+reaches the C code unchecked.
+
+Results do not depend on the thread count, and the AVX-512, AVX2 and scalar paths agree bit for
+bit (see native/kernels.h); `sq_norm`'s reduction order depends only on the run list.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from zfctl.errors import UserError
+
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+
+
+def _load():
+    """The compiled module: zfctl/_zfnative, or the ASan/UBSan build when ZFCTL_NATIVE_VARIANT=asan."""
+    if os.environ.get("ZFCTL_NATIVE_VARIANT") == "asan":
+        build = Path(__file__).resolve().parent.parent / "native" / "build-asan"
+        found = sorted(build.glob("_zfnative_asan*.so"))
+        if not found:
+            raise UserError("ZFCTL_NATIVE_VARIANT=asan but the sanitizer build is missing: run `make check-native`")
+        spec = importlib.util.spec_from_file_location("_zfnative_asan", found[0])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.ffi, module.lib
+    try:
+        from zfctl import _zfnative
+    except ImportError as exc:
+        raise UserError(
+            "zfctl's native CPU-Adam is not built: run `make setup` (it needs a C compiler such as gcc) "
+            f"[{exc}]"
+        ) from None
+    return _zfnative.ffi, _zfnative.lib
+
+
+ffi, lib = _load()
+
+_DTYPE = {torch.float32: lib.ZF_F32, torch.bfloat16: lib.ZF_BF16, torch.float16: lib.ZF_F16}
+_FP32 = (torch.float32,)
+_ANY = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _check(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None = None) -> torch.Tensor:
+    """Validate one buffer argument; the message names the argument and what was wrong."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: must be a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: dtype must be {allowed}, got {str(t.dtype).removeprefix('torch.')}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous() or use a flat buffer)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}: has {t.numel()} elements, expected {numel} (as many as the first argument)")
+    return t
+
+
+def _disjoint(**written: torch.Tensor | None) -> None:
+    """Buffers the kernel writes must not share memory with each other (results would be garbage)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in written.items()
+        if t is not None and t.numel() > 0
+    )
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{a} and {b} overlap in memory: pass separate buffers")
+
+
+def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
+    return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
+
+
+def _runs(runs: torch.Tensor | None, numel: int):
+    """(pointer, count) for a validated run list, or (NULL, 0) for the whole buffer."""
+    if runs is None:
+        return ffi.NULL, 0
+    _check("runs", runs, (torch.int64,))
+    if runs.dim() != 2 or runs.shape[1] != 2:
+        raise ValueError(f"runs: must have shape [n, 2] of (offset, length), got {list(runs.shape)}")
+    ptr, n = _ptr(runs, "int64_t *"), runs.shape[0]
+    bad = lib.zf_check_runs(ptr, n, numel)
+    if bad >= 0:
+        off, length = runs[bad].tolist()
+        raise ValueError(
+            f"runs[{bad}] = ({off}, {length}): runs must be sorted, non-overlapping (offset, length) "
+            f"pairs with length >= 0 inside the buffer of {numel} elements"
+        )
+    return ptr, n
+
+
+def adamw_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    adamw: bool = True,
+    runs: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> None:
+    """One fused AdamW (or, with adamw=False, Adam with L2 decay) step, in place, in one pass.
+
+    Reads param/exp_avg/exp_avg_sq (fp32) and grad (fp32, bf16 or fp16, multiplied by
+    `grad_scale` on the fly: interval mean, loss-scale unscaling and clipping in one factor),
+    writes param/exp_avg/exp_avg_sq and, if given, `out` (bf16/fp16: the new params rounded to
+    nearest even, NaN kept) for the upload to the GPU. `step` is the 1-based step count used for
+    bias correction. Memory traffic per element: 24 B for fp32 grads, 22 B + 2 B out for the
+    bf16 offload case (torch needs several passes for the same: cast, step, copy).
+    """
+    n = _check("param", param, _FP32).numel()
+    _check("grad", grad, _ANY, n)
+    _check("exp_avg", exp_avg, _FP32, n)
+    _check("exp_avg_sq", exp_avg_sq, _FP32, n)
+    if out is not None:
+        _check("out", out, _HALF, n)
+    _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
+    if int(step) != step or step < 1:
+        raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
+    runs_ptr, nruns = _runs(runs, n)
+    lib.zf_adamw_step(
+        _ptr(param, "float *"), _ptr(grad), _DTYPE[grad.dtype], _ptr(exp_avg, "float *"),
+        _ptr(exp_avg_sq, "float *"), _ptr(out), _DTYPE[out.dtype] if out is not None else lib.ZF_NONE,
+        n, runs_ptr, nruns, int(step), float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), float(grad_scale), 1 if adamw else 0,
+    )
+
+
+def accumulate(acc: torch.Tensor, grad: torch.Tensor, *, scale: float = 1.0, runs: torch.Tensor | None = None) -> None:
+    """acc += scale * grad, in place (acc fp32; grad fp32/bf16/fp16), with one rounding (fma)."""
+    n = _check("acc", acc, _FP32).numel()
+    _check("grad", grad, _ANY, n)
+    runs_ptr, nruns = _runs(runs, n)
+    lib.zf_accumulate(_ptr(acc, "float *"), _ptr(grad), _DTYPE[grad.dtype], float(scale), n, runs_ptr, nruns)
+
+
+def sq_norm(x: torch.Tensor, *, runs: torch.Tensor | None = None) -> float:
+    """Sum of squares (accumulated in double) of x (fp32/bf16/fp16), the same bits for any thread count."""
+    n = _check("x", x, _ANY).numel()
+    runs_ptr, nruns = _runs(runs, n)
+    return float(lib.zf_sq_norm(_ptr(x), _DTYPE[x.dtype], n, runs_ptr, nruns))
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used per call (default: OMP_NUM_THREADS if set, else the CPUs this process may use)."""
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"set_num_threads: n must be an integer >= 1, got {n!r}")
+    lib.zf_set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads used per call."""
+    return int(lib.zf_get_num_threads())
+
+
+def isa() -> str:
+    """The code path in use: "avx512", "avx2" or "scalar"."""
+    return _ISA_NAMES[lib.zf_isa()]
+
+
+def available_isas() -> list[str]:
+    """The code paths this CPU (and this build) can run, best last."""
+    return [name for code, name in enumerate(_ISA_NAMES) if lib.zf_isa_supported(code)]
+
+
+def set_isa(name: str) -> None:
+    """Force a code path (tests, benchmarks). ValueError if unknown or unsupported here."""
+    if name not in _ISA_NAMES:
+        raise ValueError(f"set_isa: unknown path {name!r}; choose one of {', '.join(_ISA_NAMES)}")
+    if lib.zf_set_isa(_ISA_NAMES.index(name)) != 0:
+        raise ValueError(f"set_isa: this CPU cannot run {name!r}; available: {', '.join(available_isas())}")
