@@ -152,7 +152,7 @@ static void ew_task(void *ctx, int tid, int nt)
 static void ew_run(ew_call *c, const int64_t *runs, int64_t nruns, int64_t numel)
 {
     int64_t whole[2] = {0, numel};
-    if (!runs) {
+    if (nruns < 0) {
         runs = whole;
         nruns = 1;
     }
@@ -308,7 +308,7 @@ static void sq_task(void *ctx, int tid, int nt)
 double zf_sq_norm(const void *x, int x_dtype, int64_t numel, const int64_t *runs, int64_t nruns)
 {
     int64_t whole[2] = {0, numel};
-    if (!runs) {
+    if (nruns < 0) {
         runs = whole;
         nruns = 1;
     }

@@ -5,7 +5,7 @@
  * Every call works on the elements named by a run list: `runs` holds `nruns` (offset, length)
  * pairs of int64, sorted and non-overlapping, within [0, numel). This is how the CPU skips the
  * columns the GPU owns (a host buffer of a 2-D weight is column-major, so a column is one run).
- * `runs == NULL` means the whole buffer. The entry points trust their arguments: the Python
+ * `nruns < 0` means the whole buffer (runs is not read); `nruns == 0` means no element. The entry points trust their arguments: the Python
  * binding (zfctl/_native.py) checks dtypes, lengths and zf_check_runs() before calling.
  *
  * The block between the CDEF markers is read by native/build.py as the cffi declaration, so it

@@ -86,9 +86,9 @@ def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
 
 
 def _runs(runs: torch.Tensor | None, numel: int):
-    """(pointer, count) for a validated run list, or (NULL, 0) for the whole buffer."""
+    """(pointer, count) for a validated run list, or (NULL, -1): the whole buffer."""
     if runs is None:
-        return ffi.NULL, 0
+        return ffi.NULL, -1
     _check("runs", runs, (torch.int64,))
     if runs.dim() != 2 or runs.shape[1] != 2:
         raise ValueError(f"runs: must have shape [n, 2] of (offset, length), got {list(runs.shape)}")
