@@ -1,0 +1,209 @@
+"""The data pipeline: records -> templated, tokenised, truncated/packed sequences, cached.
+
+``prepare_data`` is called once, before any process group forms (torchrun ranks then find the
+cache entry and memory-map it). Its result holds the train and eval sequences as
+`datasets.Dataset`s with ``input_ids`` and ``labels`` columns (labels are -100 where no loss is
+taken) and a ``collate`` that right-pads a micro-batch.
+
+    source (data_source) -> slice [start_idx, end_idx) -> hold out eval -> template + tokenise
+    (data_templates) -> truncate to max_length, or pack into max_length blocks -> cache (data_cache)
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from zfctl.errors import ConfigError
+from zfctl.plan.schema import DataConfig
+from zfctl.train import data_cache, data_source
+from zfctl.train.data_templates import IGNORE_INDEX, TEMPLATE_VERSION, pack, render, tokenize, truncate
+
+
+@dataclass
+class DataStats:
+    """What preparation produced; printed at run start and by --debug-data."""
+
+    records: int  # records used from the train split (after slicing, before holding out)
+    train: int  # train sequences
+    eval: int  # eval sequences
+    dropped: int  # sequences dropped because the prompt alone filled max_length
+    train_tokens: int
+    loss_tokens: int  # train tokens that carry a label (the rest are prompt / -100)
+    from_cache: bool = False
+
+
+@dataclass
+class PreparedData:
+    """Tokenised train/eval sequences and the collate function that batches them."""
+
+    train: object  # datasets.Dataset: {"input_ids": list[int], "labels": list[int]} rows
+    eval: object | None  # same, or None when nothing is held out
+    pad_id: int
+    stats: DataStats
+    name: str = ""
+    max_length: int = 0
+    cache_path: Path | None = None
+
+    def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        """Right-pad to the longest sequence of the micro-batch (pad labels -100, mask 0).
+
+        Padding to the batch's longest, not to max_length, keeps short-sample batches cheap.
+        """
+        width = max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[row, :n] = torch.as_tensor(e["input_ids"], dtype=torch.long)
+            labels[row, :n] = torch.as_tensor(e["labels"], dtype=torch.long)
+            mask[row, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    def summary(self) -> str:
+        """One line: sizes, tokens, share of tokens in the loss, cache state."""
+        s = self.stats
+        share = s.loss_tokens / max(1, s.train_tokens)
+        dropped = f", {s.dropped} dropped (prompt > max_length)" if s.dropped else ""
+        cached = " (from cache)" if s.from_cache else ""
+        return (f"{self.name}: {s.train} train / {s.eval} eval sequences from {s.records} records, "
+                f"{s.train_tokens:,} train tokens ({share:.0%} in the loss){dropped}{cached}")
+
+
+def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | None = None) -> PreparedData:
+    """Load, template, tokenise and cache `cfg`'s data (see the module docstring).
+
+    A hit in the cache (same config, tokenizer, source files and seed) returns at once without
+    reading the source. Raises UserError/ConfigError for every user mistake.
+    """
+    if cfg.max_length < 2:
+        raise ConfigError("data.max_length", cfg.max_length, "must be at least 2 tokens")
+    source = data_source.resolve(cfg)
+    cache_dir = Path(cache_dir) if cache_dir is not None else data_cache.cache_root() / "data"
+    raw_train = None
+    fingerprint = source.file_fingerprint()
+    if fingerprint is None:  # hub: the dataset's fingerprint is known once it is loaded
+        raw_train = source.read("train")
+        fingerprint = raw_train.fingerprint
+    key = data_cache.cache_key(cfg, data_cache.tokenizer_fingerprint(tokenizer), fingerprint,
+                               seed=seed, template_version=TEMPLATE_VERSION)
+    path = data_cache.entry_dir(cache_dir, cfg.path or cfg.name, key)
+    hit = data_cache.load(path)
+    if hit is None:
+        dsd, stats = _build(cfg, tokenizer, source, raw_train, seed)
+        try:
+            data_cache.save(dsd, asdict(stats), path)
+        except OSError as e:  # read-only or full disk: train from memory, say so
+            warnings.warn(f"data cache not written ({e}); the data will be tokenised again next run",
+                          stacklevel=2)
+            return _result(cfg, tokenizer, dsd, stats, None)
+        hit = data_cache.load(path)  # memory-mapped from the cache from now on
+        if hit is None:
+            return _result(cfg, tokenizer, dsd, stats, None)
+        return _result(cfg, tokenizer, hit[0], stats, path)
+    dsd, meta = hit
+    return _result(cfg, tokenizer, dsd, DataStats(**{**meta, "from_cache": True}), path)
+
+
+def _result(cfg: DataConfig, tokenizer, dsd, stats: DataStats, path: Path | None) -> PreparedData:
+    pad = tokenizer.pad_token_id
+    if pad is None:  # e.g. Llama/GPT-2: any id works, padded positions are masked and unlabelled
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ev = dsd["eval"] if "eval" in dsd and len(dsd["eval"]) else None
+    return PreparedData(dsd["train"], ev, pad, stats, name=cfg.name, max_length=cfg.max_length,
+                        cache_path=path)
+
+
+def _build(cfg: DataConfig, tokenizer, source, raw_train, seed: int):
+    """Read, slice, split, tokenise; returns (DatasetDict(train, eval), DataStats)."""
+    import datasets
+
+    raw = raw_train or source.read("train")
+    start, end = _slice(cfg, len(raw.records), raw.where)
+    indices = list(range(start, end))
+    if source.eval is not None:
+        raw_eval = source.read("eval")
+        eval_part = (raw_eval, list(range(len(raw_eval.records))))
+        train_idx = indices
+    else:
+        train_idx, eval_idx = _hold_out(indices, cfg.validation_fraction, seed)
+        eval_part = (raw, eval_idx)
+    dropped = [0]
+    train = _sequences(cfg, tokenizer, raw, train_idx, dropped)
+    evals = _sequences(cfg, tokenizer, *eval_part, dropped)
+    if not train:
+        raise ConfigError("data.max_length", cfg.max_length, f"{raw.where}: no training sequence is left: "
+                          "every prompt is longer than max_length; raise it")
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "labels": datasets.Sequence(datasets.Value("int32"))})
+
+    def table(seqs):
+        return datasets.Dataset.from_dict({"input_ids": [s[0] for s in seqs], "labels": [s[1] for s in seqs]},
+                                          features=features)
+
+    stats = DataStats(records=len(indices), train=len(train), eval=len(evals), dropped=dropped[0],
+                      train_tokens=sum(len(s[0]) for s in train),
+                      loss_tokens=sum(sum(1 for x in s[1] if x != IGNORE_INDEX) for s in train))
+    # An empty split is left out: datasets cannot reload a saved zero-row table.
+    splits = {"train": table(train), **({"eval": table(evals)} if evals else {})}
+    return datasets.DatasetDict(splits), stats
+
+
+def _slice(cfg: DataConfig, n: int, where: str) -> tuple[int, int]:
+    """[start_idx, end_idx) checked against the split's length (end_idx past the end is clipped)."""
+    start = cfg.start_idx
+    if start < 0 or start >= n:
+        raise ConfigError("data.start_idx", start, f"{where} has {n} records; use 0..{n - 1}")
+    end = n if cfg.end_idx is None else min(cfg.end_idx, n)
+    if end <= start:
+        raise ConfigError("data.end_idx", cfg.end_idx, f"must be greater than data.start_idx={start}")
+    return start, end
+
+
+def _hold_out(indices: list[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded split of `indices` into (train, eval); eval gets round(fraction*n), at least 1 if fraction>0."""
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError("data.validation_fraction", fraction, "must be in [0, 1)")
+    n_eval = 0 if fraction == 0 else max(1, round(fraction * len(indices)))
+    if n_eval >= len(indices):
+        raise ConfigError("data.validation_fraction", fraction, f"leaves no training record out of "
+                          f"{len(indices)}; lower it or use more records")
+    shuffled = indices[:]
+    random.Random(seed).shuffle(shuffled)  # own RNG: the global stream is not touched
+    return sorted(shuffled[n_eval:]), sorted(shuffled[:n_eval])
+
+
+def _sequences(cfg: DataConfig, tokenizer, raw, idx: list[int], dropped: list[int]) -> list:
+    """Template + tokenise the records `idx` of `raw`, then truncate or pack."""
+    rendered = (render(raw.records[i], cfg, raw.where, i) for i in idx)
+    seqs = tokenize(rendered, tokenizer, raw.where)
+    if cfg.packing:
+        return list(pack(seqs, cfg.max_length))
+    return list(truncate(seqs, cfg.max_length, dropped))
+
+
+def format_debug_samples(prepared: PreparedData, tokenizer, n: int = 3) -> str:
+    """Decoded train samples with their label masks, for ``--debug-data``.
+
+    Text inside ⟦ ⟧ carries labels (is in the loss); everything else is masked with -100.
+    """
+    lines = [prepared.summary(), "text inside ⟦ ⟧ is in the loss; the rest is masked with -100"]
+    for i in range(min(n, len(prepared.train))):
+        ex = prepared.train[i]
+        ids, in_loss = ex["input_ids"], [x != IGNORE_INDEX for x in ex["labels"]]
+        bounds = [0] + [j for j in range(1, len(ids)) if in_loss[j] != in_loss[j - 1]] + [len(ids)]
+        text, mask = [], []
+        for a, b in itertools.pairwise(bounds):
+            piece = tokenizer.decode(ids[a:b], skip_special_tokens=False)
+            text.append(f"⟦{piece}⟧" if in_loss[a] else piece)
+            mask.append(f"{b - a}×{'loss' if in_loss[a] else '-100'}")
+        lines.append(f"--- train[{i}]: {len(ids)} tokens, {sum(in_loss)} in the loss "
+                     f"(labels: {', '.join(mask)})")
+        lines.append("".join(text))
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Prompt templates: raw records -> (input_ids, labels) with the loss only where it belongs.
+
+Every template renders a record into a *prompt* and a *response*. The sequence is
+``[<s>] + prompt tokens + response tokens + [</s>]``; labels are -100 on ``<s>`` and the prompt,
+so the loss covers exactly the response and the EOS that ends it. Prompt and response are
+tokenised separately (batched, in the tokenizer's Rust code), which makes the mask boundary exact
+whatever merges the tokenizer would have made across it.
+
+Records are checked as they are rendered: a missing field, a wrong type or an empty text raises a
+UserError naming the file, the record index and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from zfctl.errors import UserError
+from zfctl.plan.schema import DataConfig
+
+IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+CLASSIFICATION_PROMPT = "### Text:\n{text}\n\n### Label:\n"
+TEMPLATE_VERSION = 1  # bump when the rendering changes: it is part of the data cache key
+_CHUNK = 1024  # records per batched tokenizer call
+
+
+@dataclass
+class Rendered:
+    """One record as text, before tokenisation."""
+
+    index: int  # record index in its source (after nothing: the user's numbering)
+    prompt: str
+    response: str
+    response_field: str  # for "empty after templating" errors
+
+
+class RecordError(UserError):
+    """A bad record, named by file, index and field."""
+
+    def __init__(self, where: str, index: int, field: str, problem: str) -> None:
+        super().__init__(f"{where}: record {index}: field {field!r} {problem}")
+
+
+def _text(rec: dict, field: str, where: str, index: int, *, required: bool = True) -> str:
+    """rec[field] as a non-empty string, or a RecordError saying what is wrong with it."""
+    if field not in rec or rec[field] is None:
+        if not required:
+            return ""
+        have = ", ".join(map(repr, rec)) or "no fields"
+        raise RecordError(where, index, field, f"is missing (the record has {have})")
+    value = rec[field]
+    if not isinstance(value, str):
+        raise RecordError(where, index, field, f"must be a string, got {type(value).__name__} {value!r:.40}")
+    if required and not value.strip():
+        raise RecordError(where, index, field, "is empty")
+    return value
+
+
+def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:
+    """The classification label as the word the model should produce."""
+    field = cfg.label_field
+    if field not in rec or rec[field] is None:
+        raise RecordError(where, index, field, f"is missing (the record has {', '.join(map(repr, rec))})")
+    label = rec[field]
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit() and cfg.label_names:
+        label = int(label)  # CSV cells are text
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise RecordError(where, index, field, f"must be an int or a string, got {type(label).__name__}")
+    if isinstance(label, str):
+        if not label.strip():
+            raise RecordError(where, index, field, "is empty")
+        return label
+    if cfg.label_names:
+        if not 0 <= label < len(cfg.label_names):
+            raise RecordError(where, index, field, f"is {label}, outside data.label_names "
+                                                   f"(0..{len(cfg.label_names) - 1}); an unlabelled test split?")
+        return str(cfg.label_names[label])
+    if label < 0:
+        raise RecordError(where, index, field, f"is {label}: an unlabelled test split? name another split")
+    return str(label)
+
+
+def render(rec: object, cfg: DataConfig, where: str, index: int) -> Rendered:
+    """Apply `cfg.template` to one record."""
+    if not isinstance(rec, dict):
+        raise RecordError(where, index, "<record>", f"must be an object with fields, got {type(rec).__name__}")
+    if cfg.template == "alpaca":
+        instruction = _text(rec, "instruction", where, index)
+        inp = _text(rec, "input", where, index, required=False)
+        output = _text(rec, "output", where, index)
+        prompt = (ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=inp)
+        return Rendered(index, prompt, output, "output")
+    if cfg.template == "text":
+        return Rendered(index, "", _text(rec, cfg.text_field, where, index), cfg.text_field)
+    if cfg.template == "classification":
+        text = _text(rec, cfg.text_field, where, index)
+        return Rendered(index, CLASSIFICATION_PROMPT.format(text=text), _label_word(rec, cfg, where, index),
+                        cfg.label_field)
+    raise UserError(f"data.template={cfg.template!r}: use alpaca, text or classification")
+
+
+def tokenize(rendered: Iterable[Rendered], tokenizer, where: str) -> Iterator[tuple[list[int], list[int]]]:
+    """(input_ids, labels) per rendered record, untruncated, tokenised in batches."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    head = [bos] if bos is not None else []
+    tail = [eos] if eos is not None else []
+    batch: list[Rendered] = []
+
+    def flush() -> Iterator[tuple[list[int], list[int]]]:
+        prompts = tokenizer([r.prompt for r in batch], add_special_tokens=False)["input_ids"]
+        responses = tokenizer([r.response for r in batch], add_special_tokens=False)["input_ids"]
+        for r, p, a in zip(batch, prompts, responses):
+            if not a:
+                raise RecordError(where, r.index, r.response_field, "is empty after tokenisation")
+            ids = head + p + a + tail
+            yield ids, [IGNORE_INDEX] * (len(head) + len(p)) + a + tail
+        batch.clear()
+
+    for r in rendered:
+        batch.append(r)
+        if len(batch) == _CHUNK:
+            yield from flush()
+    if batch:
+        yield from flush()
+
+
+def truncate(examples: Iterable[tuple[list[int], list[int]]], max_length: int,
+             dropped: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+    """Cut each sequence to max_length; drop (and count in dropped[0]) those left with no label."""
+    for ids, labels in examples:
+        ids, labels = ids[:max_length], labels[:max_length]
+        if all(x == IGNORE_INDEX for x in labels):  # the prompt alone filled max_length
+            dropped[0] += 1
+            continue
+        yield ids, labels
+
+
+def pack(examples: Iterable[tuple[list[int], list[int]]], max_length: int) -> Iterator[tuple[list[int], list[int]]]:
+    """Concatenate sequences and cut the stream into max_length blocks (the last may be shorter).
+
+    No padding is ever needed and no token is lost; the price is that attention crosses the
+    boundary between two records inside a block (the usual trade-off of packing).
+    """
+    ids_buf: list[int] = []
+    lab_buf: list[int] = []
+    for ids, labels in examples:
+        ids_buf += ids
+        lab_buf += labels
+        while len(ids_buf) >= max_length:
+            if any(x != IGNORE_INDEX for x in lab_buf[:max_length]):  # else nothing to learn from
+                yield ids_buf[:max_length], lab_buf[:max_length]
+            del ids_buf[:max_length], lab_buf[:max_length]
+    if ids_buf and any(x != IGNORE_INDEX for x in lab_buf):
+        yield ids_buf, lab_buf
