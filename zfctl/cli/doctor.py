@@ -7,6 +7,7 @@ not hide the others.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -56,7 +57,7 @@ def check_native() -> tuple[str, str]:
     from zfctl.errors import UserError
 
     try:
-        from zfctl import _native
+        _native = importlib.import_module("zfctl._native")
     except UserError as e:
         return "fail", str(e)
     except ImportError as e:

@@ -49,10 +49,14 @@ _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR
 
 
 def looks_like_deepspeed(data: dict) -> bool:
-    """True for a DeepSpeed config (DeepSpeed keys at the top, no plan sections)."""
+    """True for a DeepSpeed config: DeepSpeed keys at the top, or no plan section at all.
+
+    A JSON file with plan sections (`train`, `zenflow`, ...) is a plan fragment instead.
+    """
     from zfctl.plan.schema import SECTIONS
 
-    return bool(set(data) & _KNOWN_TOP) and not (set(data) & set(SECTIONS))
+    keys = set(data)
+    return bool(keys & _KNOWN_TOP) or not (keys & set(SECTIONS))
 
 
 @dataclass

@@ -156,8 +156,6 @@ def estimate(plan: RunPlan, machine: Optional[Machine] = None) -> MemoryEstimate
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     reasons = _verdict(device_kind, device_total, host_total, machine, plan.train.device)
-    if device_kind == "cpu" and size is not None:
-        notes.append("no CUDA device: the device side lives in host RAM and runs on the CPU")
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes)
 

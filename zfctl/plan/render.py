@@ -56,14 +56,14 @@ def _gb(x: float) -> str:
 
 def memory_table(est: MemoryEstimate) -> Table:
     """Per-item device and host memory, with totals."""
-    where = "device (CUDA)" if est.device_kind == "cuda" else "device side (on CPU here)"
-    table = Table(title="memory estimate", title_justify="left")
+    here = "" if est.device_kind == "cuda" else " (no CUDA here: the device side would use host RAM)"
+    table = Table(title=f"memory estimate{here}", title_justify="left")
     table.add_column("where")
     table.add_column("what")
     table.add_column("size", justify="right")
     table.add_column("how", style="dim", overflow="fold")
     for item in est.items:
-        table.add_row(where if item.where == "device" else "host", item.name, _gb(item.bytes), item.note)
+        table.add_row(item.where, item.name, _gb(item.bytes), item.note)
     table.add_row("", Text("device total", style="bold"), Text(_gb(est.device_total), style="bold"), "")
     table.add_row("", Text("host total", style="bold"), Text(_gb(est.host_total), style="bold"), "")
     return table

@@ -1,0 +1,213 @@
+"""The real CLI (Typer app in-process, plus `python -m zfctl` in a subprocess): verbs, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import zfctl.train
+from zfctl.cli import app
+from zfctl.cli import _common
+from zfctl.plan import memory
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rich wraps table cells at 80 columns; tests read whole phrases."""
+    monkeypatch.setattr(_common.console, "width", 200)
+    monkeypatch.setattr(_common.err_console, "width", 200)
+
+
+@pytest.fixture
+def small_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This project's CI machine: 24 GB RAM, no GPU (independent of where the test runs)."""
+    monkeypatch.setattr(memory, "this_machine", lambda: memory.Machine(host_ram=24 * memory.GB, cuda=False))
+
+
+def zf(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_lists_every_verb() -> None:
+    result = zf("--help")
+    assert result.exit_code == 0
+    for verb in ("finetune", "resume", "bench", "plan", "presets", "export", "doctor"):
+        assert verb in result.output
+
+
+def test_presets_ls_shows_every_preset_with_a_description() -> None:
+    result = zf("presets", "ls")
+    assert result.exit_code == 0
+    for name in ("llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama",
+                 "alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample",
+                 "default", "aggressive", "zero-offload", "off"):
+        assert f" {name} " in result.output
+    assert "plain ZeRO-Offload baseline" in result.output
+
+
+def test_presets_show_prints_file_and_key_help() -> None:
+    result = zf("presets", "show", "zero-offload")
+    assert result.exit_code == 0
+    assert "topk_ratio: 0.0" in result.output and "zenflow.update_interval" in result.output
+    assert "Fraction of the columns of every 2-D weight" in result.output
+    section = zf("presets", "show", "train")
+    assert section.exit_code == 0 and "train.gradient_accumulation_steps" in section.output
+
+
+def test_presets_cp_then_use_as_config(tmp_path: Path) -> None:
+    assert zf("presets", "cp", "aggressive", tmp_path).exit_code == 0
+    copied = tmp_path / "aggressive.yaml"
+    assert copied.read_text() == (ROOT / "presets" / "zenflow" / "aggressive.yaml").read_text()
+    again = zf("presets", "cp", "aggressive", tmp_path)
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    copied.write_text(copied.read_text().replace("update_interval: 8", "update_interval: 6"))
+    result = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--config", copied, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plan"]["zenflow"]["update_interval"] == 6
+
+
+def test_plan_llama2_7b_says_this_machine_cannot_run_it(small_machine: None) -> None:
+    result = zf("plan", "llama2-7b", "--data", "alpaca")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "meta-llama/Llama-2-7b-hf" in out and "tatsu-lab/alpaca" in out   # the plan
+    assert "107.8 GB" in out          # host: fp32 master + moments + accumulator, 16 B/param
+    assert "13.5 GB" in out           # device: bf16 weights
+    assert "this machine cannot run it" in out and "host RAM" in out
+
+
+def test_plan_json_is_machine_readable(small_machine: None) -> None:
+    result = zf("plan", "tiny-llama", "--data", "sst2-sample", "--zenflow", "off", "--set", "train.lr=1e-3")
+    assert result.exit_code == 0
+    data = json.loads(zf("plan", "tiny-llama", "--data", "sst2-sample", "--zenflow", "off",
+                         "--set", "train.lr=1e-3", "--json").stdout)
+    assert data["plan"]["train"]["lr"] == 1e-3 and data["plan"]["zenflow"]["topk_ratio"] == 1.0
+    assert data["memory"]["fits"] is True and data["memory"]["size"]["params"] == 5_261_568
+
+
+def _bad_json(tmp: Path) -> Path:
+    p = tmp / "ds.json"
+    p.write_text('{"zero_optimization": {"stage": 2,}\n')
+    return p
+
+
+def _bad_yaml(tmp: Path) -> Path:
+    p = tmp / "plan.yaml"
+    p.write_text("train:\n  lr: [1e-4\n")
+    return p
+
+
+def _ds(tmp: Path, cfg: dict) -> Path:
+    p = tmp / "ds_config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+BAD_INPUTS = [
+    # (what, extra args after `plan tiny-llama --data alpaca-sample`, text the error line must hold)
+    ("unknown key with typo", ["--set", "zenflow.topk_ration=0.2"], "zenflow.topk_ration=0.2: unknown key (did you mean zenflow.topk_ratio?)"),
+    ("out-of-range ratio", ["--set", "zenflow.topk_ratio=1.5"], "zenflow.topk_ratio=1.5"),
+    ("bad interval", ["--set", "zenflow.update_interval=0"], "zenflow.update_interval=0"),
+    ("interval not a number", ["--set", "zenflow.update_interval=often"], "zenflow.update_interval='often'"),
+    ("select < update interval", ["--set", "zenflow.select_strategy=step", "--set", "zenflow.select_interval=2"],
+     "zenflow.select_interval=2"),
+    ("malformed --set", ["--set", "train.lr"], "--set='train.lr'"),
+    ("wrong type", ["--set", "train.micro_batch_size=two"], "train.micro_batch_size='two'"),
+    ("unknown section", ["--set", "trian.lr=1e-4"], "did you mean train"),
+    ("unknown zenflow preset", ["--zenflow", "agressive"], "--zenflow='agressive'"),
+    ("malformed JSON", ["--config", _bad_json], "malformed JSON at line 1"),
+    ("malformed YAML", ["--config", _bad_yaml], "malformed YAML"),
+    ("conflicting precision", ["--config", lambda t: _ds(t, {"bf16": {"enabled": True}, "fp16": {"enabled": True}})],
+     "bf16.enabled=True"),
+    ("unsupported DeepSpeed key", ["--config", lambda t: _ds(t, {"zero_optimization": {"stage": 3}})],
+     "zero_optimization.stage=3"),
+    ("DeepSpeed key typo", ["--config", lambda t: _ds(t, {"gradient_clipings": 1.0})],
+     "did you mean gradient_clipping"),
+    ("missing config file", ["--config", lambda t: t / "nope.yaml"], "nope.yaml: file not found"),
+]
+
+
+@pytest.mark.parametrize("what, extra, needle", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, what: str, extra: list, needle: str) -> None:
+    args = [a(tmp_path) if callable(a) else a for a in extra]
+    for verb in ("plan", "finetune"):
+        result = zf(verb, "tiny-llama", "--data", "alpaca-sample", *args, "--output", tmp_path / "run")
+        assert result.exit_code == 2, (what, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert needle in lines[0], lines[0]
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()   # nothing written
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "llama2-7", "--data", "alpaca"], "MODEL='llama2-7': not a model preset (did you mean llama2-7b?)"),
+    (["plan", "tiny-llama", "--data", "missing.jsonl"], "--data='missing.jsonl': file not found"),
+    (["plan", "tiny-llama", "--data", "alpacca"], "did you mean alpaca?"),
+    (["presets", "show", "tiny-lama"], "NAME='tiny-lama'"),
+    (["presets", "cp", "default", "x.yaml", "--kind", "modell"], "--kind='modell'"),
+])
+def test_bad_names_are_one_line_exit_2(args: list[str], needle: str) -> None:
+    result = zf(*args)
+    assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.output
+
+
+def test_click_usage_errors_also_exit_2(tmp_path: Path) -> None:
+    assert zf("plan", "tiny-llama").exit_code == 2                          # --data missing
+    assert zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--max-steps", "0").exit_code == 2
+    assert zf("resume", tmp_path / "no-such-run").exit_code == 2
+
+
+def test_finetune_passes_the_resolved_plan_to_the_loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = []
+
+    class Result:
+        output_dir, steps, final_train_loss, final_eval_loss, last_checkpoint = tmp_path, 3, 2.5, 2.75, None
+
+    def fake_run(plan, *, force=False, debug_data=False):
+        calls.append((plan, force, debug_data))
+        return Result()
+
+    monkeypatch.setattr(zfctl.train, "run", fake_run)
+    result = zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--zenflow", "zero-offload",
+                "--set", "train.lr=1e-3", "--output", tmp_path / "out", "--max-steps", "3", "--force")
+    assert result.exit_code == 0, result.output
+    (plan, force, debug_data), = calls
+    assert (plan.checkpoint.output_dir, plan.train.max_steps, plan.train.lr) == (str(tmp_path / "out"), 3, 1e-3)
+    assert (plan.zenflow.topk_ratio, plan.zenflow.update_interval, force, debug_data) == (0.0, 1, True, False)
+    assert "run plan" in result.output and "2.5000" in result.output
+
+
+def test_verbs_without_engine_say_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(zfctl.train, "run", raising=False)
+    result = zf("finetune", "tiny-llama", "--data", "alpaca-sample")
+    assert result.exit_code == 2 and "training is not available yet" in result.stderr
+    multi = zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--nproc", "2")
+    assert multi.exit_code == 2 and "--nproc 2: multi-process training is not available yet" in multi.stderr
+
+
+def test_doctor_reports_without_crashing_when_pieces_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    ok = zf("doctor")
+    assert ok.exit_code == 0
+    for row in ("torch", "CUDA", "native CPU-Adam", "CPU ISA", "cores", "host memory", "pinned memory"):
+        assert row in ok.output
+    monkeypatch.setitem(sys.modules, "zfctl._native", None)   # import of it now raises ImportError
+    broken = zf("doctor")
+    assert broken.exit_code == 0 and "native CPU-Adam binding missing" in broken.output
+
+
+def test_python_m_zfctl_subprocess_exit_codes() -> None:
+    ok = subprocess.run([sys.executable, "-m", "zfctl", "presets", "ls"], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and "tiny-llama" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample",
+                          "--set", "zenflow.topk_ratio=2"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be in [0, 1], e.g. 0.1"
