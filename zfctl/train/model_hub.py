@@ -2,17 +2,16 @@
 
 `from_pretrained` / `load_dataset` on a machine without network retry for minutes before they
 give up with a stack of connection errors. Before touching the hub we therefore (1) honour
-``HF_HUB_OFFLINE``, (2) otherwise open one TCP connection to the hub endpoint (or the configured
-proxy) with a 3 s deadline. If the hub is unreachable but the files are in the local HF cache,
+``HF_HUB_OFFLINE``, (2) otherwise send one HEAD request to the hub endpoint with a 3 s
+deadline. If the hub is unreachable but the files are in the local HF cache,
 loading goes on from the cache; if not, one line says so and names the local alternatives.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
-from urllib.parse import urlparse
+import urllib.error
+import urllib.request
 
 from zfctl.errors import ConfigError
 
@@ -35,24 +34,27 @@ def hub_offline_requested() -> bool:
 
 
 def hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the hub (or the HTTPS proxy in front of it) opens in time.
+    """Whether the hub answers one HTTP HEAD request within `timeout` seconds.
 
-    The connect runs in a daemon thread joined with a deadline, because a hanging DNS lookup is
-    not covered by the socket timeout. The answer is cached for the process: the model and the
-    data loader both ask, and the network does not come and go within one start-up.
+    An HTTP answer of any status counts (the server is there); DNS failures, refused or reset
+    connections, TLS failures (e.g. an intercepting firewall) and silence do not. A bare TCP
+    connect is not enough: sandboxes and proxies accept connections they never forward. The
+    request runs in a daemon thread joined with the deadline, because a hanging DNS lookup is
+    not bounded by socket timeouts. urllib honours HTTPS_PROXY like huggingface_hub does. The
+    answer is cached for the process: the model and the data loader both ask.
     """
     endpoint = hub_endpoint()
     if endpoint in _probe_result:
         return _probe_result[endpoint]
-    url = urlparse(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or endpoint)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     result: list[bool] = []
 
     def probe() -> None:
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
             result.append(True)
-        except OSError:
+        except urllib.error.HTTPError:  # 4xx/5xx: the hub is there
+            result.append(True)
+        except (OSError, ValueError):  # URLError, timeouts, TLS errors, a malformed endpoint
             result.append(False)
 
     thread = threading.Thread(target=probe, name="zfctl-hub-probe", daemon=True)
