@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -95,10 +96,24 @@ def build(*, sanitize: bool = False) -> Path:
     return dest
 
 
+def asan_runtime() -> str:
+    """The ASan runtime of the compiler that builds us: an uninstrumented python must LD_PRELOAD it."""
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    for name in ("libasan.so", "libclang_rt.asan-x86_64.so"):
+        found = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if os.path.isabs(found) and os.path.exists(found):
+            return found
+    sys.exit(f"zfctl: no ASan runtime found for '{cc}' (Debian/Ubuntu: apt-get install libasan8)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sanitize", action="store_true", help="ASan/UBSan build for make check-native")
+    parser.add_argument("--asan-runtime", action="store_true", help="print the ASan runtime library and exit")
     args = parser.parse_args()
+    if args.asan_runtime:
+        print(asan_runtime())
+        return
     try:
         path = build(sanitize=args.sanitize)
     except Exception as exc:  # distutils/setuptools CompileError, LinkError, cffi VerificationError
