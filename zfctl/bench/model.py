@@ -7,8 +7,9 @@ device, so the timed loop contains no host-side data work and no H2D copy of a b
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def _mlp_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def synthetic_model(
-    *, hidden_dim: int, nlayers: int, dtype: str, device: torch.device, seed: int, steps: int
+    steps: int, *, hidden_dim: int, nlayers: int, dtype: str, device: torch.device, seed: int
 ) -> BenchModel:
     """The reference benchmark's model: `nlayers` x Linear(hidden, hidden) with bias.
 
@@ -78,32 +79,58 @@ def _lm_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     return module(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
 
 
-def preset_model(
-    model_cfg: Any,
-    *,
-    dtype: str,
-    device: torch.device,
-    seed: int,
-    steps: int,
-    seq_len: int,
-    batch: int,
-) -> BenchModel:
+# Keys of a preset's `model.arch` summary that are LlamaConfig fields of the same meaning.
+ARCH_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size", "intermediate_size", "tie_word_embeddings")
+
+
+def arch_model_config(model_cfg: Any, *, seq_len: int) -> Any:
+    """A `source: config` copy of a preset's ModelConfig, for a random-init benchmark model.
+
+    A benchmark needs shapes, not weights. `source: config` presets are used as they are; hub
+    presets carry an `arch` summary, which becomes a Llama-shaped config of those sizes (exact
+    for Llama presets; for other families a Llama of the same width, depth and vocabulary).
+    """
+    if model_cfg.source == "config" and model_cfg.config:
+        return model_cfg
+    arch = dict(model_cfg.arch or {})
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in arch]
+    if missing:
+        raise UserError(f"--model {model_cfg.name}: the preset gives no architecture (model.config or "
+                        f"model.arch with {', '.join(missing)}), so it cannot be built with random weights")
+    config = {"model_type": "llama", **{k: arch[k] for k in ARCH_KEYS if k in arch}}
+    config.setdefault("intermediate_size", 4 * int(arch["hidden_size"]))
+    config["max_position_embeddings"] = max(seq_len, 2048)
+    return replace(model_cfg, source="config", config=config, hub_id=None)
+
+
+class PresetFactory:
     """A preset architecture with random weights, fed uniformly random token ids.
 
-    `model_cfg` is a `zfctl.plan.schema.ModelConfig` whose source is 'config' (the caller turns
-    hub presets into their architecture config: a benchmark needs shapes, not weights).
+    The model is initialised once, on the host, in the benchmark dtype (for a 1B model that is
+    2.5 GB of host RAM kept for the whole run); each trial deep-copies it and moves the copy to
+    the device (one H2D copy of the weights), instead of re-running a multi-second random init.
     """
-    try:
-        from zfctl.train.model import load_model
-    except ImportError as exc:  # the training layer is built by another part of the project
-        raise UserError(f"--model needs zfctl.train.model, which is not available: {exc}") from exc
-    module = load_model(model_cfg, precision=dtype, device=device, seed=seed)
-    vocab = int(module.config.vocab_size)
-    max_pos = getattr(module.config, "max_position_embeddings", None)
-    if max_pos is not None and seq_len > int(max_pos):
-        raise UserError(f"--seq-len {seq_len}: the model {model_cfg.name} takes at most {max_pos} tokens")
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    ids = torch.randint(0, vocab, (steps, batch, seq_len), generator=gen).to(device)
-    batches = [{"input_ids": ids[i]} for i in range(steps)]
-    desc = f"{model_cfg.name} (random init), {dtype}, batch {batch} x seq {seq_len}"
-    return BenchModel(module, batches, _lm_loss, desc, samples_per_step=batch, tokens_per_step=batch * seq_len)
+
+    def __init__(self, model_cfg: Any, *, dtype: str, device: torch.device, seed: int, seq_len: int,
+                 batch: int) -> None:
+        from zfctl.train.model import load_model  # the training layer owns model construction
+
+        cfg = arch_model_config(model_cfg, seq_len=seq_len)
+        self.template = load_model(cfg, precision=dtype, device=torch.device("cpu"), seed=seed)
+        self.template.requires_grad_(True)
+        max_pos = getattr(self.template.config, "max_position_embeddings", None)
+        if max_pos is not None and seq_len > int(max_pos):
+            raise UserError(f"--seq-len {seq_len}: the model {model_cfg.name} takes at most {max_pos} tokens")
+        self.vocab = int(self.template.config.vocab_size)
+        self.device, self.seed, self.seq_len, self.batch = device, seed, seq_len, batch
+        how = "" if model_cfg.source == "config" else ", Llama-shaped from the preset's arch"
+        self.description = f"{model_cfg.name} (random init{how}), {dtype}, batch {batch} x seq {seq_len}"
+
+    def __call__(self, steps: int) -> BenchModel:
+        module = copy.deepcopy(self.template).to(self.device)
+        gen = torch.Generator(device="cpu").manual_seed(self.seed + 1)
+        ids = torch.randint(0, self.vocab, (steps, self.batch, self.seq_len), generator=gen).to(self.device)
+        batches = [{"input_ids": ids[i]} for i in range(steps)]
+        return BenchModel(module, batches, _lm_loss, self.description, samples_per_step=self.batch,
+                          tokens_per_step=self.batch * self.seq_len)

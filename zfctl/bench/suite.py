@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from zfctl.bench.grid import (
     warmup_steps,
 )
 from zfctl.bench.memory import check_host_fits, off_fits
-from zfctl.bench.model import BenchModel, preset_model, synthetic_model
+from zfctl.bench.model import BenchModel, PresetFactory, synthetic_model
 from zfctl.bench.report import fmt_ms
 from zfctl.bench.runner import ConfigResult, release_memory, run_config
 from zfctl.bench.summary import add_speedups, summarize
@@ -92,12 +94,12 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     """Run baselines + grid and return the summarised report (nothing is printed but progress)."""
     device = resolve_device(opts.device)
 
-    def build(steps: int) -> BenchModel:
-        if opts.model is not None:
-            return preset_model(opts.model, dtype=opts.dtype, device=device, seed=opts.seed, steps=steps,
-                                seq_len=opts.seq_len, batch=opts.batch)
-        return synthetic_model(hidden_dim=opts.hidden_dim, nlayers=opts.nlayers, dtype=opts.dtype,
-                               device=device, seed=opts.seed, steps=steps)
+    if opts.model is not None:
+        build: Callable[[int], BenchModel] = PresetFactory(
+            opts.model, dtype=opts.dtype, device=device, seed=opts.seed, seq_len=opts.seq_len, batch=opts.batch)
+    else:
+        build = partial(synthetic_model, hidden_dim=opts.hidden_dim, nlayers=opts.nlayers, dtype=opts.dtype,
+                        device=device, seed=opts.seed)
 
     probe = build(1)
     n_params, param_bytes = probe.n_params, probe.param_bytes

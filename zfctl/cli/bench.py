@@ -1,17 +1,168 @@
-"""`zfctl bench`: placeholder until the benchmark lands (the bench issue replaces this module)."""
+"""`zfctl bench`: time ZenFlow configurations against plain CPU offload, phase by phase.
+
+Thin: parses and checks the flags (every mistake is one line naming the flag, exit 2, before
+anything runs), then hands a `BenchOptions` to `zfctl.bench.suite.run_bench` and writes the
+report files.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from zfctl.errors import UserError
+from zfctl.errors import ConfigError, UserError
+
+SYNTH = "Synthetic model (default: the reference benchmark's shape)"
+PRESET = "Preset model (--model)"
+GRID = "Grid (each takes a comma list)"
+RUN = "Run length and settings"
+OUT = "Output"
+
+
+def _check_out(flag: str, path: Path | None, force: bool, suffix: str | None = None) -> None:
+    """Refuse a report path that cannot be written, before the benchmark spends any time."""
+    if path is None:
+        return
+    if suffix and path.suffix.lower() != suffix:
+        raise UserError(f"{flag} {path}: the file name must end in {suffix}")
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory: give a file name")
+    if not path.parent.exists():
+        raise UserError(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path} already exists: pass --force to overwrite it, or pick another name")
+
+
+def _at_least(flag: str, v: int | None, minimum: int = 1) -> None:
+    if v is not None and v < minimum:
+        raise UserError(f"{flag} {v}: must be >= {minimum}")
+
+
+def _model_config(name: str):
+    """The typed ModelConfig of a model preset (cli -> plan is the allowed direction)."""
+    from zfctl.plan import plan_from_dict
+    from zfctl.plan.resolve import model_fragment
+
+    try:
+        return plan_from_dict({"model": model_fragment(name)["model"]}).model
+    except ConfigError as e:
+        raise UserError(f"--model {name!r}: {e.fix}") from None
 
 
 def bench(
-    topk: Optional[str] = typer.Option(None, "--topk", help="Comma list of topk ratios."),
-    interval: Optional[str] = typer.Option(None, "--interval", help="Comma list of update intervals."),
+    model: Annotated[str | None, typer.Option(
+        help="Benchmark a model preset's architecture with random weights instead of the synthetic "
+        "MLP, e.g. tiny-llama or llama3.2-1b (hub presets: a Llama of the preset's sizes).",
+        rich_help_panel=PRESET)] = None,
+    seq_len: Annotated[int | None, typer.Option(
+        help="Tokens per sequence for --model (default 256).", rich_help_panel=PRESET)] = None,
+    batch: Annotated[int | None, typer.Option(
+        help="Sequences per step for --model (default 1).", rich_help_panel=PRESET)] = None,
+    hidden_dim: Annotated[int | None, typer.Option(
+        help="Width of each Linear(hidden, hidden) (default 1024).", rich_help_panel=SYNTH)] = None,
+    nlayers: Annotated[int | None, typer.Option(
+        help="Number of Linear layers (default 1).", rich_help_panel=SYNTH)] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = "bf16",
+    topk: Annotated[str, typer.Option(help="topk_ratio values, e.g. 0.1,0.2.", rich_help_panel=GRID)] = "0.1",
+    interval: Annotated[str, typer.Option(
+        help="update_interval values (integers >= 1 or auto), e.g. 2,4.", rich_help_panel=GRID)] = "4",
+    overlap: Annotated[str | None, typer.Option(
+        help="overlap_step: on, off or on,off (default on).", rich_help_panel=GRID)] = None,
+    no_overlap: Annotated[bool, typer.Option(
+        "--no-overlap", help="Same as --overlap off.", rich_help_panel=GRID)] = False,
+    pin: Annotated[str | None, typer.Option(
+        help="pin_memory: on, off or on,off (default on). No effect without CUDA.",
+        rich_help_panel=GRID)] = None,
+    no_pin: Annotated[bool, typer.Option("--no-pin", help="Same as --pin off.", rich_help_panel=GRID)] = False,
+    warmup: Annotated[int, typer.Option(
+        help="Untimed steps first (rounded up to whole intervals).", rich_help_panel=RUN)] = 4,
+    iterations: Annotated[int, typer.Option(
+        help="Timed length in intervals of the longest --interval: every configuration times about "
+        "iterations x max(interval) steps, a whole number of its own intervals.", rich_help_panel=RUN)] = 5,
+    trials: Annotated[int, typer.Option(
+        help="Runs per configuration, each on a fresh model; their steps are pooled.",
+        rich_help_panel=RUN)] = 1,
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel=RUN)] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed for weights and inputs.", rich_help_panel=RUN)] = 0,
+    cpu_threads: Annotated[int, typer.Option(
+        help="zenflow.cpu_threads for the CPU AdamW (0 = all cores).", rich_help_panel=RUN)] = 0,
+    max_grad_norm: Annotated[float | None, typer.Option(
+        help="Clip gradients to this global norm (adds a norm pass per step); default: no "
+        "clipping, like the reference.", rich_help_panel=RUN)] = None,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="Write the report, with every timed step, as JSON.", rich_help_panel=OUT)] = None,
+    csv_out: Annotated[Path | None, typer.Option(
+        "--csv", help="Write one row per configuration as CSV.", rich_help_panel=OUT)] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Draw step time and stall share into a PNG (needs matplotlib: "
+        "pip install 'zfctl\\[plot]').", rich_help_panel=OUT)] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Overwrite existing --json/--csv/--plot files.", rich_help_panel=OUT)] = False,
 ) -> None:
-    """Synthetic ZenFlow benchmark (step time split, stalls, PCIe bytes) - not available yet."""
-    raise UserError("zfctl bench is not available yet in this build")
+    """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
+
+    Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
+    """
+    from zfctl.bench.grid import parse_intervals, parse_switch, parse_topks
+    from zfctl.bench.model import DTYPES
+
+    # Everything the user typed is checked here, before a model is built or a file is touched.
+    topks, intervals = parse_topks(topk), parse_intervals(interval)
+    overlaps, pins = parse_switch("overlap", overlap, no_overlap), parse_switch("pin", pin, no_pin)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if device not in ("auto", "cuda", "cpu"):
+        raise UserError(f"--device {device!r}: use auto, cuda or cpu")
+    for flag, v in (("--seq-len", seq_len), ("--batch", batch), ("--hidden-dim", hidden_dim),
+                    ("--nlayers", nlayers), ("--iterations", iterations), ("--trials", trials)):
+        _at_least(flag, v)
+    _at_least("--warmup", warmup, 0)
+    _at_least("--cpu-threads", cpu_threads, 0)
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise UserError(f"--max-grad-norm {max_grad_norm}: must be > 0 (omit it for no clipping)")
+    if model is None and (seq_len is not None or batch is not None):
+        raise UserError("--seq-len/--batch apply to --model PRESET; the synthetic model takes one sample "
+                        "of --hidden-dim values per step")
+    if model is not None and (hidden_dim is not None or nlayers is not None):
+        raise UserError(f"--hidden-dim/--nlayers shape the synthetic model; drop them with --model {model} "
+                        "(the preset fixes the shapes)")
+    paths = [p.resolve() for p in (json_out, csv_out, plot) if p is not None]
+    if len(set(paths)) != len(paths):
+        raise UserError("--json, --csv and --plot must name different files")
+    _check_out("--json", json_out, force)
+    _check_out("--csv", csv_out, force)
+    _check_out("--plot", plot, force, suffix=".png")
+    if plot is not None:
+        from zfctl.bench.plot import require_matplotlib
+
+        require_matplotlib()
+    model_cfg = _model_config(model) if model is not None else None
+
+    from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
+    from zfctl.bench.suite import BenchOptions, run_bench
+    from zfctl.cli._common import console
+
+    opts = BenchOptions(
+        topks=topks, intervals=intervals, overlaps=overlaps, pins=pins, dtype=dtype,
+        hidden_dim=hidden_dim or 1024, nlayers=nlayers or 1, model=model_cfg,
+        seq_len=seq_len or 256, batch=batch or 1, warmup=warmup, iterations=iterations, trials=trials,
+        device=device, seed=seed, cpu_threads=cpu_threads, max_grad_norm=max_grad_norm,
+    )
+    report = run_bench(opts, console)
+    print_tables(console, report.rows, report.meta)
+    if json_out is not None:
+        rows = [dict(row, records=[asdict(r) for r in res.records])
+                for row, res in zip(report.rows, report.results, strict=True)]
+        write_atomic(json_out, render_json(report.meta, rows, report.skipped))
+        console.print(f"wrote {json_out}")
+    if csv_out is not None:
+        write_atomic(csv_out, render_csv(report.rows))
+        console.print(f"wrote {csv_out}")
+    if plot is not None:
+        from zfctl.bench.plot import plot as draw
+
+        draw(report.rows, plot, report.meta)
+        console.print(f"wrote {plot}")
