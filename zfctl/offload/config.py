@@ -12,7 +12,8 @@ from typing import Literal, Union
 
 from zfctl.errors import ConfigError
 
-Interval = Union[int, Literal["auto"]]
+# typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
+Interval = Union[int, Literal["auto"]]  # noqa: UP007
 
 
 def _f(default, help: str, **kw):
@@ -34,12 +35,12 @@ class ZenFlowConfig:
         "How select_interval is counted: 'step' = optimizer steps, 'epoch' = epochs, "
         "'auto' = like 'epoch' with select_interval 1.",
     )
-    select_interval: Interval = _f(
+    select_interval: Interval = _f(  # noqa: RUF009 (_f returns a dataclasses.field)
         "auto",
         "Re-select the top-k columns every N steps/epochs (see select_strategy), or 'auto' = once "
         "per epoch (every 256 steps when the optimizer is not told the epoch length).",
     )
-    update_interval: Interval = _f(
+    update_interval: Interval = _f(  # noqa: RUF009
         4,
         "Apply the CPU AdamW to the non-selected columns every N steps, or 'auto' "
         "(adaptive, bounded by auto_min_interval..auto_max_interval).",
@@ -70,7 +71,7 @@ class ZenFlowConfig:
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks."
     )
 
-    def validate(self, prefix: str = "zenflow") -> "ZenFlowConfig":
+    def validate(self, prefix: str = "zenflow") -> ZenFlowConfig:
         """Check ranges and combinations; raise ConfigError naming the dotted key."""
 
         def bad(name: str, fix: str) -> ConfigError:

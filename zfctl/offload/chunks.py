@@ -1,0 +1,94 @@
+"""Column-range chunks of the host-owned matrices, and the two streams that move them.
+
+A chunk is a range of whole columns ``[c0, c1)`` of one matrix, as many as fit in a ring slot.
+Chunks whose columns are all device-owned are skipped. Both directions move whole column ranges:
+the device-owned columns inside a chunk (about ``topk_ratio`` of the bytes) ride along because
+dropping them would take a device gather per chunk and a host scatter per run (one native call
+each), which costs more than the bytes it saves. On the host, the run list of each chunk makes
+the accumulation skip them; on the device, the install puts them back from the device master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
+from zfctl.offload.ring import Ring
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Columns [c0, c1) of ``slot``; ``off`` its flat host element offset; ``runs`` its host-owned
+    elements relative to ``off`` (None: all of them)."""
+
+    slot: ParamSlot
+    c0: int
+    c1: int
+    off: int
+    runs: torch.Tensor | None
+
+    @property
+    def numel(self) -> int:
+        return (self.c1 - self.c0) * self.slot.rows
+
+
+def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, itemsize: int) -> list[Chunk]:
+    """Split every host-owned matrix into slot-sized column ranges (recomputed at each selection)."""
+    chunks = []
+    for slot in layout.host_slots:
+        per = max(1, slot_bytes // (slot.rows * itemsize))
+        for c0 in range(slot.host_c0, slot.host_c1, per):
+            c1 = min(c0 + per, slot.host_c1)
+            g0 = slot.host_col0 + c0 - slot.host_c0  # flat host column ids [g0, g1)
+            g1 = g0 + c1 - c0
+            owned = device_owned[g0:g1]
+            if bool(owned.all()):
+                continue
+            off = int(layout.host_col_offsets[g0])
+            runs = None
+            if bool(owned.any()):
+                runs = column_runs(~owned, layout.host_col_offsets[g0 : g1 + 1] - off)
+            chunks.append(Chunk(slot, c0, c1, off, runs))
+    return chunks
+
+
+def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor | None],
+                      acc: torch.Tensor, scale: float, accumulate: Callable[..., None]) -> int:
+    """Stream the host-owned gradient columns to the host and add ``scale * grad`` into ``acc``.
+
+    The device transposes each column range into column-major order (one strided copy on the
+    device), the ring moves it (PCIe D2H, model dtype: 2 B/element for bf16), and the native
+    kernel accumulates it in fp32 on the host. Returns the bytes copied.
+    """
+    def produce():
+        for ch in chunks:
+            g = grads[ch.slot.index]
+            if g is None:
+                continue  # no gradient this step: nothing to add
+            gm = as_matrix(g, ch.slot)
+
+            def fill(dst: torch.Tensor, gm: torch.Tensor = gm, ch: Chunk = ch) -> None:
+                dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
+
+            yield ch.numel, g.dtype, fill, ch
+
+    def consume(view: torch.Tensor, ch: Chunk) -> None:
+        accumulate(acc[ch.off : ch.off + ch.numel], view, scale=scale, runs=ch.runs)
+
+    return ring.d2h(produce(), consume)
+
+
+def install_params(ring: Ring, chunks: list[Chunk], src: torch.Tensor, params: list[torch.Tensor]) -> int:
+    """Copy the host's new values of whole column ranges into the model params (PCIe H2D).
+
+    ``src`` is the upload buffer (bf16/fp16 models) or the fp32 master. The caller restores the
+    device-owned columns afterwards. Returns the bytes copied.
+    """
+    def deliver(dev: torch.Tensor, ch: Chunk) -> None:
+        pm = as_matrix(params[ch.slot.index].data, ch.slot)
+        pm[:, ch.c0 : ch.c1].copy_(dev.view(ch.c1 - ch.c0, ch.slot.rows).t())
+
+    return ring.h2d(((src[ch.off : ch.off + ch.numel], ch) for ch in chunks), deliver)

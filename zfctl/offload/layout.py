@@ -1,0 +1,185 @@
+"""Where every parameter's optimizer state lives: device segments and column-major host buffers.
+
+Terms. A *dense* parameter (0-D or 1-D: biases, norm weights) is updated on the device, whole,
+every step, and never has host state. Every other parameter is a *matrix* ``[rows, cols]``:
+a 2-D weight ``[out, in]`` as it is (a column ``W[:, j]`` is input channel j; an embedding
+``[vocab, hidden]`` has one column per hidden dimension), and a >2-D weight
+``[d0, d1, d2, ...]`` is viewed as ``[d0, d1*d2*...]`` (a conv kernel's column is one
+(in-channel, kh, kw) position across all output channels). That view needs a contiguous
+parameter, which every ``nn.Module`` weight is; anything else is rejected at construction.
+
+Host buffers. All matrices share flat fp32 host buffers (master, moments, accumulators) in
+column-major order, so column c of the flat *column space* is the contiguous run
+``[col_offsets[c], col_offsets[c+1])``. Non-selected columns become (offset, length) runs for the
+native kernels, and a run may cross from one parameter into the next: the kernels are
+element-wise, so one native call covers every parameter. Each matrix owns the column range
+``[c0, c1)`` of itself on the host; in a single process that is the whole matrix. Partitioning
+host state across data-parallel ranks will give each rank a sub-range, never a split column.
+
+Device buffers. Dense params and the selected columns of every matrix live in flat fp32 device
+buffers too. Device *columns* of the same length (a matrix's selected columns have ``rows``
+elements; a dense param is one column of ``numel``) are stored next to each other, so each
+length forms one ``[n, length]`` block and the AdamW math with per-column bias correction is a
+handful of broadcast ops per block instead of per parameter (a tiny Llama has four blocks).
+Columns that are device-owned from step 0 (dense params, and matrices whose ``k`` is all their
+columns) come first, so that before the first selection the device steps a prefix of the buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+
+def num_selected(cols: int, topk_ratio: float) -> int:
+    """Columns of a matrix kept on the device: 0 for r=0, all for r=1, else max(1, floor(r*cols))."""
+    if topk_ratio <= 0.0:
+        return 0
+    if topk_ratio >= 1.0:
+        return cols
+    return min(cols, max(1, math.floor(topk_ratio * cols)))
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter and the offsets of its state in the flat buffers."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dense: bool  # 0-D/1-D: always on the device, never on the host
+    rows: int  # elements per column (numel for a dense param)
+    cols: int  # columns (1 for a dense param)
+    k: int  # columns on the device (1 for a dense param)
+    dev_off: int  # element offset of this param's device segment ([k, rows], row = one column)
+    dev_col0: int  # index of its first device column (per-column step counters)
+    host_c0: int = 0  # owned host column range [host_c0, host_c1) of this matrix
+    host_c1: int = 0
+    host_col0: int = 0  # flat host column index of column host_c0
+    host_off: int = 0  # flat host element offset of column host_c0
+
+    @property
+    def on_host(self) -> bool:
+        """True when some columns of this matrix can be deferred to the CPU."""
+        return not self.dense and self.k < self.cols
+
+    @property
+    def fixed(self) -> bool:
+        """True when the device owns all of this param from step 0 (no selection, no host state)."""
+        return self.dense or self.k == self.cols
+
+    @property
+    def selects(self) -> bool:
+        """True when a top-k choice exists (some but not all columns on the device)."""
+        return not self.dense and 0 < self.k < self.cols
+
+    @property
+    def host_numel(self) -> int:
+        return (self.host_c1 - self.host_c0) * self.rows
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """Device columns of equal length: elements [off, off + ncols*length), columns [col0, col0+ncols)."""
+
+    fixed: bool  # holds only ParamSlot.fixed columns (stepped from step 0)
+    length: int
+    off: int
+    col0: int
+    ncols: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The state layout of one optimizer: slots, device blocks and the host column space."""
+
+    slots: tuple[ParamSlot, ...]
+    blocks: tuple[DeviceBlock, ...]
+    dev_numel: int
+    dev_cols: int
+    fixed_numel: int  # fixed blocks come first: elements [0, fixed_numel), columns [0, fixed_cols)
+    fixed_cols: int
+    host_numel: int
+    host_cols: int
+    host_col_offsets: torch.Tensor  # int64 [host_cols + 1], element offset of each host column
+
+    @property
+    def matrices(self) -> list[ParamSlot]:
+        return [s for s in self.slots if not s.dense]
+
+    @property
+    def host_slots(self) -> list[ParamSlot]:
+        return [s for s in self.slots if s.on_host]
+
+
+def as_matrix(t: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """The ``[rows, cols]`` view of a parameter (or its gradient) of a matrix slot."""
+    return t.view(slot.rows, slot.cols)
+
+
+def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float) -> Layout:
+    """Assign device and host offsets to every parameter, deterministically from the order given."""
+    shapes = []
+    for name, p in named:
+        dense = p.dim() <= 1
+        if not dense and not p.is_contiguous():
+            raise ValueError(f"parameter {name!r} is not contiguous; ZenFlow views it as [rows, cols]")
+        rows = max(1, p.numel()) if dense else p.shape[0]
+        cols = 1 if dense else p.numel() // p.shape[0]
+        k = 1 if dense else num_selected(cols, topk_ratio)
+        shapes.append((name, p, dense, rows, cols, k))
+
+    # Device blocks: one per (fixed, column length), fixed ones first (they are stepped from step 0,
+    # selectable matrices only after the first selection), otherwise in first-seen order.
+    keys: list[tuple[bool, int]] = []
+    for _, _, dense, rows, cols, k in shapes:
+        key = (dense or k == cols, rows)
+        if k > 0 and key not in keys:
+            keys.append(key)
+    keys.sort(key=lambda key: not key[0])  # stable sort
+    dev_off: dict[int, tuple[int, int]] = {}
+    blocks, off, col = [], 0, 0
+    for fixed, length in keys:
+        off0, col0 = off, col
+        for i, (_, _, dense, rows, cols, k) in enumerate(shapes):
+            if (dense or k == cols) == fixed and rows == length and k > 0:
+                dev_off[i] = (off, col)
+                off += k * rows
+                col += k
+        blocks.append(DeviceBlock(fixed, length, off0, col0, col - col0))
+    fixed_numel = sum(b.ncols * b.length for b in blocks if b.fixed)
+    fixed_cols = sum(b.ncols for b in blocks if b.fixed)
+
+    slots, host_off, host_col, col_offsets = [], 0, 0, [0]
+    for i, (name, p, dense, rows, cols, k) in enumerate(shapes):
+        d_off, d_col = dev_off.get(i, (0, 0))
+        slot = ParamSlot(i, name, tuple(p.shape), p.dtype, dense, rows, cols, k, d_off, d_col)
+        if slot.on_host:
+            slot = replace(slot, host_c0=0, host_c1=cols, host_col0=host_col, host_off=host_off)
+            col_offsets.extend(host_off + rows * (j + 1) for j in range(cols))
+            host_off += rows * cols
+            host_col += cols
+        slots.append(slot)
+    return Layout(
+        slots=tuple(slots), blocks=tuple(blocks), dev_numel=off, dev_cols=col,
+        fixed_numel=fixed_numel, fixed_cols=fixed_cols, host_numel=host_off, host_cols=host_col,
+        host_col_offsets=torch.tensor(col_offsets, dtype=torch.int64),
+    )
+
+
+def column_runs(mask: torch.Tensor, col_offsets: torch.Tensor) -> torch.Tensor:
+    """(offset, length) element runs of the maximal stretches of True columns in ``mask``.
+
+    ``col_offsets`` has one more entry than ``mask`` (the end of the last column); offsets are
+    relative to ``col_offsets``'s frame. Adjacent True columns merge into one run even across
+    parameters, which keeps the native kernels' run lists short.
+    """
+    m = torch.cat([torch.zeros(1, dtype=torch.int8), mask.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = m[1:] - m[:-1]
+    starts = torch.nonzero(edges == 1).flatten()
+    ends = torch.nonzero(edges == -1).flatten()
+    off = col_offsets[starts]
+    return torch.stack([off, col_offsets[ends] - off], dim=1).contiguous()

@@ -1,0 +1,407 @@
+"""ZenFlowOptimizer: AdamW split between the device (important columns) and the CPU (the rest).
+
+Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` does, in order:
+
+1. One gradient coefficient on the device: clip factor ``min(1, max_norm / (norm + 1e-6))``
+   (torch.nn.utils.clip_grad_norm_'s formula, global L2 norm over every gradient) divided by the
+   fp16 loss scale. Both paths multiply by it. fp16 overflow (non-finite norm) skips the whole
+   step, device and host, and halves the scale: the only per-step host sync, fp16 only.
+2. Selection, at ``t == W`` and then every select period: the CPU pipeline drains first (any
+   in-flight update is waited for and installed), then each matrix keeps its top-k columns by
+   gradient L1 and the state of entering/leaving columns migrates (``selection.migrate``).
+3. Device AdamW on the dense params and the selected columns (``device_adam``), written back
+   into the model params.
+4. The other columns' gradients stream to the host (``chunks.offload_gradients``) and are
+   accumulated in fp32: ``acc += coef * grad``.
+5. At a boundary (every ``U`` steps, or the auto rule, or the step before a re-selection, or every
+   warm-up step) the CPU worker runs AdamW on the host-owned columns with the interval-mean
+   gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step.
+   Without ``overlap_step`` (and during warm-up) the step waits for it and installs the result
+   (H2D into the model params) at once. With it, the update runs in the background and is
+   installed at the next boundary, before the next one is submitted: the non-selected columns are
+   exactly one interval stale, and which values land when depends only on step counts, never on
+   thread timing. At a re-selection the drain installs the last update one step (instead of one
+   interval) after its submission; that is the only place the staleness differs.
+
+Choices the algorithm leaves open, made here:
+
+* Dense (0-D/1-D) params are updated on the device every step, warm-up included (they have no
+  host state; for them warm-up and steady state are the same AdamW). ``full_warm_up_rounds``
+  therefore means "matrices fully through the CPU". With ``topk_ratio == 1`` nothing is offloaded
+  and warm-up has no effect; with ``topk_ratio == 0`` matrices never get device columns.
+* A parameter whose ``.grad`` is None in some step is stepped with a zero gradient (its moments
+  decay, weight decay applies); torch.optim.AdamW would skip it. Frozen parameters
+  (``requires_grad=False``) are left out at construction.
+* One parameter group (lr, betas, eps, weight_decay); an LR scheduler drives ``param_groups[0]``.
+* A skipped fp16 step does not count as a step: counters, intervals and selection do not move.
+* ``process_group``: gradients must already be averaged across ranks (DDP does it). Each rank then
+  computes identical updates on a full copy of the host state; partitioning the host columns into
+  per-rank ranges ``[c0, c1)`` (``ParamSlot.host_c0/host_c1``) is the planned follow-up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from zfctl.errors import ConfigError, UserError
+from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
+from zfctl.offload.config import ZenFlowConfig
+from zfctl.offload.device_adam import DeviceAdam
+from zfctl.offload.host import HostState
+from zfctl.offload.layout import as_matrix, plan_layout
+from zfctl.offload.ring import Ring
+from zfctl.offload.scaler import DynamicLossScaler
+from zfctl.offload.selection import column_l1, migrate, top_columns
+from zfctl.offload.stats import StepStats
+from zfctl.offload.worker import CpuUpdate, CpuWorker
+
+
+class ZenFlowOptimizer(torch.optim.Optimizer):
+    """AdamW with ZenFlow offload. See the module docstring for the exact per-step semantics."""
+
+    def __init__(self, params: Iterable[Any], config: ZenFlowConfig, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None, loss_scaling: bool | None = None,
+                 steps_per_epoch: int | None = None, process_group: Any = None) -> None:
+        config.validate()
+        named = _named_params(params)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        self._constructing = True
+        super().__init__([p for _, p in named], defaults)
+        self._constructing = False
+        self.config = config
+        self.names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.device = self._params[0].device
+        self.max_grad_norm = max_grad_norm
+        self.process_group = process_group
+        fp16 = any(p.dtype == torch.float16 for p in self._params)
+        self._scaler = DynamicLossScaler() if (fp16 if loss_scaling is None else loss_scaling) else None
+
+        self.layout = plan_layout(named, config.topk_ratio)
+        self._device = DeviceAdam(self.layout, self._params, self.device)
+        self._selectable = [s for s in self.layout.slots if s.selects]
+        self._selected = not self._selectable  # nothing to choose: every device column is fixed
+        self._host_slots = self.layout.host_slots
+        self._warmup = config.full_warm_up_rounds if self._host_slots else 0
+        self._period = _select_period(config, steps_per_epoch) if self._selectable else None
+        self._policy = IntervalPolicy(config.update_interval, auto_ratio=config.auto_ratio,
+                                      min_interval=config.auto_min_interval,
+                                      max_interval=config.auto_max_interval)
+        self.host: HostState | None = None
+        self._worker: CpuWorker | None = None
+        if self._host_slots:
+            self._setup_host()
+
+        self._t = 0  # optimizer steps taken (skipped fp16 steps excluded)
+        self._interval_len = 0  # steps accumulated in the current interval
+        self._last_interval = 0 if self._policy.auto else self._policy.fixed
+        self._cur = 0  # which accumulator the main thread fills
+        self._pending_install = False  # a finished CPU update waits to be copied into the model
+        self._closed = False
+        self.last_stats: StepStats | None = None
+
+    def _setup_host(self) -> None:
+        """Host buffers, the CPU worker and the two transfer rings (r < 1 only)."""
+        dtypes = {self._params[s.index].dtype for s in self._host_slots}
+        if len(dtypes) > 1:
+            raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
+                              upload_dtype=None if dtype == torch.float32 else dtype)
+        self._worker = CpuWorker(self.host)
+        if self.config.cpu_threads:
+            self._worker._native.set_num_threads(self.config.cpu_threads)
+        # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
+        want = int(self.config.ring_slot_mb * 2**20)
+        biggest = max(self._host_slots, key=lambda s: s.rows)
+        if biggest.rows * itemsize > want:
+            need = biggest.rows * itemsize / 2**20
+            raise ConfigError("zenflow.ring_slot_mb", self.config.ring_slot_mb,
+                              f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
+        slot_bytes = min(want, max(s.host_numel for s in self._host_slots) * itemsize)
+        pin = self.config.pin_memory
+        self._d2h = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
+        self._h2d = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
+        self._itemsize = itemsize
+        self._refresh_chunks()
+
+    def _refresh_chunks(self) -> None:
+        """Re-plan the column chunks after the device-owned columns changed."""
+        self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
+
+    # -- the public loop API ------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
+        return loss * self._scaler.scale if self._scaler is not None else loss
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
+        """One ZenFlow step over the current ``.grad``s; returns (and keeps) its ``StepStats``."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if self._closed:
+            raise RuntimeError("ZenFlowOptimizer is closed")
+        t, group = self._t, self.param_groups[0]
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grads = [p.grad for p in self._params]
+        warm = t < self._warmup
+        stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
+
+        # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
+        norm, coef = self._coefficient(grads)
+        if self._scaler is not None and not bool(torch.isfinite(norm).item()):
+            self._scaler.update(overflow=True)
+            stats.skipped, stats.grad_norm = True, math.inf
+            self.last_stats = stats
+            return stats
+
+        # 2. Selection: drain the CPU pipeline, choose columns, migrate their state.
+        if self._selection_due(t):
+            self._collect(stats)
+            self._select(grads, stats)
+            stats.selection = True
+
+        # Host scalars start their D2H now, ordered before the device update below.
+        scalars = self._start_scalars(norm, coef, grads, warm) if self.host is not None else None
+
+        # 3. Device AdamW on the dense params and selected columns.
+        t0 = _Clock(self.device)
+        self._device.load_grads(self._params, coef, self._selected)
+        self._device.step(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, selected=self._selected)
+        self._device.write_params(self._params, self._selected)
+        device_clock = t0.stop()
+
+        host_norm = None
+        if self.host is not None:
+            # 4. The rest of the gradient goes to the host and is accumulated in fp32.
+            values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
+            host_norm, host_coef, masses = values[0], values[1], values[2:]
+            c = time.perf_counter()
+            stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.host.acc[self._cur],
+                                                 host_coef, self._worker._native.accumulate)
+            stats.d2h_bytes += 4 * len(values)
+            stats.offload_ms = (time.perf_counter() - c) * 1e3
+            self._interval_len += 1
+            # 5. Boundary: hand the interval to the CPU worker.
+            force = warm or self._selection_due(t + 1)
+            if self._policy.is_boundary(self._interval_len, force):
+                self._boundary(stats, warm, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
+            elif self._policy.auto and self._selected:
+                self._observe(masses, host_coef)
+
+        stats.device_opt_ms = device_clock()
+        if norm is not None:
+            stats.grad_norm = host_norm if host_norm is not None else float(norm.item())  # r=1: a sync
+        if self._scaler is not None:
+            self._scaler.update(overflow=False)
+        stats.update_interval = self._last_interval
+        stats.selected_fraction = self._selected_fraction()
+        self._t += 1
+        self.last_stats = stats
+        return stats
+
+    def flush(self) -> None:
+        """Wait for an in-flight CPU update and install it now (end of training, before export)."""
+        if self._worker is not None:
+            self._collect(StepStats(step=self._t))
+
+    def close(self) -> None:
+        """Stop the CPU worker (after finishing its update, not installed). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only the construction's single group: ZenFlow plans its buffers for a fixed set of params."""
+        if not getattr(self, "_constructing", False):
+            raise NotImplementedError("ZenFlowOptimizer takes all its parameters at construction")
+        super().add_param_group(param_group)
+
+    # -- step phases --------------------------------------------------------------------------
+    def _coefficient(self, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(global grad norm, coefficient) as 0-dim fp32 device tensors; (None, None) if not needed."""
+        if self.max_grad_norm is None and self._scaler is None:
+            return None, None
+        present = [g for g in grads if g is not None]
+        if not present:
+            zero = torch.zeros((), device=self.device)
+            return zero, zero + 1.0
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2.0, dtype=torch.float32)))
+        coef = torch.ones((), device=self.device)
+        if self._scaler is not None:
+            norm = norm / self._scaler.scale  # the unscaled norm
+            coef = coef / self._scaler.scale
+        if self.max_grad_norm is not None:
+            coef = coef * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        return norm, coef
+
+    def _selection_due(self, t: int) -> bool:
+        """Selection happens at t == W and every select period after it."""
+        if not self._selectable or t < self._warmup:
+            return False
+        return t == self._warmup or (self._period is not None and (t - self._warmup) % self._period == 0)
+
+    def _select(self, grads: list[torch.Tensor | None], stats: StepStats) -> None:
+        """Top-k columns per matrix from this step's gradient; state follows the columns."""
+        for slot in self._selectable:
+            g = grads[slot.index]
+            scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
+            new = top_columns(scores, slot.k)
+            d2h, h2d = migrate(self._device.column_state(slot), self.host.column_state(slot),
+                               self._device.index[slot.index], new)
+            stats.d2h_bytes += d2h
+            stats.h2d_bytes += h2d
+            self._device.index[slot.index] = new
+            self.host.set_device_owned(slot, new)
+        self._selected = True
+        self._refresh_chunks()
+
+    def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None,
+                       grads: list[torch.Tensor | None], warm: bool):
+        """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix]."""
+        one = torch.ones((), device=self.device)
+        parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
+        if self._policy.auto and self._selected and not warm:
+            for slot in self._selectable:
+                g = grads[slot.index]
+                if g is None:
+                    parts += [one * 0, one * 0]
+                    continue
+                l1 = column_l1(as_matrix(g, slot))
+                parts += [l1[self._device.index[slot.index]].sum(), l1.sum()]
+        return self._d2h.fetch(torch.stack(parts))
+
+    def _observe(self, masses: list[float], coef: float) -> None:
+        """Feed one step's (coefficient-scaled) masses to the auto-interval rule."""
+        sel = [m * coef for m in masses[0::2]]
+        tot = [m * coef for m in masses[1::2]]
+        self._policy.observe(sel, tot, [s.k for s in self._selectable], [s.cols for s in self._selectable])
+
+    def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
+                  eps: float, wd: float) -> None:
+        """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
+        n = self._interval_len
+        update = CpuUpdate(self.host.acc[self._cur], 1.0 / n, self.host.update_groups(),
+                           lr, beta1, beta2, eps, wd)
+        self._interval_len, self._last_interval = 0, n
+        self._policy.reset()
+        stats.boundary = True
+        if self.config.overlap_step and not warm:
+            self._collect(stats)  # install the previous interval's update (one interval stale) ...
+            self._worker.submit(update)  # ... then start this one in the background
+            self._cur = (self._cur + 1) % len(self.host.acc)
+        else:
+            self._worker.submit(update)
+            self._collect(stats)
+
+    def _collect(self, stats: StepStats) -> None:
+        """Wait for an in-flight CPU update (stall) and install any finished one into the model."""
+        if self._worker is not None and self._worker.busy:
+            t0 = time.perf_counter()
+            stats.cpu_step_ms = self._worker.wait()
+            stats.stall_ms += (time.perf_counter() - t0) * 1e3
+            self._pending_install = True
+        if self._pending_install:
+            src = self.host.upload if self.host.upload is not None else self.host.master
+            stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
+            # Whole column ranges were written: put the device-owned columns back.
+            self._device.write_params(self._params, self._selected, only=self._selectable)
+            stats.installed = True
+            self._pending_install = False
+
+    def _selected_fraction(self) -> float:
+        mats = self.layout.matrices
+        total = sum(s.rows * s.cols for s in mats)
+        on_dev = sum(s.rows * s.k for s in mats if s.fixed or self._selected)
+        return on_dev / total if total else 1.0
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
+        from zfctl.offload.checkpoint import optimizer_state
+
+        return optimizer_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio."""
+        from zfctl.offload.checkpoint import load_optimizer_state
+
+        load_optimizer_state(self, state_dict)
+
+
+class _Clock:
+    """Times a device section: wall clock on CPU, CUDA events on GPU (read later, one sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self):
+        if not self.cuda:
+            ms = (time.perf_counter() - self.t0) * 1e3
+            return lambda: ms
+        self.end.record()
+
+        def read() -> float:
+            self.end.synchronize()  # sync point; with offload the step already waited past it
+            return self.start.elapsed_time(self.end)
+
+        return read
+
+
+def _named_params(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """Normalise tensors / (name, tensor) pairs; drop frozen ones; reject groups and duplicates."""
+    named, seen = [], set()
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            raise TypeError("ZenFlowOptimizer takes one parameter group: pass tensors or (name, tensor) pairs")
+        name, p = item if isinstance(item, tuple) else (f"param{i}", item)
+        if not isinstance(p, torch.Tensor) or not isinstance(name, str):
+            raise TypeError(f"expected a tensor or a (name, tensor) pair, got {type(item).__name__}")
+        if id(p) in seen:
+            raise ValueError(f"parameter {name!r} is given twice")
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; ZenFlow trains floating-point weights")
+        seen.add(id(p))
+        if p.requires_grad:
+            named.append((name, p))
+    if not named:
+        raise ValueError("ZenFlowOptimizer got no trainable parameters")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return named
+
+
+def _select_period(config: ZenFlowConfig, steps_per_epoch: int | None) -> int:
+    """Steps between selections: 'step' counts steps, 'epoch'/'auto' count epochs (256 steps if unknown)."""
+    if config.select_strategy == "step":
+        return int(config.select_interval)
+    epochs = 1 if config.select_interval == "auto" else int(config.select_interval)
+    if steps_per_epoch:
+        return epochs * int(steps_per_epoch)
+    if config.select_strategy == "epoch":
+        raise UserError("zenflow.select_strategy=epoch needs the epoch length: pass steps_per_epoch "
+                        "to ZenFlowOptimizer, or use select_strategy=step")
+    return 256 * epochs

@@ -1,0 +1,76 @@
+"""Which columns the device owns, and how their optimizer state follows them when that changes.
+
+Importance of a column is the L1 norm of its gradient in the step where selection happens (the
+gradient after clipping/unscaling differs only by one positive factor, which does not change the
+ranking, so the raw gradient is scored). Each matrix keeps its top ``k`` columns, ``k`` fixed by
+``layout.num_selected``. Indices are kept sorted so that the device block's row order, the
+state_dict and every run list are deterministic.
+
+State follows the column. A column's state is its fp32 master value, its two moments and its
+step counter (how many Adam updates its moments have absorbed; see ``device_adam``). Entering
+columns take all four from the host; leaving columns write all four back to the host; columns
+that stay keep their device state untouched. Nothing is reset or re-derived from the bf16 model
+weights, so a column that leaves and re-enters continues exactly where it was.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ColumnState(NamedTuple):
+    """Views of one matrix's state, row i = column i: master/exp_avg/exp_avg_sq [n, rows], steps [n]."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: torch.Tensor
+
+
+def column_l1(grad_matrix: torch.Tensor) -> torch.Tensor:
+    """Per-column L1 norm (fp32, accumulated in fp32) of a ``[rows, cols]`` gradient: one reduction."""
+    return torch.linalg.vector_norm(grad_matrix, ord=1, dim=0, dtype=torch.float32)
+
+
+def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` highest scores (ties resolved by torch.topk, deterministic)."""
+    return torch.topk(scores, k, sorted=False).indices.sort().values
+
+
+def migrate(dev: ColumnState, host: ColumnState, old: torch.Tensor | None, new: torch.Tensor) -> tuple[int, int]:
+    """Move state so that ``dev`` rows hold the columns ``new`` (sorted), previously ``old``.
+
+    ``host`` rows are indexed by column id (the whole owned range). Returns (d2h_bytes,
+    h2d_bytes). Cost: two tiny index copies to the host (a device sync; selection steps only),
+    one D2H per state tensor for the leaving columns and one H2D for the entering ones.
+    """
+    device = dev.master.device
+    new_h = new.to("cpu")
+    old_h = old.to("cpu") if old is not None else torch.empty(0, dtype=torch.int64)
+    stays = torch.isin(new_h, old_h)
+    leaving = ~torch.isin(old_h, new_h)
+    d2h = h2d = 0
+
+    # Leaving columns: device -> host (PCIe D2H of master, moments and counters of those columns).
+    if leaving.any():
+        pos = torch.nonzero(leaving).flatten().to(device)
+        cols = old_h[leaving]
+        for d, h in zip(dev, host):
+            moved = d.index_select(0, pos).to("cpu")
+            h.index_copy_(0, cols, moved)
+            d2h += moved.numel() * moved.element_size()
+
+    # New device rows: staying columns move inside the device block, entering ones come from the host.
+    stay_src = torch.searchsorted(old_h, new_h[stays]).to(device)
+    stay_dst = torch.nonzero(stays).flatten().to(device)
+    enter_dst = torch.nonzero(~stays).flatten().to(device)
+    enter_cols = new_h[~stays]
+    for d, h in zip(dev, host):
+        staying = d.index_select(0, stay_src)  # gathered before d is overwritten
+        entering = h.index_select(0, enter_cols).to(device)  # PCIe H2D
+        h2d += entering.numel() * entering.element_size()
+        d.index_copy_(0, stay_dst, staying)
+        d.index_copy_(0, enter_dst, entering)
+    return d2h, h2d

@@ -1,0 +1,88 @@
+"""The CPU worker thread: runs the native AdamW over the host-owned columns at each boundary.
+
+One thread, one update at a time. ``submit`` hands it an accumulator and the hyper-parameters of
+this boundary; from then until ``wait`` returns, the worker owns the host master, moments, that
+accumulator and the upload buffer (see the table in ``host``). The native kernels release the GIL
+and split each call over their own thread pool, so the main thread keeps launching device work
+and accumulating the next interval meanwhile. Results never depend on timing: the worker touches
+only buffers the main thread leaves alone until ``wait``, and the main thread decides, by step
+count alone, when to wait and install.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from zfctl.offload.host import HostState
+
+
+@dataclass(frozen=True)
+class CpuUpdate:
+    """Everything one CPU AdamW update needs, passed by value at submission."""
+
+    acc: torch.Tensor  # the interval's accumulated (clipped, unscaled) gradient sum
+    grad_scale: float  # 1 / steps accumulated: the kernel uses the interval-mean gradient
+    groups: list[tuple[int, torch.Tensor]]  # (1-based step, runs) per step-counter group
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+class CpuWorker:
+    """A single background thread owning the host state while an update is in flight."""
+
+    def __init__(self, host: HostState) -> None:
+        from zfctl import _native  # raises UserError("run make setup") when the library is missing
+
+        self._native = _native
+        self._host = host
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu")
+        self._future: Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while an update is submitted and not yet waited for."""
+        return self._future is not None
+
+    def run(self, update: CpuUpdate) -> float:
+        """Apply one update on the calling thread; returns its duration in ms."""
+        t0 = time.perf_counter()
+        h = self._host
+        for step, runs in update.groups:
+            self._native.adamw_step(
+                h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
+                beta1=update.beta1, beta2=update.beta2, eps=update.eps,
+                weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, out=h.upload,
+            )
+        update.acc.zero_()  # ready for the interval after next; only device-free columns were written
+        return (time.perf_counter() - t0) * 1e3
+
+    def submit(self, update: CpuUpdate) -> None:
+        """Start ``update`` in the background. At most one update is ever in flight."""
+        if self._pool is None:
+            raise RuntimeError("ZenFlowOptimizer is closed")
+        if self._future is not None:
+            raise RuntimeError("a CPU update is already in flight; wait() for it first")
+        self._future = self._pool.submit(self.run, update)
+
+    def wait(self) -> float:
+        """Block until the in-flight update is done; its duration in ms (re-raises its error)."""
+        future, self._future = self._future, None
+        if future is None:
+            return 0.0
+        return future.result()
+
+    def close(self) -> None:
+        """Finish any in-flight update and stop the thread. Idempotent."""
+        if self._pool is not None:
+            try:
+                self.wait()
+            finally:
+                self._pool.shutdown(wait=True)
+                self._pool = None
