@@ -11,8 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import zfctl.train
-from zfctl.cli import app
-from zfctl.cli import _common
+from zfctl.cli import _common, app
 from zfctl.plan import memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,10 +203,8 @@ def test_doctor_reports_without_crashing_when_pieces_are_missing(monkeypatch: py
     assert broken.exit_code == 0 and "native CPU-Adam binding missing" in broken.output
 
 
-def test_python_m_zfctl_subprocess_exit_codes() -> None:
-    ok = subprocess.run([sys.executable, "-m", "zfctl", "presets", "ls"], capture_output=True, text=True, cwd=ROOT)
-    assert ok.returncode == 0 and "tiny-llama" in ok.stdout
+def test_python_m_zfctl_exit_code_and_single_stderr_line() -> None:
     bad = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample",
-                          "--set", "zenflow.topk_ratio=2"], capture_output=True, text=True, cwd=ROOT)
+                          "--set", "zenflow.topk_ratio=2"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be in [0, 1], e.g. 0.1"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import click
 import typer
@@ -36,7 +35,7 @@ def note_line(message: str) -> None:
 class ZfctlGroup(TyperGroup):
     """The root command group: converts UserError into `error: ...` + exit code 2."""
 
-    def invoke(self, ctx: click.Context):  # noqa: D102 - click's hook
+    def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except UserError as e:
@@ -44,7 +43,7 @@ class ZfctlGroup(TyperGroup):
             raise typer.Exit(code=getattr(e, "exit_code", 2)) from None
 
 
-def plan_flags(output: Optional[Path], max_steps: Optional[int], nproc: Optional[int] = None) -> dict:
+def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None) -> dict:
     """The dedicated flags as a plan fragment; they win over --set (applied last)."""
     flags: dict = {}
     if output is not None:
@@ -56,7 +55,7 @@ def plan_flags(output: Optional[Path], max_steps: Optional[int], nproc: Optional
     return flags
 
 
-def resolve_from_cli(model: str, data: str, zenflow: Optional[str], config: Optional[Path],
+def resolve_from_cli(model: str, data: str, zenflow: str | None, config: Path | None,
                      overrides: list[str], flags: dict, *, quiet: bool = False):
     """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
     from zfctl.plan import resolve_plan

@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rich.table import Table
 from rich.text import Text
@@ -161,7 +161,7 @@ def doctor() -> None:
     for name, fn in CHECKS:
         try:
             status, detail = fn()
-        except Exception as e:  # a broken piece is reported, never fatal
+        except Exception as e:  # noqa: BLE001 - a broken piece is reported as a row, never fatal
             status, detail = "fail", f"{type(e).__name__}: {e}"
         table.add_row(name, Text(status, style=_STYLE[status]), detail)
     console.print(table)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,7 +14,7 @@ def export(
     ckpt_dir: Path = typer.Argument(..., exists=True, help="A checkpoint folder, or a run folder (its newest checkpoint)."),
     output: Path = typer.Option(..., "--output", "-o", help="Folder to write (model + tokenizer)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
-    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
+    push_to_hub: str | None = typer.Option(None, "--push-to-hub", metavar="REPO",
                                               help="Also upload to this hub repo (needs network and a token)."),
 ) -> None:
     """Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads."""

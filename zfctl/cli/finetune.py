@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -25,11 +24,11 @@ from zfctl.errors import UserError
 def finetune(
     model: str = MODEL_ARG,
     data: str = DATA_OPT,
-    zenflow: Optional[str] = ZENFLOW_OPT,
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-    output: Optional[Path] = OUTPUT_OPT,
-    max_steps: Optional[int] = MAX_STEPS_OPT,
+    zenflow: str | None = ZENFLOW_OPT,
+    config: Path | None = CONFIG_OPT,
+    set_: list[str] | None = SET_OPT,
+    output: Path | None = OUTPUT_OPT,
+    max_steps: int | None = MAX_STEPS_OPT,
     force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
     debug_data: bool = typer.Option(False, "--debug-data",
                                     help="Print a few decoded training samples with their label masks and exit."),
@@ -63,5 +62,5 @@ def finetune(
         console.print(f"checkpoint: {result.last_checkpoint}  (continue: zfctl resume {result.output_dir})")
 
 
-def _fmt(x: Optional[float]) -> str:
+def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -25,11 +24,11 @@ from zfctl.cli._common import (
 def plan(
     model: str = MODEL_ARG,
     data: str = DATA_OPT,
-    zenflow: Optional[str] = ZENFLOW_OPT,
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-    output: Optional[Path] = OUTPUT_OPT,
-    max_steps: Optional[int] = MAX_STEPS_OPT,
+    zenflow: str | None = ZENFLOW_OPT,
+    config: Path | None = CONFIG_OPT,
+    set_: list[str] | None = SET_OPT,
+    output: Path | None = OUTPUT_OPT,
+    max_steps: int | None = MAX_STEPS_OPT,
     as_json: bool = typer.Option(False, "--json", help="Print {plan, memory, notes} as JSON instead."),
 ) -> None:
     """Resolve the run plan, print it with a memory estimate for this machine, and exit.

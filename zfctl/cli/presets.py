@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.syntax import Syntax
@@ -71,7 +70,7 @@ def show(name: str = typer.Argument(..., help="A preset name, or a section (mode
 def cp(
     name: str = typer.Argument(..., help="Preset to copy."),
     dest: Path = typer.Argument(..., help="File or folder to copy it to (edit it, then use --config)."),
-    kind: Optional[str] = typer.Option(None, "--kind", help="model, data or zenflow, if NAME is ambiguous."),
+    kind: str | None = typer.Option(None, "--kind", help="model, data or zenflow, if NAME is ambiguous."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a preset file (comments included) to DEST as a starting point for --config."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,7 +13,7 @@ from zfctl.errors import UserError
 
 def resume(
     ckpt_dir: Path = typer.Argument(..., exists=True, help="A checkpoint folder, or a run folder (its newest checkpoint)."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1,
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1,
                                             help="Train until this total step count (default: the plan's)."),
     allow_changes: bool = typer.Option(False, "--allow-changes",
                                        help="Accept a plan or world size that differs from the checkpoint's."),

@@ -9,12 +9,17 @@ dotted key and what would be accepted. Unknown keys get the nearest valid key su
 from __future__ import annotations
 
 import difflib
+import math
+import types
 import typing
 from dataclasses import MISSING, fields
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin
 
 from zfctl.errors import ConfigError
+
+# `Optional[X]` and `X | None` have different origins (typing.Union vs types.UnionType).
+_UNIONS = (Union, types.UnionType)
 
 _TRUE = {"true", "yes", "on"}
 _FALSE = {"false", "no", "off"}
@@ -31,7 +36,7 @@ def describe(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(str(c) for c in get_args(tp))
-    if origin is Union:
+    if origin in _UNIONS:
         parts = [describe(a) for a in get_args(tp) if a is not type(None)]
         return " or ".join(parts)
     return {
@@ -70,10 +75,10 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
     """Convert `value` to type hint `tp` or raise ConfigError(key, ...)."""
     origin = get_origin(tp)
     if value is None:
-        if nullable or (origin is Union and type(None) in get_args(tp)):
+        if nullable or (origin in _UNIONS and type(None) in get_args(tp)):
             return None
         raise ConfigError(key, value, f"must not be null; expected {describe(tp)}")
-    if origin is Union:
+    if origin in _UNIONS:
         # Literal members first so that 'auto' wins over a failed int parse.
         members = sorted(
             (a for a in get_args(tp) if a is not type(None)), key=lambda a: get_origin(a) is not Literal
@@ -98,12 +103,12 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
         raise _fail(key, value, tp)
     if tp is int:
         num = _number(value)
-        if num is None or num != num or num in (float("inf"), float("-inf")) or not num.is_integer():
+        if num is None or not math.isfinite(num) or not num.is_integer():
             raise _fail(key, value, tp)
         return int(num)
     if tp is float:
         num = _number(value)
-        if num is None or num != num:  # NaN is never a meaningful setting
+        if num is None or math.isnan(num):  # NaN is never a meaningful setting
             raise _fail(key, value, tp)
         return num
     if tp is str:
@@ -133,7 +138,7 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
     raise TypeError(f"zfctl bug: no coercion for {key} of type {tp!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def field_types(cls: type) -> dict[str, tuple[Any, bool]]:
     """{field name: (resolved type hint, nullable)} of a config dataclass.
 

