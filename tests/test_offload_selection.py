@@ -1,0 +1,106 @@
+"""Column selection and state migration: the loudest columns win, and state follows each column
+exactly (master, both moments and its step counter) when the selection changes."""
+
+from __future__ import annotations
+
+import torch
+
+from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.layout import column_runs, num_selected
+from zfctl.offload.optimizer import ZenFlowOptimizer as _Opt
+
+ROWS, COLS = 64, 32
+FIRST = [1, 5, 9, 13]
+SECOND = [2, 5, 20, 30]  # 5 stays; 2, 20, 30 enter; 1, 9, 13 leave
+
+
+def linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(COLS, ROWS)
+
+
+def planted_grads(layer: torch.nn.Linear, loud: list[int], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    w = torch.randn(ROWS, COLS, generator=g)
+    w[:, loud] *= 50.0
+    layer.weight.grad = w
+    layer.bias.grad = torch.randn(ROWS, generator=g)
+
+
+def test_num_selected_limits() -> None:
+    assert [num_selected(32, r) for r in (0.0, 0.01, 0.125, 0.5, 1.0)] == [0, 1, 4, 16, 32]
+
+
+def test_column_runs_merge_adjacent_columns() -> None:
+    offsets = torch.tensor([0, 3, 6, 10, 14, 20])  # five columns of lengths 3, 3, 4, 4, 6
+    mask = torch.tensor([True, True, False, True, True])
+    assert column_runs(mask, offsets).tolist() == [[0, 6], [10, 10]]
+    assert column_runs(~mask, offsets).tolist() == [[6, 4]]
+    assert column_runs(torch.zeros(5, dtype=torch.bool), offsets).shape == (0, 2)
+
+
+def test_planted_large_gradient_columns_are_selected() -> None:
+    layer = linear()
+    with ZenFlowOptimizer(layer.named_parameters(), ZenFlowConfig(topk_ratio=0.125), lr=1e-3) as opt:
+        planted_grads(layer, FIRST, step=0)
+        stats = opt.step()
+        assert stats.selection
+        assert opt._device.index[0].tolist() == FIRST
+        assert stats.selected_fraction == 4 / 32
+        owned = opt.host.device_owned.nonzero().flatten().tolist()
+        assert owned == FIRST  # the host skips exactly those columns
+
+
+def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> None:
+    layer = linear()
+    cfg = ZenFlowConfig(topk_ratio=0.125, update_interval=2, overlap_step=True, select_strategy="step",
+                        select_interval=4)
+    captured: dict[str, object] = {}
+    original = _Opt._select
+
+    def select_and_capture(self, grads, stats):
+        captured["before"] = _state(self)
+        original(self, grads, stats)
+        captured["after"] = _state(self)  # right after migration, before this step's device update
+
+    monkeypatch.setattr(_Opt, "_select", select_and_capture)
+    with ZenFlowOptimizer(layer.named_parameters(), cfg, lr=1e-2, weight_decay=0.1) as opt:
+        for step in range(4):
+            planted_grads(layer, FIRST, step)
+            opt.step()
+        planted_grads(layer, SECOND, 4)
+        stats = opt.step()
+        assert stats.selection and stats.installed  # the drain installed the in-flight update first
+        assert not opt._worker.busy
+        groups = opt.host.update_groups()
+
+    before, after = captured["before"], captured["after"]
+    assert before["index"] == FIRST and after["index"] == SECOND
+    for key in ("master", "exp_avg", "exp_avg_sq", "steps"):
+        dev_b, dev_a, host_b, host_a = before["dev"][key], after["dev"][key], before["host"][key], after["host"][key]
+        for row, col in enumerate(SECOND):
+            if col in FIRST:  # staying: its device state moved rows, unchanged
+                assert torch.equal(dev_a[row], dev_b[FIRST.index(col)]), (key, col)
+            else:  # entering: the host's state, bit for bit
+                assert torch.equal(dev_a[row], host_b[col]), (key, col)
+        for row, col in enumerate(FIRST):
+            if col not in SECOND:  # leaving: the device's state, bit for bit, back on the host
+                assert torch.equal(host_a[col], dev_b[row]), (key, col)
+    # Counters: 4 device steps for the first selection; the host columns had 2 CPU updates.
+    assert before["dev"]["steps"].tolist() == [4.0] * 4
+    assert after["dev"]["steps"].tolist() == [2.0, 4.0, 2.0, 2.0]
+    # Leaving columns keep their own count on the host: the next CPU update runs two groups,
+    # step 3 for the columns that never left and step 5 for the three that came back.
+    assert [step for step, _ in groups] == [3, 5]
+    assert groups[1][1].tolist() == [[c * ROWS, ROWS] for c in (1, 9, 13)]
+
+
+def _state(opt: ZenFlowOptimizer) -> dict:
+    slot = opt._selectable[0]
+    dev, host = opt._device.column_state(slot), opt.host.column_state(slot)
+    keys = ("master", "exp_avg", "exp_avg_sq", "steps")
+    return {
+        "index": None if opt._device.index[0] is None else opt._device.index[0].tolist(),
+        "dev": {k: v.clone() for k, v in zip(keys, dev)},
+        "host": {k: v.clone() for k, v in zip(keys, host)},
+    }
