@@ -217,8 +217,10 @@ def train(x: LoopInputs) -> LoopResult:
                 saved_step = step
                 x.display.print(f"checkpoint {last_ckpt}")
             if stopping:
+                exc = interrupted(stop.signum or 15, step, str(x.run_dir))
+                x.display.print(f"[yellow]{exc.message}")
                 x.display.close()
-                raise interrupted(stop.signum or 15, step, str(x.run_dir))
+                raise exc
 
     # -- end: save the exact training state first (a later `zfctl resume --max-steps` continues
     #    the same trajectory), then install any in-flight CPU update: the weights are final.

@@ -1,0 +1,118 @@
+"""`export`: a checkpoint -> a folder `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+The checkpoint's ``model.safetensors`` holds the weights as training left them; with
+``overlap_step`` one CPU update may still be in flight inside the optimizer state. Export rebuilds
+the optimizer on the CPU, loads that state and flushes it, so the exported weights are exactly the
+finished model (the one the final evaluation scored), not one interval behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from zfctl.errors import UserError
+from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
+from zfctl.train import checkpoint as ck
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_hub(repo_id: str) -> str:
+    """Fail fast (before any work) unless an upload to ``repo_id`` can work; return the token."""
+    if not _REPO_ID.match(repo_id):
+        raise UserError(f"--push-to-hub {repo_id!r}: expected a repo id like your-name/model-name")
+    from huggingface_hub import constants, get_token
+
+    later = f"export without --push-to-hub, then upload the folder with `hf upload {repo_id} DIR`"
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, the hub cannot be reached; {later}")
+    try:  # any HTTP answer, even an error status, proves the hub is reachable
+        urllib.request.urlopen(constants.ENDPOINT, timeout=5).close()
+    except urllib.error.HTTPError:
+        pass
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise UserError(f"--push-to-hub {repo_id}: cannot reach the Hugging Face hub at "
+                        f"{constants.ENDPOINT} ({reason}); {later}") from None
+    token = get_token()
+    if not token:
+        raise UserError(f"--push-to-hub {repo_id}: no Hugging Face token; run `hf auth login` or set "
+                        f"HF_TOKEN, or {later}")
+    return token
+
+
+def _final_weights(info: ck.CheckpointInfo, plan: object) -> torch.nn.Module:
+    """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
+    from zfctl.train.model import load_model
+    from zfctl.train.optim import build_optimizer
+
+    model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
+                       seed=plan.train.seed)
+    ck.load_model_weights(info, model)
+    trainer = ck.load_torch(info, ck.TRAINER_FILE)
+    # The host-side state (masters, moments, pending update) of a replicated optimizer is the
+    # same on every rank, so rank 0's file serves. Costs the optimizer's host memory briefly.
+    opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get("steps_per_epoch", 1)))
+    try:
+        opt.load_state_dict(ck.load_torch(info, ck.optimizer_file(0)))
+        opt.flush()
+    finally:
+        opt.close()
+    return model
+
+
+def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: str | None = None) -> Path:
+    """Write ``output`` (weights as safetensors, config, tokenizer, the run plan); return it.
+
+    The folder is assembled next to ``output`` and renamed into place, so a failure never leaves a
+    half-written export; ``force`` replaces an existing folder only once the new one is complete.
+    """
+    output = Path(output)
+    token = check_hub(push_to_hub) if push_to_hub else None
+    info = ck.resolve_checkpoint(Path(ckpt_dir))
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
+        raise UserError(f"export folder {output} already exists and is not empty; pass --force to "
+                        "replace it or choose another --output")
+    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
+    from zfctl.train.model import load_tokenizer
+
+    tokenizer = load_tokenizer(plan.model)
+    model = _final_weights(info, plan)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)  # safetensors; tied weights stored once
+        tokenizer.save_pretrained(tmp)
+        dump_plan_yaml(plan, tmp / "zfctl-plan.yaml")
+        (tmp / "zfctl-export.json").write_text(json.dumps(
+            {"checkpoint": str(info.path.resolve()), "step": info.step, "zfctl_version": info.version},
+            indent=1) + "\n", encoding="utf-8")
+        if output.exists():
+            trash = output.with_name(f".{output.name}.trash-export")
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(output, trash)
+            os.rename(tmp, output)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if push_to_hub:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(push_to_hub, exist_ok=True)
+        api.upload_folder(folder_path=str(output), repo_id=push_to_hub,
+                          commit_message=f"zfctl export of {info.path.name}")
+    return output

@@ -1,0 +1,322 @@
+"""`run` and `resume`: build everything the loop needs from a RunPlan (or a checkpoint) and train.
+
+Order matters for the promise "bad input -> one line, exit 2, nothing touched": every input is
+proved good (tokenizer, data, model, optimizer) before the output folder is created or cleared.
+Data is prepared before the process group forms, so a tokenisation error never leaves torchrun
+peers hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from zfctl import __version__
+from zfctl.errors import UserError
+from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
+from zfctl.plan.schema import RunPlan
+from zfctl.train import checkpoint as ck
+from zfctl.train.display import NullDisplay, RichDisplay
+from zfctl.train.loop import LoopInputs, train
+from zfctl.train.metrics import METRICS_FILE, MetricsWriter, build_sinks
+from zfctl.train.optim import build_optimizer
+from zfctl.train.sampler import ResumableSampler, SamplerPosition
+from zfctl.train.schedule import build_scheduler, restore_scheduler
+
+PLAN_FILE = "plan.yaml"
+# What `--force` may delete in an existing run folder; anything else there is left alone.
+RUN_ENTRIES = (ck.CHECKPOINTS, METRICS_FILE, PLAN_FILE, "tensorboard", "wandb")
+# Plan keys that may differ between a checkpoint and the run folder without being a "change".
+RESUME_FREE_KEYS = ("checkpoint.output_dir", "train.max_steps")
+
+
+@dataclass
+class RunResult:
+    """What a finished (or already finished) run reports to the CLI."""
+
+    output_dir: Path
+    steps: int
+    final_train_loss: float | None
+    final_eval_loss: float | None
+    last_checkpoint: Path | None
+
+
+@dataclass
+class _Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _dist_env() -> _Dist:
+    """Rank and world size as torchrun sets them (a single process without torchrun)."""
+    return _Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                 int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse an existing, non-empty output folder unless ``force`` (and then only a run folder)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"output {out} exists and is not a folder; choose another --output")
+    entries = {p.name for p in out.iterdir()}
+    if not entries:
+        return
+    if not force:
+        raise UserError(f"output folder {out} already exists and is not empty; pass --force to "
+                        f"overwrite it, `zfctl resume {out}` to continue it, or choose another --output")
+    if not entries & set(RUN_ENTRIES):
+        raise UserError(f"output folder {out} is not empty and is not a zfctl run folder; --force only "
+                        "overwrites run folders: choose a new or empty --output")
+
+
+def _clear_run_dir(out: Path) -> None:
+    for name in RUN_ENTRIES:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _device(plan: RunPlan, env: _Dist) -> torch.device:
+    want = plan.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _process_setup(plan: RunPlan, env: _Dist, device: torch.device) -> Iterator[None]:
+    """Seeds, determinism flags and the process group, restored/torn down on exit."""
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    random.seed(plan.train.seed)
+    torch.manual_seed(plan.train.seed)
+    # CPU kernels are deterministic for a fixed thread count already; the flag makes any op
+    # that is not warn instead of silently breaking bit-exact resume. On CUDA it would force
+    # slower kernels (and needs CUBLAS_WORKSPACE_CONFIG), so it stays off there.
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    own_group = False
+    if env.world_size > 1 and not dist.is_initialized():
+        backend = plan.distributed.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+        own_group = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev_det)
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _load_inputs(plan: RunPlan) -> tuple[Any, Any]:
+    """Tokenizer and prepared data; every data problem surfaces here as a UserError."""
+    from zfctl.train.data import prepare_data
+    from zfctl.train.model import load_tokenizer
+
+    tokenizer = load_tokenizer(plan.model)
+    prepared = prepare_data(plan.data, tokenizer, seed=plan.train.seed)
+    if _dist_env().rank == 0:
+        Console().print(f"data: {prepared.summary()}", highlight=False, markup=False)
+    if len(prepared.train) == 0:
+        raise UserError(f"data {plan.data.name!r} has no training records after slicing/filtering; "
+                        "check data.start_idx/end_idx")
+    return tokenizer, prepared
+
+
+def _build_model(plan: RunPlan, device: torch.device) -> torch.nn.Module:
+    from zfctl.train.model import load_model
+
+    return load_model(plan.model, precision=plan.train.precision, device=device, seed=plan.train.seed)
+
+
+def _total_steps(plan: RunPlan, sampler: ResumableSampler) -> int:
+    if plan.train.max_steps is not None:
+        return int(plan.train.max_steps)
+    return max(1, plan.train.epochs * sampler.batches_per_epoch() // plan.train.gradient_accumulation_steps)
+
+
+def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fresh: bool,
+           force: bool = False, ckpt: ck.CheckpointInfo | None = None,
+           allow_world_change: bool = False) -> RunResult:
+    """Shared body of run/resume: build, restore (resume), train."""
+    out = Path(plan.checkpoint.output_dir)
+    t = plan.train
+    with _process_setup(plan, env, device):
+        model = _build_model(plan, device)
+        position = None
+        trainer_state: dict[str, Any] = {}
+        if ckpt is not None:
+            ck.load_model_weights(ckpt, model)
+            trainer_state = ck.load_torch(ckpt, ck.TRAINER_FILE)
+            position = SamplerPosition.from_dict(trainer_state["sampler"])
+            if trainer_state.get("num_train_samples") not in (None, len(prepared.train)):
+                raise UserError(
+                    f"the training data changed since the checkpoint ({trainer_state['num_train_samples']} "
+                    f"records then, {len(prepared.train)} now): the data position would be meaningless; "
+                    "restore the data or start a new run")
+        sampler = ResumableSampler(len(prepared.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
+                                   world_size=env.world_size, position=position)
+        steps_per_epoch = max(1, sampler.batches_per_epoch() // t.gradient_accumulation_steps)
+        total = _total_steps(plan, sampler)
+        optimizer = build_optimizer(model, plan, steps_per_epoch=steps_per_epoch,
+                                    process_group=dist.group.WORLD if env.world_size > 1 else None)
+        scheduler = build_scheduler(optimizer, t.schedule, warmup_steps=t.warmup_steps, total_steps=total)
+        start_step = 0
+        if ckpt is not None:
+            rank_file = ck.optimizer_file(env.rank)
+            if allow_world_change and not (ckpt.path / rank_file).exists():
+                rank_file = ck.optimizer_file(0)  # replicated state: rank 0's serves any rank
+            optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
+            restore_scheduler(scheduler, trainer_state["scheduler"])
+            start_step = int(trainer_state["step"])
+            rng = ckpt.path / ck.rng_file(env.rank)
+            if rng.exists():  # RNG last: nothing above may draw from it after the restore
+                ck.restore_rng(ck.load_torch(ckpt, rng.name))
+
+        # Every input is good: only now touch the output folder.
+        if env.rank == 0:
+            if fresh:
+                check_output_dir(out, force)
+                if out.exists():
+                    _clear_run_dir(out)
+            out.mkdir(parents=True, exist_ok=True)
+            dump_plan_yaml(plan, out / PLAN_FILE)
+        if env.world_size > 1:
+            dist.barrier()
+        metrics = display = None
+        try:
+            if env.rank == 0:
+                sinks = build_sinks(wandb=plan.logging.wandb, wandb_project=plan.logging.wandb_project,
+                                    tensorboard=plan.logging.tensorboard, run_dir=out, config=asdict(plan))
+                metrics = MetricsWriter(out, resume_step=None if fresh else start_step, sinks=sinks)
+            display = RichDisplay(Console()) if env.rank == 0 else NullDisplay()
+
+            def save(step: int, counters: dict[str, Any]) -> Path:
+                state = {"step": step, "scheduler": scheduler.state_dict(),
+                         "sampler": sampler.position.to_dict(), "num_train_samples": len(prepared.train),
+                         "steps_per_epoch": steps_per_epoch,
+                         "zfctl_version": __version__, **counters}
+                return ck.save_checkpoint(
+                    out, step, model=model, optimizer_state=optimizer.state_dict(), trainer_state=state,
+                    write_plan=lambda p: dump_plan_yaml(plan, p), keep_last=plan.checkpoint.keep_last,
+                    rank=env.rank, world_size=env.world_size,
+                    barrier=dist.barrier if env.world_size > 1 else (lambda: None))
+
+            result = train(LoopInputs(
+                model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                train_data=prepared.train, eval_data=prepared.eval, collate=prepared.collate,
+                device=device, start_step=start_step, total_steps=total,
+                grad_accum=t.gradient_accumulation_steps, micro_batch_size=t.micro_batch_size,
+                eval_every=t.eval_every, eval_batches=t.eval_batches,
+                checkpoint_every=plan.checkpoint.every, log_every=max(1, plan.logging.every),
+                save_checkpoint=save, metrics=metrics, display=display, run_dir=out, rank=env.rank,
+                world_size=env.world_size, tokens_seen=int(trainer_state.get("tokens_seen", 0)),
+                last_loss=trainer_state.get("last_loss")))
+        finally:
+            if metrics is not None:
+                metrics.close()
+            if display is not None:
+                display.close()
+            optimizer.close()
+    last = result.last_checkpoint or (ckpt.path if ckpt is not None else None)
+    return RunResult(output_dir=out, steps=result.steps, final_train_loss=result.final_train_loss,
+                     final_eval_loss=result.final_eval_loss, last_checkpoint=last)
+
+
+def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunResult:
+    """Fine-tune as ``plan`` says; write checkpoints and metrics under its output folder.
+
+    ``debug_data``: print a few decoded training samples with their label masks and return
+    without training or writing anything.
+    """
+    out = Path(plan.checkpoint.output_dir)
+    env = _dist_env()
+    if not debug_data and env.rank == 0:
+        check_output_dir(out, force)  # fail in a second, before minutes of data preparation
+    tokenizer, prepared = _load_inputs(plan)
+    if debug_data:
+        from zfctl.train.data import format_debug_samples
+
+        if env.rank == 0:
+            Console().print(format_debug_samples(prepared, tokenizer), highlight=False, markup=False)
+        return RunResult(output_dir=out, steps=0, final_train_loss=None, final_eval_loss=None,
+                         last_checkpoint=None)
+    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=True, force=force)
+
+
+def plan_differences(old: RunPlan, new: RunPlan, ignore: tuple[str, ...] = RESUME_FREE_KEYS) -> list[str]:
+    """Dotted keys whose values differ, as ``key: old -> new``."""
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and prefix == "":
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    a, b = flat(asdict(old)), flat(asdict(new))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in ignore and a.get(k) != b.get(k)]
+
+
+def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
+           on_plan: Callable[[RunPlan], None] | None = None) -> RunResult:
+    """Continue a run from a checkpoint folder, or from a run folder's newest checkpoint.
+
+    The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since, or a different
+    world size, is refused with the differences listed unless ``allow_changes`` (then the edited
+    plan is used). ``max_steps`` moves the end of the run (the LR schedule follows it).
+    ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
+    """
+    info = ck.resolve_checkpoint(Path(ckpt_dir))
+    run_dir = info.path.parent.parent
+    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
+    env = _dist_env()
+    problems = []
+    edited = run_dir / PLAN_FILE
+    if edited.is_file():
+        current = load_plan_yaml(edited)
+        diffs = plan_differences(plan, current)
+        if diffs and allow_changes:
+            plan = current
+        problems += diffs
+    if env.world_size != info.world_size:
+        problems.append(f"world size: {info.world_size} -> {env.world_size}")
+    if problems and not allow_changes:
+        raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
+                        f"({'; '.join(problems)}); undo the change or pass --allow-changes")
+    if info.version != __version__ and env.rank == 0:
+        Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
+                                   f"{__version__}")
+    plan = replace(plan, checkpoint=replace(plan.checkpoint, output_dir=str(run_dir)))
+    if max_steps is not None:
+        if max_steps < info.step:
+            raise UserError(f"--max-steps {max_steps} is before the checkpoint's step {info.step}; "
+                            f"give a value >= {info.step}")
+        plan = replace(plan, train=replace(plan.train, max_steps=max_steps))
+    if on_plan is not None and env.rank == 0:
+        on_plan(plan)
+    _, prepared = _load_inputs(plan)
+    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, ckpt=info,
+                  allow_world_change=allow_changes)
