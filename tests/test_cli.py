@@ -208,3 +208,31 @@ def test_python_m_zfctl_exit_code_and_single_stderr_line() -> None:
                           "--set", "zenflow.topk_ratio=2"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be in [0, 1], e.g. 0.1"
+
+
+def test_resume_and_export_call_the_engine_with_the_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from zfctl.plan import resolve_plan
+
+    seen: dict = {}
+
+    class Result:
+        output_dir, steps = tmp_path, 7
+
+    def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None):
+        seen["resume"] = (Path(ckpt_dir), max_steps, allow_changes)
+        on_plan(resolve_plan("tiny-llama", "sst2-sample"))      # the loop hands the saved plan back
+        return Result()
+
+    def fake_export(ckpt_dir, output, *, force=False, push_to_hub=None):
+        seen["export"] = (Path(ckpt_dir), Path(output), force, push_to_hub)
+        return Path(output)
+
+    monkeypatch.setattr(zfctl.train, "resume", fake_resume)
+    monkeypatch.setattr(zfctl.train, "export", fake_export)
+    res = zf("resume", tmp_path, "--max-steps", "7", "--allow-changes")
+    assert res.exit_code == 0, res.output
+    assert seen["resume"] == (tmp_path, 7, True)
+    assert "sst2-sample" in res.output and "done 7 steps" in res.output     # plan printed via on_plan
+    exp = zf("export", tmp_path, "--output", tmp_path / "hf", "--force", "--push-to-hub", "me/tiny")
+    assert exp.exit_code == 0, exp.output
+    assert seen["export"] == (tmp_path, tmp_path / "hf", True, "me/tiny")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import typer
@@ -25,9 +24,7 @@ def resume(
         from zfctl.train import resume as train_resume
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
-    kwargs: dict = {"max_steps": max_steps, "allow_changes": allow_changes}
-    # The loop loads the plan from the checkpoint; it calls back so the plan prints before training.
-    if "on_plan" in inspect.signature(train_resume).parameters:
-        kwargs["on_plan"] = lambda plan: print_plan(plan, console)
-    result = train_resume(ckpt_dir, **kwargs)
+    # The loop reads the plan from the checkpoint and calls back so it prints before any loading.
+    result = train_resume(ckpt_dir, max_steps=max_steps, allow_changes=allow_changes,
+                          on_plan=lambda plan: print_plan(plan, console))
     console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
