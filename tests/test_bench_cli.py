@@ -1,0 +1,187 @@
+"""`zfctl bench` through the real CLI and the real ZenFlow engine, on CPU, in seconds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from zfctl.bench.report import CSV_COLUMNS
+from zfctl.cli import app
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}  # rich wraps tables at 80 columns otherwise
+
+HIDDEN, NLAYERS, TOPK = 64, 2, 0.25
+# The synthetic model's matrices: NLAYERS x [HIDDEN, HIDDEN] fp32 weights (biases stay on the device).
+MATRIX_BYTES = NLAYERS * HIDDEN * HIDDEN * 4
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["bench", *args], env=WIDE)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """One 2-configuration grid (topk 0.25 x interval 2,4) plus the baselines, run once."""
+    out = tmp_path_factory.mktemp("bench")
+    res = invoke("--hidden-dim", str(HIDDEN), "--nlayers", str(NLAYERS), "--dtype", "fp32",
+                 "--topk", str(TOPK), "--interval", "2,4", "--overlap", "on", "--warmup", "4",
+                 "--iterations", "2", "--device", "cpu", "--json", str(out / "b.json"), "--csv", str(out / "b.csv"))
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "b.json").read_text())
+    rows = list(csv.DictReader((out / "b.csv").open()))
+    return res.output, doc, rows
+
+
+def test_grid_runs_the_baselines_and_both_configurations(grid):
+    output, doc, csv_rows = grid
+    rows = doc["results"]
+    assert [(r["name"], r["interval"]) for r in rows] == [("zero-offload", 1), ("off", 1), ("zenflow", 2),
+                                                          ("zenflow", 4)]
+    for header in ("accumulation steps", "update steps", "all steps", "speedup", "stall", "forward",
+                   "backward", "device opt", "CPU step", "D2H", "H2D"):
+        assert header in output
+    for r in rows:
+        assert r["label"] in output
+    # --iterations 2 x the longest interval (4): every configuration times 8 steps.
+    assert [r["steps"] for r in rows] == [8, 8, 8, 8]
+    # Update (boundary) steps: every step for zero-offload, none for off (nothing on the host),
+    # one per interval for ZenFlow.
+    assert [r["n_update"] for r in rows] == [8, 0, 4, 2]
+    assert [r["n_accumulate"] for r in rows] == [0, 8, 4, 6]
+    assert list(csv_rows[0]) == CSV_COLUMNS and len(csv_rows) == 4
+    assert [float(c["overall_mean_ms"]) for c in csv_rows] == pytest.approx(
+        [r["step_ms"]["overall"]["mean"] for r in rows])
+    assert doc["meta"]["n_params"] == NLAYERS * (HIDDEN * HIDDEN + HIDDEN)
+    assert doc["meta"]["timing"] == "wall clock"
+
+
+def test_numbers_are_positive_and_consistent(grid):
+    _, doc, _ = grid
+    for r in doc["results"]:
+        s = r["step_ms"]
+        for kind in ("accumulate", "update", "overall"):
+            if s[kind]["n"]:
+                assert s[kind]["mean"] > 0 and s[kind]["median"] > 0
+            else:  # a kind this configuration does not have is absent, not a zero
+                assert s[kind]["mean"] is None
+        if s["accumulate"]["n"] and s["update"]["n"]:
+            assert s["accumulate"]["mean"] <= s["overall"]["mean"] <= s["update"]["mean"] or \
+                s["update"]["mean"] <= s["overall"]["mean"] <= s["accumulate"]["mean"]
+        steps = [rec["step_ms"] for rec in r["records"]]
+        assert len(steps) == r["steps"] and sum(steps) / len(steps) == pytest.approx(s["overall"]["mean"])
+        # The phases are cut out of the step by the same clock: they add up to it.
+        for rec in r["records"]:
+            assert rec["fwd_ms"] > 0 and rec["bwd_ms"] > 0 and rec["opt_ms"] > 0
+            assert rec["fwd_ms"] + rec["bwd_ms"] + rec["opt_ms"] == pytest.approx(rec["step_ms"])
+            assert 0 <= rec["stall_ms"] <= rec["opt_ms"]
+        assert s["overall"]["mean"] <= r["wall_ms_per_step"]  # marks lie inside the timed window
+        assert 0 <= r["stall_fraction"] < 1
+        assert r["speedup_vs_zero_offload"] > 0
+        if r["name"] != "off":  # a CPU update completed in every interval
+            assert r["cpu_step_ms"]["n"] > 0 and r["cpu_step_ms"]["mean"] > 0
+    assert doc["results"][0]["speedup_vs_zero_offload"] == 1.0
+
+
+def test_bytes_match_the_layout(grid):
+    """D2H: the engine streams slot-sized ranges of whole columns, device-owned columns riding
+    along (zfctl/offload/chunks.py); one 32 MiB slot holds a whole 64x64 matrix, so every step
+    moves all matrix gradients plus a few bytes of scalars (norm, clip coefficient). H2D: the
+    host's new values of the matrices, once per interval (overlap installs the previous
+    interval's update at each boundary). `off` keeps everything on the device: no traffic."""
+    _, doc, _ = grid
+    zo, off, u2, u4 = doc["results"]
+    for r, interval in ((zo, 1), (u2, 2), (u4, 4)):
+        for rec in r["records"]:
+            assert 0 <= rec["d2h_bytes"] - MATRIX_BYTES <= 16
+            assert rec["h2d_bytes"] == (MATRIX_BYTES if rec["update"] else 0)
+        assert r["h2d_bytes_per_step"] == MATRIX_BYTES / interval
+    assert off["d2h_bytes_per_step"] == 0 and off["h2d_bytes_per_step"] == 0
+    param_bytes = doc["meta"]["param_bytes"]
+    assert zo["traffic_x_model"] == pytest.approx((zo["d2h_bytes_per_step"] + MATRIX_BYTES) / param_bytes)
+
+
+@pytest.mark.slow
+def test_preset_model_runs_with_tokens_per_second(tmp_path):
+    out = tmp_path / "llama.json"
+    res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32",
+                 "--topk", "0.1", "--interval", "1", "--warmup", "1", "--iterations", "2", "--device", "cpu",
+                 "--json", str(out))
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    v, h, i, layers = 4096, 256, 688, 4  # presets/models/tiny-llama.yaml, untied embeddings
+    assert doc["meta"]["n_params"] == 2 * v * h + layers * (4 * h * h + 3 * h * i + 2 * h) + h
+    assert [r["name"] for r in doc["results"]] == ["zero-offload", "off", "zenflow"]
+    for r in doc["results"]:
+        assert r["tokens_per_s"] == pytest.approx(32 * r["samples_per_s"] / 2)
+        assert r["steps"] == 2 and r["step_ms"]["overall"]["mean"] > 0
+
+
+def test_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from zfctl.bench.plot import plot
+
+    rows = [{"label": "zero-offload", "stall_fraction": 0.5,
+             "step_ms": {"accumulate": {"mean": None}, "update": {"mean": 20.0}, "overall": {"mean": 20.0}}},
+            {"label": "topk 0.1, U 4", "stall_fraction": 0.01,
+             "step_ms": {"accumulate": {"mean": 5.0}, "update": {"mean": 9.0}, "overall": {"mean": 6.0}}}]
+    plot(rows, tmp_path / "p.png", {"model": "m", "device": "cpu"})
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--topk", "1.5"], "--topk 1.5"),
+    (["--interval", "0"], "--interval 0"),
+    (["--overlap", "maybe"], "--overlap 'maybe'"),
+    (["--overlap", "on", "--no-overlap"], "--no-overlap"),
+    (["--dtype", "fp8"], "--dtype 'fp8'"),
+    (["--iterations", "0"], "--iterations 0"),
+    (["--model", "tiny-lama"], "did you mean tiny-llama"),
+    (["--model", "tiny-llama", "--hidden-dim", "64"], "--hidden-dim"),
+    (["--seq-len", "64"], "--seq-len"),
+    (["--json", "no/such/dir/b.json"], "does not exist"),
+    (["--plot", "b.pdf"], "must end in .png"),
+    (["--max-grad-norm", "0"], "--max-grad-norm"),
+])
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(args, needle):
+    res = invoke(*args, "--device", "cpu")
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+
+
+def test_existing_report_is_not_overwritten_without_force(tmp_path):
+    target = tmp_path / "b.json"
+    target.write_text("keep me")
+    res = invoke("--json", str(target), "--device", "cpu")
+    assert res.exit_code == 2 and "--force" in res.output
+    assert target.read_text() == "keep me"
+
+
+def test_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    res = invoke("--plot", str(tmp_path / "p.png"), "--device", "cpu")
+    assert res.exit_code == 2
+    assert "pip install 'zfctl[plot]'" in res.output
+    assert "zfctl bench:" not in res.output  # nothing was run
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_events_time_the_step_and_agree_with_the_wall_clock(tmp_path):
+    out = tmp_path / "gpu.json"
+    res = invoke("--hidden-dim", "1024", "--nlayers", "2", "--topk", "0.1", "--interval", "4",
+                 "--overlap", "on,off", "--warmup", "8", "--iterations", "4", "--device", "cuda", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["timing"] == "CUDA events"
+    for r in doc["results"]:
+        # Events measure the device timeline, the wall clock the host's; over a whole window
+        # (one sync at its end) they agree to within the loop's own overhead.
+        assert r["step_ms"]["overall"]["mean"] == pytest.approx(r["wall_ms_per_step"], rel=0.25)
