@@ -32,6 +32,8 @@ def ls() -> None:
 
 
 def _section_keys(section: str) -> Table:
+    from zfctl.plan.io import to_plain
+    from zfctl.plan.render import short_value
     from zfctl.plan.schema import SECTIONS
 
     table = Table(title=f"{section}.* keys (set in a preset, --config file or --set {section}.KEY=VALUE)",
@@ -41,7 +43,7 @@ def _section_keys(section: str) -> Table:
     table.add_column("meaning", overflow="fold")
     for f in fields(SECTIONS[section]):
         default = f.default if f.default is not MISSING else None
-        table.add_row(f"{section}.{f.name}", str(default), f.metadata.get("help", ""))
+        table.add_row(f"{section}.{f.name}", short_value(to_plain(default)), f.metadata.get("help", ""))
     return table
 
 

@@ -25,18 +25,18 @@ from zfctl.plan.schema import SECTIONS, RunPlan
 from zfctl.plan.validate import validate_plan
 
 
-def _plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """Tuples -> lists, recursively, so YAML and JSON can hold the value."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     return value
 
 
 def plan_to_dict(plan: RunPlan) -> dict:
     """A nested dict of plain values (lists, not tuples), sections in schema order."""
-    return {name: _plain(asdict(getattr(plan, name))) for name in SECTIONS}
+    return {name: to_plain(asdict(getattr(plan, name))) for name in SECTIONS}
 
 
 def check_sections(data: Any, where: str = "plan") -> dict:

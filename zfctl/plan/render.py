@@ -17,7 +17,8 @@ from zfctl.plan.memory import GB, MemoryEstimate
 from zfctl.plan.schema import SECTIONS, RunPlan
 
 
-def _short(value: object, limit: int = 90) -> str:
+def short_value(value: object, limit: int = 90) -> str:
+    """A one-line, YAML-flavoured rendering of a value (null, [a, b], {k: v})."""
     if isinstance(value, dict):
         text = "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     elif isinstance(value, list):
@@ -41,7 +42,7 @@ def plan_table(plan: RunPlan) -> Table:
         for f in fields(cls):
             value = data[name][f.name]
             changed = value != defaults[name][f.name]
-            table.add_row(f"  {f.name}", Text(_short(value), style="bold" if changed else "dim"))
+            table.add_row(f"  {f.name}", Text(short_value(value), style="bold" if changed else "dim"))
     return table
 
 
