@@ -144,6 +144,10 @@ def test_deepspeed_defaults_and_baselines() -> None:
     zo = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert zo.fragment["zenflow"] == {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}
     assert from_deepspeed({"bf16": {"enabled": True}}).fragment["zenflow"] == {"topk_ratio": 1.0}
+    # HF-Trainer-style "auto" values leave the plan's own settings alone
+    auto = from_deepspeed({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                           "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    assert "train" not in auto.fragment
     ignored = from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}}})
     assert any("zero_optimization.overlap_comm" in n for n in ignored.notes)
 

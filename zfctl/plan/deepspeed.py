@@ -228,7 +228,7 @@ def from_deepspeed(ds: dict) -> DeepSpeedImport:
         else:
             out.ignore("train_batch_size", "the global batch is micro_batch_size x "
                        "gradient_accumulation_steps x distributed.nproc")
-    if "gradient_clipping" in ds:
+    if ds.get("gradient_clipping", "auto") != "auto":  # "auto" (HF Trainer style): keep the plan's
         clip = ds["gradient_clipping"]
         out.put("train.max_grad_norm", None if clip in (0, 0.0) else clip)  # DeepSpeed: 0 = off
     _precision(ds, out)
