@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,12 @@ def test_dict_and_yaml_round_trip_exactly(tmp_path: Path) -> None:
     # self-documenting: the help text of a field precedes it; nothing half-written left around
     assert "# Fraction of the columns of every 2-D weight" in text
     assert [p.name for p in path.parent.iterdir()] == ["plan.yaml"]
+    old_umask = os.umask(0o022)
+    try:
+        dump_plan_yaml(plan, tmp_path / "umask" / "plan.yaml")
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "umask" / "plan.yaml").stat().st_mode & 0o777 == 0o644  # like any file, not 0600
     assert yaml.safe_load(text)["train"]["betas"] == [0.8, 0.95]
     assert plan.train.betas == (0.8, 0.95) and plan.data.label_names == ["negative", "positive"]
 

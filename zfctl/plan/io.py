@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import textwrap
+import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,9 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temp file in the same folder and rename: readers see old or new, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # os.open with 0o666 lets the umask decide the mode (mkstemp would force 0600 on plan.yaml).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
