@@ -26,7 +26,7 @@ from zfctl.offload.config import ZenFlowConfig
 
 
 def rec(ms: float, update: bool, *, cpu: float = 0.0, stall: float = 0.0, d2h: int = 0, h2d: int = 0) -> StepRecord:
-    return StepRecord(update=update, step_ms=ms, fwd_ms=ms / 4, bwd_ms=ms / 2, opt_ms=ms / 4, device_opt_ms=0.1,
+    return StepRecord(update=update, step_ms=ms, fwd_ms=ms / 4, bwd_ms=ms / 2, opt_ms=ms / 4, device_opt_ms=0.1, offload_ms=0.2,
                       cpu_step_ms=cpu, stall_ms=stall, d2h_bytes=d2h, h2d_bytes=h2d, skipped=False)
 
 

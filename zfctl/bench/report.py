@@ -51,7 +51,11 @@ def _x(v: float | None) -> str:
 
 
 def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Step-time table (mean / median (steps), per step kind) and phase + traffic table."""
+    """Step-time table (mean / median (steps), per step kind) and phase + traffic table.
+
+    An update step is one that ends a CPU-update interval (StepStats.boundary); every other step
+    is an accumulation step. `off` has no CPU updates, zero-offload has nothing but.
+    """
     t = Table(title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
               title_justify="left")
     for col in ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall"):
@@ -62,16 +66,16 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
                   _x(r["speedup_vs_zero_offload"]), _pct(r["stall_fraction"]))
     console.print(t)
 
-    p = Table(title="Phases, mean ms per step (CPU step: per completed CPU update) and PCIe bytes per step",
+    p = Table(title="Phases: mean ms per step (CPU step: per completed CPU update); PCIe bytes per step",
               title_justify="left")
-    for col in ("#", "forward", "backward", "optimizer", "device opt", "CPU step", "stall",
+    for col in ("#", "forward", "backward", "optimizer", "device opt", "offload", "CPU step", "stall",
                 "D2H", "H2D", "x model"):
         p.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):
-        p.add_row(str(i), fmt_ms(r["fwd_ms"]["mean"]), fmt_ms(r["bwd_ms"]["mean"]), fmt_ms(r["opt_ms"]["mean"]),
-                  fmt_ms(r["device_opt_ms"]["mean"]), fmt_ms(r["cpu_step_ms"]["mean"]),
-                  fmt_ms(r["stall_ms"]["mean"]), fmt_bytes(r["d2h_bytes_per_step"]),
-                  fmt_bytes(r["h2d_bytes_per_step"]), _x(r["traffic_x_model"]))
+        phases = [fmt_ms(r[f"{k}_ms"]["mean"]) for k in ("fwd", "bwd", "opt", "device_opt", "offload",
+                                                          "cpu_step", "stall")]
+        p.add_row(str(i), *phases, fmt_bytes(r["d2h_bytes_per_step"]), fmt_bytes(r["h2d_bytes_per_step"]),
+                  _x(r["traffic_x_model"]))
     console.print(p)
 
 
@@ -79,7 +83,7 @@ CSV_COLUMNS = [
     "name", "label", "topk", "interval", "overlap", "pin", "steps", "trials", "n_accumulate", "n_update",
     "accumulate_mean_ms", "accumulate_median_ms", "update_mean_ms", "update_median_ms",
     "overall_mean_ms", "overall_median_ms", "fwd_mean_ms", "bwd_mean_ms", "opt_mean_ms",
-    "device_opt_mean_ms", "cpu_step_mean_ms", "n_cpu_steps", "stall_mean_ms", "stall_fraction",
+    "device_opt_mean_ms", "offload_mean_ms", "cpu_step_mean_ms", "n_cpu_steps", "stall_mean_ms", "stall_fraction",
     "d2h_bytes_per_step", "h2d_bytes_per_step", "traffic_x_model", "speedup_vs_zero_offload",
     "wall_ms_per_step", "samples_per_s", "tokens_per_s",
 ]
@@ -90,7 +94,7 @@ def csv_row(r: dict[str, Any]) -> dict[str, Any]:
     for kind in ("accumulate", "update", "overall"):
         out[f"{kind}_mean_ms"] = r["step_ms"][kind]["mean"]
         out[f"{kind}_median_ms"] = r["step_ms"][kind]["median"]
-    for key in ("fwd", "bwd", "opt", "device_opt", "cpu_step", "stall"):
+    for key in ("fwd", "bwd", "opt", "device_opt", "offload", "cpu_step", "stall"):
         out[f"{key}_mean_ms"] = r[f"{key}_ms"]["mean"]
     out["n_cpu_steps"] = r["cpu_step_ms"]["n"]
     return {k: ("" if out.get(k) is None else out[k]) for k in CSV_COLUMNS}

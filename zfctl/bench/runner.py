@@ -33,6 +33,7 @@ class StepRecord:
     bwd_ms: float
     opt_ms: float  # step() + zero_grad() as the bench sees it (device AdamW, transfers, stall)
     device_opt_ms: float  # StepStats.device_opt_ms
+    offload_ms: float  # StepStats.offload_ms: D2H gradient streaming + host accumulation (host wall)
     cpu_step_ms: float  # StepStats.cpu_step_ms: 0.0 unless a CPU update completed this step
     stall_ms: float  # StepStats.stall_ms: time step() waited for the CPU worker
     d2h_bytes: int
@@ -98,7 +99,7 @@ def run_trial(
             marks.append((m0, m1, m2, m3))
             # Copy the numbers out now: StepStats holds plain Python numbers, but the engine may
             # reuse one object. The loss stays a device tensor (an .item() here would be a sync).
-            stats.append((st.boundary, st.device_opt_ms, st.cpu_step_ms, st.stall_ms,
+            stats.append((st.boundary, st.device_opt_ms, st.offload_ms, st.cpu_step_ms, st.stall_ms,
                           st.d2h_bytes, st.h2d_bytes, st.skipped))
             losses.append(loss.detach())
         clock.resolve()
@@ -106,7 +107,8 @@ def run_trial(
         opt.flush()  # install the last in-flight CPU update (untimed) before closing
 
     records = []
-    for (m0, m1, m2, m3), (boundary, dev_ms, cpu_ms, stall, d2h, h2d, skipped) in zip(marks, stats):
+    for (m0, m1, m2, m3), (boundary, dev_ms, off_ms, cpu_ms, stall, d2h, h2d, skipped) in zip(
+            marks, stats, strict=True):
         records.append(StepRecord(
             update=bool(boundary),
             step_ms=clock.elapsed_ms(m0, m3),
@@ -114,6 +116,7 @@ def run_trial(
             bwd_ms=clock.elapsed_ms(m1, m2),
             opt_ms=clock.elapsed_ms(m2, m3),
             device_opt_ms=float(dev_ms),
+            offload_ms=float(off_ms),
             cpu_step_ms=float(cpu_ms),
             stall_ms=float(stall),
             d2h_bytes=int(d2h),

@@ -142,6 +142,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
                   f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}")
     for s in skipped:
         console.print(f"  skipping {s['label']}: {s['reason']}")
+    if device.type != "cuda" and len(opts.pins) > 1:
+        console.print("  note: pin_memory changes nothing without CUDA; pin on/off rows differ only by noise")
 
     base = ZenFlowConfig(cpu_threads=opts.cpu_threads)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}

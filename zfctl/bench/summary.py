@@ -70,6 +70,7 @@ def summarize(res: ConfigResult, *, param_bytes: int, samples_per_step: int, tok
         "bwd_ms": asdict(agg(r.bwd_ms for r in recs)),
         "opt_ms": asdict(agg(r.opt_ms for r in recs)),
         "device_opt_ms": asdict(agg(r.device_opt_ms for r in recs)),
+        "offload_ms": asdict(agg(r.offload_ms for r in recs)),
         "cpu_step_ms": asdict(agg(cpu)),
         "stall_ms": asdict(agg(r.stall_ms for r in recs)),
         "stall_update_ms": asdict(agg(r.stall_ms for r in upd)),
