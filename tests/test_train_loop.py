@@ -123,8 +123,9 @@ def test_training_lowers_loss_and_records_metrics(tmp_path):
     train_recs = [r for r in recs if r["kind"] == "train"]
     evals = [(r["step"], r["eval_loss"]) for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train_recs] == list(range(1, 13))
-    assert [s for s, _ in evals] == [4, 8, 12]
-    assert evals[-1][1] == res.final_eval_loss < first_eval
+    assert [s for s, _ in evals] == [0, 4, 8, 12]
+    assert evals[0][1] == first_eval  # the step-0 baseline is the untrained model's loss
+    assert evals[-1][1] == res.final_eval_loss < evals[2][1] < first_eval
     assert train_recs[-1]["loss"] == res.final_train_loss < train_recs[0]["loss"]
     # tokens: attention-mask tokens, counted exactly; checkpoints at 4, 8 and the end
     assert train_recs[-1]["tokens_seen"] == sum(r["tokens"] for r in train_recs)
@@ -151,3 +152,13 @@ def test_sigterm_finishes_step_checkpoints_and_exits_143(tmp_path):
     assert e.value.code == 143 and saved == [3]
     assert "zfctl resume" in e.value.message and "after step 3" in e.value.message
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_console_line_is_dense_and_exact():
+    rec = {"step": 40, "loss": 3.41214, "loss_steps": 10, "lr": 2e-4, "tokens_per_s": 5321.0,
+           "step_ms": 182.4, "compute_ms": 150.2, "device_opt_ms": 20.1, "stall_ms": 12.0,
+           "cpu_step_ms": 41.0, "selected_fraction": 0.1, "grad_norm": 1.234, "loss_scale": None,
+           "skipped": False, "host_peak_gib": 1.24, "device_peak_gib": 0.81}
+    assert format_train_line(rec, 200) == (
+        "step  40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20"
+        " + stall 12 | cpu-adam 41 ms | sel 0.10 | gnorm 1.23 | dev 0.8G host 1.2G")

@@ -3,7 +3,7 @@
 Only rank 0 draws (the others get :class:`NullDisplay`). The line is a view of the same record
 that goes to ``metrics.jsonl``, formatted by :func:`format_train_line`, e.g.::
 
-    step   40/200 | loss 3.4121 | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 | sel 0.10 | host 1.2G
+    step   40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 | sel 0.10 | host 1.2G
 
 ``step ms`` is the wall time of the whole optimizer step; ``fwd/bwd`` is device compute
 (forward + backward of all micro-batches), ``opt`` the device-side optimizer work, ``stall`` the
@@ -46,7 +46,9 @@ def format_train_line(rec: dict[str, Any], total_steps: int) -> str:
     width = len(str(total_steps))
     split = (f"{rec['step_ms']:.0f} ms = fwd/bwd {rec['compute_ms']:.0f} + opt {rec['device_opt_ms']:.0f}"
              f" + stall {rec['stall_ms']:.0f}")
-    parts = [f"step {rec['step']:>{width}}/{total_steps}", f"loss {rec['loss']:.4f}",
+    n = rec.get("loss_steps", 1)  # the console shows the mean over the steps since its last line
+    loss = f"loss {rec['loss']:.4f}" + (f" (avg {n})" if n > 1 else "")
+    parts = [f"step {rec['step']:>{width}}/{total_steps}", loss,
              f"lr {rec['lr']:.2e}", f"{_si(rec['tokens_per_s'])} tok/s", split]
     if rec.get("cpu_step_ms"):
         parts.append(f"cpu-adam {rec['cpu_step_ms']:.0f} ms")
@@ -94,7 +96,9 @@ class RichDisplay:
 
     def print(self, text: str) -> None:
         # Printed through the progress' console so the bar stays below the scrolling lines.
-        (self._progress.console if self._progress else self.console).print(text, highlight=False)
+        # soft_wrap: a dense line stays one line in logs (a non-terminal console is 80 wide).
+        (self._progress.console if self._progress else self.console).print(text, highlight=False,
+                                                                           soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

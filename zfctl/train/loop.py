@@ -144,7 +144,11 @@ def train(x: LoopInputs) -> LoopResult:
     def counters() -> dict[str, Any]:
         return {"tokens_seen": tokens_seen, "last_loss": loss}
 
+    window: list[float] = []  # losses since the last console line: the line shows their mean
     x.display.start(x.total_steps, x.start_step)
+    if x.start_step == 0 and x.eval_every > 0:  # the baseline the falling eval loss is read against
+        _log_eval(x, 0, evaluate(model, x.eval_data, x.collate, x.device, micro_batch_size=x.micro_batch_size,
+                                 max_batches=x.eval_batches, rank=x.rank, world_size=x.world_size))
     with stop:
         while step < x.total_steps:
             t_step = time.perf_counter()
@@ -197,8 +201,11 @@ def train(x: LoopInputs) -> LoopResult:
                        "h2d_bytes": stats.h2d_bytes, "epoch": x.sampler.position.epoch,
                        **memory_stats(x.device)}
                 x.metrics.log(rec)
+                window.append(loss)
                 if step % x.log_every == 0 or step == x.start_step + 1 or step == x.total_steps:
-                    x.display.print(format_train_line(rec, x.total_steps))
+                    x.display.print(format_train_line({**rec, "loss": sum(window) / len(window),
+                                                       "loss_steps": len(window)}, x.total_steps))
+                    window.clear()
             x.display.advance(step, loss)
 
             # -- evaluation (the last step's is done after flush, on the finished model).

@@ -1,0 +1,143 @@
+"""The real CLI in a subprocess: SIGKILL mid-checkpoint, SIGTERM, and bad input -> exit 2.
+
+Each test starts `python -m zfctl` like a user would; a tiny-llama variant keeps steps short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zfctl.train.checkpoint import SLOW_WRITE_ENV, read_checkpoint, resolve_checkpoint
+from zfctl.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
+    "data.end_idx=96", "data.max_length=64", "train.micro_batch_size=4", "train.eval_batches=2",
+    "train.device=cpu", "train.precision=fp32", "train.eval_every=0", "logging.every=1",
+    "zenflow.update_interval=4", "zenflow.overlap_step=true", "zenflow.topk_ratio=0.1",
+]
+
+
+def zfctl(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zfctl", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "COLUMNS": "200", **(env or {})}, **kw)
+
+
+def finetune(out: Path, *extra: str, data: str = "alpaca-sample", model: str = "tiny-llama",
+             env: dict | None = None) -> subprocess.Popen:
+    sets = [a for s in [*TINY, *extra] for a in ("--set", s)]
+    return zfctl("finetune", model, "--data", data, "--output", str(out), *sets, env=env)
+
+
+def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def wait_for(cond, p: subprocess.Popen, timeout: float = 180) -> None:
+    t0 = time.time()
+    while not cond():
+        if p.poll() is not None:
+            raise AssertionError(f"process ended early (rc {p.returncode}):\n{p.stdout.read()}")
+        if time.time() - t0 > timeout:
+            p.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_sigkill_during_checkpoint_write_keeps_previous_and_resume_works(tmp_path):
+    out = tmp_path / "run"
+    # the step-4 checkpoint write sleeps after its model file: SIGKILL lands mid-write
+    p = finetune(out, "train.max_steps=6", "checkpoint.every=2", env={SLOW_WRITE_ENV: "4:120"})
+    partial = out / "checkpoints" / ".tmp-step-000004" / "model.safetensors"
+    wait_for(partial.exists, p)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-000002"
+    assert not (ckpts / "step-000004").exists()
+    info = read_checkpoint(ckpts / "step-000002")  # intact: every file has its recorded size
+    assert info.step == 2 and resolve_checkpoint(out).step == 2
+    killed = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")}
+    assert sorted(killed) == [1, 2, 3, 4]  # steps 3-4 ran, their checkpoint did not land
+
+    rc, log = finish(zfctl("resume", str(out)))
+    assert rc == 0, log
+    recs = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]  # the lost steps are redone, once
+    assert [r["loss"] for r in recs[2:4]] == [killed[3], killed[4]]  # bit-identical redo
+    assert resolve_checkpoint(out).step == 6
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_sigterm_checkpoints_and_exits_143_with_resume_hint(tmp_path):
+    out = tmp_path / "run"
+    p = finetune(out, "train.max_steps=500", "checkpoint.every=0")
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2, p)
+    p.send_signal(signal.SIGTERM)
+    rc, log = finish(p)
+    assert rc == 143, log
+    assert f"zfctl resume {out}" in log
+    step = resolve_checkpoint(out).step
+    assert 2 <= step < 500
+    assert read_metrics(out / "metrics.jsonl", "train")[-1]["step"] == step
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    rc, log = finish(finetune(out, "train.max_steps=2", "checkpoint.every=1"))
+    assert rc == 0, log
+    return out
+
+
+def _one_line_error(rc: int, log: str, *needles: str) -> None:
+    assert rc == 2, log
+    assert "Traceback" not in log, log
+    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    assert any(all(n in ln for n in needles) for ln in lines), log
+
+
+def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
+    before = tree_digest(finished_run)
+    # existing output without --force
+    _one_line_error(*finish(finetune(finished_run, "train.max_steps=1")), "--force")
+    # missing data file
+    _one_line_error(*finish(finetune(finished_run, data=str(tmp_path / "nope.jsonl"))), "nope.jsonl")
+    # bad record: the error names file, record index and field
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n"
+                   + json.dumps({"instruction": "a", "input": ""}) + "\n")
+    _one_line_error(*finish(finetune(tmp_path / "x", "data.template=alpaca", data=str(bad))), "bad.jsonl", "output")
+    assert not (tmp_path / "x").exists()
+    # unknown model
+    _one_line_error(*finish(finetune(tmp_path / "y", model="tiny-lama")), "tiny-lama")
+    assert not (tmp_path / "y").exists()
+    # unreadable checkpoint
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text("{oops")
+    _one_line_error(*finish(zfctl("resume", str(broken))), "unreadable")
+    # resume with a changed world size
+    _one_line_error(*finish(zfctl("resume", str(finished_run), env={"WORLD_SIZE": "2", "RANK": "0"})),
+                    "world size: 1 -> 2", "--allow-changes")
+    assert tree_digest(finished_run) == before
