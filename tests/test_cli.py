@@ -45,9 +45,23 @@ def test_help_lists_every_verb() -> None:
 def test_presets_ls_shows_every_preset_with_a_description() -> None:
     result = zf("presets", "ls")
     assert result.exit_code == 0
-    for name in ("llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama",
-                 "alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample",
-                 "default", "aggressive", "zero-offload", "off"):
+    for name in (
+        "llama2-7b",
+        "llama2-13b",
+        "llama3.2-1b",
+        "opt-350m",
+        "gpt2",
+        "tiny-llama",
+        "alpaca",
+        "glue-sst2",
+        "arxiv-abstract",
+        "alpaca-sample",
+        "sst2-sample",
+        "default",
+        "aggressive",
+        "zero-offload",
+        "off",
+    ):
         assert f" {name} " in result.output
     assert "plain ZeRO-Offload baseline" in result.output
 
@@ -77,17 +91,28 @@ def test_plan_llama2_7b_says_this_machine_cannot_run_it(small_machine: None) -> 
     result = zf("plan", "llama2-7b", "--data", "alpaca")
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "meta-llama/Llama-2-7b-hf" in out and "tatsu-lab/alpaca" in out   # the plan
-    assert "107.8 GB" in out          # host: fp32 master + moments + accumulator, 16 B/param
-    assert "13.5 GB" in out           # device: bf16 weights
+    assert "meta-llama/Llama-2-7b-hf" in out and "tatsu-lab/alpaca" in out  # the plan
+    assert "107.8 GB" in out  # host: fp32 master + moments + accumulator, 16 B/param
+    assert "13.5 GB" in out  # device: bf16 weights
     assert "this machine cannot run it" in out and "host RAM" in out
 
 
 def test_plan_json_is_machine_readable(small_machine: None) -> None:
     result = zf("plan", "tiny-llama", "--data", "sst2-sample", "--zenflow", "off", "--set", "train.lr=1e-3")
     assert result.exit_code == 0
-    data = json.loads(zf("plan", "tiny-llama", "--data", "sst2-sample", "--zenflow", "off",
-                         "--set", "train.lr=1e-3", "--json").stdout)
+    data = json.loads(
+        zf(
+            "plan",
+            "tiny-llama",
+            "--data",
+            "sst2-sample",
+            "--zenflow",
+            "off",
+            "--set",
+            "train.lr=1e-3",
+            "--json",
+        ).stdout
+    )
     assert data["plan"]["train"]["lr"] == 1e-3 and data["plan"]["zenflow"]["topk_ratio"] == 1.0
     assert data["memory"]["fits"] is True and data["memory"]["size"]["params"] == 5_261_568
 
@@ -112,24 +137,40 @@ def _ds(tmp: Path, cfg: dict) -> Path:
 
 BAD_INPUTS = [
     # (what, extra args after `plan tiny-llama --data alpaca-sample`, text the error line must hold)
-    ("unknown key with typo", ["--set", "zenflow.topk_ration=0.2"], "zenflow.topk_ration=0.2: unknown key (did you mean zenflow.topk_ratio?)"),
+    (
+        "unknown key with typo",
+        ["--set", "zenflow.topk_ration=0.2"],
+        "zenflow.topk_ration=0.2: unknown key (did you mean zenflow.topk_ratio?)",
+    ),
     ("out-of-range ratio", ["--set", "zenflow.topk_ratio=1.5"], "zenflow.topk_ratio=1.5"),
     ("bad interval", ["--set", "zenflow.update_interval=0"], "zenflow.update_interval=0"),
     ("interval not a number", ["--set", "zenflow.update_interval=often"], "zenflow.update_interval='often'"),
-    ("select < update interval", ["--set", "zenflow.select_strategy=step", "--set", "zenflow.select_interval=2"],
-     "zenflow.select_interval=2"),
+    (
+        "select < update interval",
+        ["--set", "zenflow.select_strategy=step", "--set", "zenflow.select_interval=2"],
+        "zenflow.select_interval=2",
+    ),
     ("malformed --set", ["--set", "train.lr"], "--set='train.lr'"),
     ("wrong type", ["--set", "train.micro_batch_size=two"], "train.micro_batch_size='two'"),
     ("unknown section", ["--set", "trian.lr=1e-4"], "did you mean train"),
     ("unknown zenflow preset", ["--zenflow", "agressive"], "--zenflow='agressive'"),
     ("malformed JSON", ["--config", _bad_json], "malformed JSON at line 1"),
     ("malformed YAML", ["--config", _bad_yaml], "malformed YAML"),
-    ("conflicting precision", ["--config", lambda t: _ds(t, {"bf16": {"enabled": True}, "fp16": {"enabled": True}})],
-     "bf16.enabled=True"),
-    ("unsupported DeepSpeed key", ["--config", lambda t: _ds(t, {"zero_optimization": {"stage": 3}})],
-     "zero_optimization.stage=3"),
-    ("DeepSpeed key typo", ["--config", lambda t: _ds(t, {"gradient_clipings": 1.0})],
-     "did you mean gradient_clipping"),
+    (
+        "conflicting precision",
+        ["--config", lambda t: _ds(t, {"bf16": {"enabled": True}, "fp16": {"enabled": True}})],
+        "bf16.enabled=True",
+    ),
+    (
+        "unsupported DeepSpeed key",
+        ["--config", lambda t: _ds(t, {"zero_optimization": {"stage": 3}})],
+        "zero_optimization.stage=3",
+    ),
+    (
+        "DeepSpeed key typo",
+        ["--config", lambda t: _ds(t, {"gradient_clipings": 1.0})],
+        "did you mean gradient_clipping",
+    ),
     ("missing config file", ["--config", lambda t: t / "nope.yaml"], "nope.yaml: file not found"),
 ]
 
@@ -144,28 +185,36 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, what: str, extra: list, ne
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         assert needle in lines[0], lines[0]
         assert "Traceback" not in result.output
-    assert not (tmp_path / "run").exists()   # nothing written
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["plan", "llama2-7", "--data", "alpaca"], "MODEL='llama2-7': not a model preset (did you mean llama2-7b?)"),
-    (["plan", "tiny-llama", "--data", "missing.jsonl"], "--data='missing.jsonl': file not found"),
-    (["plan", "tiny-llama", "--data", "alpacca"], "did you mean alpaca?"),
-    (["presets", "show", "tiny-lama"], "NAME='tiny-lama'"),
-    (["presets", "cp", "default", "x.yaml", "--kind", "modell"], "--kind='modell'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["plan", "llama2-7", "--data", "alpaca"],
+            "MODEL='llama2-7': not a model preset (did you mean llama2-7b?)",
+        ),
+        (["plan", "tiny-llama", "--data", "missing.jsonl"], "--data='missing.jsonl': file not found"),
+        (["plan", "tiny-llama", "--data", "alpacca"], "did you mean alpaca?"),
+        (["presets", "show", "tiny-lama"], "NAME='tiny-lama'"),
+        (["presets", "cp", "default", "x.yaml", "--kind", "modell"], "--kind='modell'"),
+    ],
+)
 def test_bad_names_are_one_line_exit_2(args: list[str], needle: str) -> None:
     result = zf(*args)
     assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.output
 
 
 def test_click_usage_errors_also_exit_2(tmp_path: Path) -> None:
-    assert zf("plan", "tiny-llama").exit_code == 2                          # --data missing
+    assert zf("plan", "tiny-llama").exit_code == 2  # --data missing
     assert zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--max-steps", "0").exit_code == 2
     assert zf("resume", tmp_path / "no-such-run").exit_code == 2
 
 
-def test_finetune_passes_the_resolved_plan_to_the_loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_finetune_passes_the_resolved_plan_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     calls = []
 
     class Result:
@@ -176,11 +225,28 @@ def test_finetune_passes_the_resolved_plan_to_the_loop(monkeypatch: pytest.Monke
         return Result()
 
     monkeypatch.setattr(zfctl.train, "run", fake_run)
-    result = zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--zenflow", "zero-offload",
-                "--set", "train.lr=1e-3", "--output", tmp_path / "out", "--max-steps", "3", "--force")
+    result = zf(
+        "finetune",
+        "tiny-llama",
+        "--data",
+        "alpaca-sample",
+        "--zenflow",
+        "zero-offload",
+        "--set",
+        "train.lr=1e-3",
+        "--output",
+        tmp_path / "out",
+        "--max-steps",
+        "3",
+        "--force",
+    )
     assert result.exit_code == 0, result.output
-    (plan, force, debug_data), = calls
-    assert (plan.checkpoint.output_dir, plan.train.max_steps, plan.train.lr) == (str(tmp_path / "out"), 3, 1e-3)
+    ((plan, force, debug_data),) = calls
+    assert (plan.checkpoint.output_dir, plan.train.max_steps, plan.train.lr) == (
+        str(tmp_path / "out"),
+        3,
+        1e-3,
+    )
     assert (plan.zenflow.topk_ratio, plan.zenflow.update_interval, force, debug_data) == (0.0, 1, True, False)
     assert "run plan" in result.output and "2.5000" in result.output
 
@@ -198,19 +264,36 @@ def test_doctor_reports_without_crashing_when_pieces_are_missing(monkeypatch: py
     assert ok.exit_code == 0
     for row in ("torch", "CUDA", "native CPU-Adam", "CPU ISA", "cores", "host memory", "pinned memory"):
         assert row in ok.output
-    monkeypatch.setitem(sys.modules, "zfctl._native", None)   # import of it now raises ImportError
+    monkeypatch.setitem(sys.modules, "zfctl._native", None)  # import of it now raises ImportError
     broken = zf("doctor")
     assert broken.exit_code == 0 and "native CPU-Adam binding missing" in broken.output
 
 
 def test_python_m_zfctl_exit_code_and_single_stderr_line() -> None:
-    bad = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample",
-                          "--set", "zenflow.topk_ratio=2"], capture_output=True, text=True, check=False, cwd=ROOT)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zfctl",
+            "plan",
+            "tiny-llama",
+            "--data",
+            "alpaca-sample",
+            "--set",
+            "zenflow.topk_ratio=2",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be in [0, 1], e.g. 0.1"
 
 
-def test_resume_and_export_call_the_engine_with_the_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_resume_and_export_call_the_engine_with_the_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from zfctl.plan import resolve_plan
 
     seen: dict = {}
@@ -220,7 +303,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(monkeypatch: pytest.Mo
 
     def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None):
         seen["resume"] = (Path(ckpt_dir), max_steps, allow_changes)
-        on_plan(resolve_plan("tiny-llama", "sst2-sample"))      # the loop hands the saved plan back
+        on_plan(resolve_plan("tiny-llama", "sst2-sample"))  # the loop hands the saved plan back
         return Result()
 
     def fake_export(ckpt_dir, output, *, force=False, push_to_hub=None):
@@ -232,7 +315,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(monkeypatch: pytest.Mo
     res = zf("resume", tmp_path, "--max-steps", "7", "--allow-changes")
     assert res.exit_code == 0, res.output
     assert seen["resume"] == (tmp_path, 7, True)
-    assert "sst2-sample" in res.output and "done 7 steps" in res.output     # plan printed via on_plan
+    assert "sst2-sample" in res.output and "done 7 steps" in res.output  # plan printed via on_plan
     exp = zf("export", tmp_path, "--output", tmp_path / "hf", "--force", "--push-to-hub", "me/tiny")
     assert exp.exit_code == 0, exp.output
     assert seen["export"] == (tmp_path, tmp_path / "hf", True, "me/tiny")

@@ -26,8 +26,10 @@ REFERENCE_DS = {
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True},
     },
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+    },
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
     "zero_allow_untested_optimizer": True,
@@ -36,7 +38,9 @@ REFERENCE_DS = {
 
 
 def test_dict_and_yaml_round_trip_exactly(tmp_path: Path) -> None:
-    plan = resolve_plan("tiny-llama", "sst2-sample", overrides=["train.betas=[0.8, 0.95]", "zenflow.update_interval=auto"])
+    plan = resolve_plan(
+        "tiny-llama", "sst2-sample", overrides=["train.betas=[0.8, 0.95]", "zenflow.update_interval=auto"]
+    )
     assert plan_from_dict(plan_to_dict(plan)) == plan
     path = tmp_path / "run" / "plan.yaml"
     dump_plan_yaml(plan, path)
@@ -56,12 +60,18 @@ def test_dict_and_yaml_round_trip_exactly(tmp_path: Path) -> None:
 
 
 def test_values_are_coerced_to_schema_types() -> None:
-    plan = plan_from_dict({
-        "model": {"config": {"model_type": "llama"}},
-        "train": {"lr": "2e-5", "betas": ["0.9", 0.98], "max_steps": 100.0, "max_grad_norm": None},
-        "zenflow": {"update_interval": "auto", "select_interval": 8, "select_strategy": "step",
-                    "overlap_step": "false"},
-    })
+    plan = plan_from_dict(
+        {
+            "model": {"config": {"model_type": "llama"}},
+            "train": {"lr": "2e-5", "betas": ["0.9", 0.98], "max_steps": 100.0, "max_grad_norm": None},
+            "zenflow": {
+                "update_interval": "auto",
+                "select_interval": 8,
+                "select_strategy": "step",
+                "overlap_step": "false",
+            },
+        }
+    )
     assert plan.train.lr == pytest.approx(2e-5) and isinstance(plan.train.lr, float)
     assert plan.train.betas == (0.9, 0.98)
     assert plan.train.max_steps == 100 and isinstance(plan.train.max_steps, int)
@@ -70,28 +80,38 @@ def test_values_are_coerced_to_schema_types() -> None:
     assert plan.zenflow.overlap_step is False
 
 
-@pytest.mark.parametrize("data, key, words", [
-    ({"zenflow": {"topk_ration": 0.2}}, "zenflow.topk_ration", "did you mean zenflow.topk_ratio"),
-    ({"trian": {"lr": 1}}, "trian", "did you mean train"),
-    ({"train": {"max_steps": 1.5}}, "train.max_steps", "expected an integer"),
-    ({"train": {"precision": "bfloat16"}}, "train.precision", "did you mean bf16"),
-    ({"train": {"micro_batch_size": True}}, "train.micro_batch_size", "expected an integer"),
-    ({"train": {"betas": [0.9, "x"]}}, "train.betas[1]", "expected a number"),
-    ({"train": {"betas": [0.9, 1.0]}}, "train.betas", "[0, 1)"),
-    ({"train": {"lr": 0}}, "train.lr", "must be > 0"),
-    ({"zenflow": {"topk_ratio": -0.1}}, "zenflow.topk_ratio", "[0, 1]"),
-    ({"zenflow": {"update_interval": 0}}, "zenflow.update_interval", ">= 1"),
-    ({"zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}},
-     "zenflow.select_interval", ">= update_interval"),
-    ({"data": {"end_idx": 0}}, "data.end_idx", "greater than data.start_idx"),
-    ({"data": {"template": "classification"}}, "data.label_names", ">= 2 label words"),
-    ({"data": {"packing": True}}, "data.packing", "template text"),
-    ({"data": {"source": "hub"}}, "data.path", "needs a path"),
-    ({"model": {"source": "hub"}}, "model.hub_id", "needs a hub id"),
-    ({"model": {"source": "config"}}, "model.config", "needs the architecture"),
-    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
-    ({"distributed": {"backend": "nccl"}, "train": {"device": "cpu"}}, "distributed.backend", "needs CUDA"),
-])
+@pytest.mark.parametrize(
+    "data, key, words",
+    [
+        ({"zenflow": {"topk_ration": 0.2}}, "zenflow.topk_ration", "did you mean zenflow.topk_ratio"),
+        ({"trian": {"lr": 1}}, "trian", "did you mean train"),
+        ({"train": {"max_steps": 1.5}}, "train.max_steps", "expected an integer"),
+        ({"train": {"precision": "bfloat16"}}, "train.precision", "did you mean bf16"),
+        ({"train": {"micro_batch_size": True}}, "train.micro_batch_size", "expected an integer"),
+        ({"train": {"betas": [0.9, "x"]}}, "train.betas[1]", "expected a number"),
+        ({"train": {"betas": [0.9, 1.0]}}, "train.betas", "[0, 1)"),
+        ({"train": {"lr": 0}}, "train.lr", "must be > 0"),
+        ({"zenflow": {"topk_ratio": -0.1}}, "zenflow.topk_ratio", "[0, 1]"),
+        ({"zenflow": {"update_interval": 0}}, "zenflow.update_interval", ">= 1"),
+        (
+            {"zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}},
+            "zenflow.select_interval",
+            ">= update_interval",
+        ),
+        ({"data": {"end_idx": 0}}, "data.end_idx", "greater than data.start_idx"),
+        ({"data": {"template": "classification"}}, "data.label_names", ">= 2 label words"),
+        ({"data": {"packing": True}}, "data.packing", "template text"),
+        ({"data": {"source": "hub"}}, "data.path", "needs a path"),
+        ({"model": {"source": "hub"}}, "model.hub_id", "needs a hub id"),
+        ({"model": {"source": "config"}}, "model.config", "needs the architecture"),
+        ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
+        (
+            {"distributed": {"backend": "nccl"}, "train": {"device": "cpu"}},
+            "distributed.backend",
+            "needs CUDA",
+        ),
+    ],
+)
 def test_bad_values_name_the_dotted_key(data: dict, key: str, words: str) -> None:
     base = {"model": {"config": {"model_type": "llama"}}}
     merged = {**base, **data} if "model" not in data else data
@@ -104,16 +124,21 @@ def test_bad_values_name_the_dotted_key(data: dict, key: str, words: str) -> Non
 def test_resolution_order_presets_config_set_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "my.yaml"
     cfg.write_text("train:\n  lr: 1.0e-3\n  warmup_steps: 7\nzenflow:\n  topk_ratio: 0.3\n")
-    plan = resolve_plan("tiny-llama", "alpaca-sample", zenflow="aggressive", config=cfg,
-                        overrides=["train.lr=5e-4", "model.config.num_hidden_layers=2", "train.max_steps=9"],
-                        flags={"train": {"max_steps": 3}})
-    assert plan.data.max_length == 128                    # data preset over the schema default
-    assert plan.zenflow.update_interval == 8              # zenflow preset
-    assert plan.zenflow.topk_ratio == 0.3                 # config file over the zenflow preset
-    assert plan.train.warmup_steps == 7                   # config file over the model preset
-    assert plan.train.lr == 5e-4                          # --set over the config file
-    assert plan.train.max_steps == 3                      # flags over --set
-    assert plan.model.config["num_hidden_layers"] == 2    # nested --set keeps the other keys
+    plan = resolve_plan(
+        "tiny-llama",
+        "alpaca-sample",
+        zenflow="aggressive",
+        config=cfg,
+        overrides=["train.lr=5e-4", "model.config.num_hidden_layers=2", "train.max_steps=9"],
+        flags={"train": {"max_steps": 3}},
+    )
+    assert plan.data.max_length == 128  # data preset over the schema default
+    assert plan.zenflow.update_interval == 8  # zenflow preset
+    assert plan.zenflow.topk_ratio == 0.3  # config file over the zenflow preset
+    assert plan.train.warmup_steps == 7  # config file over the model preset
+    assert plan.train.lr == 5e-4  # --set over the config file
+    assert plan.train.max_steps == 3  # flags over --set
+    assert plan.model.config["num_hidden_layers"] == 2  # nested --set keeps the other keys
     assert plan.model.config["hidden_size"] == 256
     assert plan.checkpoint.output_dir == "runs/tiny-llama-alpaca-sample"
 
@@ -133,7 +158,13 @@ def test_deepspeed_reference_config_resolves_to_expected_plan(tmp_path: Path) ->
     notes: list[str] = []
     plan = resolve_plan("llama2-7b", "alpaca", config=path, notes=notes)
     z, t = plan.zenflow, plan.train
-    assert (z.topk_ratio, z.update_interval, z.full_warm_up_rounds, z.overlap_step, z.pin_memory) == (0.1, 4, 0, True, True)
+    assert (z.topk_ratio, z.update_interval, z.full_warm_up_rounds, z.overlap_step, z.pin_memory) == (
+        0.1,
+        4,
+        0,
+        True,
+        True,
+    )
     assert (z.select_strategy, z.select_interval) == ("auto", "auto")
     assert (t.lr, t.betas, t.eps, t.weight_decay) == (2e-5, (0.9, 0.999), 1e-8, 0.01)
     assert (t.precision, t.max_grad_norm, t.gradient_accumulation_steps) == ("bf16", 1.0, 1)
@@ -145,31 +176,58 @@ def test_deepspeed_reference_config_resolves_to_expected_plan(tmp_path: Path) ->
 
 def test_deepspeed_defaults_and_baselines() -> None:
     # a zenflow block means DeepSpeed's defaults for what it leaves out
-    zf = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}})
+    zf = from_deepspeed(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}}
+    )
     assert zf.fragment["zenflow"] == {"overlap_step": False, "update_interval": "auto"}
     # cpu offload without zenflow = ZeRO-Offload; no offload = everything on the device
     zo = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert zo.fragment["zenflow"] == {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}
     assert from_deepspeed({"bf16": {"enabled": True}}).fragment["zenflow"] == {"topk_ratio": 1.0}
     # HF-Trainer-style "auto" values leave the plan's own settings alone
-    auto = from_deepspeed({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
-                           "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    auto = from_deepspeed(
+        {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        }
+    )
     assert "train" not in auto.fragment
-    ignored = from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}}})
+    ignored = from_deepspeed(
+        {"zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}}}
+    )
     assert any("zero_optimization.overlap_comm" in n for n in ignored.notes)
 
 
-@pytest.mark.parametrize("ds, key", [
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer.device"),
-    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.offload_optimizer.device"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk": 0.1}}},
-     "zero_optimization.zenflow.topk"),
-    ({"gradient_clipings": 1.0}, "gradient_clipings"),
-    ({"optimizer": {"type": "SGD"}}, "optimizer.type"),
-    ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
-])
+@pytest.mark.parametrize(
+    "ds, key",
+    [
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu"},
+                    "zenflow": {"topk": 0.1},
+                }
+            },
+            "zero_optimization.zenflow.topk",
+        ),
+        ({"gradient_clipings": 1.0}, "gradient_clipings"),
+        ({"optimizer": {"type": "SGD"}}, "optimizer.type"),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
+    ],
+)
 def test_deepspeed_unsupported_keys_are_named(ds: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         from_deepspeed(ds)
@@ -185,13 +243,21 @@ def test_local_data_file_template_is_sniffed_and_missing_file_named(tmp_path: Pa
         resolve_plan("tiny-llama", str(tmp_path / "nope.csv"))
     assert info.value.key == "--data"
     with pytest.raises(ConfigError) as info:
-        resolve_plan("tiny-llama", "alpaca-sample", overrides=["data.source=local", f"data.path={tmp_path / 'gone.jsonl'}"])
+        resolve_plan(
+            "tiny-llama",
+            "alpaca-sample",
+            overrides=["data.source=local", f"data.path={tmp_path / 'gone.jsonl'}"],
+        )
     assert info.value.key == "data.path"
 
 
 def test_model_argument_forms(tmp_path: Path) -> None:
     hub = resolve_plan("org/some-model", "alpaca-sample")
-    assert (hub.model.source, hub.model.hub_id, hub.model.tokenizer) == ("hub", "org/some-model", "org/some-model")
+    assert (hub.model.source, hub.model.hub_id, hub.model.tokenizer) == (
+        "hub",
+        "org/some-model",
+        "org/some-model",
+    )
     (tmp_path / "config.json").write_text("{}")
     local = resolve_plan(str(tmp_path), "alpaca-sample")
     assert (local.model.source, local.model.hub_id) == ("local", str(tmp_path.resolve()))
@@ -207,17 +273,19 @@ def test_memory_estimate_llama2_7b_numbers() -> None:
     plan = resolve_plan("llama2-7b", "alpaca")
     small = estimate(plan, Machine(host_ram=24 * GB, cuda=False))
     p = 6.738e9
-    assert small.item("master+moments+accumulator") == pytest.approx(16 * p)      # ~107.8 GB
+    assert small.item("master+moments+accumulator") == pytest.approx(16 * p)  # ~107.8 GB
     assert 105 * GB < small.item("master+moments+accumulator") < 113 * GB
-    assert small.item("weights") == pytest.approx(2 * p)                           # bf16: 13.5 GB
+    assert small.item("weights") == pytest.approx(2 * p)  # bf16: 13.5 GB
     p1 = (2 * 32 + 1) * 4096
     assert small.item("selected optimizer state") == pytest.approx(12 * (0.1 * (p - p1) + p1))
-    assert small.item("in-flight accumulator") == pytest.approx(4 * p)             # overlap_step on
+    assert small.item("in-flight accumulator") == pytest.approx(4 * p)  # overlap_step on
     assert not small.fits and "host RAM" in small.reasons[0]
     big = estimate(plan, Machine(host_ram=512 * GB, cuda=True, gpu_name="H100", gpu_mem=80 * GB))
     assert big.fits and big.device_kind == "cuda" and big.reasons == []
     # topk_ratio 1: the whole optimizer on the device, nothing on the host
-    off = estimate(resolve_plan("llama2-7b", "alpaca", zenflow="off"), Machine(512 * GB, True, "H100", 80 * GB))
+    off = estimate(
+        resolve_plan("llama2-7b", "alpaca", zenflow="off"), Machine(512 * GB, True, "H100", 80 * GB)
+    )
     assert off.host_total == 0 and off.item("selected optimizer state") == pytest.approx(12 * p)
     assert not off.fits and "device memory" in off.reasons[0]
 

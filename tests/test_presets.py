@@ -34,8 +34,8 @@ def test_the_catalogue_is_complete() -> None:
 def test_preset_file_is_documented_and_validates_alone(preset) -> None:
     text = preset.path.read_text()
     first = text.splitlines()[0]
-    assert first.startswith("# zfctl finetune "), first          # opens with the command that runs it
-    assert "Memory" in text.split("\ndescription:")[0]           # and the memory it needs
+    assert first.startswith("# zfctl finetune "), first  # opens with the command that runs it
+    assert "Memory" in text.split("\ndescription:")[0]  # and the memory it needs
     assert 10 < len(preset.description) <= 100
     fragment = preset.load()
     assert preset.kind in fragment
@@ -50,7 +50,9 @@ def test_every_model_data_zenflow_combination_resolves(model: str) -> None:
         for zenflow in sorted(EXPECTED["zenflow"]):
             plan = resolve_plan(model, data, zenflow=zenflow)
             assert (plan.model.name, plan.data.name) == (model, data)
-    est = estimate(resolve_plan(model, "alpaca"), Machine(host_ram=1e12, cuda=True, gpu_name="x", gpu_mem=1e12))
+    est = estimate(
+        resolve_plan(model, "alpaca"), Machine(host_ram=1e12, cuda=True, gpu_name="x", gpu_mem=1e12)
+    )
     assert est.size is not None and est.device_total > 0 and est.host_total > 0
 
 
@@ -58,17 +60,33 @@ def test_tiny_llama_matches_the_contract() -> None:
     plan = resolve_plan("tiny-llama", "alpaca-sample")
     assert plan.model.source == "config" and plan.model.tokenizer == "embedded"
     assert plan.train.precision == "fp32"
-    want = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-            "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024,
-            "tie_word_embeddings": False}
+    want = {
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    }
     assert {k: plan.model.config[k] for k in want} == want
     assert plan.model.config["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_zenflow_presets_mean_what_they_say() -> None:
-    z = {name: resolve_plan("tiny-llama", "alpaca-sample", zenflow=name).zenflow for name in EXPECTED["zenflow"]}
+    z = {
+        name: resolve_plan("tiny-llama", "alpaca-sample", zenflow=name).zenflow
+        for name in EXPECTED["zenflow"]
+    }
     d = z["default"]
-    assert (d.topk_ratio, d.update_interval, d.overlap_step, d.select_strategy, d.select_interval) == (0.1, 4, True, "auto", "auto")
+    assert (d.topk_ratio, d.update_interval, d.overlap_step, d.select_strategy, d.select_interval) == (
+        0.1,
+        4,
+        True,
+        "auto",
+        "auto",
+    )
     zo = z["zero-offload"]
     assert (zo.topk_ratio, zo.update_interval, zo.overlap_step) == (0.0, 1, False)
     assert z["off"].topk_ratio == 1.0
@@ -90,8 +108,12 @@ def test_hub_data_presets_name_their_datasets() -> None:
     assert resolve_plan("gpt2", "alpaca").data.path == "tatsu-lab/alpaca"
     assert resolve_plan("gpt2", "arxiv-abstract").data.path == "ash001/arxiv-abstract"
     sst2 = resolve_plan("gpt2", "glue-sst2").data
-    assert (sst2.subset, sst2.template, sst2.text_field, sst2.label_names) == ("sst2", "classification", "sentence",
-                                                                                ["negative", "positive"])
+    assert (sst2.subset, sst2.template, sst2.text_field, sst2.label_names) == (
+        "sst2",
+        "classification",
+        "sentence",
+        ["negative", "positive"],
+    )
 
 
 def test_pyproject_lists_every_zfctl_package() -> None:
@@ -102,21 +124,49 @@ def test_pyproject_lists_every_zfctl_package() -> None:
 
 @pytest.mark.slow
 def test_wheel_ships_presets_and_finds_them(tmp_path: Path) -> None:
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, check=False)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert build.returncode == 0, build.stderr[-2000:]
-    wheel, = (tmp_path / "dist").glob("zfctl-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("zfctl-*.whl")
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     shipped = {str(p.relative_to(ROOT / "presets")) for p in (ROOT / "presets").rglob("*") if p.is_file()}
-    packaged = {str(p.relative_to(site / "zfctl" / "presets")) for p in (site / "zfctl" / "presets").rglob("*")
-                if p.is_file()}
+    packaged = {
+        str(p.relative_to(site / "zfctl" / "presets"))
+        for p in (site / "zfctl" / "presets").rglob("*")
+        if p.is_file()
+    }
     assert shipped <= packaged
     # the installed layout: no checkout next to the package, presets_root() finds zfctl/presets
-    code = ("from zfctl.resources import presets_root; from zfctl.plan.presets import list_presets; "
-            "print(presets_root()); print(len(list_presets('model')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=tmp_path,
-                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    code = (
+        "from zfctl.resources import presets_root; from zfctl.plan.presets import list_presets; "
+        "print(presets_root()); print(len(list_presets('model')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(site / "zfctl" / "presets"), str(len(EXPECTED["model"]))]
-    assert read_mapping(site / "zfctl" / "presets" / "models" / "tiny-llama.yaml")["model"]["source"] == "config"
+    assert (
+        read_mapping(site / "zfctl" / "presets" / "models" / "tiny-llama.yaml")["model"]["source"] == "config"
+    )

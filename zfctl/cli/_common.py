@@ -55,14 +55,23 @@ def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = N
     return flags
 
 
-def resolve_from_cli(model: str, data: str, zenflow: str | None, config: Path | None,
-                     overrides: list[str], flags: dict, *, quiet: bool = False):
+def resolve_from_cli(
+    model: str,
+    data: str,
+    zenflow: str | None,
+    config: Path | None,
+    overrides: list[str],
+    flags: dict,
+    *,
+    quiet: bool = False,
+):
     """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
     from zfctl.plan import resolve_plan
 
     notes: list[str] = []
-    plan = resolve_plan(model, data, zenflow=zenflow, config=config, overrides=overrides,
-                        flags=flags, notes=notes)
+    plan = resolve_plan(
+        model, data, zenflow=zenflow, config=config, overrides=overrides, flags=flags, notes=notes
+    )
     if not quiet:
         for note in notes:
             note_line(note)
@@ -75,14 +84,26 @@ def dumps_json(obj: object) -> str:
 
 
 # Options shared by `finetune` and `plan` (same names, same help).
-MODEL_ARG = typer.Argument(..., help="Model preset (zfctl presets ls), hub id org/name, or local HF folder.")
-DATA_OPT = typer.Option(..., "--data", "-d",
-                        help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id.")
-ZENFLOW_OPT = typer.Option(None, "--zenflow", "-z",
-                           help="ZenFlow preset: default, aggressive, zero-offload, off.")
-CONFIG_OPT = typer.Option(None, "--config", "-c",
-                          help="YAML plan fragment or DeepSpeed JSON config, layered over the presets.")
-SET_OPT = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
-                       help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).")
+MODEL_ARG = typer.Argument(
+    ..., metavar="MODEL", help="Model preset (zfctl presets ls), hub id org/name, or local HF folder."
+)
+DATA_OPT = typer.Option(
+    ..., "--data", "-d", help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id."
+)
+ZENFLOW_OPT = typer.Option(
+    None, "--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."
+)
+CONFIG_OPT = typer.Option(
+    None, "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
+)
+SET_OPT = typer.Option(
+    None,
+    "--set",
+    "-s",
+    metavar="KEY=VALUE",
+    help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
+)
 OUTPUT_OPT = typer.Option(None, "--output", "-o", help="Run folder (checkpoint.output_dir).")
-MAX_STEPS_OPT = typer.Option(None, "--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps).")
+MAX_STEPS_OPT = typer.Option(
+    None, "--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps)."
+)

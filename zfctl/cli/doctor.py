@@ -48,8 +48,10 @@ def check_cuda() -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return "warn", f"no CUDA device (torch built for CUDA {torch.version.cuda}); training runs on the CPU"
-    names = [f"{torch.cuda.get_device_name(i)} "
-             f"({torch.cuda.get_device_properties(i).total_memory / 1e9:.0f} GB)" for i in range(torch.cuda.device_count())]
+    names = [
+        f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 1e9:.0f} GB)"
+        for i in range(torch.cuda.device_count())
+    ]
     return "ok", f"CUDA {torch.version.cuda}: " + ", ".join(names)
 
 
@@ -62,8 +64,10 @@ def check_native() -> tuple[str, str]:
         return "fail", str(e)
     except ImportError as e:
         return "fail", f"native CPU-Adam binding missing from this build ({e}); run `make setup`"
-    return "ok", (f"CPU AdamW in use: {_native.isa()} (available: {', '.join(_native.available_isas())}), "
-                  f"{_native.get_num_threads()} threads")
+    return "ok", (
+        f"CPU AdamW in use: {_native.isa()} (available: {', '.join(_native.available_isas())}), "
+        f"{_native.get_num_threads()} threads"
+    )
 
 
 def check_cpu_isa() -> tuple[str, str]:
@@ -86,7 +90,10 @@ def check_cpu_isa() -> tuple[str, str]:
 def check_cores() -> tuple[str, str]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     status = "ok" if (usable or 0) >= 4 else "warn"
-    return status, f"{usable} usable of {os.cpu_count()} logical cores (the CPU AdamW and data loading share them)"
+    return (
+        status,
+        f"{usable} usable of {os.cpu_count()} logical cores (the CPU AdamW and data loading share them)",
+    )
 
 
 def check_memory() -> tuple[str, str]:
@@ -96,7 +103,10 @@ def check_memory() -> tuple[str, str]:
             key, value = line.split(":", 1)
             info[key] = int(value.split()[0]) * 1024
     total, avail = info.get("MemTotal", 0), info.get("MemAvailable", 0)
-    return "ok", f"{total / 1e9:.1f} GB RAM, {avail / 1e9:.1f} GB available (host optimizer state: 16-20 B/param)"
+    return (
+        "ok",
+        f"{total / 1e9:.1f} GB RAM, {avail / 1e9:.1f} GB available (host optimizer state: 16-20 B/param)",
+    )
 
 
 def check_pinned() -> tuple[str, str]:

@@ -11,11 +11,20 @@ from zfctl.errors import UserError
 
 
 def export(
-    ckpt_dir: Path = typer.Argument(..., exists=True, help="A checkpoint folder, or a run folder (its newest checkpoint)."),
+    ckpt_dir: Path = typer.Argument(
+        ...,
+        exists=True,
+        metavar="CKPT_DIR",
+        help="A checkpoint folder, or a run folder (its newest checkpoint).",
+    ),
     output: Path = typer.Option(..., "--output", "-o", help="Folder to write (model + tokenizer)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
-    push_to_hub: str | None = typer.Option(None, "--push-to-hub", metavar="REPO",
-                                              help="Also upload to this hub repo (needs network and a token)."),
+    push_to_hub: str | None = typer.Option(
+        None,
+        "--push-to-hub",
+        metavar="REPO",
+        help="Also upload to this hub repo (needs network and a token).",
+    ),
 ) -> None:
     """Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads."""
     try:

@@ -30,9 +30,12 @@ def finetune(
     output: Path | None = OUTPUT_OPT,
     max_steps: int | None = MAX_STEPS_OPT,
     force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
-    debug_data: bool = typer.Option(False, "--debug-data",
-                                    help="Print a few decoded training samples with their label masks and exit."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this node (relaunches under torchrun)."),
+    debug_data: bool = typer.Option(
+        False, "--debug-data", help="Print a few decoded training samples with their label masks and exit."
+    ),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1, help="Processes on this node (relaunches under torchrun)."
+    ),
 ) -> None:
     """Fine-tune MODEL on DATA with ZenFlow CPU-offloaded AdamW.
 
@@ -44,13 +47,17 @@ def finetune(
     plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], plan_flags(output, max_steps, nproc))
     print_plan(plan, console)
     if plan.distributed.nproc > 1:
-        raise UserError(f"--nproc {plan.distributed.nproc}: multi-process training is not available yet; "
-                        "run with --nproc 1")
+        raise UserError(
+            f"--nproc {plan.distributed.nproc}: multi-process training is not available yet; "
+            "run with --nproc 1"
+        )
     try:
         from zfctl.train import run
     except ImportError:
-        raise UserError("training is not available yet in this build (zfctl.train.run is missing); "
-                        "`zfctl plan` shows the resolved plan and memory estimate") from None
+        raise UserError(
+            "training is not available yet in this build (zfctl.train.run is missing); "
+            "`zfctl plan` shows the resolved plan and memory estimate"
+        ) from None
     result = run(plan, force=force, debug_data=debug_data)
     if debug_data:
         return

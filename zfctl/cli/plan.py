@@ -39,8 +39,9 @@ def plan(
     from zfctl.plan.memory import estimate
     from zfctl.plan.render import print_memory, print_plan
 
-    resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [],
-                                       plan_flags(output, max_steps), quiet=as_json)
+    resolved, notes = resolve_from_cli(
+        model, data, zenflow, config, set_ or [], plan_flags(output, max_steps), quiet=as_json
+    )
     est = estimate(resolved)
     if as_json:
         print(dumps_json({"plan": plan_to_dict(resolved), "memory": est.to_dict(), "notes": notes}))

@@ -21,7 +21,9 @@ def ls() -> None:
     """List every preset with its one-line description."""
     from zfctl.plan.presets import KINDS, list_presets
 
-    table = Table(title="presets (use: zfctl finetune MODEL --data DATA --zenflow ZENFLOW)", title_justify="left")
+    table = Table(
+        title="presets (use: zfctl finetune MODEL --data DATA --zenflow ZENFLOW)", title_justify="left"
+    )
     table.add_column("kind", style="magenta")
     table.add_column("name", style="cyan", no_wrap=True)
     table.add_column("description", overflow="fold")
@@ -36,8 +38,10 @@ def _section_keys(section: str) -> Table:
     from zfctl.plan.render import short_value
     from zfctl.plan.schema import SECTIONS
 
-    table = Table(title=f"{section}.* keys (set in a preset, --config file or --set {section}.KEY=VALUE)",
-                  title_justify="left")
+    table = Table(
+        title=f"{section}.* keys (set in a preset, --config file or --set {section}.KEY=VALUE)",
+        title_justify="left",
+    )
     table.add_column("key", style="cyan", no_wrap=True)
     table.add_column("default")
     table.add_column("meaning", overflow="fold")
@@ -48,7 +52,11 @@ def _section_keys(section: str) -> Table:
 
 
 @app.command("show")
-def show(name: str = typer.Argument(..., help="A preset name, or a section (model, data, train, zenflow, ...).")) -> None:
+def show(
+    name: str = typer.Argument(
+        ..., metavar="NAME", help="A preset name, or a section (model, data, train, zenflow, ...)."
+    ),
+) -> None:
     """Show a preset file with the meaning of each key it sets, or every key of a section."""
     from zfctl.plan.coerce import suggest
     from zfctl.plan.presets import KINDS, find_any, list_presets
@@ -60,7 +68,9 @@ def show(name: str = typer.Argument(..., help="A preset name, or a section (mode
     found = find_any(name)
     if not found:
         names = [p.name for kind in KINDS for p in list_presets(kind)] + list(SECTIONS)
-        raise ConfigError("NAME", name, f"no such preset or section{suggest(name, names)}; see `zfctl presets ls`")
+        raise ConfigError(
+            "NAME", name, f"no such preset or section{suggest(name, names)}; see `zfctl presets ls`"
+        )
     for preset in found:
         console.rule(f"{preset.kind} preset {preset.name}  ({preset.path})")
         console.print(Syntax(preset.path.read_text(encoding="utf-8"), "yaml", background_color="default"))
@@ -70,8 +80,10 @@ def show(name: str = typer.Argument(..., help="A preset name, or a section (mode
 
 @app.command("cp")
 def cp(
-    name: str = typer.Argument(..., help="Preset to copy."),
-    dest: Path = typer.Argument(..., help="File or folder to copy it to (edit it, then use --config)."),
+    name: str = typer.Argument(..., metavar="NAME", help="Preset to copy."),
+    dest: Path = typer.Argument(
+        ..., metavar="DEST", help="File or folder to copy it to (edit it, then use --config)."
+    ),
     kind: str | None = typer.Option(None, "--kind", help="model, data or zenflow, if NAME is ambiguous."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
@@ -86,8 +98,10 @@ def cp(
         names = [p.name for k in KINDS for p in list_presets(k)]
         raise ConfigError("NAME", name, f"no such preset{suggest(name, names)}; see `zfctl presets ls`")
     if len(found) > 1:
-        raise UserError(f"NAME {name!r} is a preset of several kinds; pick one with --kind "
-                        f"({', '.join(p.kind for p in found)})")
+        raise UserError(
+            f"NAME {name!r} is a preset of several kinds; pick one with --kind "
+            f"({', '.join(p.kind for p in found)})"
+        )
     src = found[0].path
     target = dest / src.name if dest.is_dir() else dest
     if target.exists() and not force:

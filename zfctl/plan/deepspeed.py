@@ -23,27 +23,62 @@ from zfctl.plan.coerce import suggest
 
 # Keys whose only effect is on DeepSpeed's own engine; zfctl has no equivalent to tune.
 _IGNORED_TOP = {
-    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
-    "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
-    "memory_breakdown", "flops_profiler", "csv_monitor", "comms_logger", "sparse_gradients",
-    "zero_force_ds_cpu_optimizer", "timers", "data_types", "seq_parallel_communication_data_type",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "dump_state",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "memory_breakdown",
+    "flops_profiler",
+    "csv_monitor",
+    "comms_logger",
+    "sparse_gradients",
+    "zero_force_ds_cpu_optimizer",
+    "timers",
+    "data_types",
+    "seq_parallel_communication_data_type",
 }
 _IGNORED_ZERO = {
-    "overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
-    "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "sub_group_size",
-    "load_from_fp32_weights", "elastic_checkpoint", "use_multi_rank_bucket_allreduce",
-    "ignore_unused_parameters", "cpu_offload", "stage3_gather_16bit_weights_on_model_save",
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "round_robin_gradients",
+    "sub_group_size",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "use_multi_rank_bucket_allreduce",
+    "ignore_unused_parameters",
+    "cpu_offload",
+    "stage3_gather_16bit_weights_on_model_save",
 }
 _IGNORED_OFFLOAD = {"buffer_count", "fast_init", "ratio", "nvme_path", "pipeline_read", "pipeline_write"}
 _ZENFLOW_KEYS = {
-    "topk_ratio", "select_strategy", "select_interval", "update_interval", "full_warm_up_rounds",
-    "overlap_step", "auto_ratio",
+    "topk_ratio",
+    "select_strategy",
+    "select_interval",
+    "update_interval",
+    "full_warm_up_rounds",
+    "overlap_step",
+    "auto_ratio",
 }
 _ZENFLOW_IGNORED = {"pt_reserved_cores_perc": "zfctl sizes its CPU pool with zenflow.cpu_threads"}
 _KNOWN_TOP = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler", "zero_optimization",
-    "tensorboard", "wandb",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+    "zero_optimization",
+    "tensorboard",
+    "wandb",
 } | _IGNORED_TOP
 _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
@@ -102,8 +137,11 @@ def _precision(ds: dict, out: DeepSpeedImport) -> None:
     for name in ("bf16", "fp16"):
         for key in set(ds.get(name, {})) - {"enabled"}:
             if name == "fp16" and key == "loss_scale" and ds["fp16"][key] not in (0, 0.0):
-                raise ConfigError("fp16.loss_scale", ds["fp16"][key],
-                                  "zfctl uses dynamic loss scaling only; set 0 or remove the key")
+                raise ConfigError(
+                    "fp16.loss_scale",
+                    ds["fp16"][key],
+                    "zfctl uses dynamic loss scaling only; set 0 or remove the key",
+                )
             out.ignore(f"{name}.{key}", "zfctl's dynamic loss scaler uses its own settings")
 
 
@@ -114,30 +152,43 @@ def _optimizer(ds: dict, out: DeepSpeedImport) -> None:
         raise ConfigError("optimizer.type", kind, "zfctl runs AdamW on both paths; use Adam or AdamW")
     extra = sorted(set(opt) - {"type", "params"})
     if extra:
-        raise ConfigError(f"optimizer.{extra[0]}", opt[extra[0]], "unsupported DeepSpeed optimizer key; remove it")
-    names = {"lr": "train.lr", "betas": "train.betas", "eps": "train.eps", "weight_decay": "train.weight_decay"}
+        raise ConfigError(
+            f"optimizer.{extra[0]}", opt[extra[0]], "unsupported DeepSpeed optimizer key; remove it"
+        )
+    names = {
+        "lr": "train.lr",
+        "betas": "train.betas",
+        "eps": "train.eps",
+        "weight_decay": "train.weight_decay",
+    }
     for key, value in _mapping(opt.get("params", {}), "optimizer.params").items():
         if key in names:
             if value != "auto":
                 out.put(names[key], value)
         elif key == "adam_w_mode":
             if value is not True:
-                raise ConfigError("optimizer.params.adam_w_mode", value,
-                                  "zfctl applies decoupled weight decay (AdamW); set true or remove it")
+                raise ConfigError(
+                    "optimizer.params.adam_w_mode",
+                    value,
+                    "zfctl applies decoupled weight decay (AdamW); set true or remove it",
+                )
         elif (key, value) in (("bias_correction", True), ("amsgrad", False)):
             out.ignore(f"optimizer.params.{key}", "already zfctl's behaviour")
         elif key in ("torch_adam", "fused"):
             out.ignore(f"optimizer.params.{key}", "zfctl picks its own kernels")
         else:
-            raise ConfigError(f"optimizer.params.{key}", value,
-                              f"unsupported optimizer parameter{suggest(key, names)}")
+            raise ConfigError(
+                f"optimizer.params.{key}", value, f"unsupported optimizer parameter{suggest(key, names)}"
+            )
 
 
 def _scheduler(ds: dict, out: DeepSpeedImport) -> None:
     sched = _mapping(ds["scheduler"], "scheduler")
     kind = sched.get("type")
     if kind not in _SCHEDULES:
-        raise ConfigError("scheduler.type", kind, f"use one of {', '.join(_SCHEDULES)} (or remove the scheduler)")
+        raise ConfigError(
+            "scheduler.type", kind, f"use one of {', '.join(_SCHEDULES)} (or remove the scheduler)"
+        )
     out.put("train.schedule", _SCHEDULES[kind])
     for key, value in _mapping(sched.get("params", {}), "scheduler.params").items():
         if value == "auto":
@@ -158,32 +209,47 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
     zero = _mapping(ds.get("zero_optimization", {}), "zero_optimization")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
-        raise ConfigError("zero_optimization.stage", stage,
-                          "zfctl implements ZenFlow for stage 1/2-style data parallelism; use 2")
+        raise ConfigError(
+            "zero_optimization.stage",
+            stage,
+            "zfctl implements ZenFlow for stage 1/2-style data parallelism; use 2",
+        )
     if "offload_param" in zero:
-        raise ConfigError("zero_optimization.offload_param", zero["offload_param"],
-                          "parameter offload is not supported; only optimizer offload (offload_optimizer)")
+        raise ConfigError(
+            "zero_optimization.offload_param",
+            zero["offload_param"],
+            "parameter offload is not supported; only optimizer offload (offload_optimizer)",
+        )
     off = _mapping(zero.get("offload_optimizer", {}), "zero_optimization.offload_optimizer")
     device = off.get("device", "none")
     if device not in ("cpu", "none"):
-        raise ConfigError("zero_optimization.offload_optimizer.device", device,
-                          "zfctl offloads to CPU memory only; use cpu")
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device", device, "zfctl offloads to CPU memory only; use cpu"
+        )
     if "pin_memory" in off:
         out.put("zenflow.pin_memory", off["pin_memory"])
     for key in set(off) - {"device", "pin_memory"}:
         if key not in _IGNORED_OFFLOAD:
-            raise ConfigError(f"zero_optimization.offload_optimizer.{key}", off[key], "unsupported key; remove it")
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.{key}", off[key], "unsupported key; remove it"
+            )
         out.ignore(f"zero_optimization.offload_optimizer.{key}")
     for key in set(zero) - {"stage", "offload_optimizer", "zenflow"}:
         if key not in _IGNORED_ZERO:
-            raise ConfigError(f"zero_optimization.{key}", zero[key],
-                              f"unsupported ZeRO key{suggest(key, _IGNORED_ZERO | {'zenflow', 'offload_optimizer'})}")
+            raise ConfigError(
+                f"zero_optimization.{key}",
+                zero[key],
+                f"unsupported ZeRO key{suggest(key, _IGNORED_ZERO | {'zenflow', 'offload_optimizer'})}",
+            )
         out.ignore(f"zero_optimization.{key}")
 
     if "zenflow" in zero:
         if device != "cpu":
-            raise ConfigError("zero_optimization.offload_optimizer.device", device,
-                              "ZenFlow needs CPU optimizer offload; set offload_optimizer.device to cpu")
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.device",
+                device,
+                "ZenFlow needs CPU optimizer offload; set offload_optimizer.device to cpu",
+            )
         zf = _mapping(zero["zenflow"], "zero_optimization.zenflow")
         # DeepSpeed's defaults for the keys the block leaves out (ours differ; see module doc).
         out.put("zenflow.overlap_step", False)
@@ -194,8 +260,11 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
             elif key in _ZENFLOW_IGNORED:
                 out.ignore(f"zero_optimization.zenflow.{key}", _ZENFLOW_IGNORED[key])
             else:
-                raise ConfigError(f"zero_optimization.zenflow.{key}", value,
-                                  f"unsupported ZenFlow key{suggest(key, _ZENFLOW_KEYS)}")
+                raise ConfigError(
+                    f"zero_optimization.zenflow.{key}",
+                    value,
+                    f"unsupported ZenFlow key{suggest(key, _ZENFLOW_KEYS)}",
+                )
     elif device == "cpu":
         out.put("zenflow.topk_ratio", 0.0)  # plain ZeRO-Offload: every step through the CPU
         out.put("zenflow.update_interval", 1)
@@ -214,8 +283,10 @@ def from_deepspeed(ds: dict) -> DeepSpeedImport:
             out.ignore(key)
     micro = ds.get("train_micro_batch_size_per_gpu")
     accum = ds.get("gradient_accumulation_steps")
-    for key, dotted in (("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
-                        ("gradient_accumulation_steps", "train.gradient_accumulation_steps")):
+    for key, dotted in (
+        ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
+        ("gradient_accumulation_steps", "train.gradient_accumulation_steps"),
+    ):
         if ds.get(key, "auto") != "auto":
             out.put(dotted, ds[key])
     total = ds.get("train_batch_size", "auto")
@@ -223,11 +294,14 @@ def from_deepspeed(ds: dict) -> DeepSpeedImport:
         if micro in (None, "auto"):
             per_proc = total // (accum if isinstance(accum, int) and accum > 0 else 1)
             out.put("train.micro_batch_size", per_proc)
-            out.notes.append(f"DeepSpeed train_batch_size {total} read as micro_batch_size {per_proc} "
-                             "for one process")
+            out.notes.append(
+                f"DeepSpeed train_batch_size {total} read as micro_batch_size {per_proc} for one process"
+            )
         else:
-            out.ignore("train_batch_size", "the global batch is micro_batch_size x "
-                       "gradient_accumulation_steps x distributed.nproc")
+            out.ignore(
+                "train_batch_size",
+                "the global batch is micro_batch_size x gradient_accumulation_steps x distributed.nproc",
+            )
     if ds.get("gradient_clipping", "auto") != "auto":  # "auto" (HF Trainer style): keep the plan's
         clip = ds["gradient_clipping"]
         out.put("train.max_grad_norm", None if clip in (0, 0.0) else clip)  # DeepSpeed: 0 = off

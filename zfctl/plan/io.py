@@ -42,8 +42,9 @@ def plan_to_dict(plan: RunPlan) -> dict:
 def check_sections(data: Any, where: str = "plan") -> dict:
     """Reject a non-mapping or unknown top-level section (nearest section suggested)."""
     if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping with sections {', '.join(SECTIONS)}, "
-                        f"got {type(data).__name__}")
+        raise UserError(
+            f"{where}: expected a mapping with sections {', '.join(SECTIONS)}, got {type(data).__name__}"
+        )
     for name in data:
         if name not in SECTIONS:
             hint = suggest(str(name), SECTIONS)
@@ -69,8 +70,9 @@ def plan_yaml_text(plan: RunPlan, *, comments: bool = True, header: str | None =
             if comments and f.metadata.get("help"):
                 for wrapped in textwrap.wrap(f.metadata["help"], 96, break_on_hyphens=False):
                     lines.append(f"  # {wrapped}")
-            chunk = yaml.safe_dump({f.name: data[name][f.name]}, sort_keys=False,
-                                   default_flow_style=False, width=100)
+            chunk = yaml.safe_dump(
+                {f.name: data[name][f.name]}, sort_keys=False, default_flow_style=False, width=100
+            )
             lines.extend("  " + ln for ln in chunk.rstrip("\n").splitlines())
     return "\n".join(lines) + "\n"
 
@@ -114,7 +116,9 @@ def read_mapping(path: Path | str, what: str = "config file") -> dict:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"{what} {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+            raise UserError(
+                f"{what} {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
+            ) from None
     else:
         try:
             data = yaml.safe_load(text)

@@ -81,7 +81,12 @@ class MemoryEstimate:
 
 def _llama_size(c: dict) -> ModelSize:
     """Exact parameter count of a Llama/Mistral-style config, without building it."""
-    h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    h, inter, layers, vocab = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     hd = c.get("head_dim") or h // heads
@@ -103,9 +108,13 @@ def _built_size(c: dict) -> ModelSize:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     params = list(model.parameters())
-    return ModelSize(sum(p.numel() for p in params), sum(p.numel() for p in params if p.dim() == 2),
-                     getattr(cfg, "hidden_size", None), getattr(cfg, "num_hidden_layers", None),
-                     getattr(cfg, "vocab_size", None))
+    return ModelSize(
+        sum(p.numel() for p in params),
+        sum(p.numel() for p in params if p.dim() == 2),
+        getattr(cfg, "hidden_size", None),
+        getattr(cfg, "num_hidden_layers", None),
+        getattr(cfg, "vocab_size", None),
+    )
 
 
 def model_size(plan: RunPlan) -> ModelSize | None:
@@ -144,7 +153,9 @@ def this_machine() -> Machine:
 def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     """Estimate device and host memory of `plan` and compare with `machine` (default: this one)."""
     machine = machine or this_machine()
-    device_kind = "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
+    device_kind = (
+        "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
+    )
     size = model_size(plan)
     items: list[MemoryItem] = []
     notes: list[str] = []
@@ -155,8 +166,17 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     reasons = _verdict(device_kind, device_total, host_total, machine, plan.train.device)
-    return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
-                          fits=size is not None and not reasons, reasons=reasons, notes=notes)
+    return MemoryEstimate(
+        size,
+        items,
+        device_total,
+        host_total,
+        device_kind,
+        machine,
+        fits=size is not None and not reasons,
+        reasons=reasons,
+        notes=notes,
+    )
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem]) -> None:
@@ -168,35 +188,70 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem]) -> None:
     items.append(MemoryItem("device", "weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params"))
     items.append(MemoryItem("device", "gradients", w * p, f"{t.precision}"))
     selected = p if r >= 1.0 else r * p2 + p1
-    items.append(MemoryItem("device", "selected optimizer state", 12.0 * selected,
-                            f"fp32 master+moments, topk_ratio {r:g} of columns + 1-D params"))
+    items.append(
+        MemoryItem(
+            "device",
+            "selected optimizer state",
+            12.0 * selected,
+            f"fp32 master+moments, topk_ratio {r:g} of columns + 1-D params",
+        )
+    )
     if size.hidden and size.layers:
         tokens = t.micro_batch_size * d.max_length
         acts = size.layers * tokens * size.hidden * 34 * w / 2
         if size.vocab:
             acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
-        items.append(MemoryItem("device", "activations (rough)", acts,
-                                f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute"))
+        items.append(
+            MemoryItem(
+                "device",
+                "activations (rough)",
+                acts,
+                f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
+            )
+        )
     if r < 1.0:
-        items.append(MemoryItem("host", "master+moments+accumulator", 16.0 * p,
-                                "fp32: 4 B master + 8 B moments + 4 B gradient accumulator per param"))
+        items.append(
+            MemoryItem(
+                "host",
+                "master+moments+accumulator",
+                16.0 * p,
+                "fp32: 4 B master + 8 B moments + 4 B gradient accumulator per param",
+            )
+        )
         if z.overlap_step:
-            items.append(MemoryItem("host", "in-flight accumulator", 4.0 * p,
-                                    "overlap_step: the interval the CPU worker is updating"))
-        items.append(MemoryItem("host", "pinned transfer rings", 2 * z.ring_slots * z.ring_slot_mb * 2**20,
-                                f"2 rings x {z.ring_slots} slots x {z.ring_slot_mb:g} MiB"))
+            items.append(
+                MemoryItem(
+                    "host",
+                    "in-flight accumulator",
+                    4.0 * p,
+                    "overlap_step: the interval the CPU worker is updating",
+                )
+            )
+        items.append(
+            MemoryItem(
+                "host",
+                "pinned transfer rings",
+                2 * z.ring_slots * z.ring_slot_mb * 2**20,
+                f"2 rings x {z.ring_slots} slots x {z.ring_slot_mb:g} MiB",
+            )
+        )
 
 
-def _verdict(device_kind: str, device_total: float, host_total: float, machine: Machine,
-             requested: str) -> list[str]:
+def _verdict(
+    device_kind: str, device_total: float, host_total: float, machine: Machine, requested: str
+) -> list[str]:
     """Why this machine cannot run the plan ([] = it fits). Keeps 10% of RAM for the OS/Python."""
     reasons = []
     if requested == "cuda" and not machine.cuda:
         reasons.append("train.device is cuda but this machine has no CUDA device")
     if device_kind == "cuda" and machine.cuda and device_total > 0.95 * machine.gpu_mem:
-        reasons.append(f"device memory: needs {device_total / GB:.1f} GB, {machine.gpu_name} has "
-                       f"{machine.gpu_mem / GB:.1f} GB")
+        reasons.append(
+            f"device memory: needs {device_total / GB:.1f} GB, {machine.gpu_name} has "
+            f"{machine.gpu_mem / GB:.1f} GB"
+        )
     host_need = host_total + (device_total if device_kind == "cpu" else 0.0)
     if machine.host_ram and host_need > 0.9 * machine.host_ram:
-        reasons.append(f"host RAM: needs {host_need / GB:.1f} GB, this machine has {machine.host_ram / GB:.1f} GB")
+        reasons.append(
+            f"host RAM: needs {host_need / GB:.1f} GB, this machine has {machine.host_ram / GB:.1f} GB"
+        )
     return reasons

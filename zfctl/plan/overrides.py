@@ -37,7 +37,9 @@ def parse_override(text: str) -> dict:
     try:
         value: Any = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        raise ConfigError(key, raw, "the value is not valid YAML; quote strings with special characters") from None
+        raise ConfigError(
+            key, raw, "the value is not valid YAML; quote strings with special characters"
+        ) from None
     # PyYAML (YAML 1.1) reads '1e-4' as a string; numbers are coerced against the schema later.
     for part in reversed(key.split(".")):
         value = {part: value}

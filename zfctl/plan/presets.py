@@ -62,9 +62,11 @@ def get_preset(kind: str, name: str) -> Preset:
     if preset is None:
         names = [p.name for p in list_presets(kind)]
         hint = suggest(name, names)
-        raise ConfigError(KINDS[kind][1], name,
-                          f"unknown {kind} preset{hint}; choose one of {', '.join(names)} "
-                          "(`zfctl presets ls`)")
+        raise ConfigError(
+            KINDS[kind][1],
+            name,
+            f"unknown {kind} preset{hint}; choose one of {', '.join(names)} (`zfctl presets ls`)",
+        )
     return preset
 
 

@@ -45,15 +45,22 @@ def model_fragment(model: str) -> dict:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ConfigError("MODEL", model, "this folder has no config.json; give a save_pretrained "
-                              "folder (e.g. from `zfctl export`)")
+            raise ConfigError(
+                "MODEL",
+                model,
+                "this folder has no config.json; give a save_pretrained folder (e.g. from `zfctl export`)",
+            )
         local = str(path.resolve())
         return {"model": {"name": path.name, "source": "local", "hub_id": local, "tokenizer": local}}
     if _HUB_ID.match(model):
         return {"model": {"name": model, "source": "hub", "hub_id": model, "tokenizer": model}}
     names = [p.name for p in list_presets("model")]
-    raise ConfigError("MODEL", model, f"not a model preset{suggest(model, names)}, local folder or hub id "
-                      f"(org/name); presets: {', '.join(names)}")
+    raise ConfigError(
+        "MODEL",
+        model,
+        f"not a model preset{suggest(model, names)}, local folder or hub id "
+        f"(org/name); presets: {', '.join(names)}",
+    )
 
 
 def _sniff_template(path: Path) -> dict:
@@ -89,15 +96,23 @@ def data_fragment(data: str) -> dict:
     path = Path(data).expanduser()
     if path.suffix.lower() in DATA_SUFFIXES:
         if not path.is_file():
-            raise ConfigError("--data", data, "file not found; give an existing .json/.jsonl/.csv/.parquet "
-                              "file or a data preset (`zfctl presets ls`)")
+            raise ConfigError(
+                "--data",
+                data,
+                "file not found; give an existing .json/.jsonl/.csv/.parquet "
+                "file or a data preset (`zfctl presets ls`)",
+            )
         frag = {"name": path.stem, "source": "local", "path": str(path.resolve()), **_sniff_template(path)}
         return {"data": frag}
     if _HUB_ID.match(data) and not path.exists():
         return {"data": {"name": data, "source": "hub", "path": data}}
     names = [p.name for p in list_presets("data")]
-    raise ConfigError("--data", data, f"not a data preset{suggest(data, names)}, a local "
-                      f"{'/'.join(DATA_SUFFIXES)} file or a hub id; presets: {', '.join(names)}")
+    raise ConfigError(
+        "--data",
+        data,
+        f"not a data preset{suggest(data, names)}, a local "
+        f"{'/'.join(DATA_SUFFIXES)} file or a hub id; presets: {', '.join(names)}",
+    )
 
 
 def config_fragment(path: Path, notes: list[str] | None) -> dict:
@@ -139,7 +154,9 @@ def check_paths(plan: RunPlan) -> None:
     if d.source == "local" and not Path(d.path).expanduser().exists():
         raise ConfigError("data.path", d.path, "file not found; give an existing local data file")
     if d.source == "sample" and not (presets_root() / "samples" / str(d.path)).is_dir():
-        raise ConfigError("data.path", d.path, f"no shipped sample of that name under {presets_root() / 'samples'}")
+        raise ConfigError(
+            "data.path", d.path, f"no shipped sample of that name under {presets_root() / 'samples'}"
+        )
     m = plan.model
     if m.source == "local" and not (Path(m.hub_id).expanduser() / "config.json").is_file():
         raise ConfigError("model.hub_id", m.hub_id, "no config.json there; give a save_pretrained folder")

