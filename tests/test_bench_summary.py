@@ -65,6 +65,16 @@ def test_each_step_kind_is_averaged_only_over_its_own_steps():
     assert row["wall_ms_per_step"] == pytest.approx(125 / 8)
 
 
+def test_skipped_fp16_steps_count_in_overall_only():
+    skipped = rec(2, False)
+    skipped.skipped = True
+    row = summarize(result(ZF, [rec(10, False), skipped, rec(30, True)]), param_bytes=1, samples_per_step=1,
+                    tokens_per_step=1)
+    assert row["n_skipped"] == 1
+    assert row["step_ms"]["accumulate"]["n"] == 1 and row["step_ms"]["accumulate"]["mean"] == 10
+    assert row["step_ms"]["overall"] == {"mean": 14, "median": 10, "n": 3}
+
+
 def test_a_kind_no_step_has_is_none_and_speedup_uses_the_same_pin_baseline():
     zo_pin = result(ZO, [rec(40, True, cpu=25)] * 4)
     zo_nopin = result(BenchConfig("zero-offload", 0.0, 1, False, False), [rec(50, True)] * 4)

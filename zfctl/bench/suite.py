@@ -165,4 +165,5 @@ def _progress(console: Console, i: int, n: int, cfg: BenchConfig, row: dict[str,
     s = row["step_ms"]
     console.print(f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
                   f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
-                  f"stall {100 * (row['stall_fraction'] or 0):.1f}%")
+                  f"stall {100 * (row['stall_fraction'] or 0):.1f}%"
+                  + (f", {row['n_skipped']} fp16 overflow steps skipped" if row["n_skipped"] else ""))

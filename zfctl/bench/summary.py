@@ -40,8 +40,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summarize(res: ConfigResult, *, param_bytes: int, samples_per_step: int, tokens_per_step: int) -> dict[str, Any]:
     """One configuration's report row (JSON-ready). Speedup is filled by `add_speedups`."""
     recs: list[StepRecord] = res.records
-    acc = [r for r in recs if not r.update]
-    upd = [r for r in recs if r.update]
+    # A skipped fp16 step (overflow: no update at all) is neither kind; it stays in "overall",
+    # since the time was spent, and is counted in n_skipped.
+    acc = [r for r in recs if not r.update and not r.skipped]
+    upd = [r for r in recs if r.update and not r.skipped]
     cpu = [r.cpu_step_ms for r in recs if r.cpu_step_ms > 0]  # steps where a CPU update completed
     overall = agg(r.step_ms for r in recs)
     total_ms = sum(r.step_ms for r in recs)
