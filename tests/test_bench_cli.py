@@ -29,9 +29,30 @@ def invoke(*args: str):
 def grid(tmp_path_factory):
     """One 2-configuration grid (topk 0.25 x interval 2,4) plus the baselines, run once."""
     out = tmp_path_factory.mktemp("bench")
-    res = invoke("--hidden-dim", str(HIDDEN), "--nlayers", str(NLAYERS), "--dtype", "fp32",
-                 "--topk", str(TOPK), "--interval", "2,4", "--overlap", "on", "--warmup", "4",
-                 "--iterations", "2", "--device", "cpu", "--json", str(out / "b.json"), "--csv", str(out / "b.csv"))
+    res = invoke(
+        "--hidden-dim",
+        str(HIDDEN),
+        "--nlayers",
+        str(NLAYERS),
+        "--dtype",
+        "fp32",
+        "--topk",
+        str(TOPK),
+        "--interval",
+        "2,4",
+        "--overlap",
+        "on",
+        "--warmup",
+        "4",
+        "--iterations",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        str(out / "b.json"),
+        "--csv",
+        str(out / "b.csv"),
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "b.json").read_text())
     rows = list(csv.DictReader((out / "b.csv").open()))
@@ -41,10 +62,25 @@ def grid(tmp_path_factory):
 def test_grid_runs_the_baselines_and_both_configurations(grid):
     output, doc, csv_rows = grid
     rows = doc["results"]
-    assert [(r["name"], r["interval"]) for r in rows] == [("zero-offload", 1), ("off", 1), ("zenflow", 2),
-                                                          ("zenflow", 4)]
-    for header in ("accumulation steps", "update steps", "all steps", "speedup", "stall", "forward",
-                   "backward", "device opt", "CPU step", "D2H", "H2D"):
+    assert [(r["name"], r["interval"]) for r in rows] == [
+        ("zero-offload", 1),
+        ("off", 1),
+        ("zenflow", 2),
+        ("zenflow", 4),
+    ]
+    for header in (
+        "accumulation steps",
+        "update steps",
+        "all steps",
+        "speedup",
+        "stall",
+        "forward",
+        "backward",
+        "device opt",
+        "CPU step",
+        "D2H",
+        "H2D",
+    ):
         assert header in output
     for r in rows:
         assert r["label"] in output
@@ -56,7 +92,8 @@ def test_grid_runs_the_baselines_and_both_configurations(grid):
     assert [r["n_accumulate"] for r in rows] == [0, 8, 4, 6]
     assert list(csv_rows[0]) == CSV_COLUMNS and len(csv_rows) == 4
     assert [float(c["overall_mean_ms"]) for c in csv_rows] == pytest.approx(
-        [r["step_ms"]["overall"]["mean"] for r in rows])
+        [r["step_ms"]["overall"]["mean"] for r in rows]
+    )
     assert doc["meta"]["n_params"] == NLAYERS * (HIDDEN * HIDDEN + HIDDEN)
     assert doc["meta"]["timing"] == "wall clock"
 
@@ -71,8 +108,10 @@ def test_numbers_are_positive_and_consistent(grid):
             else:  # a kind this configuration does not have is absent, not a zero
                 assert s[kind]["mean"] is None
         if s["accumulate"]["n"] and s["update"]["n"]:
-            assert s["accumulate"]["mean"] <= s["overall"]["mean"] <= s["update"]["mean"] or \
-                s["update"]["mean"] <= s["overall"]["mean"] <= s["accumulate"]["mean"]
+            assert (
+                s["accumulate"]["mean"] <= s["overall"]["mean"] <= s["update"]["mean"]
+                or s["update"]["mean"] <= s["overall"]["mean"] <= s["accumulate"]["mean"]
+            )
         steps = [rec["step_ms"] for rec in r["records"]]
         assert len(steps) == r["steps"] and sum(steps) / len(steps) == pytest.approx(s["overall"]["mean"])
         # The phases are cut out of the step by the same clock: they add up to it.
@@ -109,9 +148,28 @@ def test_bytes_match_the_layout(grid):
 @pytest.mark.slow
 def test_preset_model_runs_with_tokens_per_second(tmp_path):
     out = tmp_path / "llama.json"
-    res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32",
-                 "--topk", "0.1", "--interval", "1", "--warmup", "1", "--iterations", "2", "--device", "cpu",
-                 "--json", str(out))
+    res = invoke(
+        "--model",
+        "tiny-llama",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--dtype",
+        "fp32",
+        "--topk",
+        "0.1",
+        "--interval",
+        "1",
+        "--warmup",
+        "1",
+        "--iterations",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     v, h, i, layers = 4096, 256, 688, 4  # presets/models/tiny-llama.yaml, untied embeddings
@@ -126,28 +184,39 @@ def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     from zfctl.bench.plot import plot
 
-    rows = [{"label": "zero-offload", "stall_fraction": 0.5,
-             "step_ms": {"accumulate": {"mean": None}, "update": {"mean": 20.0}, "overall": {"mean": 20.0}}},
-            {"label": "topk 0.1, U 4", "stall_fraction": 0.01,
-             "step_ms": {"accumulate": {"mean": 5.0}, "update": {"mean": 9.0}, "overall": {"mean": 6.0}}}]
+    rows = [
+        {
+            "label": "zero-offload",
+            "stall_fraction": 0.5,
+            "step_ms": {"accumulate": {"mean": None}, "update": {"mean": 20.0}, "overall": {"mean": 20.0}},
+        },
+        {
+            "label": "topk 0.1, U 4",
+            "stall_fraction": 0.01,
+            "step_ms": {"accumulate": {"mean": 5.0}, "update": {"mean": 9.0}, "overall": {"mean": 6.0}},
+        },
+    ]
     plot(rows, tmp_path / "p.png", {"model": "m", "device": "cpu"})
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--topk", "1.5"], "--topk 1.5"),
-    (["--interval", "0"], "--interval 0"),
-    (["--overlap", "maybe"], "--overlap 'maybe'"),
-    (["--overlap", "on", "--no-overlap"], "--no-overlap"),
-    (["--dtype", "fp8"], "--dtype 'fp8'"),
-    (["--iterations", "0"], "--iterations 0"),
-    (["--model", "tiny-lama"], "did you mean tiny-llama"),
-    (["--model", "tiny-llama", "--hidden-dim", "64"], "--hidden-dim"),
-    (["--seq-len", "64"], "--seq-len"),
-    (["--json", "no/such/dir/b.json"], "does not exist"),
-    (["--plot", "b.pdf"], "must end in .png"),
-    (["--max-grad-norm", "0"], "--max-grad-norm"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--topk", "1.5"], "--topk 1.5"),
+        (["--interval", "0"], "--interval 0"),
+        (["--overlap", "maybe"], "--overlap 'maybe'"),
+        (["--overlap", "on", "--no-overlap"], "--no-overlap"),
+        (["--dtype", "fp8"], "--dtype 'fp8'"),
+        (["--iterations", "0"], "--iterations 0"),
+        (["--model", "tiny-lama"], "did you mean tiny-llama"),
+        (["--model", "tiny-llama", "--hidden-dim", "64"], "--hidden-dim"),
+        (["--seq-len", "64"], "--seq-len"),
+        (["--json", "no/such/dir/b.json"], "does not exist"),
+        (["--plot", "b.pdf"], "must end in .png"),
+        (["--max-grad-norm", "0"], "--max-grad-norm"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(args, needle):
     res = invoke(*args, "--device", "cpu")
     assert res.exit_code == 2, res.output
@@ -176,8 +245,26 @@ def test_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_events_time_the_step_and_agree_with_the_wall_clock(tmp_path):
     out = tmp_path / "gpu.json"
-    res = invoke("--hidden-dim", "1024", "--nlayers", "2", "--topk", "0.1", "--interval", "4",
-                 "--overlap", "on,off", "--warmup", "8", "--iterations", "4", "--device", "cuda", "--json", str(out))
+    res = invoke(
+        "--hidden-dim",
+        "1024",
+        "--nlayers",
+        "2",
+        "--topk",
+        "0.1",
+        "--interval",
+        "4",
+        "--overlap",
+        "on,off",
+        "--warmup",
+        "8",
+        "--iterations",
+        "4",
+        "--device",
+        "cuda",
+        "--json",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert doc["meta"]["timing"] == "CUDA events"

@@ -25,15 +25,32 @@ from zfctl.errors import UserError
 from zfctl.offload.config import ZenFlowConfig
 
 
-def rec(ms: float, update: bool, *, cpu: float = 0.0, stall: float = 0.0, d2h: int = 0, h2d: int = 0) -> StepRecord:
-    return StepRecord(update=update, step_ms=ms, fwd_ms=ms / 4, bwd_ms=ms / 2, opt_ms=ms / 4, device_opt_ms=0.1, offload_ms=0.2,
-                      cpu_step_ms=cpu, stall_ms=stall, d2h_bytes=d2h, h2d_bytes=h2d, skipped=False)
+def rec(
+    ms: float, update: bool, *, cpu: float = 0.0, stall: float = 0.0, d2h: int = 0, h2d: int = 0
+) -> StepRecord:
+    return StepRecord(
+        update=update,
+        step_ms=ms,
+        fwd_ms=ms / 4,
+        bwd_ms=ms / 2,
+        opt_ms=ms / 4,
+        device_opt_ms=0.1,
+        offload_ms=0.2,
+        cpu_step_ms=cpu,
+        stall_ms=stall,
+        d2h_bytes=d2h,
+        h2d_bytes=h2d,
+        skipped=False,
+    )
 
 
 def result(cfg: BenchConfig, records: list[StepRecord]) -> ConfigResult:
     res = ConfigResult(cfg, warmup_steps=4, steps=len(records))
-    res.trials.append(TrialResult(records, window_wall_ms=sum(r.step_ms for r in records) + 1.0,
-                                  loss_first=7.0, loss_last=6.9))
+    res.trials.append(
+        TrialResult(
+            records, window_wall_ms=sum(r.step_ms for r in records) + 1.0, loss_first=7.0, loss_last=6.9
+        )
+    )
     return res
 
 
@@ -44,8 +61,12 @@ ZO = BenchConfig("zero-offload", 0.0, 1, False, True)
 def test_each_step_kind_is_averaged_only_over_its_own_steps():
     # Two intervals of U=4: three 10 ms accumulation steps, then a 30 ms update step (stall 8 ms,
     # 1000 B down every step, 4000 B up at the update).
-    steps = [rec(10, False, d2h=1000), rec(10, False, d2h=1000), rec(12, False, d2h=1000),
-             rec(30, True, cpu=20, stall=8, d2h=1000, h2d=4000)] * 2
+    steps = [
+        rec(10, False, d2h=1000),
+        rec(10, False, d2h=1000),
+        rec(12, False, d2h=1000),
+        rec(30, True, cpu=20, stall=8, d2h=1000, h2d=4000),
+    ] * 2
     row = summarize(result(ZF, steps), param_bytes=8000, samples_per_step=1, tokens_per_step=1)
     s = row["step_ms"]
     assert s["accumulate"] == {"mean": pytest.approx(32 / 3), "median": 10, "n": 6}
@@ -68,8 +89,12 @@ def test_each_step_kind_is_averaged_only_over_its_own_steps():
 def test_skipped_fp16_steps_count_in_overall_only():
     skipped = rec(2, False)
     skipped.skipped = True
-    row = summarize(result(ZF, [rec(10, False), skipped, rec(30, True)]), param_bytes=1, samples_per_step=1,
-                    tokens_per_step=1)
+    row = summarize(
+        result(ZF, [rec(10, False), skipped, rec(30, True)]),
+        param_bytes=1,
+        samples_per_step=1,
+        tokens_per_step=1,
+    )
     assert row["n_skipped"] == 1
     assert row["step_ms"]["accumulate"]["n"] == 1 and row["step_ms"]["accumulate"]["mean"] == 10
     assert row["step_ms"]["overall"] == {"mean": 14, "median": 10, "n": 3}
@@ -79,7 +104,10 @@ def test_a_kind_no_step_has_is_none_and_speedup_uses_the_same_pin_baseline():
     zo_pin = result(ZO, [rec(40, True, cpu=25)] * 4)
     zo_nopin = result(BenchConfig("zero-offload", 0.0, 1, False, False), [rec(50, True)] * 4)
     zf_nopin = result(BenchConfig("zenflow", 0.1, 4, True, False), [rec(10, False)] * 3 + [rec(30, True)])
-    rows = [summarize(r, param_bytes=1, samples_per_step=1, tokens_per_step=1) for r in (zo_pin, zo_nopin, zf_nopin)]
+    rows = [
+        summarize(r, param_bytes=1, samples_per_step=1, tokens_per_step=1)
+        for r in (zo_pin, zo_nopin, zf_nopin)
+    ]
     add_speedups(rows)
     assert rows[0]["step_ms"]["accumulate"] == {"mean": None, "median": None, "n": 0}
     assert rows[0]["speedup_vs_zero_offload"] == 1.0
@@ -88,8 +116,12 @@ def test_a_kind_no_step_has_is_none_and_speedup_uses_the_same_pin_baseline():
 
 
 def test_csv_and_json_carry_every_row_and_leave_missing_values_empty():
-    rows = [summarize(result(c, [rec(10, False), rec(30, True)]), param_bytes=1, samples_per_step=1,
-                      tokens_per_step=1) for c in (ZO, ZF)]
+    rows = [
+        summarize(
+            result(c, [rec(10, False), rec(30, True)]), param_bytes=1, samples_per_step=1, tokens_per_step=1
+        )
+        for c in (ZO, ZF)
+    ]
     rows[0]["step_ms"]["accumulate"] = {"mean": None, "median": None, "n": 0}
     add_speedups(rows)
     table = list(csv.DictReader(io.StringIO(render_csv(rows))))
@@ -108,7 +140,12 @@ def test_grid_has_baselines_first_and_no_duplicates():
     assert [c.pin for c in build_grid([0.1], [4], [True], [True, False], with_off=False)][:2] == [True, False]
     assert "off" not in [c.name for c in build_grid([0.1], [4], [True], [True], with_off=False)]
     cfg = grid[-1].zenflow_config(ZenFlowConfig())
-    assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step, cfg.full_warm_up_rounds) == (0.1, 4, False, 0)
+    assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step, cfg.full_warm_up_rounds) == (
+        0.1,
+        4,
+        False,
+        0,
+    )
 
 
 def test_window_lengths_are_whole_intervals_of_about_the_same_size():
@@ -119,13 +156,16 @@ def test_window_lengths_are_whole_intervals_of_about_the_same_size():
     assert warmup_steps(4, 0) == 0
 
 
-@pytest.mark.parametrize("fn,text,needle", [
-    (parse_topks, "0.1,,0.2", "--topk"),
-    (parse_topks, "1.5", "[0, 1]"),
-    (parse_topks, "ten", "not a number"),
-    (parse_intervals, "0", ">= 1"),
-    (parse_intervals, "2,x", "--interval"),
-])
+@pytest.mark.parametrize(
+    "fn,text,needle",
+    [
+        (parse_topks, "0.1,,0.2", "--topk"),
+        (parse_topks, "1.5", "[0, 1]"),
+        (parse_topks, "ten", "not a number"),
+        (parse_intervals, "0", ">= 1"),
+        (parse_intervals, "2,x", "--interval"),
+    ],
+)
 def test_bad_grid_values_name_the_flag(fn, text, needle):
     with pytest.raises(UserError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         fn(text)

@@ -52,7 +52,9 @@ class BenchConfig:
 def _items(flag: str, text: str) -> list[str]:
     items = [s.strip() for s in str(text).split(",")]
     if not items or any(not s for s in items):
-        raise UserError(f"{flag} {text!r}: give a comma-separated list without empty items, e.g. {flag} 0.1,0.2")
+        raise UserError(
+            f"{flag} {text!r}: give a comma-separated list without empty items, e.g. {flag} 0.1,0.2"
+        )
     return items
 
 
@@ -63,7 +65,9 @@ def parse_topks(text: str) -> list[float]:
         try:
             v = float(s)
         except ValueError:
-            raise UserError(f"--topk {s!r} is not a number: give ratios in [0, 1], e.g. --topk 0.1,0.2") from None
+            raise UserError(
+                f"--topk {s!r} is not a number: give ratios in [0, 1], e.g. --topk 0.1,0.2"
+            ) from None
         if not 0.0 <= v <= 1.0 or math.isnan(v):
             raise UserError(f"--topk {s}: ratios must be in [0, 1], e.g. --topk 0.1,0.2")
         out.append(v)

@@ -80,8 +80,15 @@ def _lm_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 # Keys of a preset's `model.arch` summary that are LlamaConfig fields of the same meaning.
-ARCH_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "vocab_size", "intermediate_size", "tie_word_embeddings")
+ARCH_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 
 
 def arch_model_config(model_cfg: Any, *, seq_len: int) -> Any:
@@ -94,10 +101,14 @@ def arch_model_config(model_cfg: Any, *, seq_len: int) -> Any:
     if model_cfg.source == "config" and model_cfg.config:
         return model_cfg
     arch = dict(model_cfg.arch or {})
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in arch]
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in arch
+    ]
     if missing:
-        raise UserError(f"--model {model_cfg.name}: the preset gives no architecture (model.config or "
-                        f"model.arch with {', '.join(missing)}), so it cannot be built with random weights")
+        raise UserError(
+            f"--model {model_cfg.name}: the preset gives no architecture (model.config or "
+            f"model.arch with {', '.join(missing)}), so it cannot be built with random weights"
+        )
     config = {"model_type": "llama", **{k: arch[k] for k in ARCH_KEYS if k in arch}}
     config.setdefault("intermediate_size", 4 * int(arch["hidden_size"]))
     config["max_position_embeddings"] = max(seq_len, 2048)
@@ -112,8 +123,9 @@ class PresetFactory:
     the device (one H2D copy of the weights), instead of re-running a multi-second random init.
     """
 
-    def __init__(self, model_cfg: Any, *, dtype: str, device: torch.device, seed: int, seq_len: int,
-                 batch: int) -> None:
+    def __init__(
+        self, model_cfg: Any, *, dtype: str, device: torch.device, seed: int, seq_len: int, batch: int
+    ) -> None:
         from zfctl.train.model import load_model  # the training layer owns model construction
 
         cfg = arch_model_config(model_cfg, seq_len=seq_len)
@@ -132,5 +144,11 @@ class PresetFactory:
         gen = torch.Generator(device="cpu").manual_seed(self.seed + 1)
         ids = torch.randint(0, self.vocab, (steps, self.batch, self.seq_len), generator=gen).to(self.device)
         batches = [{"input_ids": ids[i]} for i in range(steps)]
-        return BenchModel(module, batches, _lm_loss, self.description, samples_per_step=self.batch,
-                          tokens_per_step=self.batch * self.seq_len)
+        return BenchModel(
+            module,
+            batches,
+            _lm_loss,
+            self.description,
+            samples_per_step=self.batch,
+            tokens_per_step=self.batch * self.seq_len,
+        )

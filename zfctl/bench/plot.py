@@ -34,8 +34,9 @@ def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
 
     labels = [f"{i}. {r['label']}" for i, r in enumerate(rows, 1)]
     ys = range(len(rows))
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.55 * len(rows)), sharey=True,
-                                     gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax_t, ax_s) = plt.subplots(
+        1, 2, figsize=(13, 1.2 + 0.55 * len(rows)), sharey=True, gridspec_kw={"width_ratios": [3, 1]}
+    )
     kinds = (("accumulate", "accumulation steps"), ("update", "update steps"), ("overall", "all steps"))
     h = 0.8 / len(kinds)
     for k, (key, name) in enumerate(kinds):

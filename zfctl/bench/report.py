@@ -56,36 +56,91 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
     An update step is one that ends a CPU-update interval (StepStats.boundary); every other step
     is an accumulation step. `off` has no CPU updates, zero-offload has nothing but.
     """
-    t = Table(title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
-              title_justify="left")
+    t = Table(
+        title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
+        title_justify="left",
+    )
     for col in ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall"):
         t.add_column(col, justify="left" if col == "configuration" else "right")
     for i, r in enumerate(rows, 1):
         s = r["step_ms"]
-        t.add_row(str(i), r["label"], _mm(s["accumulate"]), _mm(s["update"]), _mm(s["overall"]),
-                  _x(r["speedup_vs_zero_offload"]), _pct(r["stall_fraction"]))
+        t.add_row(
+            str(i),
+            r["label"],
+            _mm(s["accumulate"]),
+            _mm(s["update"]),
+            _mm(s["overall"]),
+            _x(r["speedup_vs_zero_offload"]),
+            _pct(r["stall_fraction"]),
+        )
     console.print(t)
 
-    p = Table(title="Phases: mean ms per step (CPU step: per completed CPU update); PCIe bytes per step",
-              title_justify="left")
-    for col in ("#", "forward", "backward", "optimizer", "device opt", "offload", "CPU step", "stall",
-                "D2H", "H2D", "x model"):
+    p = Table(
+        title="Phases: mean ms per step (CPU step: per completed CPU update); PCIe bytes per step",
+        title_justify="left",
+    )
+    for col in (
+        "#",
+        "forward",
+        "backward",
+        "optimizer",
+        "device opt",
+        "offload",
+        "CPU step",
+        "stall",
+        "D2H",
+        "H2D",
+        "x model",
+    ):
         p.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):
-        phases = [fmt_ms(r[f"{k}_ms"]["mean"]) for k in ("fwd", "bwd", "opt", "device_opt", "offload",
-                                                          "cpu_step", "stall")]
-        p.add_row(str(i), *phases, fmt_bytes(r["d2h_bytes_per_step"]), fmt_bytes(r["h2d_bytes_per_step"]),
-                  _x(r["traffic_x_model"]))
+        phases = [
+            fmt_ms(r[f"{k}_ms"]["mean"])
+            for k in ("fwd", "bwd", "opt", "device_opt", "offload", "cpu_step", "stall")
+        ]
+        p.add_row(
+            str(i),
+            *phases,
+            fmt_bytes(r["d2h_bytes_per_step"]),
+            fmt_bytes(r["h2d_bytes_per_step"]),
+            _x(r["traffic_x_model"]),
+        )
     console.print(p)
 
 
 CSV_COLUMNS = [
-    "name", "label", "topk", "interval", "overlap", "pin", "steps", "trials", "n_accumulate", "n_update",
-    "accumulate_mean_ms", "accumulate_median_ms", "update_mean_ms", "update_median_ms",
-    "overall_mean_ms", "overall_median_ms", "fwd_mean_ms", "bwd_mean_ms", "opt_mean_ms",
-    "device_opt_mean_ms", "offload_mean_ms", "cpu_step_mean_ms", "n_cpu_steps", "stall_mean_ms", "stall_fraction",
-    "d2h_bytes_per_step", "h2d_bytes_per_step", "traffic_x_model", "speedup_vs_zero_offload",
-    "wall_ms_per_step", "samples_per_s", "tokens_per_s",
+    "name",
+    "label",
+    "topk",
+    "interval",
+    "overlap",
+    "pin",
+    "steps",
+    "trials",
+    "n_accumulate",
+    "n_update",
+    "accumulate_mean_ms",
+    "accumulate_median_ms",
+    "update_mean_ms",
+    "update_median_ms",
+    "overall_mean_ms",
+    "overall_median_ms",
+    "fwd_mean_ms",
+    "bwd_mean_ms",
+    "opt_mean_ms",
+    "device_opt_mean_ms",
+    "offload_mean_ms",
+    "cpu_step_mean_ms",
+    "n_cpu_steps",
+    "stall_mean_ms",
+    "stall_fraction",
+    "d2h_bytes_per_step",
+    "h2d_bytes_per_step",
+    "traffic_x_model",
+    "speedup_vs_zero_offload",
+    "wall_ms_per_step",
+    "samples_per_s",
+    "tokens_per_s",
 ]
 
 

@@ -99,8 +99,18 @@ def run_trial(
             marks.append((m0, m1, m2, m3))
             # Copy the numbers out now: StepStats holds plain Python numbers, but the engine may
             # reuse one object. The loss stays a device tensor (an .item() here would be a sync).
-            stats.append((st.boundary, st.device_opt_ms, st.offload_ms, st.cpu_step_ms, st.stall_ms,
-                          st.d2h_bytes, st.h2d_bytes, st.skipped))
+            stats.append(
+                (
+                    st.boundary,
+                    st.device_opt_ms,
+                    st.offload_ms,
+                    st.cpu_step_ms,
+                    st.stall_ms,
+                    st.d2h_bytes,
+                    st.h2d_bytes,
+                    st.skipped,
+                )
+            )
             losses.append(loss.detach())
         clock.resolve()
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -108,21 +118,24 @@ def run_trial(
 
     records = []
     for (m0, m1, m2, m3), (boundary, dev_ms, off_ms, cpu_ms, stall, d2h, h2d, skipped) in zip(
-            marks, stats, strict=True):
-        records.append(StepRecord(
-            update=bool(boundary),
-            step_ms=clock.elapsed_ms(m0, m3),
-            fwd_ms=clock.elapsed_ms(m0, m1),
-            bwd_ms=clock.elapsed_ms(m1, m2),
-            opt_ms=clock.elapsed_ms(m2, m3),
-            device_opt_ms=float(dev_ms),
-            offload_ms=float(off_ms),
-            cpu_step_ms=float(cpu_ms),
-            stall_ms=float(stall),
-            d2h_bytes=int(d2h),
-            h2d_bytes=int(h2d),
-            skipped=bool(skipped),
-        ))
+        marks, stats, strict=True
+    ):
+        records.append(
+            StepRecord(
+                update=bool(boundary),
+                step_ms=clock.elapsed_ms(m0, m3),
+                fwd_ms=clock.elapsed_ms(m0, m1),
+                bwd_ms=clock.elapsed_ms(m1, m2),
+                opt_ms=clock.elapsed_ms(m2, m3),
+                device_opt_ms=float(dev_ms),
+                offload_ms=float(off_ms),
+                cpu_step_ms=float(cpu_ms),
+                stall_ms=float(stall),
+                d2h_bytes=int(d2h),
+                h2d_bytes=int(h2d),
+                skipped=bool(skipped),
+            )
+        )
     return TrialResult(records, wall_ms, float(losses[0]), float(losses[-1]))
 
 
@@ -143,8 +156,9 @@ def run_config(
     for _ in range(trials):
         model = build_model(warmup + steps)
         try:
-            result.trials.append(run_trial(model, zf, warmup=warmup, steps=steps, device=device,
-                                           opt_kwargs=opt_kwargs))
+            result.trials.append(
+                run_trial(model, zf, warmup=warmup, steps=steps, device=device, opt_kwargs=opt_kwargs)
+            )
         finally:
             del model
             release_memory(device)

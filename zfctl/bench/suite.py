@@ -96,10 +96,22 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
 
     if opts.model is not None:
         build: Callable[[int], BenchModel] = PresetFactory(
-            opts.model, dtype=opts.dtype, device=device, seed=opts.seed, seq_len=opts.seq_len, batch=opts.batch)
+            opts.model,
+            dtype=opts.dtype,
+            device=device,
+            seed=opts.seed,
+            seq_len=opts.seq_len,
+            batch=opts.batch,
+        )
     else:
-        build = partial(synthetic_model, hidden_dim=opts.hidden_dim, nlayers=opts.nlayers, dtype=opts.dtype,
-                        device=device, seed=opts.seed)
+        build = partial(
+            synthetic_model,
+            hidden_dim=opts.hidden_dim,
+            nlayers=opts.nlayers,
+            dtype=opts.dtype,
+            device=device,
+            seed=opts.seed,
+        )
 
     probe = build(1)
     n_params, param_bytes = probe.n_params, probe.param_bytes
@@ -138,8 +150,10 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "hidden_dim": opts.hidden_dim if opts.model is None else None,
         "nlayers": opts.nlayers if opts.model is None else None,
     }
-    console.print(f"[bold]zfctl bench[/]: {desc}, {n_params / 1e6:.2f}M params on {meta['device']}; "
-                  f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}")
+    console.print(
+        f"[bold]zfctl bench[/]: {desc}, {n_params / 1e6:.2f}M params on {meta['device']}; "
+        f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}"
+    )
     for s in skipped:
         console.print(f"  skipping {s['label']}: {s['reason']}")
     if device.type != "cuda" and len(opts.pins) > 1:
@@ -151,8 +165,16 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     for i, cfg in enumerate(configs, 1):
         warm = warmup_steps(cfg.interval, opts.warmup)
         steps = measured_steps(cfg.interval, opts.iterations, ref)
-        res = run_config(cfg, build, base, warmup=warm, steps=steps, trials=opts.trials, device=device,
-                         opt_kwargs=opt_kwargs)
+        res = run_config(
+            cfg,
+            build,
+            base,
+            warmup=warm,
+            steps=steps,
+            trials=opts.trials,
+            device=device,
+            opt_kwargs=opt_kwargs,
+        )
         row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens)
         results.append(res)
         rows.append(row)
@@ -163,7 +185,9 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
 
 def _progress(console: Console, i: int, n: int, cfg: BenchConfig, row: dict[str, Any]) -> None:
     s = row["step_ms"]
-    console.print(f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
-                  f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
-                  f"stall {100 * (row['stall_fraction'] or 0):.1f}%"
-                  + (f", {row['n_skipped']} fp16 overflow steps skipped" if row["n_skipped"] else ""))
+    console.print(
+        f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
+        f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
+        f"stall {100 * (row['stall_fraction'] or 0):.1f}%"
+        + (f", {row['n_skipped']} fp16 overflow steps skipped" if row["n_skipped"] else "")
+    )

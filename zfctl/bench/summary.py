@@ -37,7 +37,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(res: ConfigResult, *, param_bytes: int, samples_per_step: int, tokens_per_step: int) -> dict[str, Any]:
+def summarize(
+    res: ConfigResult, *, param_bytes: int, samples_per_step: int, tokens_per_step: int
+) -> dict[str, Any]:
     """One configuration's report row (JSON-ready). Speedup is filled by `add_speedups`."""
     recs: list[StepRecord] = res.records
     # A skipped fp16 step (overflow: no update at all) is neither kind; it stays in "overall",

@@ -53,54 +53,99 @@ def _model_config(name: str):
 
 
 def bench(
-    model: Annotated[str | None, typer.Option(
-        help="Benchmark a model preset's architecture with random weights instead of the synthetic "
-        "MLP, e.g. tiny-llama or llama3.2-1b (hub presets: a Llama of the preset's sizes).",
-        rich_help_panel=PRESET)] = None,
-    seq_len: Annotated[int | None, typer.Option(
-        help="Tokens per sequence for --model (default 256).", rich_help_panel=PRESET)] = None,
-    batch: Annotated[int | None, typer.Option(
-        help="Sequences per step for --model (default 1).", rich_help_panel=PRESET)] = None,
-    hidden_dim: Annotated[int | None, typer.Option(
-        help="Width of each Linear(hidden, hidden) (default 1024).", rich_help_panel=SYNTH)] = None,
-    nlayers: Annotated[int | None, typer.Option(
-        help="Number of Linear layers (default 1).", rich_help_panel=SYNTH)] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Benchmark a model preset's architecture with random weights instead of the synthetic "
+            "MLP, e.g. tiny-llama or llama3.2-1b (hub presets: a Llama of the preset's sizes).",
+            rich_help_panel=PRESET,
+        ),
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(help="Tokens per sequence for --model (default 256).", rich_help_panel=PRESET),
+    ] = None,
+    batch: Annotated[
+        int | None, typer.Option(help="Sequences per step for --model (default 1).", rich_help_panel=PRESET)
+    ] = None,
+    hidden_dim: Annotated[
+        int | None,
+        typer.Option(help="Width of each Linear(hidden, hidden) (default 1024).", rich_help_panel=SYNTH),
+    ] = None,
+    nlayers: Annotated[
+        int | None, typer.Option(help="Number of Linear layers (default 1).", rich_help_panel=SYNTH)
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = "bf16",
     topk: Annotated[str, typer.Option(help="topk_ratio values, e.g. 0.1,0.2.", rich_help_panel=GRID)] = "0.1",
-    interval: Annotated[str, typer.Option(
-        help="update_interval values (integers >= 1 or auto), e.g. 2,4.", rich_help_panel=GRID)] = "4",
-    overlap: Annotated[str | None, typer.Option(
-        help="overlap_step: on, off or on,off (default on).", rich_help_panel=GRID)] = None,
-    no_overlap: Annotated[bool, typer.Option(
-        "--no-overlap", help="Same as --overlap off.", rich_help_panel=GRID)] = False,
-    pin: Annotated[str | None, typer.Option(
-        help="pin_memory: on, off or on,off (default on). No effect without CUDA.",
-        rich_help_panel=GRID)] = None,
-    no_pin: Annotated[bool, typer.Option("--no-pin", help="Same as --pin off.", rich_help_panel=GRID)] = False,
-    warmup: Annotated[int, typer.Option(
-        help="Untimed steps first (rounded up to whole intervals).", rich_help_panel=RUN)] = 4,
-    iterations: Annotated[int, typer.Option(
-        help="Timed length in intervals of the longest --interval: every configuration times about "
-        "iterations x max(interval) steps, a whole number of its own intervals.", rich_help_panel=RUN)] = 5,
-    trials: Annotated[int, typer.Option(
-        help="Runs per configuration, each on a fresh model; their steps are pooled.",
-        rich_help_panel=RUN)] = 1,
+    interval: Annotated[
+        str,
+        typer.Option(help="update_interval values (integers >= 1 or auto), e.g. 2,4.", rich_help_panel=GRID),
+    ] = "4",
+    overlap: Annotated[
+        str | None, typer.Option(help="overlap_step: on, off or on,off (default on).", rich_help_panel=GRID)
+    ] = None,
+    no_overlap: Annotated[
+        bool, typer.Option("--no-overlap", help="Same as --overlap off.", rich_help_panel=GRID)
+    ] = False,
+    pin: Annotated[
+        str | None,
+        typer.Option(
+            help="pin_memory: on, off or on,off (default on). No effect without CUDA.", rich_help_panel=GRID
+        ),
+    ] = None,
+    no_pin: Annotated[
+        bool, typer.Option("--no-pin", help="Same as --pin off.", rich_help_panel=GRID)
+    ] = False,
+    warmup: Annotated[
+        int, typer.Option(help="Untimed steps first (rounded up to whole intervals).", rich_help_panel=RUN)
+    ] = 4,
+    iterations: Annotated[
+        int,
+        typer.Option(
+            help="Timed length in intervals of the longest --interval: every configuration times about "
+            "iterations x max(interval) steps, a whole number of its own intervals.",
+            rich_help_panel=RUN,
+        ),
+    ] = 5,
+    trials: Annotated[
+        int,
+        typer.Option(
+            help="Runs per configuration, each on a fresh model; their steps are pooled.", rich_help_panel=RUN
+        ),
+    ] = 1,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel=RUN)] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for weights and inputs.", rich_help_panel=RUN)] = 0,
-    cpu_threads: Annotated[int, typer.Option(
-        help="zenflow.cpu_threads for the CPU AdamW (0 = all cores).", rich_help_panel=RUN)] = 0,
-    max_grad_norm: Annotated[float | None, typer.Option(
-        help="Clip gradients to this global norm (adds a norm pass per step); default: no "
-        "clipping, like the reference.", rich_help_panel=RUN)] = None,
-    json_out: Annotated[Path | None, typer.Option(
-        "--json", help="Write the report, with every timed step, as JSON.", rich_help_panel=OUT)] = None,
-    csv_out: Annotated[Path | None, typer.Option(
-        "--csv", help="Write one row per configuration as CSV.", rich_help_panel=OUT)] = None,
-    plot: Annotated[Path | None, typer.Option(
-        "--plot", help="Draw step time and stall share into a PNG (needs matplotlib: "
-        "pip install 'zfctl\\[plot]').", rich_help_panel=OUT)] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Overwrite existing --json/--csv/--plot files.", rich_help_panel=OUT)] = False,
+    cpu_threads: Annotated[
+        int, typer.Option(help="zenflow.cpu_threads for the CPU AdamW (0 = all cores).", rich_help_panel=RUN)
+    ] = 0,
+    max_grad_norm: Annotated[
+        float | None,
+        typer.Option(
+            help="Clip gradients to this global norm (adds a norm pass per step); default: no "
+            "clipping, like the reference.",
+            rich_help_panel=RUN,
+        ),
+    ] = None,
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write the report, with every timed step, as JSON.", rich_help_panel=OUT),
+    ] = None,
+    csv_out: Annotated[
+        Path | None,
+        typer.Option("--csv", help="Write one row per configuration as CSV.", rich_help_panel=OUT),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Draw step time and stall share into a PNG (needs matplotlib: pip install 'zfctl\\[plot]').",
+            rich_help_panel=OUT,
+        ),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Overwrite existing --json/--csv/--plot files.", rich_help_panel=OUT),
+    ] = False,
 ) -> None:
     """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
 
@@ -116,19 +161,29 @@ def bench(
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if device not in ("auto", "cuda", "cpu"):
         raise UserError(f"--device {device!r}: use auto, cuda or cpu")
-    for flag, v in (("--seq-len", seq_len), ("--batch", batch), ("--hidden-dim", hidden_dim),
-                    ("--nlayers", nlayers), ("--iterations", iterations), ("--trials", trials)):
+    for flag, v in (
+        ("--seq-len", seq_len),
+        ("--batch", batch),
+        ("--hidden-dim", hidden_dim),
+        ("--nlayers", nlayers),
+        ("--iterations", iterations),
+        ("--trials", trials),
+    ):
         _at_least(flag, v)
     _at_least("--warmup", warmup, 0)
     _at_least("--cpu-threads", cpu_threads, 0)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise UserError(f"--max-grad-norm {max_grad_norm}: must be > 0 (omit it for no clipping)")
     if model is None and (seq_len is not None or batch is not None):
-        raise UserError("--seq-len/--batch apply to --model PRESET; the synthetic model takes one sample "
-                        "of --hidden-dim values per step")
+        raise UserError(
+            "--seq-len/--batch apply to --model PRESET; the synthetic model takes one sample "
+            "of --hidden-dim values per step"
+        )
     if model is not None and (hidden_dim is not None or nlayers is not None):
-        raise UserError(f"--hidden-dim/--nlayers shape the synthetic model; drop them with --model {model} "
-                        "(the preset fixes the shapes)")
+        raise UserError(
+            f"--hidden-dim/--nlayers shape the synthetic model; drop them with --model {model} "
+            "(the preset fixes the shapes)"
+        )
     paths = [p.resolve() for p in (json_out, csv_out, plot) if p is not None]
     if len(set(paths)) != len(paths):
         raise UserError("--json, --csv and --plot must name different files")
@@ -146,16 +201,31 @@ def bench(
     from zfctl.cli._common import console
 
     opts = BenchOptions(
-        topks=topks, intervals=intervals, overlaps=overlaps, pins=pins, dtype=dtype,
-        hidden_dim=hidden_dim or 1024, nlayers=nlayers or 1, model=model_cfg,
-        seq_len=seq_len or 256, batch=batch or 1, warmup=warmup, iterations=iterations, trials=trials,
-        device=device, seed=seed, cpu_threads=cpu_threads, max_grad_norm=max_grad_norm,
+        topks=topks,
+        intervals=intervals,
+        overlaps=overlaps,
+        pins=pins,
+        dtype=dtype,
+        hidden_dim=hidden_dim or 1024,
+        nlayers=nlayers or 1,
+        model=model_cfg,
+        seq_len=seq_len or 256,
+        batch=batch or 1,
+        warmup=warmup,
+        iterations=iterations,
+        trials=trials,
+        device=device,
+        seed=seed,
+        cpu_threads=cpu_threads,
+        max_grad_norm=max_grad_norm,
     )
     report = run_bench(opts, console)
     print_tables(console, report.rows, report.meta)
     if json_out is not None:
-        rows = [dict(row, records=[asdict(r) for r in res.records])
-                for row, res in zip(report.rows, report.results, strict=True)]
+        rows = [
+            dict(row, records=[asdict(r) for r in res.records])
+            for row, res in zip(report.rows, report.results, strict=True)
+        ]
         write_atomic(json_out, render_json(report.meta, rows, report.skipped))
         console.print(f"wrote {json_out}")
     if csv_out is not None:
