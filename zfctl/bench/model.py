@@ -42,10 +42,6 @@ class BenchModel:
         """Bytes of the model's own weights (in the model dtype): the unit of 'traffic x model'."""
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> shape, for the report and for checking transfer volumes."""
-        return {n: tuple(p.shape) for n, p in self.module.named_parameters()}
-
 
 def _mlp_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     # Logits are cast to fp32 for the cross-entropy: hidden_dim values, negligible cost, and the
