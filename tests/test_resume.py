@@ -55,6 +55,7 @@ ZENFLOW = ["zenflow.topk_ratio=0.1", "zenflow.update_interval=4", "zenflow.overl
            "zenflow.select_strategy=step", "zenflow.select_interval=8", "zenflow.full_warm_up_rounds=1"]
 
 
+@pytest.mark.slow
 def test_resume_inside_interval_with_overlap_is_bit_identical(tmp_path):
     # Warm-up step 1 is synchronous; selection at step 2 and 10; CPU-update boundaries at steps 5
     # and 9. At k=6 the update submitted at step 5 is still in flight (installed at step 9 by the

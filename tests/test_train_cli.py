@@ -62,6 +62,7 @@ def tree_digest(path: Path) -> dict[str, str]:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_write_keeps_previous_and_resume_works(tmp_path):
     out = tmp_path / "run"
     # the step-4 checkpoint write sleeps after its model file: SIGKILL lands mid-write
@@ -89,6 +90,7 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_resume_works(tmp_pat
     assert not list(ckpts.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_143_with_resume_hint(tmp_path):
     out = tmp_path / "run"
     p = finetune(out, "train.max_steps=500", "checkpoint.every=0")
@@ -117,27 +119,26 @@ def _one_line_error(rc: int, log: str, *needles: str) -> None:
     assert any(all(n in ln for n in needles) for ln in lines), log
 
 
+@pytest.mark.slow
 def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
     before = tree_digest(finished_run)
-    # existing output without --force
-    _one_line_error(*finish(finetune(finished_run, "train.max_steps=1")), "--force")
-    # missing data file
-    _one_line_error(*finish(finetune(finished_run, data=str(tmp_path / "nope.jsonl"))), "nope.jsonl")
-    # bad record: the error names file, record index and field
-    bad = tmp_path / "bad.jsonl"
+    bad = tmp_path / "bad.jsonl"  # record 1 lacks its `output` field
     bad.write_text(json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n"
                    + json.dumps({"instruction": "a", "input": ""}) + "\n")
-    _one_line_error(*finish(finetune(tmp_path / "x", "data.template=alpaca", data=str(bad))), "bad.jsonl", "output")
-    assert not (tmp_path / "x").exists()
-    # unknown model
-    _one_line_error(*finish(finetune(tmp_path / "y", model="tiny-lama")), "tiny-lama")
-    assert not (tmp_path / "y").exists()
-    # unreadable checkpoint
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text("{oops")
-    _one_line_error(*finish(zfctl("resume", str(broken))), "unreadable")
-    # resume with a changed world size
-    _one_line_error(*finish(zfctl("resume", str(finished_run), env={"WORLD_SIZE": "2", "RANK": "0"})),
-                    "world size: 1 -> 2", "--allow-changes")
+    # (process, words the one error line must hold); started together: each is mostly import time
+    cases = [
+        (finetune(finished_run, "train.max_steps=1"), ["--force"]),  # existing output
+        (finetune(tmp_path / "m", data=str(tmp_path / "nope.jsonl")), ["nope.jsonl"]),  # missing data file
+        (finetune(tmp_path / "x", "data.template=alpaca", data=str(bad)), ["bad.jsonl", "output"]),  # bad record
+        (finetune(tmp_path / "y", model="tiny-lama"), ["tiny-lama"]),  # unknown model
+        (zfctl("resume", str(broken)), ["unreadable", "meta.json"]),  # unreadable checkpoint
+        (zfctl("resume", str(finished_run), env={"WORLD_SIZE": "2", "RANK": "0"}),
+         ["world size: 1 -> 2", "--allow-changes"]),  # changed world size
+    ]
+    for proc, needles in cases:
+        _one_line_error(*finish(proc), *needles)
     assert tree_digest(finished_run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken"]  # no output folder made
