@@ -19,7 +19,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from cffi import FFI
+from cffi import FFI, VerificationError
 
 NATIVE = Path(__file__).resolve().parent
 ROOT = NATIVE.parent
@@ -40,7 +40,7 @@ SANITIZE_FLAGS = [
 def cdef_text() -> str:
     """The declarations between the CDEF markers of zfnative.h (one source of truth)."""
     header = (NATIVE / "zfnative.h").read_text()
-    match = re.search(r"/\* CDEF-BEGIN \*/(.*)/\* CDEF-END \*/", header, re.S)
+    match = re.search(r"/\* CDEF-BEGIN \*/(.*)/\* CDEF-END \*/", header, re.DOTALL)
     if not match:
         raise RuntimeError("native/zfnative.h lost its CDEF-BEGIN/CDEF-END markers")
     return match.group(1)
@@ -100,7 +100,8 @@ def asan_runtime() -> str:
     """The ASan runtime of the compiler that builds us: an uninstrumented python must LD_PRELOAD it."""
     cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     for name in ("libasan.so", "libclang_rt.asan-x86_64.so"):
-        found = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        found = subprocess.run([cc, f"-print-file-name={name}"], check=False, capture_output=True, text=True)
+        found = found.stdout.strip()
         if os.path.isabs(found) and os.path.exists(found):
             return found
     sys.exit(f"zfctl: no ASan runtime found for '{cc}' (Debian/Ubuntu: apt-get install libasan8)")
@@ -116,7 +117,7 @@ def main() -> None:
         return
     try:
         path = build(sanitize=args.sanitize)
-    except Exception as exc:  # distutils/setuptools CompileError, LinkError, cffi VerificationError
+    except (VerificationError, OSError) as exc:  # cffi wraps the compiler's CompileError/LinkError
         sys.exit(f"zfctl: building the native CPU-Adam failed: {exc}")
     print(f"built {path.relative_to(ROOT)}")
 

@@ -1,13 +1,16 @@
 /*
  * A small pthread pool that sleeps instead of spinning.
  *
- * Why not OpenMP: torch ships and loads its own libgomp before we are imported, so
- * OMP_WAIT_POLICY is read before we could set it, and libgomp's default is to spin for a while
- * after each parallel region. On a 2-core machine shared with the training loop's own thread (and
- * torch's intra-op threads) spinning workers steal the cores the real work needs; measured here, a
- * spin-waiting OpenMP kernel over many tensors went from ~130 ms to ~1.5 s per step. Also two
- * Python threads calling in at once (the CPU worker's AdamW and the main thread's gradient
- * accumulation) would each start a full OpenMP team and oversubscribe the cores.
+ * Why not OpenMP: torch loads its own libgomp before we are imported, so OMP_WAIT_POLICY is read
+ * before we could set it, and libgomp's default is to spin after every parallel region. Measured
+ * on this 2-core machine (30M params, 2 threads, 400 calls per step, torch imported first, load
+ * average 7-9 from other jobs): the same kernels under OpenMP took 2.9-3.2 s per step with the
+ * default policy and 84-186 ms with OMP_WAIT_POLICY=PASSIVE set before python started; this
+ * pool took 57-186 ms with no setting at all (scratch experiment, numbers in the issue-3 report).
+ * And two Python threads calling in at once (the CPU worker's AdamW and the main thread's
+ * gradient accumulation) would each start a full OpenMP team and oversubscribe the cores.
+ * (torch's own intra-op threads still spin after torch CPU ops; only the process can stop that,
+ * by setting OMP_WAIT_POLICY=PASSIVE before torch is imported.)
  *
  * Here workers block on a condition variable (a futex: no CPU while idle, a few microseconds to
  * wake), and only one call uses the pool at a time: a second concurrent caller does not wait for

@@ -7,7 +7,7 @@ import torch
 
 from zfctl import _native as N
 
-HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 
 
 @pytest.fixture(params=N.available_isas())

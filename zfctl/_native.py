@@ -5,7 +5,7 @@ optional `runs` is an int64 tensor of shape [n, 2] of (offset, length) pairs, so
 non-overlapping: only those elements are read or written, which is how the CPU skips the columns
 the GPU owns. Each call is one pass over memory with the GIL released, split over a pool of
 threads that sleep (not spin) between calls. A bad argument raises ValueError naming it; nothing
-reaches the C code unchecked.
+reaches the C code unchecked (a non-tensor raises TypeError).
 
 Results do not depend on the thread count, and the AVX-512, AVX2 and scalar paths agree bit for
 bit (see native/kernels.h); `sq_norm`'s reduction order depends only on the run list.
@@ -14,6 +14,7 @@ bit (see native/kernels.h); `sq_norm`'s reduction order depends only on the run 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 from pathlib import Path
 
@@ -56,7 +57,7 @@ _HALF = (torch.bfloat16, torch.float16)
 def _check(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None = None) -> torch.Tensor:
     """Validate one buffer argument; the message names the argument and what was wrong."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name}: must be a CPU tensor, got device {t.device}")
     if t.dtype not in dtypes:
@@ -76,7 +77,7 @@ def _disjoint(**written: torch.Tensor | None) -> None:
         for name, t in written.items()
         if t is not None and t.numel() > 0
     )
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise ValueError(f"{a} and {b} overlap in memory: pass separate buffers")
 
