@@ -19,6 +19,7 @@ from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.resolve import resolve_plan
 from zfctl.train import resume, run
+from zfctl.train.checkpoint import resolve_checkpoint
 from zfctl.train.metrics import read_metrics
 
 TINY = [  # a 2-layer, 64-wide tiny-llama: each step takes milliseconds on one core
@@ -124,6 +125,12 @@ def test_changed_plan_is_refused_then_allowed(tmp_path):
     res = resume(out, max_steps=3, allow_changes=True)
     assert res.steps == 3
     assert read_metrics(out / "metrics.jsonl", "train")[-1]["lr"] == pytest.approx(1e-4)  # new peak LR
+    # a change the saved optimizer state cannot follow is still one clear line, even when allowed
+    plan = load_plan_yaml(out / "plan.yaml")
+    dump_plan_yaml(replace(plan, zenflow=replace(plan.zenflow, topk_ratio=0.5)), out / "plan.yaml")
+    with pytest.raises(UserError, match="optimizer state does not fit this plan.*topk_ratio"):
+        resume(out, max_steps=4, allow_changes=True)
+    assert resolve_checkpoint(out).step == 3
 
 
 def test_resume_with_changed_world_size_is_refused(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from zfctl.plan.resolve import resolve_plan
 from zfctl.resources import presets_root
 from zfctl.train import run
 from zfctl.train.metrics import read_metrics
-from zfctl.train.session import check_output_dir
+from zfctl.train.rundir import check_output_dir, clear_run_dir
 
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -88,3 +88,14 @@ def test_output_dir_rules(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="not a folder"):
         check_output_dir(tmp_path / "file", force=True)
+
+
+def test_force_clears_only_run_entries(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "plan.yaml").write_text("train: {}\n")
+    (run_dir / "notes.md").write_text("mine")
+    check_output_dir(run_dir, force=True)  # a run folder: --force may proceed
+    clear_run_dir(run_dir)
+    assert [p.name for p in run_dir.iterdir()] == ["notes.md"]

@@ -120,6 +120,18 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return out
 
 
+def require_sinks(*, wandb: bool, tensorboard: bool) -> None:
+    """Fail before any work (and before the output folder is touched) if a sink's package is missing."""
+    import importlib.util
+
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("logging.tensorboard=true needs TensorBoard: pip install tensorboard "
+                        "(or set logging.tensorboard=false)")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb=true needs Weights & Biases: pip install wandb "
+                        "(or set logging.wandb=false)")
+
+
 def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: Path,
                 config: dict) -> list[Sink]:
     """Open the optional sinks; a missing package is a UserError before any training starts."""

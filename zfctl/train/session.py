@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -28,16 +27,11 @@ from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.display import NullDisplay, RichDisplay
 from zfctl.train.loop import LoopInputs, train
-from zfctl.train.metrics import METRICS_FILE, MetricsWriter, build_sinks
+from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
 from zfctl.train.optim import build_optimizer
+from zfctl.train.rundir import PLAN_FILE, check_output_dir, clear_run_dir, plan_differences
 from zfctl.train.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.schedule import build_scheduler, restore_scheduler
-
-PLAN_FILE = "plan.yaml"
-# What `--force` may delete in an existing run folder; anything else there is left alone.
-RUN_ENTRIES = (ck.CHECKPOINTS, METRICS_FILE, PLAN_FILE, "tensorboard", "wandb")
-# Plan keys that may differ between a checkpoint and the run folder without being a "change".
-RESUME_FREE_KEYS = ("checkpoint.output_dir", "train.max_steps")
 
 
 @dataclass
@@ -62,32 +56,6 @@ def _dist_env() -> _Dist:
     """Rank and world size as torchrun sets them (a single process without torchrun)."""
     return _Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
                  int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def check_output_dir(out: Path, force: bool) -> None:
-    """Refuse an existing, non-empty output folder unless ``force`` (and then only a run folder)."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise UserError(f"output {out} exists and is not a folder; choose another --output")
-    entries = {p.name for p in out.iterdir()}
-    if not entries:
-        return
-    if not force:
-        raise UserError(f"output folder {out} already exists and is not empty; pass --force to "
-                        f"overwrite it, `zfctl resume {out}` to continue it, or choose another --output")
-    if not entries & set(RUN_ENTRIES):
-        raise UserError(f"output folder {out} is not empty and is not a zfctl run folder; --force only "
-                        "overwrites run folders: choose a new or empty --output")
-
-
-def _clear_run_dir(out: Path) -> None:
-    for name in RUN_ENTRIES:
-        p = out / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
 
 
 def _device(plan: RunPlan, env: _Dist) -> torch.device:
@@ -179,31 +147,28 @@ def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fr
         total = _total_steps(plan, sampler)
         optimizer = build_optimizer(model, plan, steps_per_epoch=steps_per_epoch,
                                     process_group=dist.group.WORLD if env.world_size > 1 else None)
-        scheduler = build_scheduler(optimizer, t.schedule, warmup_steps=t.warmup_steps, total_steps=total)
-        start_step = 0
-        if ckpt is not None:
-            rank_file = ck.optimizer_file(env.rank)
-            if allow_world_change and not (ckpt.path / rank_file).exists():
-                rank_file = ck.optimizer_file(0)  # replicated state: rank 0's serves any rank
-            optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
-            restore_scheduler(scheduler, trainer_state["scheduler"])
-            start_step = int(trainer_state["step"])
-            rng = ckpt.path / ck.rng_file(env.rank)
-            if rng.exists():  # RNG last: nothing above may draw from it after the restore
-                ck.restore_rng(ck.load_torch(ckpt, rng.name))
-
-        # Every input is good: only now touch the output folder.
-        if env.rank == 0:
-            if fresh:
-                check_output_dir(out, force)
-                if out.exists():
-                    _clear_run_dir(out)
-            out.mkdir(parents=True, exist_ok=True)
-            dump_plan_yaml(plan, out / PLAN_FILE)
-        if env.world_size > 1:
-            dist.barrier()
         metrics = display = None
-        try:
+        try:  # from here on the optimizer's CPU worker thread runs: always close it
+            scheduler = build_scheduler(optimizer, t.schedule, warmup_steps=t.warmup_steps, total_steps=total)
+            start_step = 0
+            if ckpt is not None:
+                _restore_optimizer(optimizer, ckpt, env.rank, allow_world_change)
+                restore_scheduler(scheduler, trainer_state["scheduler"])
+                start_step = int(trainer_state["step"])
+                rng = ckpt.path / ck.rng_file(env.rank)
+                if rng.exists():  # RNG last: nothing above may draw from it after the restore
+                    ck.restore_rng(ck.load_torch(ckpt, rng.name))
+
+            # Every input is good: only now touch the output folder.
+            if env.rank == 0:
+                if fresh:
+                    check_output_dir(out, force)
+                    if out.exists():
+                        clear_run_dir(out)
+                out.mkdir(parents=True, exist_ok=True)
+                dump_plan_yaml(plan, out / PLAN_FILE)
+            if env.world_size > 1:
+                dist.barrier()
             if env.rank == 0:
                 sinks = build_sinks(wandb=plan.logging.wandb, wandb_project=plan.logging.wandb_project,
                                     tensorboard=plan.logging.tensorboard, run_dir=out, config=asdict(plan))
@@ -242,6 +207,17 @@ def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fr
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
 
 
+def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int, allow_world_change: bool) -> None:
+    rank_file = ck.optimizer_file(rank)
+    if allow_world_change and not (ckpt.path / rank_file).exists():
+        rank_file = ck.optimizer_file(0)  # replicated state: rank 0's serves any rank
+    try:
+        optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
+    except ValueError as e:  # the state does not fit this model/plan (e.g. a changed topk_ratio)
+        raise UserError(f"checkpoint {ckpt.path}: its optimizer state does not fit this plan ({e}); "
+                        "undo the change or start a new run") from None
+
+
 def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunResult:
     """Fine-tune as ``plan`` says; write checkpoints and metrics under its output folder.
 
@@ -252,6 +228,7 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     env = _dist_env()
     if not debug_data and env.rank == 0:
         check_output_dir(out, force)  # fail in a second, before minutes of data preparation
+        require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
     tokenizer, prepared = _load_inputs(plan)
     if debug_data:
         from zfctl.train.data import format_debug_samples
@@ -261,23 +238,6 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
         return RunResult(output_dir=out, steps=0, final_train_loss=None, final_eval_loss=None,
                          last_checkpoint=None)
     return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=True, force=force)
-
-
-def plan_differences(old: RunPlan, new: RunPlan, ignore: tuple[str, ...] = RESUME_FREE_KEYS) -> list[str]:
-    """Dotted keys whose values differ, as ``key: old -> new``."""
-    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and prefix == "":
-                out.update(flat(v, key + "."))
-            else:
-                out[key] = list(v) if isinstance(v, tuple) else v
-        return out
-
-    a, b = flat(asdict(old)), flat(asdict(new))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k not in ignore and a.get(k) != b.get(k)]
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
@@ -317,6 +277,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
         plan = replace(plan, train=replace(plan.train, max_steps=max_steps))
     if on_plan is not None and env.rank == 0:
         on_plan(plan)
+    require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
     _, prepared = _load_inputs(plan)
     return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, ckpt=info,
                   allow_world_change=allow_changes)
