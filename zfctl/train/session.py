@@ -103,7 +103,7 @@ def _load_inputs(plan: RunPlan) -> tuple[Any, Any]:
     tokenizer = load_tokenizer(plan.model)
     prepared = prepare_data(plan.data, tokenizer, seed=plan.train.seed)
     if _dist_env().rank == 0:
-        Console().print(f"data: {prepared.summary()}", highlight=False, markup=False)
+        Console().print(f"data: {prepared.summary()}", highlight=False, markup=False, soft_wrap=True)
     if len(prepared.train) == 0:
         raise UserError(f"data {plan.data.name!r} has no training records after slicing/filtering; "
                         "check data.start_idx/end_idx")
