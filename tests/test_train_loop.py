@@ -162,3 +162,28 @@ def test_console_line_is_dense_and_exact():
     assert format_train_line(rec, 200) == (
         "step  40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20"
         " + stall 12 | cpu-adam 41 ms | sel 0.10 | gnorm 1.23 | dev 0.8G host 1.2G")
+
+
+def test_resume_truncates_metrics_after_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "eval", "step": 2, "eval_loss": 1.5}\n'
+                    '{"kind": "train", "step": 3, "loss": 1.0}\n{"kind": "tra')  # torn by a kill
+    w = MetricsWriter(tmp_path, resume_step=2)
+    w.log({"kind": "train", "step": 3, "loss": 0.5})
+    w.close()
+    assert [(r["kind"], r["step"]) for r in read_metrics(path)] == [("train", 1), ("eval", 2), ("train", 3)]
+    assert read_metrics(path, "train")[-1]["loss"] == 0.5
+
+
+def test_missing_logger_package_is_a_user_error(monkeypatch):
+    import importlib.util
+
+    from zfctl.errors import UserError
+    from zfctl.train.metrics import require_sinks
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    require_sinks(wandb=False, tensorboard=False)
+    with pytest.raises(UserError, match="pip install tensorboard"):
+        require_sinks(wandb=False, tensorboard=True)
+    with pytest.raises(UserError, match="pip install wandb"):
+        require_sinks(wandb=True, tensorboard=False)
