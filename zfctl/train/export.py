@@ -20,6 +20,7 @@ import torch
 
 from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
+from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -49,7 +50,7 @@ def check_hub(repo_id: str) -> str:
     return token
 
 
-def _final_weights(info: ck.CheckpointInfo, plan: object) -> torch.nn.Module:
+def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> torch.nn.Module:
     """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
     from zfctl.train.model import load_model
     from zfctl.train.optim import build_optimizer
