@@ -74,9 +74,9 @@ def test_state_must_match_the_optimizer() -> None:
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), CONFIGS["sequential"]) as opt:
         sd = opt.state_dict()
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(topk_ratio=0.2)) as opt:
-        with pytest.raises(ValueError, match="topk_ratio"):
-            opt.load_state_dict(sd)
-    with ZenFlowOptimizer(list(model.named_parameters())[:-1], CONFIGS["sequential"]) as opt:
-        with pytest.raises(ValueError, match="parameter"):
-            opt.load_state_dict(sd)
+    other = ZenFlowConfig(topk_ratio=0.2)
+    with ZenFlowOptimizer(model.named_parameters(), other) as opt, pytest.raises(ValueError, match="topk_ratio"):
+        opt.load_state_dict(sd)
+    fewer = list(model.named_parameters())[:-1]
+    with ZenFlowOptimizer(fewer, CONFIGS["sequential"]) as opt, pytest.raises(ValueError, match="parameter"):
+        opt.load_state_dict(sd)

@@ -30,9 +30,9 @@ class TinyNet(nn.Module):
         return self.head(nn.functional.gelu(self.fc2(h)))
 
 
-def tiny_net(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:
+def tiny_net(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TinyNet:
     torch.manual_seed(seed)
-    return TinyNet().to(dtype)
+    return TinyNet().to(dtype=dtype, device=device)
 
 
 def batches(steps: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -47,9 +47,10 @@ def batches(steps: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> li
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, seed: int = 1, clip: float | None = None,
           after_step: Callable[[int], None] | None = None, scheduler=None) -> list:
     """Plain loop; ``clip`` clips with torch (for the torch.optim.AdamW reference only)."""
-    dtype = next(model.parameters()).dtype
+    p0 = next(model.parameters())
     out = []
-    for i, (x, y) in enumerate(batches(steps, seed, dtype)):
+    for i, (x, y) in enumerate(batches(steps, seed, p0.dtype)):
+        x, y = x.to(p0.device), y.to(p0.device)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x).float(), y.float())
         loss = opt.scale_loss(loss) if hasattr(opt, "scale_loss") else loss

@@ -35,12 +35,12 @@ class ZenFlowConfig:
         "How select_interval is counted: 'step' = optimizer steps, 'epoch' = epochs, "
         "'auto' = like 'epoch' with select_interval 1.",
     )
-    select_interval: Interval = _f(  # noqa: RUF009 (_f returns a dataclasses.field)
+    select_interval: Interval = _f(
         "auto",
         "Re-select the top-k columns every N steps/epochs (see select_strategy), or 'auto' = once "
         "per epoch (every 256 steps when the optimizer is not told the epoch length).",
     )
-    update_interval: Interval = _f(  # noqa: RUF009
+    update_interval: Interval = _f(
         4,
         "Apply the CPU AdamW to the non-selected columns every N steps, or 'auto' "
         "(adaptive, bounded by auto_min_interval..auto_max_interval).",
