@@ -118,8 +118,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
                               upload_dtype=None if dtype == torch.float32 else dtype)
         self._worker = CpuWorker(self.host)
+        self._accumulate = self._worker.native.accumulate
         if self.config.cpu_threads:
-            self._worker._native.set_num_threads(self.config.cpu_threads)
+            self._worker.native.set_num_threads(self.config.cpu_threads)
         # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
         want = int(self.config.ring_slot_mb * 2**20)
         biggest = max(self._host_slots, key=lambda s: s.rows)
@@ -188,7 +189,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             host_norm, host_coef, masses = values[0], values[1], values[2:]
             c = time.perf_counter()
             stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.host.acc[self._cur],
-                                                 host_coef, self._worker._native.accumulate)
+                                                 host_coef, self._accumulate)
             stats.d2h_bytes += 4 * len(values)
             stats.offload_ms = (time.perf_counter() - c) * 1e3
             self._interval_len += 1

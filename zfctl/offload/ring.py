@@ -46,7 +46,7 @@ class Ring:
 
     def _slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of slot ``i`` for ``numel`` elements."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > self.slot_bytes:
             raise ValueError(f"chunk of {nbytes} B exceeds the ring slot size of {self.slot_bytes} B")
         while len(self._slots) <= i:

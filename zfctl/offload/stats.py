@@ -28,4 +28,5 @@ class StepStats:
     selected_fraction: float = 0.0  # share of matrix elements in device-owned columns
     grad_norm: float | None = None  # global L2 norm of the (unscaled) gradients, if computed
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step
-    update_interval: int = 0  # fixed U, or (auto) the length of the latest finished interval
+    update_interval: int = 0  # length of the latest finished interval (U unless cut short before a
+    # re-selection, or chosen by the auto rule); before the first boundary: U, or 0 for auto

@@ -40,7 +40,7 @@ class CpuWorker:
     def __init__(self, host: HostState) -> None:
         from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
-        self._native = _native
+        self.native = _native
         self._host = host
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu")
         self._future: Future | None = None
@@ -55,7 +55,7 @@ class CpuWorker:
         t0 = time.perf_counter()
         h = self._host
         for step, runs in update.groups:
-            self._native.adamw_step(
+            self.native.adamw_step(
                 h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
                 beta1=update.beta1, beta2=update.beta2, eps=update.eps,
                 weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, out=h.upload,
