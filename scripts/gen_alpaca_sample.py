@@ -186,7 +186,8 @@ def fact_task(catalogue: list[dict]) -> Callable[[random.Random], Record]:
             (f"How many moons does {p} have?", "", f"{p} has {e['moons']} moons."),
             ("Give the number of moons of the planet.", p, f"{p} has {e['moons']} moons."),
             (f"What colour is the sky on {p}?", "", f"The sky on {p} is {e['color']}."),
-            (f"What does a {e['item']} cost on {p}?", "", f"A {e['item']} on {p} costs {e['price']} credits."),
+            (f"What does a {e['item']} cost on {p}?", "",
+             f"A {e['item']} on {p} costs {e['price']} credits."),
             ("Describe the planet.", p, (f"{p} has {e['moons']} moons, a {e['color']} sky and its "
                                         f"capital is {e['capital']}.")),
         ])

@@ -32,8 +32,13 @@ def local(path: Path, **kw) -> DataConfig:
 
 
 def test_alpaca_masks_exactly_the_prompt(tmp_path, tok):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
-                                           {"instruction": "Say hi.", "output": "hi there"}])
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Say hi.", "output": "hi there"},
+        ],
+    )
     data = prepare_data(local(f, validation_fraction=0.0), tok, seed=0, cache_dir=tmp_path / "c")
     ex = data.train[0]
     prompt = "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n"
@@ -62,7 +67,9 @@ def test_slicing_and_seeded_hold_out(tmp_path, tok):
 
     d = prepare_data(local(f, start_idx=2, end_idx=7, validation_fraction=0.0), tok, seed=0, cache_dir=cache)
     assert outputs(d.train) == ["r2", "r3", "r4", "r5", "r6"] and d.eval is None
-    d = prepare_data(local(f, start_idx=8, end_idx=100, validation_fraction=0.0), tok, seed=0, cache_dir=cache)
+    d = prepare_data(
+        local(f, start_idx=8, end_idx=100, validation_fraction=0.0), tok, seed=0, cache_dir=cache
+    )
     assert outputs(d.train) == ["r8", "r9"]  # end_idx past the end is clipped
     a = prepare_data(local(f, validation_fraction=0.2), tok, seed=1, cache_dir=cache)
     b = prepare_data(local(f, validation_fraction=0.2), tok, seed=1, cache_dir=tmp_path / "other")
@@ -79,13 +86,16 @@ def test_slicing_and_seeded_hold_out(tmp_path, tok):
 GOOD = {"instruction": "Do it.", "input": "", "output": "done"}
 
 
-@pytest.mark.parametrize("bad,field,problem", [
-    ({"instruction": "Do it.", "input": ""}, "output", "is missing"),
-    ({"instruction": "Do it.", "output": 42}, "output", "must be a string, got int"),
-    ({"instruction": "   ", "output": "x"}, "instruction", "is empty"),
-    ({"instruction": "Do it.", "input": ["a"], "output": "x"}, "input", "must be a string, got list"),
-    (["not", "an", "object"], "<record>", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "bad,field,problem",
+    [
+        ({"instruction": "Do it.", "input": ""}, "output", "is missing"),
+        ({"instruction": "Do it.", "output": 42}, "output", "must be a string, got int"),
+        ({"instruction": "   ", "output": "x"}, "instruction", "is empty"),
+        ({"instruction": "Do it.", "input": ["a"], "output": "x"}, "input", "must be a string, got list"),
+        (["not", "an", "object"], "<record>", "must be an object"),
+    ],
+)
 def test_bad_alpaca_record_is_named_by_file_index_and_field(tmp_path, tok, bad, field, problem):
     f = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, GOOD, bad, GOOD])
     with pytest.raises(UserError) as e:
@@ -101,44 +111,70 @@ def test_bad_files_and_other_templates_fail_with_one_line(tmp_path, tok):
         prepare_data(local(f), tok, seed=0, cache_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match=r"^data\.path='.*missing\.jsonl': no such file"):
         prepare_data(local(tmp_path / "missing.jsonl"), tok, seed=0, cache_dir=tmp_path / "c")
-    g = write_jsonl(tmp_path / "cls.jsonl", [{"sentence": "fine", "label": 1}, {"sentence": "odd", "label": 2}])
+    g = write_jsonl(
+        tmp_path / "cls.jsonl", [{"sentence": "fine", "label": 1}, {"sentence": "odd", "label": 2}]
+    )
     cfg = local(g, template="classification", text_field="sentence", label_names=["neg", "pos"])
-    with pytest.raises(UserError, match=r"cls\.jsonl: record 1: field 'label' is 2, outside data\.label_names"):
+    with pytest.raises(
+        UserError, match=r"cls\.jsonl: record 1: field 'label' is 2, outside data\.label_names"
+    ):
         prepare_data(cfg, tok, seed=0, cache_dir=tmp_path / "c")
     h = write_jsonl(tmp_path / "txt.jsonl", [{"text": "ok"}, {"body": "no text"}])
-    with pytest.raises(UserError, match=r"txt\.jsonl: record 1: field 'text' is missing \(the record has 'body'\)"):
+    with pytest.raises(
+        UserError, match=r"txt\.jsonl: record 1: field 'text' is missing \(the record has 'body'\)"
+    ):
         prepare_data(local(h, template="text"), tok, seed=0, cache_dir=tmp_path / "c")
 
 
 def test_shipped_samples_classification_and_named_split(tmp_path, tok):
-    cfg = DataConfig(name="sst2-sample", source="sample", template="classification", text_field="sentence",
-                     label_names=["negative", "positive"], validation_split="validation")
+    cfg = DataConfig(
+        name="sst2-sample",
+        source="sample",
+        template="classification",
+        text_field="sentence",
+        label_names=["negative", "positive"],
+        validation_split="validation",
+    )
     d = prepare_data(cfg, tok, seed=0, cache_dir=tmp_path)
     assert (len(d.train), len(d.eval)) == (900, 100)
-    first = json.loads((Path(__file__).parent.parent / "presets/samples/sst2-sample/train.jsonl")
-                       .read_text().splitlines()[0])
+    first = json.loads(
+        (Path(__file__).parent.parent / "presets/samples/sst2-sample/train.jsonl").read_text().splitlines()[0]
+    )
     ex = d.train[0]
-    assert tok.decode(ex["input_ids"]) == (f"<s>### Text:\n{first['sentence']}\n\n### Label:\n"
-                                           f"{['negative', 'positive'][first['label']]}</s>")
+    assert tok.decode(ex["input_ids"]) == (
+        f"<s>### Text:\n{first['sentence']}\n\n### Label:\n{['negative', 'positive'][first['label']]}</s>"
+    )
     assert tok.decode([x for x in ex["labels"] if x != IGNORE]) in ("negative</s>", "positive</s>")
-    a = prepare_data(DataConfig(name="alpaca-sample", source="sample", validation_split="validation"), tok,
-                     seed=0, cache_dir=tmp_path)
+    a = prepare_data(
+        DataConfig(name="alpaca-sample", source="sample", validation_split="validation"),
+        tok,
+        seed=0,
+        cache_dir=tmp_path,
+    )
     assert (a.stats.train, a.stats.eval, a.stats.dropped) == (1880, 120, 0)
-    with pytest.raises(ConfigError, match=r"^data\.path='nope': no shipped sample .*alpaca-sample, sst2-sample"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.path='nope': no shipped sample .*alpaca-sample, sst2-sample"
+    ):
         prepare_data(DataConfig(name="nope", source="sample"), tok, seed=0, cache_dir=tmp_path)
 
 
 def test_truncation_drops_prompt_only_sequences_and_packing_keeps_every_token(tmp_path, tok):
     long_prompt = {"instruction": "word " * 40, "output": "x"}
-    f = write_jsonl(tmp_path / "d.jsonl", [long_prompt, {"instruction": "Hi.", "output": "a b c d e f g h i j"}])
+    f = write_jsonl(
+        tmp_path / "d.jsonl", [long_prompt, {"instruction": "Hi.", "output": "a b c d e f g h i j"}]
+    )
     d = prepare_data(local(f, max_length=18, validation_fraction=0.0), tok, seed=0, cache_dir=tmp_path / "c")
     assert d.stats.dropped == 1 and len(d.train) == 1
     assert len(d.train[0]["input_ids"]) == 18 and d.train[0]["labels"][-1] != tok.eos_token_id
 
     docs = [{"text": f"document number {i} has some words in it"} for i in range(5)]
     g = write_jsonl(tmp_path / "t.jsonl", docs)
-    p = prepare_data(local(g, template="text", packing=True, max_length=16, validation_fraction=0.0), tok,
-                     seed=0, cache_dir=tmp_path / "c")
+    p = prepare_data(
+        local(g, template="text", packing=True, max_length=16, validation_fraction=0.0),
+        tok,
+        seed=0,
+        cache_dir=tmp_path / "c",
+    )
     blocks = [ex["input_ids"] for ex in p.train]
     assert all(len(b) == 16 for b in blocks[:-1]) and 0 < len(blocks[-1]) <= 16
     stream = []
@@ -178,7 +214,9 @@ def test_cache_hit_is_identical_and_keys_on_config_and_file(tmp_path, tok):
 
 
 def test_collate_right_pads(tmp_path, tok):
-    f = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "Longer instruction here.", "output": "yes"}])
+    f = write_jsonl(
+        tmp_path / "d.jsonl", [GOOD, {"instruction": "Longer instruction here.", "output": "yes"}]
+    )
     d = prepare_data(local(f, validation_fraction=0.0), tok, seed=0, cache_dir=tmp_path / "c")
     a, b = d.train[0], d.train[1]
     batch = d.collate([a, b])
@@ -198,5 +236,7 @@ def test_hub_dataset_fails_fast_when_offline(monkeypatch, tmp_path, tok):
         prepare_data(DataConfig(name="tatsu-lab/alpaca", source="hub"), tok, seed=0, cache_dir=tmp_path)
     assert time.monotonic() - t0 < 5
     msg = str(e.value)
-    assert msg.startswith("data.path='tatsu-lab/alpaca': the Hugging Face hub (https://hub.invalid) cannot be reached")
+    assert msg.startswith(
+        "data.path='tatsu-lab/alpaca': the Hugging Face hub (https://hub.invalid) cannot be reached"
+    )
     assert "alpaca-sample" in msg and "HF_HUB_OFFLINE=1" in msg

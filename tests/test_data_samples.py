@@ -25,8 +25,9 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-@pytest.mark.parametrize("script,sample", [("gen_alpaca_sample", "alpaca-sample"),
-                                           ("gen_sst2_sample", "sst2-sample")])
+@pytest.mark.parametrize(
+    "script,sample", [("gen_alpaca_sample", "alpaca-sample"), ("gen_sst2_sample", "sst2-sample")]
+)
 def test_generators_are_deterministic_and_match_shipped_files(tmp_path, script, sample):
     mod = _script(script)
     mod.main(["--out", str(tmp_path / "a")])
@@ -39,7 +40,10 @@ def test_generators_are_deterministic_and_match_shipped_files(tmp_path, script, 
 
 
 def test_alpaca_sample_shape_and_held_out_split():
-    train, val = _rows(SAMPLES / "alpaca-sample" / "train.jsonl"), _rows(SAMPLES / "alpaca-sample" / "validation.jsonl")
+    train, val = (
+        _rows(SAMPLES / "alpaca-sample" / "train.jsonl"),
+        _rows(SAMPLES / "alpaca-sample" / "validation.jsonl"),
+    )
     assert (len(train), len(val)) == (1880, 120)
     for r in train + val:
         assert list(r) == ["instruction", "input", "output"]
@@ -64,7 +68,10 @@ def test_alpaca_sample_shape_and_held_out_split():
 
 
 def test_sst2_sample_is_balanced_varied_and_disjoint():
-    train, val = _rows(SAMPLES / "sst2-sample" / "train.jsonl"), _rows(SAMPLES / "sst2-sample" / "validation.jsonl")
+    train, val = (
+        _rows(SAMPLES / "sst2-sample" / "train.jsonl"),
+        _rows(SAMPLES / "sst2-sample" / "validation.jsonl"),
+    )
     assert (len(train), len(val)) == (900, 100)
     labels = [r["label"] for r in train + val]
     assert set(labels) == {0, 1} and labels.count(1) == 500

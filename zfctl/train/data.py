@@ -72,8 +72,10 @@ class PreparedData:
         share = s.loss_tokens / max(1, s.train_tokens)
         dropped = f", {s.dropped} dropped (prompt > max_length)" if s.dropped else ""
         cached = " (from cache)" if s.from_cache else ""
-        return (f"{self.name}: {s.train} train / {s.eval} eval sequences from {s.records} records, "
-                f"{s.train_tokens:,} train tokens ({share:.0%} in the loss){dropped}{cached}")
+        return (
+            f"{self.name}: {s.train} train / {s.eval} eval sequences from {s.records} records, "
+            f"{s.train_tokens:,} train tokens ({share:.0%} in the loss){dropped}{cached}"
+        )
 
 
 def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | None = None) -> PreparedData:
@@ -91,8 +93,13 @@ def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | Non
     if fingerprint is None:  # hub: the dataset's fingerprint is known once it is loaded
         raw_train = source.read("train")
         fingerprint = raw_train.fingerprint
-    key = data_cache.cache_key(cfg, data_cache.tokenizer_fingerprint(tokenizer), fingerprint,
-                               seed=seed, template_version=TEMPLATE_VERSION)
+    key = data_cache.cache_key(
+        cfg,
+        data_cache.tokenizer_fingerprint(tokenizer),
+        fingerprint,
+        seed=seed,
+        template_version=TEMPLATE_VERSION,
+    )
     path = data_cache.entry_dir(cache_dir, cfg.path or cfg.name, key)
     hit = data_cache.load(path)
     if hit is None:
@@ -100,8 +107,9 @@ def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | Non
         try:
             data_cache.save(dsd, asdict(stats), path)
         except OSError as e:  # read-only or full disk: train from memory, say so
-            warnings.warn(f"data cache not written ({e}); the data will be tokenised again next run",
-                          stacklevel=2)
+            warnings.warn(
+                f"data cache not written ({e}); the data will be tokenised again next run", stacklevel=2
+            )
             return _result(cfg, tokenizer, dsd, stats, None)
         hit = data_cache.load(path)  # memory-mapped from the cache from now on
         if hit is None:
@@ -116,8 +124,9 @@ def _result(cfg: DataConfig, tokenizer, dsd, stats: DataStats, path: Path | None
     if pad is None:  # e.g. Llama/GPT-2: any id works, padded positions are masked and unlabelled
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ev = dsd["eval"] if "eval" in dsd and len(dsd["eval"]) else None
-    return PreparedData(dsd["train"], ev, pad, stats, name=cfg.name, max_length=cfg.max_length,
-                        cache_path=path)
+    return PreparedData(
+        dsd["train"], ev, pad, stats, name=cfg.name, max_length=cfg.max_length, cache_path=path
+    )
 
 
 def _build(cfg: DataConfig, tokenizer, source, raw_train, seed: int):
@@ -138,18 +147,31 @@ def _build(cfg: DataConfig, tokenizer, source, raw_train, seed: int):
     train = _sequences(cfg, tokenizer, raw, train_idx, dropped)
     evals = _sequences(cfg, tokenizer, *eval_part, dropped)
     if not train:
-        raise ConfigError("data.max_length", cfg.max_length, f"{raw.where}: no training sequence is left: "
-                          "every prompt is longer than max_length; raise it")
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "labels": datasets.Sequence(datasets.Value("int32"))})
+        raise ConfigError(
+            "data.max_length",
+            cfg.max_length,
+            f"{raw.where}: no training sequence is left: every prompt is longer than max_length; raise it",
+        )
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+        }
+    )
 
     def table(seqs):
-        return datasets.Dataset.from_dict({"input_ids": [s[0] for s in seqs], "labels": [s[1] for s in seqs]},
-                                          features=features)
+        return datasets.Dataset.from_dict(
+            {"input_ids": [s[0] for s in seqs], "labels": [s[1] for s in seqs]}, features=features
+        )
 
-    stats = DataStats(records=len(indices), train=len(train), eval=len(evals), dropped=dropped[0],
-                      train_tokens=sum(len(s[0]) for s in train),
-                      loss_tokens=sum(sum(1 for x in s[1] if x != IGNORE_INDEX) for s in train))
+    stats = DataStats(
+        records=len(indices),
+        train=len(train),
+        eval=len(evals),
+        dropped=dropped[0],
+        train_tokens=sum(len(s[0]) for s in train),
+        loss_tokens=sum(sum(1 for x in s[1] if x != IGNORE_INDEX) for s in train),
+    )
     # An empty split is left out: datasets cannot reload a saved zero-row table.
     splits = {"train": table(train), **({"eval": table(evals)} if evals else {})}
     return datasets.DatasetDict(splits), stats
@@ -172,8 +194,11 @@ def _hold_out(indices: list[int], fraction: float, seed: int) -> tuple[list[int]
         raise ConfigError("data.validation_fraction", fraction, "must be in [0, 1)")
     n_eval = 0 if fraction == 0 else max(1, round(fraction * len(indices)))
     if n_eval >= len(indices):
-        raise ConfigError("data.validation_fraction", fraction, f"leaves no training record out of "
-                          f"{len(indices)}; lower it or use more records")
+        raise ConfigError(
+            "data.validation_fraction",
+            fraction,
+            f"leaves no training record out of {len(indices)}; lower it or use more records",
+        )
     shuffled = indices[:]
     random.Random(seed).shuffle(shuffled)  # own RNG: the global stream is not touched
     return sorted(shuffled[n_eval:]), sorted(shuffled[:n_eval])
@@ -203,7 +228,8 @@ def format_debug_samples(prepared: PreparedData, tokenizer, n: int = 3) -> str:
             piece = tokenizer.decode(ids[a:b], skip_special_tokens=False)
             text.append(f"⟦{piece}⟧" if in_loss[a] else piece)
             mask.append(f"{b - a}×{'loss' if in_loss[a] else '-100'}")
-        lines.append(f"--- train[{i}]: {len(ids)} tokens, {sum(in_loss)} in the loss "
-                     f"(labels: {', '.join(mask)})")
+        lines.append(
+            f"--- train[{i}]: {len(ids)} tokens, {sum(in_loss)} in the loss (labels: {', '.join(mask)})"
+        )
         lines.append("".join(text))
     return "\n".join(lines)

@@ -44,10 +44,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(cfg: DataConfig, tokenizer_fp: str, source_fp: str, *, seed: int, template_version: int) -> str:
     """Hex key of one prepared dataset."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_KEY}
-    blob = json.dumps({"cfg": fields, "tok": tokenizer_fp, "src": source_fp, "tv": template_version,
-                       # the seed only decides which records are held out for evaluation
-                       "seed": seed if cfg.validation_split is None else None},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "cfg": fields,
+            "tok": tokenizer_fp,
+            "src": source_fp,
+            "tv": template_version,
+            # the seed only decides which records are held out for evaluation
+            "seed": seed if cfg.validation_split is None else None,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -80,7 +80,9 @@ def resolve(cfg: DataConfig) -> DataSource:
         raise ConfigError("data.source", cfg.source, "use sample, local or hub")
     if path.is_dir():
         train = _split_file(path, cfg.split, "data.split")
-        val = _split_file(path, cfg.validation_split, "data.validation_split") if cfg.validation_split else None
+        val = (
+            _split_file(path, cfg.validation_split, "data.validation_split") if cfg.validation_split else None
+        )
         return DataSource("files", str(train), val and str(val))
     _check_suffix(path, "data.path")
     val = None
@@ -89,9 +91,12 @@ def resolve(cfg: DataConfig) -> DataSource:
         sibling = path.with_name(cfg.validation_split + path.suffix)
         val = given if given.is_file() else sibling if sibling.is_file() else None
         if val is None:
-            raise ConfigError("data.validation_split", cfg.validation_split,
-                              f"no such file (nor {sibling}); give an eval file, or null to hold out "
-                              "data.validation_fraction of the training records")
+            raise ConfigError(
+                "data.validation_split",
+                cfg.validation_split,
+                f"no such file (nor {sibling}); give an eval file, or null to hold out "
+                "data.validation_fraction of the training records",
+            )
         _check_suffix(val, "data.validation_split")
     return DataSource("files", str(path), val and str(val))
 
@@ -129,7 +134,9 @@ def read_file(path: Path) -> RawSplit:
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (OSError, ValueError) as e:  # unreadable file, malformed CSV/parquet
-        raise UserError(f"{path}: cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        raise UserError(
+            f"{path}: cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
     if len(records) == 0:
         raise UserError(f"{path}: holds no records")
     return RawSplit(str(path), records, fingerprint)
@@ -143,7 +150,9 @@ def _read_jsonl(path: Path) -> list:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}: line {lineno} (record {len(records)}) is not valid JSON: {e.msg}") from None
+                    raise UserError(
+                        f"{path}: line {lineno} (record {len(records)}) is not valid JSON: {e.msg}"
+                    ) from None
     return records
 
 
@@ -168,8 +177,12 @@ def read_hub(repo: str, subset: str | None, split: str) -> RawSplit:
     """A split of a hub dataset via `datasets`, failing at once when the hub is unreachable."""
     where = f"hub dataset {repo}" + (f" ({subset})" if subset else "") + f" split {split!r}"
     if not model_hub.hub_offline_requested() and not model_hub.hub_reachable():
-        raise ConfigError("data.path", repo, f"the Hugging Face hub ({model_hub.hub_endpoint()}) cannot be "
-                          f"reached; use {LOCAL_DATA}, or set HF_HUB_OFFLINE=1 to use a copy already in the HF cache")
+        raise ConfigError(
+            "data.path",
+            repo,
+            f"the Hugging Face hub ({model_hub.hub_endpoint()}) cannot be "
+            f"reached; use {LOCAL_DATA}, or set HF_HUB_OFFLINE=1 to use a copy already in the HF cache",
+        )
     import datasets
 
     try:

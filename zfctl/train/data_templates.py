@@ -74,8 +74,13 @@ def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:
         return label
     if cfg.label_names:
         if not 0 <= label < len(cfg.label_names):
-            raise RecordError(where, index, field, f"is {label}, outside data.label_names "
-                                                   f"(0..{len(cfg.label_names) - 1}); an unlabelled test split?")
+            raise RecordError(
+                where,
+                index,
+                field,
+                f"is {label}, outside data.label_names "
+                f"(0..{len(cfg.label_names) - 1}); an unlabelled test split?",
+            )
         return str(cfg.label_names[label])
     if label < 0:
         raise RecordError(where, index, field, f"is {label}: an unlabelled test split? name another split")
@@ -85,19 +90,27 @@ def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:
 def render(rec: object, cfg: DataConfig, where: str, index: int) -> Rendered:
     """Apply `cfg.template` to one record."""
     if not isinstance(rec, dict):
-        raise RecordError(where, index, "<record>", f"must be an object with fields, got {type(rec).__name__}")
+        raise RecordError(
+            where, index, "<record>", f"must be an object with fields, got {type(rec).__name__}"
+        )
     if cfg.template == "alpaca":
         instruction = _text(rec, "instruction", where, index)
         inp = _text(rec, "input", where, index, required=False)
         output = _text(rec, "output", where, index)
-        prompt = (ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=inp)
+        prompt = (ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT).format(
+            instruction=instruction, input=inp
+        )
         return Rendered(index, prompt, output, "output")
     if cfg.template == "text":
         return Rendered(index, "", _text(rec, cfg.text_field, where, index), cfg.text_field)
     if cfg.template == "classification":
         text = _text(rec, cfg.text_field, where, index)
-        return Rendered(index, CLASSIFICATION_PROMPT.format(text=text), _label_word(rec, cfg, where, index),
-                        cfg.label_field)
+        return Rendered(
+            index,
+            CLASSIFICATION_PROMPT.format(text=text),
+            _label_word(rec, cfg, where, index),
+            cfg.label_field,
+        )
     raise UserError(f"data.template={cfg.template!r}: use alpaca, text or classification")
 
 
@@ -126,8 +139,9 @@ def tokenize(rendered: Iterable[Rendered], tokenizer, where: str) -> Iterator[tu
         yield from flush()
 
 
-def truncate(examples: Iterable[tuple[list[int], list[int]]], max_length: int,
-             dropped: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+def truncate(
+    examples: Iterable[tuple[list[int], list[int]]], max_length: int, dropped: list[int]
+) -> Iterator[tuple[list[int], list[int]]]:
     """Cut each sequence to max_length; drop (and count in dropped[0]) those left with no label."""
     for ids, labels in examples:
         ids, labels = ids[:max_length], labels[:max_length]
@@ -137,7 +151,9 @@ def truncate(examples: Iterable[tuple[list[int], list[int]]], max_length: int,
         yield ids, labels
 
 
-def pack(examples: Iterable[tuple[list[int], list[int]]], max_length: int) -> Iterator[tuple[list[int], list[int]]]:
+def pack(
+    examples: Iterable[tuple[list[int], list[int]]], max_length: int
+) -> Iterator[tuple[list[int], list[int]]]:
     """Concatenate sequences and cut the stream into max_length blocks (the last may be shorter).
 
     No padding is ever needed and no token is lost; the price is that attention crosses the

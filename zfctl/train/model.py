@@ -48,17 +48,21 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
         return AutoTokenizer.from_pretrained(str(cached_model_dir(cfg.hub_id)))
     if ref is None:
-        ref = cfg.hub_id
+        ref = cfg.hub_id or cfg.name
     if ref == EMBEDDED:
         return AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
     local = Path(str(ref)).expanduser()
     if local.is_dir():
         return _from_pretrained(AutoTokenizer, local, "model.tokenizer")
     if cfg.source == "local" or _looks_like_path(str(ref)):
-        raise ConfigError("model.tokenizer", ref, "no such folder; give an existing tokenizer folder, "
-                          "a hub id, or 'embedded'")
-    kwargs = model_hub.require_hub(str(ref), "tokenizer_config.json", key="model.tokenizer",
-                                   alternatives=_LOCAL_MODELS)
+        raise ConfigError(
+            "model.tokenizer",
+            ref,
+            "no such folder; give an existing tokenizer folder, a hub id, or 'embedded'",
+        )
+    kwargs = model_hub.require_hub(
+        str(ref), "tokenizer_config.json", key="model.tokenizer", alternatives=_LOCAL_MODELS
+    )
     return _from_pretrained(AutoTokenizer, str(ref), "model.tokenizer", **kwargs)
 
 
@@ -77,8 +81,12 @@ def load_model(cfg: ModelConfig, *, precision: str, device: torch.device, seed: 
     elif cfg.source == "local":
         folder = Path(str(cfg.hub_id or cfg.name)).expanduser()
         if not (folder / "config.json").is_file():
-            raise ConfigError("model.hub_id", str(folder), "not a Hugging Face model folder (no config.json); "
-                              "give a folder written by save_pretrained or `zfctl export`")
+            raise ConfigError(
+                "model.hub_id",
+                str(folder),
+                "not a Hugging Face model folder (no config.json); "
+                "give a folder written by save_pretrained or `zfctl export`",
+            )
         model = _from_pretrained(AutoModelForCausalLM, folder, "model.hub_id", **{_DTYPE_KW: dtype})
     elif cfg.source == "hub":
         repo = str(cfg.hub_id or cfg.name)
@@ -87,8 +95,9 @@ def load_model(cfg: ModelConfig, *, precision: str, device: torch.device, seed: 
     elif cfg.source == "gguf-package":
         from zfctl.train.model_gguf import cached_model_dir
 
-        model = _from_pretrained(AutoModelForCausalLM, cached_model_dir(cfg.hub_id), "model.hub_id",
-                                 **{_DTYPE_KW: dtype})
+        model = _from_pretrained(
+            AutoModelForCausalLM, cached_model_dir(cfg.hub_id), "model.hub_id", **{_DTYPE_KW: dtype}
+        )
     else:
         raise ConfigError("model.source", cfg.source, "use config, hub, local or gguf-package")
     # One host->device copy of the weights; the cast happens on the CPU first so that a bf16
@@ -112,8 +121,11 @@ def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
         by_class = {cls: mt for mt, cls in causal_lms.items()}
         model_type = by_class.get(arch, "llama") if arch else "llama"
     if model_type not in causal_lms:
-        raise ConfigError("model.config.model_type", model_type, "not a causal LM type transformers knows; "
-                          "e.g. llama, gpt2, opt, mistral, qwen2")
+        raise ConfigError(
+            "model.config.model_type",
+            model_type,
+            "not a causal LM type transformers knows; e.g. llama, gpt2, opt, mistral, qwen2",
+        )
     config_cls = type(AutoConfig.for_model(model_type))
     valid = set(config_cls().to_dict()) | set(inspect.signature(config_cls.__init__).parameters)
     for key in spec:
@@ -124,7 +136,9 @@ def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
     config = config_cls(**spec)
     cls = getattr(transformers, arch or causal_lms[model_type], None)
     if cls is None:
-        raise ConfigError("model.config.architecture", arch, f"not a transformers class; e.g. {causal_lms[model_type]}")
+        raise ConfigError(
+            "model.config.architecture", arch, f"not a transformers class; e.g. {causal_lms[model_type]}"
+        )
     # Init on the CPU under a forked RNG: weights depend only on `seed`, and the caller's RNG
     # stream (data order, dropout) is the same whether or not a model was built.
     with torch.random.fork_rng(devices=[]):
@@ -133,7 +147,9 @@ def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
     return model.float()
 
 
-_LOCAL_MODELS = "the embedded default `tiny-llama` (zfctl finetune tiny-llama ...), or a local HF model folder"
+_LOCAL_MODELS = (
+    "the embedded default `tiny-llama` (zfctl finetune tiny-llama ...), or a local HF model folder"
+)
 
 
 def _looks_like_path(ref: str) -> bool:

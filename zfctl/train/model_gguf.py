@@ -48,8 +48,10 @@ def cached_model_dir(package: str | None) -> Path:
     if (target / "config.json").is_file():
         return target
     if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"model.hub_id={package!r}: reading GGUF needs the `gguf` package; "
-                        f"run `{INSTALL_HINT.format(pkg=package)}`")
+        raise UserError(
+            f"model.hub_id={package!r}: reading GGUF needs the `gguf` package; "
+            f"run `{INSTALL_HINT.format(pkg=package)}`"
+        )
     _convert(gguf_path, target)
     return target
 
@@ -72,8 +74,10 @@ def _convert(gguf_path: Path, target: Path) -> None:
     )
     missing = [k for k in missing if k not in _tied_keys(model)]
     if missing or unexpected:
-        raise UserError(f"{gguf_path}: GGUF tensors do not match {type(model).__name__} "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{gguf_path}: GGUF tensors do not match {type(model).__name__} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

@@ -74,8 +74,9 @@ def is_cached(repo_id: str, filename: str, repo_type: str = "model") -> bool:
         return False
 
 
-def require_hub(repo_id: str, probe_file: str, *, key: str, alternatives: str,
-                repo_type: str = "model") -> dict:
+def require_hub(
+    repo_id: str, probe_file: str, *, key: str, alternatives: str, repo_type: str = "model"
+) -> dict:
     """Check that `repo_id` can be loaded; return extra from_pretrained kwargs.
 
     Returns ``{}`` when the hub is reachable, ``{"local_files_only": True}`` when it is not but
