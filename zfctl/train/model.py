@@ -115,7 +115,8 @@ def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lms
 
     spec = dict(spec)
-    arch = spec.pop("architecture", None) or (spec.pop("architectures", None) or [None])[0]
+    archs = spec.pop("architectures", None) or [None]  # HF's config.json spelling
+    arch = spec.pop("architecture", None) or archs[0]
     model_type = spec.pop("model_type", None)
     if model_type is None:
         by_class = {cls: mt for mt, cls in causal_lms.items()}
