@@ -114,7 +114,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
                               upload_dtype=None if dtype == torch.float32 else dtype)
         self._worker = CpuWorker(self.host)
@@ -147,11 +147,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
         """One ZenFlow step over the current ``.grad``s; returns (and keeps) its ``StepStats``."""
+        if self._closed:
+            raise RuntimeError("ZenFlowOptimizer is closed")
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        if self._closed:
-            raise RuntimeError("ZenFlowOptimizer is closed")
         t, group = self._t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         grads = [p.grad for p in self._params]
