@@ -89,7 +89,8 @@ class DeviceAdam:
             elif slot.k == slot.cols:
                 seg.copy_(as_matrix(g, slot).t())
             else:
-                seg.copy_(as_matrix(g, slot).t().index_select(0, self.index[slot.index]))
+                # gather along the contiguous dim, then transpose: faster than a strided row gather
+                seg.copy_(as_matrix(g, slot).index_select(1, self.index[slot.index]).t())
         if coef is not None:
             n, _ = self.active(selected)
             self.grad[:n].mul_(coef)
