@@ -33,7 +33,7 @@ class ZenFlowConfig:
     select_strategy: Literal["auto", "step", "epoch"] = _f(
         "auto",
         "How select_interval is counted: 'step' = optimizer steps, 'epoch' = epochs, "
-        "'auto' = like 'epoch' with select_interval 1.",
+        "'auto' = like 'epoch' (an integer select_interval counts epochs; 'auto' = 1 epoch).",
     )
     select_interval: Interval = _f(
         "auto",

@@ -47,11 +47,13 @@ def check_model(m: ModelConfig) -> None:
     _need(m.params_b is None or m.params_b > 0, "model.params_b", m.params_b, "must be > 0 (billions)")
     if m.arch is not None:
         for k, v in m.arch.items():
+            if isinstance(v, bool):  # switches such as tie_word_embeddings
+                continue
             _need(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                isinstance(v, int) and v > 0,
                 f"model.arch.{k}",
                 v,
-                "must be a positive integer",
+                "must be a positive integer (or true/false for a switch)",
             )
 
 
