@@ -15,6 +15,12 @@ An update in flight is waited for first (a stall, at checkpoint time only); its 
 installs it exactly as the uninterrupted run would. Tensors are returned as CPU copies, so the
 dict stays valid while training continues. The layout depends on the parameter list and on
 ``topk_ratio``: loading into an optimizer that differs in either raises ValueError.
+
+Data parallel: each rank's dict holds the replicated part (counters, selection, device state:
+identical on every rank) and its own slice of the host state; ``partition`` records the world
+size, the rank and the column cuts. Loading a slice into a different world size or rank raises
+ValueError: the slices would have to be re-cut (concatenate the ranks' host buffers in rank order
+and split them again), which is not implemented.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ STATE_FORMAT = "zfctl.zenflow/1"
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
+
+
+def _partition(opt: ZenFlowOptimizer | None) -> dict[str, Any]:
+    """Which slice of the host state a dict holds (one process: all of it)."""
+    part = opt._part if opt is not None else None
+    if part is None:
+        return {"world_size": 1, "rank": 0}
+    return {"world_size": part.world_size, "rank": part.rank, "bounds": list(part.bounds)}
 
 
 def optimizer_state(opt: ZenFlowOptimizer) -> dict[str, Any]:
@@ -57,6 +71,7 @@ def optimizer_state(opt: ZenFlowOptimizer) -> dict[str, Any]:
         "host": None,
         "policy": opt._policy.state_dict(),
         "scaler": opt._scaler.state_dict() if opt._scaler is not None else None,
+        "partition": _partition(opt),
     }
     if host is not None:
         sd["host"] = {k: _copy(getattr(host, k)) for k in ("master", "exp_avg", "exp_avg_sq", "steps")}
@@ -79,6 +94,12 @@ def load_optimizer_state(opt: ZenFlowOptimizer, sd: dict[str, Any]) -> None:
     if sd["config"]["topk_ratio"] != opt.config.topk_ratio:
         raise ValueError(f"optimizer state was saved with zenflow.topk_ratio={sd['config']['topk_ratio']}, "
                          f"this optimizer has {opt.config.topk_ratio}; the state layout depends on it")
+    saved, mine = sd.get("partition") or _partition(None), _partition(opt)
+    if saved != mine:
+        raise ValueError(
+            f"optimizer state is rank {saved['rank']}'s slice of host state partitioned over "
+            f"{saved['world_size']} rank(s), this is rank {mine['rank']} of {mine['world_size']}: "
+            f"resume with {saved['world_size']} process(es) (resharding is not supported)")
     if opt._worker is not None and opt._worker.busy:
         opt._worker.wait()  # discard: everything below is overwritten
 

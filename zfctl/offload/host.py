@@ -29,7 +29,8 @@ from zfctl.offload.selection import ColumnState
 
 
 class HostState:
-    """fp32 optimizer state of the matrices' host-owned columns (one process: all of them)."""
+    """fp32 optimizer state of the matrices' host-owned columns (one process: all of them; data
+    parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``)."""
 
     def __init__(self, layout: Layout, params: list[torch.Tensor], *, double_buffer: bool,
                  upload_dtype: torch.dtype | None) -> None:
@@ -59,7 +60,9 @@ class HostState:
         """Mark which of ``slot``'s columns the device owns (``index``: column ids, any device)."""
         owned = self.device_owned[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
         owned.zero_()
-        owned[index.to("cpu") - slot.host_c0] = True
+        index = index.to("cpu")
+        index = index[(index >= slot.host_c0) & (index < slot.host_c1)]  # data parallel: own range only
+        owned[index - slot.host_c0] = True
 
     def update_groups(self) -> list[tuple[int, torch.Tensor]]:
         """(1-based Adam step, runs) per distinct counter among the host-owned columns.

@@ -34,9 +34,9 @@ Choices the algorithm leaves open, made here:
   (``requires_grad=False``) are left out at construction.
 * One parameter group (lr, betas, eps, weight_decay); an LR scheduler drives ``param_groups[0]``.
 * A skipped fp16 step does not count as a step: counters, intervals and selection do not move.
-* ``process_group``: gradients must already be averaged across ranks (DDP does it). Each rank then
-  computes identical updates on a full copy of the host state; partitioning the host columns into
-  per-rank ranges ``[c0, c1)`` (``ParamSlot.host_c0/host_c1``) is the planned follow-up.
+* ``process_group`` (more than one rank): ``step()`` first averages the ``.grad``s over the group
+  (do not wrap the model in DDP as well), the device half of the state is replicated and the
+  host half partitioned by column ranges; see ``partition`` for the scheme and its traffic.
 """
 
 from __future__ import annotations
@@ -56,9 +56,17 @@ from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
+from zfctl.offload.partition import (
+    OwnedRows,
+    Partition,
+    average_gradients,
+    group_info,
+    partition_layout,
+    share_installed,
+)
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
-from zfctl.offload.selection import column_l1, migrate, top_columns
+from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker
 
@@ -86,6 +94,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._scaler = DynamicLossScaler() if (fp16 if loss_scaling is None else loss_scaling) else None
 
         self.layout = plan_layout(named, config.topk_ratio)
+        self.rank, self.world_size = group_info(process_group)
+        self._part: Partition | None = None
+        if self.world_size > 1:  # this rank's host columns only; device offsets are unchanged
+            self.layout, self._part = partition_layout(self.layout, process_group, self.rank, self.world_size)
         self._device = DeviceAdam(self.layout, self._params, self.device)
         self._selectable = [s for s in self.layout.slots if s.selects]
         self._selected = not self._selectable  # nothing to choose: every device column is fixed
@@ -128,7 +140,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             need = biggest.rows * itemsize / 2**20
             raise ConfigError("zenflow.ring_slot_mb", self.config.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
-        slot_bytes = min(want, max(s.host_numel for s in self._host_slots) * itemsize)
+        slot_bytes = min(want, max(max(s.host_numel for s in self._host_slots), biggest.rows) * itemsize)
         pin = self.config.pin_memory
         self._d2h = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
         self._h2d = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
@@ -154,9 +166,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 closure()
         t, group = self._t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        grads = [p.grad for p in self._params]
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
+        if self._part is not None:
+            # 0. Data parallel: every rank continues with the same averaged gradient (a collective).
+            stats.comm_bytes += average_gradients(self._params, self.process_group, self.world_size)
+        grads = [p.grad for p in self._params]
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
         norm, coef = self._coefficient(grads)
@@ -265,8 +280,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             g = grads[slot.index]
             scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
             new = top_columns(scores, slot.k)
-            d2h, h2d = migrate(self._device.column_state(slot), self.host.column_state(slot),
-                               self._device.index[slot.index], new)
+            host = self.host.column_state(slot)
+            if self._part is not None:  # this rank holds only some rows: owners supply the rest
+                host = ColumnState(*(OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device)
+                                     for h in host))
+            d2h, h2d = migrate(self._device.column_state(slot), host, self._device.index[slot.index], new)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
             self._device.index[slot.index] = new
@@ -324,6 +342,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
             # Whole column ranges were written: put the device-owned columns back.
             self._device.write_params(self._params, self._selected, only=self._selectable)
+            if self._part is not None:  # each owner's columns to every rank (a collective)
+                stats.comm_bytes += share_installed(self._part, self.layout, self._params)
             stats.installed = True
             self._pending_install = False
 

@@ -25,6 +25,7 @@ class StepStats:
     offload_ms: float = 0.0  # D2H gradient streaming + host accumulation, host wall time
     d2h_bytes: int = 0  # device -> host bytes this step (gradients, migration, small scalars)
     h2d_bytes: int = 0  # host -> device bytes this step (installed params, migration)
+    comm_bytes: int = 0  # data-parallel bytes this rank contributed/received (0 for one process)
     selected_fraction: float = 0.0  # share of matrix elements in device-owned columns
     grad_norm: float | None = None  # global L2 norm of the (unscaled) gradients, if computed
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step

@@ -1,0 +1,162 @@
+"""Data-parallel ZenFlow on CPU with gloo: 2 ranks == 1 rank, host state halved, exact resume.
+
+Two processes (torch.multiprocessing.spawn, loopback rendezvous on a free port) each train a
+tiny MLP on their half of every global batch; the single-process reference trains on the whole
+batch in the test process. Equal halves make the mean of the per-rank mean losses the global
+mean, so the averaged gradient is the reference gradient up to summation order (fp32).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+
+STEPS, BATCH = 20, 8
+CASES = {
+    # ZenFlow with overlap: warm-up, selection at 1 and re-selection at 7 (state migrates between
+    # partitions), CPU updates installed one interval late and broadcast by their owners.
+    "zenflow": dict(topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step",
+                    select_interval=6, full_warm_up_rounds=1),
+    "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap_step=False, full_warm_up_rounds=0),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 8))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, BATCH, 16, generator=g), torch.randn(STEPS, BATCH, 8, generator=g)
+
+
+def _optimizer(model: torch.nn.Module, case: str, group) -> ZenFlowOptimizer:
+    cfg = ZenFlowConfig(**CASES[case], cpu_threads=1, pin_memory=False)
+    return ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5,
+                            process_group=group)
+
+
+def _steps(model, opt, rank: int, world: int, lo: int, hi: int) -> None:
+    x, y = _data()
+    per = BATCH // world
+    for t in range(lo, hi):
+        xs, ys = x[t, rank * per : (rank + 1) * per], y[t, rank * per : (rank + 1) * per]
+        F.mse_loss(model(xs), ys).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _train(case: str, rank: int = 0, world: int = 1, group=None) -> tuple[dict, int]:
+    model = _model()
+    with _optimizer(model, case, group) as opt:
+        _steps(model, opt, rank, world, 0, STEPS)
+        opt.flush()
+        host = opt.host.master.numel() if opt.host is not None else 0
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, host
+
+
+def _resumed(case: str, rank: int, world: int, group, at: int) -> dict:
+    """``at`` steps, state_dicts (mid-interval, update in flight), a fresh model+optimizer, the rest."""
+    model = _model()
+    with _optimizer(model, case, group) as opt:
+        _steps(model, opt, rank, world, 0, at)
+        msd = {k: v.clone() for k, v in model.state_dict().items()}
+        osd = opt.state_dict()
+    model = _model()
+    model.load_state_dict(msd)
+    with _optimizer(model, case, group) as opt:
+        opt.load_state_dict(osd)
+        _steps(model, opt, rank, world, at, STEPS)
+        opt.flush()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = {case: _train(case, rank, world, dist.group.WORLD) for case in CASES}
+        res["resumed"] = _resumed("zenflow", rank, world, dist.group.WORLD, at=10)
+        # A slice cannot be loaded by another rank (or world size): refused, naming both.
+        model = _model()
+        with _optimizer(model, "zenflow", dist.group.WORLD) as opt:
+            _steps(model, opt, rank, world, 0, 2)
+            sd = opt.state_dict()
+            sd["partition"] = {**sd["partition"], "rank": 1 - rank}
+            try:
+                opt.load_state_dict(sd)
+                res["refused"] = ""
+            except ValueError as e:
+                res["refused"] = str(e)
+        torch.save(res, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dist")
+    ctx = mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("2-rank training did not finish in 240 s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _rel_err(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_rank(two_ranks, case):
+    ref, host = _train(case)
+    init = _model().state_dict()
+    assert _rel_err(ref, init) > 1e-2  # training moved the weights: the comparison has teeth
+    for r in range(2):
+        assert _rel_err(two_ranks[r][case][0], ref) <= 1e-5, (case, r)
+    for k in ref:  # the replicas agree bit for bit: same averaged gradient, same broadcast columns
+        assert torch.equal(two_ranks[0][case][0][k], two_ranks[1][case][0][k]), k
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_state_is_partitioned(two_ranks, case):
+    _, total = _train(case)
+    matrices = sum(p.numel() for p in _model().parameters() if p.dim() == 2)
+    assert total == matrices  # one process: every matrix element has host state
+    n0, n1 = (two_ranks[r][case][1] for r in range(2))
+    assert n0 + n1 == total
+    widest = 32  # rows of the tallest matrix: a cut moves by at most half a column
+    assert abs(n0 - total / 2) <= widest / 2 and abs(n1 - total / 2) <= widest / 2, (n0, n1, total)
+
+
+def test_two_rank_resume_is_exact(two_ranks):
+    for r in range(2):
+        straight, resumed = two_ranks[r]["zenflow"][0], two_ranks[r]["resumed"]
+        for k in straight:
+            assert torch.equal(straight[k], resumed[k]), (r, k)
+
+
+def test_other_ranks_slice_is_refused(two_ranks):
+    for r in range(2):
+        msg = two_ranks[r]["refused"]
+        assert f"rank {1 - r}'s slice" in msg and f"this is rank {r} of 2" in msg, msg
