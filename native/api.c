@@ -2,19 +2,24 @@
  * Entry points: fold the per-call constants, split the elements of a run list over threads, and
  * hand full blocks to the kernels of the selected ISA.
  *
- * Threads get equal contiguous chunks of the run list's concatenated elements, aligned to 64
- * elements, never one chunk per run: a parallel region per tensor or per run costs a wake-up and
- * a join each, which is what collapses when there are hundreds of tensors (issue 3). Elementwise
- * results do not depend on the split (kernels.h), and the norm's reduction order is tied to
- * fixed partitions of the data, not to threads. Nothing is allocated: scratch lives on the stack.
+ * The run list's concatenated elements are cut into fixed tiles that threads claim (pool.c), never
+ * one parallel region per run or per tensor: each region costs a wake-up and a join, which is
+ * what collapses when there are hundreds of tensors (issue 3). Elementwise results do not depend
+ * on who runs a tile (kernels.h), and the norm's reduction order is tied to fixed partitions of
+ * the data, not to threads. Nothing is allocated: scratch lives on the stack.
  */
 #include <math.h>
 #include "kernels.h"
 
-/* Below this many elements per thread, waking a thread costs more than it saves (a few us to
- * wake vs ~10 us to stream 32K fp32 AdamW elements). */
-#define ZF_MIN_PER_THREAD (1 << 15)
-/* sq_norm partitions: at most ZF_MAX_PARTS, each at least ZF_MIN_PART elements. */
+/* Elementwise calls are cut into tiles of this many elements that threads claim one by one:
+ * 32K fp32 AdamW elements are ~0.9 MB of traffic, tens of microseconds, against a microsecond or
+ * two to wake a thread and an atomic add per claim. Calls of one tile run on the caller alone. */
+#define ZF_TILE (1 << 15)
+/* Calls smaller than this run on the caller alone. Waking a sleeping thread costs 50-100 us on
+ * this VM, so on this machine 256K-element accumulates were slower with 2 threads (101 vs 67 us)
+ * and 1M-element ones faster (275 vs 381 us). */
+#define ZF_PARALLEL_MIN (1 << 19)
+/* sq_norm partitions (its tiles): at most ZF_MAX_PARTS, each at least ZF_MIN_PART elements. */
 #define ZF_MAX_PARTS 256
 #define ZF_MIN_PART (1 << 14)
 
@@ -116,19 +121,7 @@ static int64_t total_of(const int64_t *runs, int64_t nruns)
     return t;
 }
 
-static int threads_for(int64_t total)
-{
-    int64_t nt = zf_get_num_threads(), cap = total / ZF_MIN_PER_THREAD;
-    return (int)(nt < cap ? nt : cap > 0 ? cap : 1);
-}
-
-/* Thread tid's share [*lo, *hi) of total elements: equal chunks rounded up to 64 elements. */
-static void chunk(int64_t total, int tid, int nt, int64_t *lo, int64_t *hi)
-{
-    int64_t c = ((total + nt - 1) / nt + 63) & ~(int64_t)63;
-    *lo = c * tid < total ? c * tid : total;
-    *hi = *lo + c < total ? *lo + c : total;
-}
+static int threads_for(int64_t total) { return total < ZF_PARALLEL_MIN ? 1 : zf_get_num_threads(); }
 
 /* The common shape of an elementwise call: the kernels, the runs, and a piece function. */
 typedef struct {
@@ -139,14 +132,14 @@ typedef struct {
     void *job;
 } ew_call;
 
-static void ew_task(void *ctx, int tid, int nt)
+static void ew_task(void *ctx, zf_tiles *tiles)
 {
     ew_call *c = ctx;
-    int64_t lo, hi;
-    chunk(c->total, tid, nt, &lo, &hi);
     cursor cur = {c->runs, c->nruns, 0, 0};
-    if (lo < hi)
+    for (int64_t t; (t = zf_next_tile(tiles)) >= 0;) {
+        int64_t lo = t * ZF_TILE, hi = lo + ZF_TILE < c->total ? lo + ZF_TILE : c->total;
         walk(&cur, lo, hi, c->piece, c);
+    }
 }
 
 static void ew_run(ew_call *c, const int64_t *runs, int64_t nruns, int64_t numel)
@@ -160,7 +153,7 @@ static void ew_run(ew_call *c, const int64_t *runs, int64_t nruns, int64_t numel
     c->nruns = nruns;
     c->total = total_of(runs, nruns);
     if (c->total > 0)
-        zf_parallel(ew_task, c, threads_for(c->total));
+        zf_parallel(ew_task, c, (c->total + ZF_TILE - 1) / ZF_TILE, threads_for(c->total));
 }
 
 /* ---- AdamW ---- */
@@ -290,11 +283,12 @@ static void sq_piece(void *ctx, int64_t off, int64_t n)
     }
 }
 
-static void sq_task(void *ctx, int tid, int nt)
+/* Tiles are the partitions: whoever sums partition p writes sums[p]. */
+static void sq_task(void *ctx, zf_tiles *tiles)
 {
     sq_call *c = ctx;
     cursor cur = {c->runs, c->nruns, 0, 0};
-    for (int64_t p = c->nparts * tid / nt; p < c->nparts * (tid + 1) / nt; p++) {
+    for (int64_t p; (p = zf_next_tile(tiles)) >= 0;) {
         sq_acc a = {.c = c, .lanes = {0}};
         int64_t lo = p * c->part, hi = lo + c->part < c->total ? lo + c->part : c->total;
         walk(&cur, lo, hi, sq_piece, &a);
@@ -319,8 +313,7 @@ double zf_sq_norm(const void *x, int x_dtype, int64_t numel, const int64_t *runs
     int64_t part = (c.total + ZF_MAX_PARTS - 1) / ZF_MAX_PARTS;
     c.part = part < ZF_MIN_PART ? ZF_MIN_PART : (part + ZF_BLOCK - 1) & ~(int64_t)(ZF_BLOCK - 1);
     c.nparts = (c.total + c.part - 1) / c.part;
-    int nt = threads_for(c.total);
-    zf_parallel(sq_task, &c, nt < c.nparts ? nt : (int)c.nparts);
+    zf_parallel(sq_task, &c, c.nparts, threads_for(c.total));
     double s = 0.0;
     for (int64_t p = 0; p < c.nparts; p++)
         s += c.sums[p];

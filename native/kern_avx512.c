@@ -15,6 +15,12 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Address arithmetic in integers: the prefetch may point past the buffer, a pointer must not. */
+INLINE void ahead(const void *base, int64_t i, int64_t esize)
+{
+    _mm_prefetch((const char *)((uintptr_t)base + (uintptr_t)((i + ZF_PREFETCH) * esize)), _MM_HINT_T0);
+}
+
 INLINE __m512 load16(const void *x, int64_t i, int dt)
 {
     if (dt == ZF_F32)
@@ -48,22 +54,32 @@ INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int
     const __m512 beta2 = _mm512_set1_ps(j->beta2), omb2 = _mm512_set1_ps(j->omb2);
     const __m512 bc2s = _mm512_set1_ps(j->bc2s), nstep = _mm512_set1_ps(j->nstep);
     const __m512 eps = _mm512_set1_ps(j->eps);
+    /* Locals, not j->...: the intrinsics' stores may alias anything, so fields read through j would
+     * be reloaded on every iteration. */
+    float *pp = j->p, *mp = j->m, *vp = j->v;
+    const void *gp = j->g;
+    void *op = j->out;
+    const int l2 = j->l2, small = j->lerp_small;
     for (int64_t i = off; i < off + n; i += 16) {
-        __m512 g = _mm512_mul_ps(load16(j->g, i, gdt), scale);
-        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(j->p + i), decay);
-        __m512 m = _mm512_loadu_ps(j->m + i), v = _mm512_loadu_ps(j->v + i);
-        if (j->l2)
+        ahead(pp, i, 4);
+        ahead(mp, i, 4);
+        ahead(vp, i, 4);
+        ahead(gp, i, zf_dtype_size(gdt));
+        __m512 g = _mm512_mul_ps(load16(gp, i, gdt), scale);
+        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(pp + i), decay);
+        __m512 m = _mm512_loadu_ps(mp + i), v = _mm512_loadu_ps(vp + i);
+        if (l2)
             g = _mm512_fmadd_ps(wd, p, g);
         __m512 d = _mm512_sub_ps(g, m);
-        m = j->lerp_small ? _mm512_fmadd_ps(w, d, m) : _mm512_fmadd_ps(wm1, d, g);
+        m = small ? _mm512_fmadd_ps(w, d, m) : _mm512_fmadd_ps(wm1, d, g);
         v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, beta2));
         __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
         p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nstep, m), denom));
-        _mm512_storeu_ps(j->p + i, p);
-        _mm512_storeu_ps(j->m + i, m);
-        _mm512_storeu_ps(j->v + i, v);
+        _mm512_storeu_ps(pp + i, p);
+        _mm512_storeu_ps(mp + i, m);
+        _mm512_storeu_ps(vp + i, v);
         if (odt != ZF_NONE)
-            store16(j->out, i, p, odt);
+            store16(op, i, p, odt);
     }
 }
 

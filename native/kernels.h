@@ -17,6 +17,12 @@
 
 #define ZF_BLOCK 16
 
+/* Software prefetch distance of the SIMD AdamW loops, in elements (1 KiB ahead on fp32 streams).
+ * One core cannot keep enough cache misses in flight for 7 streams on its own: on this machine
+ * (Xeon, 100M params, 1 thread) prefetching 128-1024 elements ahead took the step from ~158 ms
+ * to ~143 ms; 2048 gained nothing. Prefetches never fault, so running past the end is harmless. */
+#define ZF_PREFETCH 256
+
 /* Per-call constants, folded in double and rounded to float once, as torch does with its Python
  * scalars. */
 typedef struct {
@@ -52,9 +58,21 @@ extern const zf_kernels zf_kernels_avx2;
 extern const zf_kernels zf_kernels_avx512;
 #endif
 
-/* Thread pool (pool.c): runs fn(ctx, tid, nt) for tid in [0, nt), the caller being tid 0. */
-typedef void (*zf_task_fn)(void *ctx, int tid, int nt);
-void zf_parallel(zf_task_fn fn, void *ctx, int nt);
+/* Thread pool (pool.c). A task is cut into ntiles tiles; each of up to nt participants (the
+ * caller is one) runs fn(ctx, tiles) once, and fn claims tiles with zf_next_tile until none is
+ * left. One participant claims increasing indices, so fn may keep a forward-only cursor. */
+typedef struct {
+    int64_t *next;
+    int64_t ntiles;
+} zf_tiles;
+typedef void (*zf_task_fn)(void *ctx, zf_tiles *tiles);
+void zf_parallel(zf_task_fn fn, void *ctx, int64_t ntiles, int nt);
+
+static inline int64_t zf_next_tile(zf_tiles *t)
+{
+    int64_t i = __atomic_fetch_add(t->next, 1, __ATOMIC_RELAXED);
+    return i < t->ntiles ? i : -1;
+}
 
 static inline int64_t zf_dtype_size(int dt) { return dt == ZF_F32 ? 4 : dt == ZF_NONE ? 0 : 2; }
 

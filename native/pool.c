@@ -13,10 +13,13 @@
  * by setting OMP_WAIT_POLICY=PASSIVE before torch is imported.)
  *
  * Here workers block on a condition variable (a futex: no CPU while idle, a few microseconds to
- * wake), and only one call uses the pool at a time: a second concurrent caller does not wait for
- * it but runs its own work on its own thread. Kernels produce the same bits for any split, so this
- * changes timing only. Cost: one broadcast + one join per call, which is why small inputs
- * (api.c: ZF_MIN_PER_THREAD) are not split at all.
+ * wake). A call's work is cut into tiles that participants claim from an atomic counter, the
+ * caller included, and the caller waits only for workers that actually joined: if the OS does
+ * not run a worker (a busy machine), the caller simply takes its tiles, instead of a static split
+ * stalling on the missing thread. Only one call uses the pool at a time: a second concurrent
+ * caller does not wait for it but runs its own tiles on its own thread. Kernels produce the same
+ * bits whichever thread runs a tile, so all of this changes timing only. Cost per call: one
+ * broadcast, one join, one atomic add per tile.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -30,18 +33,22 @@
 #define ZF_MAX_THREADS 256
 
 static struct {
-    pthread_mutex_t mu;     /* guards everything below */
-    pthread_cond_t wake;    /* gen moved on: a new task */
-    pthread_cond_t done;    /* pending reached 0 */
-    pthread_mutex_t busy;   /* held by the one caller whose task the pool is running */
-    int nworkers;           /* started workers; worker ids are 1..nworkers */
-    uint64_t gen;           /* task counter */
+    pthread_mutex_t mu;   /* guards everything below */
+    pthread_cond_t wake;  /* gen moved on: a new task */
+    pthread_cond_t done;  /* active reached 0 */
+    pthread_mutex_t busy; /* held by the one caller whose task the pool is running */
+    int nworkers;         /* started workers; worker ids are 1..nworkers */
+    uint64_t gen;         /* task counter */
     uint64_t start_gen[ZF_MAX_THREADS];
     zf_task_fn fn;
     void *ctx;
-    int nt, pending;
+    zf_tiles *tiles;
+    int nt;     /* participants wanted, caller included */
+    int open;   /* workers may still join the task */
+    int active; /* workers inside fn */
+    int64_t joins; /* workers that joined a task, ever (diagnostics) */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0};
+       PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0};
 
 static int g_nthreads; /* 0: not chosen yet, see zf_get_num_threads */
 
@@ -54,15 +61,17 @@ static void *worker(void *arg)
         while (P.gen == seen)
             pthread_cond_wait(&P.wake, &P.mu);
         seen = P.gen;
-        if (id >= P.nt) /* not needed for this task */
+        if (!P.open || id >= P.nt) /* woke too late (the caller took every tile), or not needed */
             continue;
+        P.active++;
+        P.joins++;
         zf_task_fn fn = P.fn;
         void *ctx = P.ctx;
-        int nt = P.nt;
+        zf_tiles *tiles = P.tiles;
         pthread_mutex_unlock(&P.mu);
-        fn(ctx, id, nt);
+        fn(ctx, tiles);
         pthread_mutex_lock(&P.mu);
-        if (--P.pending == 0)
+        if (--P.active == 0)
             pthread_cond_signal(&P.done);
     }
     return NULL;
@@ -78,6 +87,8 @@ static void reset_after_fork(void)
     pthread_cond_init(&P.done, NULL);
     P.nworkers = 0;
     P.gen = 0;
+    P.open = 0;
+    P.active = 0;
 }
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -100,8 +111,14 @@ static int spawn(int id)
     return rc;
 }
 
-void zf_parallel(zf_task_fn fn, void *ctx, int nt)
+void zf_parallel(zf_task_fn fn, void *ctx, int64_t ntiles, int nt)
 {
+    /* The counter lives on this stack frame: only participants that joined while the task was
+     * open touch it, and we wait for all of them before returning. */
+    int64_t next = 0;
+    zf_tiles tiles = {&next, ntiles};
+    if (nt > ntiles)
+        nt = (int)ntiles;
     if (nt > ZF_MAX_THREADS)
         nt = ZF_MAX_THREADS;
     if (nt > 1 && pthread_mutex_trylock(&P.busy) == 0) {
@@ -109,28 +126,26 @@ void zf_parallel(zf_task_fn fn, void *ctx, int nt)
         pthread_mutex_lock(&P.mu);
         while (P.nworkers < nt - 1 && spawn(P.nworkers + 1) == 0)
             P.nworkers++;
-        if (nt > P.nworkers + 1) /* thread creation failed: use what we have */
-            nt = P.nworkers + 1;
-        if (nt > 1) {
-            P.fn = fn;
-            P.ctx = ctx;
-            P.nt = nt;
-            P.pending = nt - 1;
-            P.gen++;
-            pthread_cond_broadcast(&P.wake);
-            pthread_mutex_unlock(&P.mu);
-            fn(ctx, 0, nt);
-            pthread_mutex_lock(&P.mu);
-            while (P.pending)
-                pthread_cond_wait(&P.done, &P.mu);
-            pthread_mutex_unlock(&P.mu);
-            pthread_mutex_unlock(&P.busy);
-            return;
-        }
+        P.fn = fn;
+        P.ctx = ctx;
+        P.tiles = &tiles;
+        P.nt = nt;
+        P.open = 1;
+        P.gen++;
+        pthread_cond_broadcast(&P.wake);
+        pthread_mutex_unlock(&P.mu);
+        fn(ctx, &tiles);
+        /* Every tile is claimed. Close the task, then wait only for workers that joined (they are
+         * finishing their last tile), never for one the OS has not scheduled yet. */
+        pthread_mutex_lock(&P.mu);
+        P.open = 0;
+        while (P.active)
+            pthread_cond_wait(&P.done, &P.mu);
         pthread_mutex_unlock(&P.mu);
         pthread_mutex_unlock(&P.busy);
+        return;
     }
-    fn(ctx, 0, 1);
+    fn(ctx, &tiles);
 }
 
 /* Default: OMP_NUM_THREADS when set (torchrun sets it to 1 per rank when several ranks share a
@@ -164,5 +179,13 @@ int zf_get_num_threads(void)
         n = default_threads();
         __atomic_store_n(&g_nthreads, n, __ATOMIC_RELAXED);
     }
+    return n;
+}
+
+int64_t zf_pool_joins(void)
+{
+    pthread_mutex_lock(&P.mu);
+    int64_t n = P.joins;
+    pthread_mutex_unlock(&P.mu);
     return n;
 }

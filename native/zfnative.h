@@ -47,6 +47,8 @@ int64_t zf_check_runs(const int64_t *runs, int64_t nruns, int64_t numel);
 
 void zf_set_num_threads(int n);
 int zf_get_num_threads(void);
+/* How many times a pool thread joined a call since the library loaded (diagnostics, tests). */
+int64_t zf_pool_joins(void);
 int zf_isa(void);
 int zf_isa_supported(int isa);
 /* 0 on success, -1 when this CPU (or this build) lacks the path. */

@@ -85,7 +85,7 @@ def test_isa_and_thread_controls():
 def test_concurrent_callers_get_correct_results():
     """Two Python threads in the library at once (the CPU worker's AdamW and the main thread's
     accumulation): one uses the pool, the other runs on its own thread; both are exact."""
-    n = 400_000
+    n = 600_000  # above the 512K elements where calls start using the pool
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(n, generator=gen)
     ref_p, ref_m, ref_v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
@@ -115,16 +115,16 @@ def test_concurrent_callers_get_correct_results():
 def test_pool_survives_fork():
     """A forked child (e.g. a DataLoader worker) inherits no pool threads; it must not hang."""
     N.set_num_threads(2)
-    x = torch.ones(200_000)
-    assert N.sq_norm(x) == 200_000.0  # the parent's pool is running now
+    x = torch.ones(600_000)
+    assert N.sq_norm(x) == 600_000.0  # the parent's pool is running now
     code = (
         "import os, signal, torch\n"
         "from zfctl import _native as N\n"
-        "N.set_num_threads(2); x = torch.ones(200_000); N.sq_norm(x)\n"
+        "N.set_num_threads(2); x = torch.ones(600_000); N.sq_norm(x)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    signal.alarm(20)\n"
-        "    os._exit(0 if N.sq_norm(x) == 200_000.0 else 3)\n"
+        "    os._exit(0 if N.sq_norm(x) == 600_000.0 else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "raise SystemExit(os.waitstatus_to_exitcode(status))\n"
     )

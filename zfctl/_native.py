@@ -175,6 +175,11 @@ def get_num_threads() -> int:
     return int(lib.zf_get_num_threads())
 
 
+def pool_joins() -> int:
+    """How many times a pool thread has joined a call (diagnostics: proves the threads ran)."""
+    return int(lib.zf_pool_joins())
+
+
 def isa() -> str:
     """The code path in use: "avx512", "avx2" or "scalar"."""
     return _ISA_NAMES[lib.zf_isa()]
