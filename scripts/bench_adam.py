@@ -2,19 +2,23 @@
 
     .venv/bin/python scripts/bench_adam.py                 # 100M params, 1 and all threads
     .venv/bin/python scripts/bench_adam.py --params 20e6 --json out.json
+    .venv/bin/python scripts/bench_adam.py --busy 2        # with 2 CPU-spinning processes alongside
 
 Workloads (per step, 100M params by default):
   (a) plain fp32 AdamW: params, grads and both moments fp32. Counted bytes: 28 B/param (read
       p, g, m, v; write p, m, v), the minimum any implementation must move.
   (b) the offload step: bf16 gradient in, fp32 master + moments updated, bf16 copy of the new
       params out. Counted: 28 B/param (read p, m, v, g16; write p, m, v, out16). zfctl does this in
-      one pass; torch (and DeepSpeed) need cast -> fp32 step -> copy, i.e. 44 B/param actually moved.
-"GB/s" is counted bytes / time (useful bandwidth), "% probe" compares it with the STREAM-style
-in-place read-modify-write probe (a += s*b: 12 B/elem) at the same thread count.
+      one pass; torch (and DeepSpeed) need cast -> fp32 step -> copy, 40 B/param actually moved.
+"GB/s" is counted bytes / time (useful bandwidth; write-allocate traffic not counted, as in
+STREAM), "% probe" compares it with the in-place read-modify-write probe (a += s*b, 12 B/elem) at
+the same thread count. Rows with "tensors" > 1 split the same 100M params into a model-like list.
 
 DeepSpeed's DeepSpeedCPUAdam runs in a subprocess of a Python where it is importable: this one,
---deepspeed-python, or /tmp/dsvenv/bin/python. It is never a zfctl dependency; to get it:
-    python3 -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch==<same> &&
+--deepspeed-python, or /tmp/dsvenv/bin/python. It is never a zfctl dependency. A throw-away venv
+that reuses this venv's torch (no multi-GB CUDA torch download; DeepSpeed JIT-builds its op once):
+    python3 -m venv /tmp/dsvenv
+    echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/dsvenv/lib/python3.11/site-packages/torch.pth
     /tmp/dsvenv/bin/pip install --no-deps deepspeed hjson py-cpuinfo einops msgpack ninja pydantic packaging psutil
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -173,6 +178,19 @@ def deepspeed_rows(python: str | None, args) -> tuple[list[dict], str]:
     return [], f"DeepSpeed: not importable from {', '.join(candidates)} (see this script's docstring); skipped"
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def start_hogs(count: int) -> list[multiprocessing.Process]:
+    """`count` processes that each keep one core busy: the training loop and other tenants."""
+    hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+    for h in hogs:
+        h.start()
+    return hogs
+
+
 def thread_counts(spec: str) -> list[int]:
     allc = len(os.sched_getaffinity(0))
     return sorted({allc if s == "all" else int(s) for s in spec.split(",")})
@@ -197,6 +215,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,all", help="comma list of thread counts; 'all' = CPUs available")
     ap.add_argument("--tensors", type=int, default=400, help="also time a model-like list of this many tensors")
     ap.add_argument("--deepspeed-python", default=None, help="a python with deepspeed importable")
+    ap.add_argument("--busy", type=int, default=0, help="run this many CPU-spinning processes meanwhile")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
@@ -218,7 +237,9 @@ def main() -> None:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?")
     print(f"# {cpu}; {len(os.sched_getaffinity(0))} CPUs; zfctl path {N.isa()}; torch {torch.__version__}; "
-          f"{n / 1e6:.0f}M params; median of {args.steps} steps; load average {load0[0]:.2f}")
+          f"{n / 1e6:.0f}M params; median of {args.steps} steps; load average {load0[0]:.2f}"
+          + (f"; {args.busy} busy-spinning processes alongside" if args.busy else ""))
+    hogs = start_hogs(args.busy)
     ds, ds_note = ([], "DeepSpeed: skipped (--no-deepspeed)") if args.no_deepspeed else deepspeed_rows(
         args.deepspeed_python, args
     )
@@ -230,6 +251,8 @@ def main() -> None:
             rows += bench_torch_like(impl, n, t, 1, args.steps, 1)
             if args.tensors > 1 and impl == "fused":
                 rows += bench_torch_like(impl, n, t, args.tensors, args.steps, 1)
+    for h in hogs:
+        h.terminate()
     rows += ds
     for r in rows:
         r["params"] = n

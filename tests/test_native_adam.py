@@ -70,6 +70,17 @@ def test_half_grads_and_out(isa, gdt, odt):
         assert torch.equal(out, p.to(odt))
 
 
+def test_out_may_overwrite_the_gradient(isa):
+    n = 1037
+    p, m, v = _state(n, seed=12)
+    q, mq, vq = p.clone(), m.clone(), v.clone()
+    g = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    N.adamw_step(q, g, mq, vq, step=1, weight_decay=0.0, out=out, **HP)
+    N.adamw_step(p, g, m, v, step=1, weight_decay=0.0, out=g, **HP)
+    assert torch.equal(p, q) and torch.equal(g, out)
+
+
 @pytest.mark.parametrize("odt", [torch.bfloat16, torch.float16])
 def test_out_rounding_on_every_float_class(isa, odt):
     """lr=0 makes the step an identity, so `out` is pure fp32 -> half conversion: random bit
