@@ -24,16 +24,32 @@ STEPS, BATCH = 20, 8
 CASES = {
     # ZenFlow with overlap: warm-up, selection at 1 and re-selection at 7 (state migrates between
     # partitions), CPU updates installed one interval late and broadcast by their owners.
-    "zenflow": dict(topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step",
-                    select_interval=6, full_warm_up_rounds=1),
-    "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap_step=False, full_warm_up_rounds=0),
+    "zenflow": {
+        "topk_ratio": 0.25,
+        "update_interval": 3,
+        "overlap_step": True,
+        "select_strategy": "step",
+        "select_interval": 6,
+        "full_warm_up_rounds": 1,
+    },
+    "zero-offload": {
+        "topk_ratio": 0.0,
+        "update_interval": 1,
+        "overlap_step": False,
+        "full_warm_up_rounds": 0,
+    },
 }
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 24),
-                               torch.nn.Tanh(), torch.nn.Linear(24, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 24),
+        torch.nn.Tanh(),
+        torch.nn.Linear(24, 8),
+    )
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +59,9 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _optimizer(model: torch.nn.Module, case: str, group) -> ZenFlowOptimizer:
     cfg = ZenFlowConfig(**CASES[case], cpu_threads=1, pin_memory=False)
-    return ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5,
-                            process_group=group)
+    return ZenFlowOptimizer(
+        model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5, process_group=group
+    )
 
 
 def _steps(model, opt, rank: int, world: int, lo: int, hi: int) -> None:
@@ -129,7 +146,7 @@ def _rel_err(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_rank(two_ranks, case):
-    ref, host = _train(case)
+    ref, _host = _train(case)
     init = _model().state_dict()
     assert _rel_err(ref, init) > 1e-2  # training moved the weights: the comparison has teeth
     for r in range(2):

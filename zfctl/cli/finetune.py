@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -34,7 +35,11 @@ def finetune(
         False, "--debug-data", help="Print a few decoded training samples with their label masks and exit."
     ),
     nproc: int = typer.Option(
-        1, "--nproc", min=1, help="Processes on this node (relaunches under torchrun)."
+        1,
+        "--nproc",
+        min=1,
+        help="Processes on this node: >1 relaunches under torchrun (standalone rendezvous). "
+        "Under your own torchrun (multi-node, slurm) leave it out.",
     ),
 ) -> None:
     """Fine-tune MODEL on DATA with ZenFlow CPU-offloaded AdamW.
@@ -43,23 +48,40 @@ def finetune(
     The resolved plan is printed first and saved as plan.yaml in the output folder.
     """
     from zfctl.plan.render import print_plan
+    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun
 
-    plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], plan_flags(output, max_steps, nproc))
-    print_plan(plan, console)
-    if plan.distributed.nproc > 1:
-        raise UserError(
-            f"--nproc {plan.distributed.nproc}: multi-process training is not available yet; "
-            "run with --nproc 1"
-        )
+    env = dist_env()
+    plan, _ = resolve_from_cli(
+        model, data, zenflow, config, set_ or [], plan_flags(output, max_steps, nproc), quiet=not env.is_main
+    )
     try:
         from zfctl.train import run
     except ImportError:
+        what = (
+            "training"
+            if plan.distributed.nproc == 1
+            else f"--nproc {plan.distributed.nproc}: multi-process training"
+        )
         raise UserError(
-            "training is not available yet in this build (zfctl.train.run is missing); "
+            f"{what} is not available yet in this build (zfctl.train.run is missing); "
             "`zfctl plan` shows the resolved plan and memory estimate"
         ) from None
-    result = run(plan, force=force, debug_data=debug_data)
-    if debug_data:
+    if plan.distributed.nproc > 1 and not under_torchrun() and not debug_data:
+        # Everything that can fail on user input is checked here, once, before N processes start;
+        # the data lands in the cache, so the ranks load it instead of tokenising it N times.
+        from zfctl.train.dist import prepare_launch
+
+        print_plan(plan, console)
+        prepare_launch(plan, force=force)
+        console.print(f"launching {plan.distributed.nproc} processes under torchrun (standalone)")
+        raise typer.Exit(code=relaunch(plan.distributed.nproc, sys.argv[1:]))
+    if env.is_main:
+        print_plan(plan, console)
+    try:
+        result = run(plan, force=force, debug_data=debug_data)
+    except UserError as e:
+        raise rank_error(e, env) from None
+    if debug_data or not env.is_main:
         return
     console.print(
         f"[bold green]done[/] {result.steps} steps  train loss {_fmt(result.final_train_loss)}  "

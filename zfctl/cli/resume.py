@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -21,21 +22,50 @@ def resume(
         None, "--max-steps", min=1, help="Train until this total step count (default: the plan's)."
     ),
     allow_changes: bool = typer.Option(
-        False, "--allow-changes", help="Accept a plan or world size that differs from the checkpoint's."
+        False,
+        "--allow-changes",
+        help="Accept a plan that differs from the checkpoint's (never the world size).",
+    ),
+    nproc: int | None = typer.Option(
+        None,
+        "--nproc",
+        min=1,
+        help="Processes on this node; default: the checkpoint's world size (>1 relaunches under torchrun).",
     ),
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.plan.render import print_plan
+    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun
 
     try:
         from zfctl.train import resume as train_resume
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
+    if not under_torchrun():
+        n = nproc if nproc is not None else _saved_world_size(ckpt_dir)
+        if n > 1:  # the same world size as the checkpoint (anything else is refused by each rank)
+            console.print(f"launching {n} processes under torchrun (standalone)")
+            raise typer.Exit(code=relaunch(n, sys.argv[1:]))
+    env = dist_env()
     # The loop reads the plan from the checkpoint and calls back so it prints before any loading.
-    result = train_resume(
-        ckpt_dir,
-        max_steps=max_steps,
-        allow_changes=allow_changes,
-        on_plan=lambda plan: print_plan(plan, console),
-    )
-    console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
+    try:
+        result = train_resume(
+            ckpt_dir,
+            max_steps=max_steps,
+            allow_changes=allow_changes,
+            on_plan=lambda plan: print_plan(plan, console),
+        )
+    except UserError as e:
+        raise rank_error(e, env) from None
+    if env.is_main:
+        console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
+
+
+def _saved_world_size(ckpt_dir: Path) -> int:
+    """The world size recorded in the checkpoint; 1 if it cannot be read (resume reports why)."""
+    from zfctl.train.checkpoint import resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(ckpt_dir).world_size
+    except UserError:
+        return 1

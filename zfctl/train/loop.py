@@ -158,12 +158,18 @@ def train(x: LoopInputs) -> LoopResult:
             batches = [x.collate([x.train_data[i] for i in x.sampler.next_indices()])
                        for _ in range(x.grad_accum)]
             n_targets = max(1, sum(_targets(b) for b in batches))
+            if x.world_size > 1:
+                # Divide by the global target count / world_size, not by this rank's: after the
+                # optimizer averages gradients over ranks, every token then weighs the same
+                # whichever rank saw it (the 1-process loss of the global batch). One tiny
+                # all-reduce before the forward; on NCCL it is a host<->device sync as well.
+                n_targets = max(1.0, _all_reduce_sum([float(n_targets)], x.device, x.world_size)[0])
+                n_targets /= x.world_size
             n_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
             lr = opt.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
 
-            # -- forward / backward ("device compute"). With several processes every rank
-            #    normalises by its own token count and the optimizer averages gradients over
-            #    ranks: a mean of per-rank means, exact when ranks see equal token counts.
+            # -- forward / backward ("device compute"). With several processes the optimizer
+            #    averages the gradients over ranks in step() (see n_targets above).
             timer.start()
             step_loss = torch.zeros((), device=x.device)
             for batch in batches:

@@ -9,7 +9,6 @@ peers hanging in a collective.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -26,6 +25,7 @@ from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.display import NullDisplay, RichDisplay
+from zfctl.train.dist import DistEnv, dist_env
 from zfctl.train.loop import LoopInputs, train
 from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
 from zfctl.train.optim import build_optimizer
@@ -45,20 +45,7 @@ class RunResult:
     last_checkpoint: Path | None
 
 
-@dataclass
-class _Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def _dist_env() -> _Dist:
-    """Rank and world size as torchrun sets them (a single process without torchrun)."""
-    return _Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                 int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def _device(plan: RunPlan, env: _Dist) -> torch.device:
+def _device(plan: RunPlan, env: DistEnv) -> torch.device:
     want = plan.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
@@ -68,7 +55,7 @@ def _device(plan: RunPlan, env: _Dist) -> torch.device:
 
 
 @contextlib.contextmanager
-def _process_setup(plan: RunPlan, env: _Dist, device: torch.device) -> Iterator[None]:
+def _process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator[None]:
     """Seeds, determinism flags and the process group, restored/torn down on exit."""
     prev_det = torch.are_deterministic_algorithms_enabled()
     random.seed(plan.train.seed)
@@ -95,14 +82,18 @@ def _process_setup(plan: RunPlan, env: _Dist, device: torch.device) -> Iterator[
             dist.destroy_process_group()
 
 
-def _load_inputs(plan: RunPlan) -> tuple[Any, Any]:
-    """Tokenizer and prepared data; every data problem surfaces here as a UserError."""
+def load_inputs(plan: RunPlan) -> tuple[Any, Any]:
+    """Tokenizer and prepared data (cached); every data problem surfaces here as a UserError.
+
+    Called before the process group forms: a rank that fails here exits before any collective,
+    and torchrun stops its peers instead of leaving them waiting in a rendezvous.
+    """
     from zfctl.train.data import prepare_data
     from zfctl.train.model import load_tokenizer
 
     tokenizer = load_tokenizer(plan.model)
     prepared = prepare_data(plan.data, tokenizer, seed=plan.train.seed)
-    if _dist_env().rank == 0:
+    if dist_env().rank == 0:
         Console().print(f"data: {prepared.summary()}", highlight=False, markup=False, soft_wrap=True)
     if len(prepared.train) == 0:
         raise UserError(f"data {plan.data.name!r} has no training records after slicing/filtering; "
@@ -122,9 +113,8 @@ def _total_steps(plan: RunPlan, sampler: ResumableSampler) -> int:
     return max(1, plan.train.epochs * sampler.batches_per_epoch() // plan.train.gradient_accumulation_steps)
 
 
-def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fresh: bool,
-           force: bool = False, ckpt: ck.CheckpointInfo | None = None,
-           allow_world_change: bool = False) -> RunResult:
+def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, fresh: bool,
+           force: bool = False, ckpt: ck.CheckpointInfo | None = None) -> RunResult:
     """Shared body of run/resume: build, restore (resume), train."""
     out = Path(plan.checkpoint.output_dir)
     t = plan.train
@@ -152,7 +142,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fr
             scheduler = build_scheduler(optimizer, t.schedule, warmup_steps=t.warmup_steps, total_steps=total)
             start_step = 0
             if ckpt is not None:
-                _restore_optimizer(optimizer, ckpt, env.rank, allow_world_change)
+                _restore_optimizer(optimizer, ckpt, env.rank)
                 restore_scheduler(scheduler, trainer_state["scheduler"])
                 start_step = int(trainer_state["step"])
                 rng = ckpt.path / ck.rng_file(env.rank)
@@ -207,10 +197,8 @@ def _train(plan: RunPlan, *, prepared: Any, env: _Dist, device: torch.device, fr
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
 
 
-def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int, allow_world_change: bool) -> None:
-    rank_file = ck.optimizer_file(rank)
-    if allow_world_change and not (ckpt.path / rank_file).exists():
-        rank_file = ck.optimizer_file(0)  # replicated state: rank 0's serves any rank
+def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int) -> None:
+    rank_file = ck.optimizer_file(rank)  # this rank's slice of the host state + the replicated part
     try:
         optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
     except ValueError as e:  # the state does not fit this model/plan (e.g. a changed topk_ratio)
@@ -225,11 +213,11 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     without training or writing anything.
     """
     out = Path(plan.checkpoint.output_dir)
-    env = _dist_env()
+    env = dist_env()
     if not debug_data and env.rank == 0:
         check_output_dir(out, force)  # fail in a second, before minutes of data preparation
         require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    tokenizer, prepared = _load_inputs(plan)
+    tokenizer, prepared = load_inputs(plan)
     if debug_data:
         from zfctl.train.data import format_debug_samples
 
@@ -244,15 +232,16 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
            on_plan: Callable[[RunPlan], None] | None = None) -> RunResult:
     """Continue a run from a checkpoint folder, or from a run folder's newest checkpoint.
 
-    The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since, or a different
-    world size, is refused with the differences listed unless ``allow_changes`` (then the edited
-    plan is used). ``max_steps`` moves the end of the run (the LR schedule follows it).
+    The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
+    the differences listed unless ``allow_changes`` (then the edited plan is used). A different
+    world size is always refused: the optimizer state is partitioned per rank. ``max_steps``
+    moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     """
     info = ck.resolve_checkpoint(Path(ckpt_dir))
     run_dir = info.path.parent.parent
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
-    env = _dist_env()
+    env = dist_env()
     problems = []
     edited = run_dir / PLAN_FILE
     if edited.is_file():
@@ -262,7 +251,12 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
             plan = current
         problems += diffs
     if env.world_size != info.world_size:
-        problems.append(f"world size: {info.world_size} -> {env.world_size}")
+        # Not waivable by --allow-changes: each rank's optimizer file holds only its slice of the
+        # host state (partitioned by columns), and re-cutting the slices is not implemented.
+        raise UserError(f"cannot resume {info.path}: world size: {info.world_size} -> {env.world_size}; each "
+                        "process's optimizer state holds only its share of the host state (resharding is "
+                        f"not supported, and --allow-changes cannot waive it): resume with --nproc "
+                        f"{info.world_size}")
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
@@ -278,6 +272,5 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     if on_plan is not None and env.rank == 0:
         on_plan(plan)
     require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    _, prepared = _load_inputs(plan)
-    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, ckpt=info,
-                  allow_world_change=allow_changes)
+    _, prepared = load_inputs(plan)
+    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, ckpt=info)

@@ -1,0 +1,103 @@
+"""Multi-process runs: who am I (torchrun's environment), relaunching under torchrun, rank errors.
+
+zfctl wraps torchrun instead of replacing it. ``zfctl finetune ... --nproc N`` (not already under
+torchrun) checks what it can in the launching process - the output folder, the logger packages,
+and the data, which it prepares into the cache so that the N ranks load it instead of tokenising
+it N times - and then runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+zfctl finetune <the same arguments>``. Each rank sees torchrun's RANK/WORLD_SIZE/LOCAL_RANK and
+trains; ``torchrun --nnodes ... --nproc-per-node N -m zfctl finetune ...`` (multi-node, slurm)
+takes the same path minus the relaunch. When any rank fails, torchrun stops the others; the
+failing rank prefixes its message with ``rank R:`` so the user knows whose data or disk it was.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zfctl.errors import UserError
+from zfctl.plan.schema import RunPlan
+
+# Set by torchrun (elastic agent) in every worker; their presence means "do not relaunch".
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, as torchrun describes it (one process without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only one that prints, writes metrics and writes shared checkpoint files."""
+        return self.rank == 0
+
+
+def dist_env() -> DistEnv:
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun's variables)."""
+    return DistEnv(
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def under_torchrun() -> bool:
+    """True inside a torchrun worker (never relaunch from there)."""
+    return any(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
+    """The single-node torchrun command that re-runs ``zfctl <argv>`` on ``nproc`` processes.
+
+    ``--standalone`` gives a local rendezvous on a free port (no MASTER_ADDR to configure).
+    """
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "zfctl",
+        *argv,
+    ]
+
+
+def relaunch(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``zfctl <argv>`` under torchrun on this node and wait; returns its exit code.
+
+    torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
+    per node each one should use about cores/N threads (``zenflow.cpu_threads``).
+    """
+    try:
+        return subprocess.call(torchrun_command(nproc, argv))
+    except KeyboardInterrupt:  # torchrun forwards the signal to the ranks; they checkpoint and exit
+        return 130
+
+
+def rank_error(e: UserError, env: DistEnv) -> UserError:
+    """``e`` with ``rank R:`` in front when several processes run (the same class and exit code)."""
+    return e if env.world_size <= 1 else UserError(f"rank {env.rank}: {e}")
+
+
+def prepare_launch(plan: RunPlan, *, force: bool) -> None:
+    """Before relaunching: fail fast on the output folder, logger packages and data (exit 2).
+
+    The data is prepared into the cache here (the ranks then load it in milliseconds); the output
+    folder is only checked: rank 0 creates it once every rank has proven its inputs good.
+    """
+    from zfctl.train.metrics import require_sinks
+    from zfctl.train.rundir import check_output_dir
+    from zfctl.train.session import load_inputs
+
+    check_output_dir(Path(plan.checkpoint.output_dir), force)
+    require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
+    load_inputs(plan)
