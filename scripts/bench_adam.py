@@ -4,6 +4,9 @@
     .venv/bin/python scripts/bench_adam.py --params 20e6 --json out.json
     .venv/bin/python scripts/bench_adam.py --busy 2        # with 2 CPU-spinning processes alongside
 
+Every case runs in each of --rounds rounds (cases interleaved, so that load from other jobs on a
+shared machine hits all of them alike); a row reports the median and the best of all its steps.
+
 Workloads (per step, 100M params by default):
   (a) plain fp32 AdamW: params, grads and both moments fp32. Counted bytes: 28 B/param (read
       p, g, m, v; write p, m, v), the minimum any implementation must move.
@@ -11,8 +14,9 @@ Workloads (per step, 100M params by default):
       params out. Counted: 28 B/param (read p, m, v, g16; write p, m, v, out16). zfctl does this in
       one pass; torch (and DeepSpeed) need cast -> fp32 step -> copy, 40 B/param actually moved.
 "GB/s" is counted bytes / time (useful bandwidth; write-allocate traffic not counted, as in
-STREAM), "% probe" compares it with the in-place read-modify-write probe (a += s*b, 12 B/elem) at
-the same thread count. Rows with "tensors" > 1 split the same 100M params into a model-like list.
+STREAM). The probe is plain C loops: STREAM copy and triad, in-place a += s*b ("% rmw", 12 B/elem)
+and an adam-shaped loop with workload (a)'s 4-in/3-out in-place streams and no real arithmetic
+("% adam", 28 B/elem), each at the same thread count. Rows with "tensors" > 1 split the same 100M params into a model-like list.
 
 DeepSpeed's DeepSpeedCPUAdam runs in a subprocess of a Python where it is importable: this one,
 --deepspeed-python, or /tmp/dsvenv/bin/python. It is never a zfctl dependency. A throw-away venv
@@ -25,13 +29,16 @@ that reuses this venv's torch (no multi-GB CUDA torch download; DeepSpeed JIT-bu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,98 +47,123 @@ HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 DS_VENV = Path("/tmp/dsvenv/bin/python")
 COUNTED_BYTES = 28  # per param, both workloads (see the module docstring)
 
-
-def row(workload: str, impl: str, threads: int, tensors: int, ms: float, **extra) -> dict:
-    """One result line of the table."""
-    return {"workload": workload, "impl": impl, "threads": threads, "tensors": tensors, "ms": ms, **extra}
-
-
-def timed(fn, steps: int, warmup: int) -> float:
-    """Median wall ms of fn() over `steps` calls after `warmup` calls (page faults, lazy state)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    time.sleep(0.05)  # let torch's OpenMP workers stop spinning before the next measurement
-    return statistics.median(samples)
+# A case: the row it fills, and a function that allocates its buffers and returns one step.
+Case = tuple[dict, Callable[[], Callable[[], None]]]
 
 
 def split(t: torch.Tensor, tensors: int) -> list[torch.Tensor]:
     """Views of t as `tensors` near-equal pieces (a model's parameter list)."""
-    return [c for c in t.chunk(tensors)]
+    return list(t.chunk(tensors))
 
 
-def torch_optimizer(params: list[torch.Tensor], grads: list[torch.Tensor], impl: str) -> torch.optim.Optimizer:
-    leaves = []
-    for p, g in zip(params, grads):
-        leaf = torch.nn.Parameter(p, requires_grad=True)  # shares p's memory
-        leaf.grad = g
-        leaves.append(leaf)
-    if impl == "deepspeed":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+class Base:
+    """Random params and grads made once (randn of 100M takes seconds); cases clone them."""
 
-        return DeepSpeedCPUAdam(leaves, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"])
-    return torch.optim.AdamW(leaves, **HP, **{impl: True})
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.n, self.p, self.g = n, torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
 
 
-def bench_torch_like(impl: str, n: int, threads: int, tensors: int, steps: int, warmup: int) -> list[dict]:
-    """Workload (a) and the multi-pass (b) for torch foreach/fused or DeepSpeed."""
-    torch.set_num_threads(threads)
-    p, g = torch.randn(n), torch.randn(n) * 1e-2
-    opt = torch_optimizer(split(p, tensors), split(g, tensors), impl)
-    rows = [row(workload="a", impl=impl, threads=threads, tensors=tensors, ms=timed(opt.step, steps, warmup))]
+def torch_cases(impl: str, base: Base, threads: int, tensors: int) -> list[Case]:
+    """Workload (a), and the multi-pass (b), for torch foreach/fused or DeepSpeed."""
+
+    def make(kind: str):
+        def setup():
+            torch.set_num_threads(threads)
+            p, g = base.p.clone(), base.g.clone()
+            leaves = []
+            for pp, gg in zip(split(p, tensors), split(g, tensors)):
+                leaf = torch.nn.Parameter(pp)  # shares p's memory
+                leaf.grad = gg
+                leaves.append(leaf)
+            if impl == "deepspeed":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                opt = DeepSpeedCPUAdam(leaves, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+                                       weight_decay=HP["weight_decay"])
+            else:
+                opt = torch.optim.AdamW(leaves, **HP, **{impl: True})
+            if kind == "a":
+                return opt.step
+            g16, out = g.to(torch.bfloat16), torch.empty(base.n, dtype=torch.bfloat16)
+
+            def three_passes():
+                g.copy_(g16)  # widen the bf16 gradient into the fp32 .grad
+                opt.step()
+                out.copy_(p)  # round the new params to bf16 for the upload
+
+            return three_passes
+
+        return setup
+
+    key = {"impl": impl, "threads": threads, "tensors": tensors}
+    cases = [({**key, "workload": "a"}, make("a"))]
     if tensors == 1 and impl != "foreach":
-        g16, out = g.to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-
-        def multi_pass():
-            g.copy_(g16)  # widen the bf16 gradient into the fp32 .grad
-            opt.step()
-            out.copy_(p)  # round the new params to bf16 for the upload
-
-        rows.append(row(workload="b", impl=f"{impl} (3 passes)", threads=threads, tensors=1, ms=timed(multi_pass, steps, warmup)))
-    return rows
+        cases.append(({**key, "workload": "b", "impl": f"{impl} (3 passes)"}, make("b")))
+    return cases
 
 
-def bench_native(n: int, threads: int, tensors: int, steps: int, warmup: int) -> list[dict]:
+def native_cases(base: Base, threads: int, tensors: int) -> list[Case]:
     from zfctl import _native as N
 
-    N.set_num_threads(threads)
-    torch.set_num_threads(threads)
-    p, g, m, v = torch.randn(n), torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)
-    step = [0]
+    n = base.n
+    # ZenFlow's real call: one call over the 90% of columns the CPU owns, given as a run list
+    # (4096-row column-major weights, every 10th column excluded: the GPU's top-k).
+    cols = torch.arange(n // 4096)
+    keep = cols[cols % 10 != 0]
+    runs = torch.stack([keep * 4096, torch.full_like(keep, 4096)], 1)
 
-    def one(**kw):
-        step[0] += 1
-        N.adamw_step(p, kw.pop("grad", g), m, v, step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
-                     beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], **kw)
+    def make(kind: str):
+        def setup():
+            N.set_num_threads(threads)
+            torch.set_num_threads(threads)
+            p, g, m, v = base.p.clone(), base.g.clone(), torch.zeros(n), torch.zeros(n)
+            g16, out = g.to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+            views = list(zip(*(split(t, tensors) for t in (p, g, m, v))))
+            step = [0]
 
-    rows = [row(workload="a", impl=f"zfctl ({N.isa()})", threads=threads, tensors=1, ms=timed(one, steps, warmup))]
-    if tensors > 1:
-        # The per-tensor calling pattern, to show what a call costs: `tensors` calls per step.
-        views = [(split(t, tensors)) for t in (p, g, m, v)]
-
-        def per_tensor():
-            step[0] += 1
-            for pp, gg, mm, vv in zip(*views):
+            def adam(pp, gg, mm, vv, **kw):
                 N.adamw_step(pp, gg, mm, vv, step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
-                             beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
+                             beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], **kw)
 
-        rows.append(row(workload="a", impl="zfctl, one call per tensor", threads=threads, tensors=tensors,
-                         ms=timed(per_tensor, steps, warmup)))
-        # ZenFlow's real call: one call over the 90% of columns the CPU owns, as a run list.
-        # 4096-row column-major weights, every 10th column excluded (the GPU's top-k).
-        cols = torch.arange(n // 4096)
-        keep = cols[cols % 10 != 0]
-        runs = torch.stack([keep * 4096, torch.full_like(keep, 4096)], 1)
-        rows.append(row(workload="a", impl=f"zfctl, 90% in {len(keep)} runs", threads=threads, tensors=1,
-                         ms=timed(lambda: one(runs=runs), steps, warmup), fraction=len(keep) * 4096 / n))
-    g16, out = g.to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    rows.append(row(workload="b", impl="zfctl (1 pass)", threads=threads, tensors=1,
-                     ms=timed(lambda: one(grad=g16, out=out), steps, warmup)))
-    return rows
+            def one():
+                step[0] += 1
+                if kind == "a":
+                    adam(p, g, m, v)
+                elif kind == "runs":
+                    adam(p, g, m, v, runs=runs)
+                elif kind == "b":
+                    adam(p, g16, m, v, out=out)
+                else:  # one call per tensor: what a call costs
+                    for pp, gg, mm, vv in views:
+                        adam(pp, gg, mm, vv)
+
+            return one
+
+        return setup
+
+    key = {"impl": f"zfctl ({N.isa()})", "threads": threads, "tensors": 1, "workload": "a"}
+    cases = [(key, make("a")), ({**key, "workload": "b", "impl": "zfctl (1 pass)"}, make("b"))]
+    if tensors > 1:
+        cases.append(({**key, "impl": "zfctl, one call per tensor", "tensors": tensors}, make("per-tensor")))
+        cases.append(({**key, "impl": f"zfctl, 90% in {len(keep)} runs", "fraction": len(keep) * 4096 / n},
+                      make("runs")))
+    return cases
+
+
+def measure(cases: list[Case], steps: int, samples: dict[str, list[float]]) -> None:
+    """One round: each case allocates, warms up (page faults, lazy optimizer state), runs
+    `steps` timed steps, and frees its buffers before the next case."""
+    for key, setup in cases:
+        fn = setup()
+        fn()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            samples.setdefault(json.dumps(key, sort_keys=True), []).append((time.perf_counter() - t0) * 1e3)
+        del fn
+        gc.collect()
+        time.sleep(0.05)  # let torch's OpenMP workers stop spinning before the next case
 
 
 def best_ms(fn, steps: int) -> float:
@@ -145,37 +177,87 @@ def best_ms(fn, steps: int) -> float:
     return min(samples)
 
 
+# Plain C loops (compiled here with -O3 -march=native, no zfctl code): STREAM's copy and triad,
+# STREAM-style in-place a += s*b, and "adam" = the same 4-in/3-out in-place streams as workload
+# (a) with no arithmetic to speak of: the ceiling for any AdamW on this machine.
+PROBE_C = r"""
+void copy(float *a, const float *b, long n) { for (long i = 0; i < n; i++) a[i] = b[i]; }
+void triad(float *a, const float *b, const float *c, long n) { for (long i = 0; i < n; i++) a[i] = b[i] + 0.5f * c[i]; }
+void rmw(float *a, const float *b, long n) { for (long i = 0; i < n; i++) a[i] += 1e-6f * b[i]; }
+void adam(float *p, const float *g, float *m, float *v, long n)
+{ for (long i = 0; i < n; i++) { float x = 1e-6f * g[i]; p[i] += x; m[i] += x; v[i] += x; } }
+"""
+PROBE_BYTES = {"copy": 8, "triad": 12, "rmw": 12, "adam": 28}
+
+
+def probe_lib():
+    """Build the probe loops into a temporary cffi module (a second or two, once per run)."""
+    import importlib.util
+    import tempfile
+
+    from cffi import FFI
+
+    ffi = FFI()
+    ffi.cdef("void copy(float*, const float*, long); void triad(float*, const float*, const float*, long);"
+             "void rmw(float*, const float*, long); void adam(float*, const float*, float*, float*, long);")
+    ffi.set_source("_zf_stream_probe", PROBE_C, extra_compile_args=["-O3", "-march=native"])
+    so = ffi.compile(tmpdir=tempfile.mkdtemp(prefix="zf-probe-"))
+    spec = importlib.util.spec_from_file_location("_zf_stream_probe", so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def probe(n: int, threads: int, steps: int) -> dict[str, float]:
-    """STREAM-style bandwidth in GB/s with torch's vectorised elementwise loops (STREAM's byte
-    counting: copy 8 B/elem, triad and in-place a += s*b 12 B/elem; write-allocate not counted).
-    Best of `steps`, while the kernels report their median: the percentages err on the low side."""
-    torch.set_num_threads(threads)
-    a, b, c = torch.randn(n), torch.randn(n), torch.randn(n)
-    ms = {
-        "copy": best_ms(lambda: a.copy_(b), steps),
-        "triad": best_ms(lambda: torch.add(b, c, alpha=0.5, out=a), steps),
-        "rmw": best_ms(lambda: a.add_(b, alpha=1e-6), steps),
+    """GB/s of each probe loop over n fp32 elements (STREAM byte counting: write-allocate not
+    counted), best of `steps`. `threads` Python threads each run the loop on a contiguous share;
+    cffi releases the GIL, so they run in parallel without any thread pool of ours."""
+    mod = probe_lib()
+    arrays = [torch.randn(n) for _ in range(4)]
+    parts = [[ffi_ptr(mod.ffi, t[i * n // threads:(i + 1) * n // threads]) for t in arrays] for i in range(threads)]
+    size = [n * (i + 1) // threads - n * i // threads for i in range(threads)]
+    calls = {
+        "copy": lambda a, b, c, d, k: mod.lib.copy(a, b, k),
+        "triad": lambda a, b, c, d, k: mod.lib.triad(a, b, c, k),
+        "rmw": lambda a, b, c, d, k: mod.lib.rmw(a, b, k),
+        "adam": lambda a, b, c, d, k: mod.lib.adam(a, b, c, d, k),
     }
-    per = {"copy": 8, "triad": 12, "rmw": 12}
-    return {k: per[k] * n / (ms[k] * 1e-3) / 1e9 for k in ms}
+    result = {}
+    for name, call in calls.items():
+        def run(call=call):
+            pool = [threading.Thread(target=call, args=(*parts[i], size[i])) for i in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+        result[name] = PROBE_BYTES[name] * n / (best_ms(run, steps) * 1e-3) / 1e9
+    return result
 
 
-def deepspeed_rows(python: str | None, args) -> tuple[list[dict], str]:
-    """Run the DeepSpeed measurements in a Python that has it; ([], reason) when there is none."""
+def ffi_ptr(ffi, t: torch.Tensor):
+    return ffi.cast("float *", t.data_ptr())
+
+
+def deepspeed_round(exe: str, args) -> dict[str, list[float]]:
+    """One round of the DeepSpeed cases in a Python that has it (a subprocess: its own torch)."""
+    cmd = [exe, __file__, "--deepspeed-worker", "--params", str(args.params), "--steps", str(args.steps),
+           "--threads", args.threads, "--tensors", str(args.tensors)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"DeepSpeed run failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def find_deepspeed(python: str | None) -> tuple[str | None, str]:
     candidates = [python] if python else [sys.executable] + ([str(DS_VENV)] if DS_VENV.exists() else [])
     for exe in candidates:
         try:
-            probe_ok = subprocess.run([exe, "-c", "import deepspeed.ops.adam"], check=False, capture_output=True)
+            found = subprocess.run([exe, "-c", "import deepspeed.ops.adam"], check=False, capture_output=True)
         except OSError:  # no such python
             continue
-        if probe_ok.returncode == 0:
-            cmd = [exe, __file__, "--deepspeed-worker", "--params", str(args.params), "--steps", str(args.steps),
-                   "--threads", args.threads, "--tensors", str(args.tensors)]
-            done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-            if done.returncode != 0:
-                return [], f"DeepSpeed run failed: {done.stderr.strip().splitlines()[-1:]}"
-            return json.loads(done.stdout.strip().splitlines()[-1]), f"DeepSpeed from {exe}"
-    return [], f"DeepSpeed: not importable from {', '.join(candidates)} (see this script's docstring); skipped"
+        if found.returncode == 0:
+            return exe, f"DeepSpeed from {exe}"
+    return None, f"DeepSpeed: not importable from {', '.join(candidates)} (see this script's docstring); skipped"
 
 
 def _spin() -> None:
@@ -197,38 +279,39 @@ def thread_counts(spec: str) -> list[int]:
 
 
 def table(rows: list[dict], probes: dict[int, dict[str, float]]) -> str:
-    lines = ["| workload | implementation | threads | tensors | ms/step | Gparams/s | GB/s | % probe rmw |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    header = "| workload | implementation | threads | tensors | ms/step (median) | best | Gparams/s | GB/s | % rmw | % adam |"
+    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         n = r["params"] * r.get("fraction", 1.0)
         gbs = COUNTED_BYTES * n / (r["ms"] * 1e-3) / 1e9
-        pct = 100 * gbs / probes[r["threads"]]["rmw"]
+        pr = probes[r["threads"]]
         lines.append(f"| ({r['workload']}) | {r['impl']} | {r['threads']} | {r['tensors']} | {r['ms']:.1f} | "
-                     f"{n / (r['ms'] * 1e-3) / 1e9:.2f} | {gbs:.1f} | {pct:.0f}% |")
+                     f"{r['best']:.1f} | {n / (r['ms'] * 1e-3) / 1e9:.2f} | {gbs:.1f} | "
+                     f"{100 * gbs / pr['rmw']:.0f}% | {100 * gbs / pr['adam']:.0f}% |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6, help="parameters per step (default 100M)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per case and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all cases (interleaved)")
     ap.add_argument("--threads", default="1,all", help="comma list of thread counts; 'all' = CPUs available")
     ap.add_argument("--tensors", type=int, default=400, help="also time a model-like list of this many tensors")
-    ap.add_argument("--deepspeed-python", default=None, help="a python with deepspeed importable")
     ap.add_argument("--busy", type=int, default=0, help="run this many CPU-spinning processes meanwhile")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    ap.add_argument("--deepspeed-python", default=None, help="a python with deepspeed importable")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    n = int(args.params)
+    base = Base(int(args.params))
+    threads = thread_counts(args.threads)
 
-    if args.deepspeed_worker:  # child: DeepSpeed rows as one JSON line
-        rows = []
-        for t in thread_counts(args.threads):
-            rows += bench_torch_like("deepspeed", n, t, 1, args.steps, 1)
-            if args.tensors > 1:
-                rows += bench_torch_like("deepspeed", n, t, args.tensors, args.steps, 1)
-        print(json.dumps(rows))
+    if args.deepspeed_worker:  # child: one round of DeepSpeed samples as one JSON line
+        cases = [c for t in threads for k in sorted({1, args.tensors}) for c in torch_cases("deepspeed", base, t, k)]
+        samples: dict[str, list[float]] = {}
+        measure(cases, args.steps, samples)
+        print(json.dumps(samples))
         return
 
     from zfctl import _native as N
@@ -237,30 +320,36 @@ def main() -> None:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?")
     print(f"# {cpu}; {len(os.sched_getaffinity(0))} CPUs; zfctl path {N.isa()}; torch {torch.__version__}; "
-          f"{n / 1e6:.0f}M params; median of {args.steps} steps; load average {load0[0]:.2f}"
+          f"{base.n / 1e6:.0f}M params; {args.rounds} rounds x {args.steps} steps; load average {load0[0]:.2f}"
           + (f"; {args.busy} busy-spinning processes alongside" if args.busy else ""))
-    hogs = start_hogs(args.busy)
-    ds, ds_note = ([], "DeepSpeed: skipped (--no-deepspeed)") if args.no_deepspeed else deepspeed_rows(
-        args.deepspeed_python, args
+    ds_exe, ds_note = (None, "DeepSpeed: skipped (--no-deepspeed)") if args.no_deepspeed else find_deepspeed(
+        args.deepspeed_python
     )
-    rows, probes = [], {}
-    for t in thread_counts(args.threads):
-        probes[t] = probe(n, t, args.steps)
-        rows += bench_native(n, t, args.tensors, args.steps, 1)
-        for impl in ("foreach", "fused"):
-            rows += bench_torch_like(impl, n, t, 1, args.steps, 1)
-            if args.tensors > 1 and impl == "fused":
-                rows += bench_torch_like(impl, n, t, args.tensors, args.steps, 1)
+    cases: list[Case] = []
+    for t in threads:
+        cases += native_cases(base, t, args.tensors)
+        cases += torch_cases("foreach", base, t, 1) + torch_cases("fused", base, t, 1)
+        if args.tensors > 1:
+            cases += torch_cases("fused", base, t, args.tensors)
+    hogs = start_hogs(args.busy)
+    samples: dict[str, list[float]] = {}
+    probes: dict[int, dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for t in threads:
+            got = probe(base.n, t, args.steps)
+            probes[t] = {k: max(v, probes.get(t, {}).get(k, 0.0)) for k, v in got.items()}
+        measure(cases, args.steps, samples)
+        if ds_exe:
+            for key, values in deepspeed_round(ds_exe, args).items():
+                samples.setdefault(key, []).extend(values)
     for h in hogs:
         h.terminate()
-    rows += ds
-    for r in rows:
-        r["params"] = n
+    rows = [{**json.loads(k), "params": base.n, "ms": statistics.median(v), "best": min(v)} for k, v in samples.items()]
     rows.sort(key=lambda r: (r["workload"], r["threads"]))
     print(f"# {ds_note}")
     for t, pr in probes.items():
-        print(f"# probe, {t} thread(s): copy {pr['copy']:.1f} GB/s, triad {pr['triad']:.1f} GB/s, "
-              f"in-place rmw {pr['rmw']:.1f} GB/s")
+        print(f"# probe (C loops), {t} thread(s): copy {pr['copy']:.1f} GB/s, triad {pr['triad']:.1f} GB/s, "
+              f"in-place rmw a+=s*b {pr['rmw']:.1f} GB/s, adam-shaped 4-in/3-out {pr['adam']:.1f} GB/s")
     print(f"# counted bytes: {COUNTED_BYTES} B/param for (a) and (b); load average after: {os.getloadavg()[0]:.2f}")
     print(table(rows, probes))
     if args.json:
