@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def finetune(
     debug_data: bool = typer.Option(
         False, "--debug-data", help="Print a few decoded training samples with their label masks and exit."
     ),
-    nproc: int = typer.Option(
-        1,
+    nproc: int | None = typer.Option(
+        None,
         "--nproc",
         min=1,
         help="Processes on this node: >1 relaunches under torchrun (standalone rendezvous). "
@@ -48,7 +49,7 @@ def finetune(
     The resolved plan is printed first and saved as plan.yaml in the output folder.
     """
     from zfctl.plan.render import print_plan
-    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun
+    from zfctl.train.dist import PLAN_PRINTED_ENV, dist_env, rank_error, relaunch, under_torchrun, worker_argv
 
     env = dist_env()
     plan, _ = resolve_from_cli(
@@ -74,8 +75,10 @@ def finetune(
         print_plan(plan, console)
         prepare_launch(plan, force=force)
         console.print(f"launching {plan.distributed.nproc} processes under torchrun (standalone)")
-        raise typer.Exit(code=relaunch(plan.distributed.nproc, sys.argv[1:]))
-    if env.is_main:
+        raise typer.Exit(
+            code=relaunch(plan.distributed.nproc, worker_argv(sys.argv[1:], "distributed.nproc"))
+        )
+    if env.is_main and not os.environ.get(PLAN_PRINTED_ENV):
         print_plan(plan, console)
     try:
         result = run(plan, force=force, debug_data=debug_data)

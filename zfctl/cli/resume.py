@@ -35,7 +35,7 @@ def resume(
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.plan.render import print_plan
-    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun
+    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun, worker_argv
 
     try:
         from zfctl.train import resume as train_resume
@@ -45,7 +45,7 @@ def resume(
         n = nproc if nproc is not None else _saved_world_size(ckpt_dir)
         if n > 1:  # the same world size as the checkpoint (anything else is refused by each rank)
             console.print(f"launching {n} processes under torchrun (standalone)")
-            raise typer.Exit(code=relaunch(n, sys.argv[1:]))
+            raise typer.Exit(code=relaunch(n, worker_argv(sys.argv[1:])))
     env = dist_env()
     # The loop reads the plan from the checkpoint and calls back so it prints before any loading.
     try:

@@ -24,6 +24,8 @@ from zfctl.plan.schema import RunPlan
 
 # Set by torchrun (elastic agent) in every worker; their presence means "do not relaunch".
 _TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+# Set by `relaunch` for its workers: the launcher printed the plan already, rank 0 need not.
+PLAN_PRINTED_ENV = "ZFCTL_PLAN_PRINTED"
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,36 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     ]
 
 
+def worker_argv(argv: Sequence[str], nproc_set: str | None = None) -> list[str]:
+    """``argv`` without ``--nproc N`` (optionally with ``--set <nproc_set>=N`` instead).
+
+    torchrun's argparse matches option prefixes anywhere on its command line, and ``--nproc``
+    is ambiguous there (``--nproc-per-node``/``--nproc_per_node``), so it must not reach it. The
+    workers never relaunch (they see torchrun's variables); ``finetune`` keeps the value in the
+    plan through ``--set distributed.nproc=N`` (the same resolved plan on every rank).
+    """
+    out, it, value = [], iter(argv), None
+    for a in it:
+        if a == "--nproc":
+            value = next(it, None)
+        elif a.startswith("--nproc="):
+            value = a.split("=", 1)[1]
+        else:
+            out.append(a)
+    if nproc_set is not None and value is not None:
+        out += ["--set", f"{nproc_set}={value}"]
+    return out
+
+
 def relaunch(nproc: int, argv: Sequence[str]) -> int:
     """Run ``zfctl <argv>`` under torchrun on this node and wait; returns its exit code.
 
     torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
     per node each one should use about cores/N threads (``zenflow.cpu_threads``).
     """
+    env = {**os.environ, PLAN_PRINTED_ENV: "1"}
     try:
-        return subprocess.call(torchrun_command(nproc, argv))
+        return subprocess.call(torchrun_command(nproc, argv), env=env)
     except KeyboardInterrupt:  # torchrun forwards the signal to the ranks; they checkpoint and exit
         return 130
 
