@@ -177,3 +177,25 @@ def test_other_ranks_slice_is_refused(two_ranks):
     for r in range(2):
         msg = two_ranks[r]["refused"]
         assert f"rank {1 - r}'s slice" in msg and f"this is rank {r} of 2" in msg, msg
+
+
+def test_worker_argv_keeps_nproc_away_from_torchrun():
+    from zfctl.train.dist import torchrun_command, worker_argv
+
+    argv = ["finetune", "m", "--nproc", "2", "--set", "a=1", "--nproc=3"]
+    assert worker_argv(argv, "distributed.nproc") == ["finetune", "m", "--set", "a=1",
+                                                      "--set", "distributed.nproc=3"]
+    assert worker_argv(["resume", "run", "--nproc", "2"]) == ["resume", "run"]
+    cmd = torchrun_command(2, ["resume", "run"])
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[6:] == ["zfctl", "resume", "run"]
+
+
+def test_errors_name_the_rank_only_when_distributed():
+    from zfctl.errors import UserError
+    from zfctl.train.dist import DistEnv, rank_error
+
+    e = UserError("data.path: no such file")
+    assert rank_error(e, DistEnv()) is e
+    named = rank_error(e, DistEnv(rank=3, world_size=4, local_rank=1))
+    assert isinstance(named, UserError) and str(named) == "rank 3: data.path: no such file"
