@@ -211,6 +211,8 @@ def train(x: LoopInputs) -> LoopResult:
                        "update_interval": stats.update_interval, "d2h_bytes": stats.d2h_bytes,
                        "h2d_bytes": stats.h2d_bytes, "epoch": x.sampler.position.epoch,
                        **memory_stats(x.device)}
+                if x.world_size > 1:  # rank 0's data-parallel traffic (gradients, installed columns)
+                    rec["comm_bytes"] = getattr(stats, "comm_bytes", 0)
                 x.metrics.log(rec)
                 window.append(loss)
                 if step % x.log_every == 0 or step == x.start_step + 1 or step == x.total_steps:
