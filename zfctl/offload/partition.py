@@ -96,7 +96,9 @@ def split_columns(col_offsets: torch.Tensor, world_size: int) -> tuple[int, ...]
     return tuple(bounds)
 
 
-def partition_layout(layout: Layout, process_group: Any, rank: int, world_size: int) -> tuple[Layout, Partition]:
+def partition_layout(
+    layout: Layout, process_group: Any, rank: int, world_size: int
+) -> tuple[Layout, Partition]:
     """This rank's layout (host offsets renumbered over its own columns) and the ownership map."""
     bounds = split_columns(layout.host_col_offsets, world_size)
     lo, hi = bounds[rank], bounds[rank + 1]
@@ -116,8 +118,13 @@ def partition_layout(layout: Layout, process_group: Any, rank: int, world_size: 
         offsets.extend(off + s.rows * (j + 1) for j in range(c1 - c0))
         col += c1 - c0
         off += (c1 - c0) * s.rows
-    local = replace(layout, slots=tuple(slots), host_numel=off, host_cols=col,
-                    host_col_offsets=torch.tensor(offsets, dtype=torch.int64))
+    local = replace(
+        layout,
+        slots=tuple(slots),
+        host_numel=off,
+        host_cols=col,
+        host_col_offsets=torch.tensor(offsets, dtype=torch.int64),
+    )
     return local, Partition(process_group, rank, world_size, bounds, tuple(pieces))
 
 
