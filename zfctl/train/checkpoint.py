@@ -115,7 +115,11 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        # Stored as plain tensors and numbers, not numpy objects, so that the file loads with
+        # torch.load(weights_only=True) like every other checkpoint file.
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     except ImportError:  # numpy is optional for zfctl itself
         pass
     return state
@@ -129,7 +133,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimizer_state: dict,
@@ -299,7 +305,9 @@ def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
 def load_torch(info: CheckpointInfo, name: str) -> Any:
     """Load one of the checkpoint's torch files onto the CPU."""
     try:
-        return torch.load(info.path / name, map_location="cpu", weights_only=False)
+        # weights_only: a checkpoint is tensors, numbers and strings; refusing arbitrary pickled
+        # objects means loading a checkpoint someone sent you cannot run their code.
+        return torch.load(info.path / name, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint {info.path} has no {name}") from None
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
