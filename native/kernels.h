@@ -3,7 +3,7 @@
  *
  * A kernel only ever sees a count that is a multiple of ZF_BLOCK; the dispatcher runs the
  * remainder of a piece through the same kernel on zero-padded stack copies. So every element goes
- * through the same instruction sequence wherever a run or a thread's chunk starts, which is what
+ * through the same instruction sequence wherever a run or a thread's tile starts, which is what
  * makes results independent of thread count and run boundaries. All three paths use the same
  * operations in the same order (fused multiply-adds exactly where torch's vectorised CPU kernels
  * use them), and IEEE add/mul/div/sqrt/fma are correctly rounded, so the paths agree bit for bit.
