@@ -123,7 +123,7 @@ def test_pyproject_lists_every_zfctl_package() -> None:
 
 
 @pytest.mark.slow
-def test_wheel_ships_presets_and_finds_them(tmp_path: Path) -> None:
+def test_wheel_ships_presets_and_native_and_finds_them(tmp_path: Path) -> None:
     build = subprocess.run(
         [
             sys.executable,
@@ -155,7 +155,9 @@ def test_wheel_ships_presets_and_finds_them(tmp_path: Path) -> None:
     # the installed layout: no checkout next to the package, presets_root() finds zfctl/presets
     code = (
         "from zfctl.resources import presets_root; from zfctl.plan.presets import list_presets; "
-        "print(presets_root()); print(len(list_presets('model')))"
+        "import zfctl._native as n; "
+        "print(presets_root()); print(len(list_presets('model'))); print(n.__file__.startswith(%r))"
+        % str(site)
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -166,7 +168,9 @@ def test_wheel_ships_presets_and_finds_them(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(site / "zfctl" / "presets"), str(len(EXPECTED["model"]))]
+    # the wheel also carries the compiled CPU-Adam (setup.py's cffi_modules), and it imports
+    assert list((site / "zfctl").glob("_zfnative*.so")), "the wheel has no native extension"
+    assert out.stdout.split() == [str(site / "zfctl" / "presets"), str(len(EXPECTED["model"])), "True"]
     assert (
         read_mapping(site / "zfctl" / "presets" / "models" / "tiny-llama.yaml")["model"]["source"] == "config"
     )
