@@ -187,7 +187,7 @@ def test_worker_argv_keeps_nproc_away_from_torchrun():
                                                       "--set", "distributed.nproc=3"]
     assert worker_argv(["resume", "run", "--nproc", "2"]) == ["resume", "run"]
     cmd = torchrun_command(2, ["resume", "run"])
-    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[1:6] == ["-m", "zfctl.train._torchrun", "--standalone", "--nproc-per-node=2", "-m"]
     assert cmd[6:] == ["zfctl", "resume", "run"]
 
 

@@ -22,6 +22,25 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+
+
+def _version(value: bool) -> None:
+    if value:
+        from zfctl import __version__
+
+        typer.echo(f"zfctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the zfctl version and exit."
+    ),
+) -> None:
+    """Fine-tune LLMs with stall-free CPU optimizer offload (ZenFlow, arXiv 2505.12242)."""
+
+
 app.command("finetune")(finetune.finetune)
 app.command("resume")(resume.resume)
 app.command("bench")(bench.bench)

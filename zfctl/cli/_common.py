@@ -1,8 +1,9 @@
 """What every verb shares: the consoles, the user-error boundary, the plan-resolution options.
 
 User mistakes raise `zfctl.errors.UserError` anywhere below the CLI; `ZfctlGroup.invoke` turns
-them into one red line on stderr and exit code 2 (no traceback). Anything else is a bug and keeps
-its traceback.
+them into one red line on stderr and exit code 2 (no traceback). So does an `OSError` (a write to
+a read-only, forbidden or full place: its path and errno meaning). Anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class ZfctlGroup(TyperGroup):
         except UserError as e:
             error_line(str(e))
             raise typer.Exit(code=getattr(e, "exit_code", 2)) from None
+        except OSError as e:  # the disk, not the code: a full, read-only or forbidden path
+            from zfctl.writable import os_error_line
+
+            error_line(os_error_line(e))
+            raise typer.Exit(code=2) from None
 
 
 def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None) -> dict:

@@ -87,7 +87,7 @@ def finetune(
     if debug_data or not env.is_main:
         return
     console.print(
-        f"[bold green]done[/] {result.steps} steps  train loss {_fmt(result.final_train_loss)}  "
+        f"[bold green]done[/] {result.steps} steps  train loss (last step) {_fmt(result.final_train_loss)}  "
         f"eval loss {_fmt(result.final_eval_loss)}  ->  {result.output_dir}"
     )
     if result.last_checkpoint:

@@ -42,8 +42,16 @@ def resume(
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
     if not under_torchrun():
-        n = nproc if nproc is not None else _saved_world_size(ckpt_dir)
-        if n > 1:  # the same world size as the checkpoint (anything else is refused by each rank)
+        saved = _saved_world_size(ckpt_dir)
+        if nproc is not None and saved is not None and nproc != saved:
+            # Checked here, before N processes start, rather than by each rank after torchrun
+            # formed the group (that ended in a ChildFailedError traceback per rank).
+            raise UserError(f"--nproc {nproc}: the checkpoint was written by {saved} process(es) and "
+                            "each holds only its share of the host optimizer state (resharding is not "
+                            f"supported); resume with --nproc {saved} or leave --nproc out")
+        n = nproc if nproc is not None else (saved or 1)
+        if n > 1:  # the same world size as the checkpoint
+            _check_launch(ckpt_dir)
             console.print(f"launching {n} processes under torchrun (standalone)")
             raise typer.Exit(code=relaunch(n, worker_argv(sys.argv[1:])))
     env = dist_env()
@@ -61,11 +69,22 @@ def resume(
         console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
 
 
-def _saved_world_size(ckpt_dir: Path) -> int:
-    """The world size recorded in the checkpoint; 1 if it cannot be read (resume reports why)."""
+def _saved_world_size(ckpt_dir: Path) -> int | None:
+    """The world size recorded in the checkpoint; None if it cannot be read (resume reports why)."""
     from zfctl.train.checkpoint import resolve_checkpoint
 
     try:
         return resolve_checkpoint(ckpt_dir).world_size
     except UserError:
-        return 1
+        return None
+
+
+def _check_launch(ckpt_dir: Path) -> None:
+    """Before starting N processes: the run folder is free and writable (rank 0 locks it)."""
+    from zfctl.train.checkpoint import resolve_checkpoint
+    from zfctl.train.lock import check_free
+    from zfctl.writable import check_writable
+
+    run_dir = resolve_checkpoint(ckpt_dir).path.parent.parent
+    check_free(run_dir)
+    check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")

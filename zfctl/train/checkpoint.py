@@ -266,8 +266,12 @@ def read_checkpoint(path: Path) -> CheckpointInfo:
                           version=str(meta.get("zfctl_version", "?")), meta=meta)
 
 
-def resolve_checkpoint(path: Path) -> CheckpointInfo:
-    """A checkpoint folder, a run folder (its newest checkpoint) or a ``checkpoints/`` folder."""
+def resolve_checkpoint(path: Path, notes: list[str] | None = None) -> CheckpointInfo:
+    """A checkpoint folder, a run folder (its newest checkpoint) or a ``checkpoints/`` folder.
+
+    ``notes`` receives one line when ``latest`` is missing or broken and an older checkpoint is
+    used instead, so the caller can say so (resume, export).
+    """
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint path {path} does not exist; give a run folder or one of its "
@@ -276,17 +280,22 @@ def resolve_checkpoint(path: Path) -> CheckpointInfo:
         return read_checkpoint(path)
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     pointer = root / LATEST
+    why = f"{pointer} is missing"
     if pointer.is_file():
         target = root / pointer.read_text(encoding="utf-8").strip()
         if (target / META).exists():
             return read_checkpoint(target)
+        why = f"{pointer} names {target.name}, which does not exist or has no {META}"
     # No usable pointer (killed between the rename and the pointer update, or edited by hand):
     # fall back to the newest folder that validates.
     for _, p in sorted(_step_dirs(root), reverse=True):
         try:
-            return read_checkpoint(p)
+            info = read_checkpoint(p)
         except UserError:
             continue
+        if notes is not None:
+            notes.append(f"{why}; falling back to the newest readable checkpoint, {p.name}")
+        return info
     raise UserError(f"no readable checkpoint under {path}; give a run folder with checkpoints/ or a "
                     "checkpoints/step-XXXXXX folder")
 

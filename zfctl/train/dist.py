@@ -8,16 +8,29 @@ zfctl finetune <the same arguments>``. Each rank sees torchrun's RANK/WORLD_SIZE
 trains; ``torchrun --nnodes ... --nproc-per-node N -m zfctl finetune ...`` (multi-node, slurm)
 takes the same path minus the relaunch. When any rank fails, torchrun stops the others; the
 failing rank prefixes its message with ``rank R:`` so the user knows whose data or disk it was.
+
+The launcher owns what it starts. torchrun runs in its own session (the terminal's Ctrl-C and a
+``kill`` of the launcher's process group reach only the launcher), and torchrun starts every
+rank in a session of its own. The launcher forwards SIGINT/SIGTERM to the ranks themselves, once
+per signal it receives: each rank finishes its step, they write the stop checkpoint together,
+and exit 130/143; torchrun then ends with their code and so does the launcher. Signalling
+torchrun instead would make it SIGTERM the ranks a second time (they would abort without a
+checkpoint) and SIGKILL them after its shutdown timeout (30 s), however long the checkpoint
+takes. torchrun itself is run through ``zfctl.train._torchrun``, which ends with the ranks' exit
+code instead of a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from zfctl.errors import UserError
 from zfctl.plan.schema import RunPlan
@@ -64,7 +77,7 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "zfctl.train._torchrun",  # torch.distributed.run without the tracebacks (see that file)
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
@@ -94,17 +107,61 @@ def worker_argv(argv: Sequence[str], nproc_set: str | None = None) -> list[str]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (Linux /proc; empty where that is not available)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def forward_signal(torchrun_pid: int, signum: int) -> None:
+    """Pass ``signum`` to the ranks (torchrun's children), or to torchrun before they exist."""
+    ranks = _children(torchrun_pid)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):  # already gone: nothing to stop
+            os.kill(pid, signum)
+    if not ranks:  # still in rendezvous (or no /proc): torchrun stops whatever it started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(torchrun_pid, signum)
+
+
 def relaunch(nproc: int, argv: Sequence[str]) -> int:
-    """Run ``zfctl <argv>`` under torchrun on this node and wait; returns its exit code.
+    """Run ``zfctl <argv>`` under torchrun on this node and wait; returns the ranks' exit code.
 
     torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
-    per node each one should use about cores/N threads (``zenflow.cpu_threads``).
+    per node each one should use about cores/N threads (``zenflow.cpu_threads``). SIGINT and
+    SIGTERM are forwarded to the ranks (module docstring); the launcher returns only once
+    torchrun has exited, so nothing it started outlives it.
     """
     env = {**os.environ, PLAN_PRINTED_ENV: "1"}
+    proc: subprocess.Popen | None = None
+    pending: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if proc is None:
+            pending.append(signum)
+        else:
+            forward_signal(proc.pid, signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return subprocess.call(torchrun_command(nproc, argv), env=env)
-    except KeyboardInterrupt:  # torchrun forwards the signal to the ranks; they checkpoint and exit
-        return 130
+        proc = subprocess.Popen(torchrun_command(nproc, argv), env=env, start_new_session=True)
+        for signum in pending:
+            forward_signal(proc.pid, signum)
+        code = proc.wait()  # a handled signal does not interrupt the wait (PEP 475)
+        return 128 - code if code < 0 else code
+    finally:
+        if proc is not None and proc.poll() is None:  # only when the wait itself failed
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def rank_error(e: UserError, env: DistEnv) -> UserError:
@@ -118,10 +175,15 @@ def prepare_launch(plan: RunPlan, *, force: bool) -> None:
     The data is prepared into the cache here (the ranks then load it in milliseconds); the output
     folder is only checked: rank 0 creates it once every rank has proven its inputs good.
     """
+    from zfctl.train.lock import check_free
     from zfctl.train.metrics import require_sinks
     from zfctl.train.rundir import check_output_dir
     from zfctl.train.session import load_inputs
+    from zfctl.writable import check_writable
 
-    check_output_dir(Path(plan.checkpoint.output_dir), force)
+    out = Path(plan.checkpoint.output_dir)
+    check_output_dir(out, force)
+    check_free(out)  # a live run there: refuse now (rank 0 takes the lock itself)
+    check_writable(out, "--output")
     require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
     load_inputs(plan)

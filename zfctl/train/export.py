@@ -17,12 +17,17 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
+from zfctl.train.lock import held
+from zfctl.writable import check_writable
 
+# Written into every export; --force replaces only folders that hold it.
+EXPORT_MARKER = "zfctl-export.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -74,14 +79,45 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     """Write ``output`` (weights as safetensors, config, tokenizer, the run plan); return it.
 
     The folder is assembled next to ``output`` and renamed into place, so a failure never leaves a
-    half-written export; ``force`` replaces an existing folder only once the new one is complete.
+    half-written export; ``force`` replaces an earlier export (never a file or a folder export did
+    not write) only once the new one is complete.
     """
     output = Path(output)
     token = check_hub(push_to_hub) if push_to_hub else None
-    info = ck.resolve_checkpoint(Path(ckpt_dir))
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
+    notes: list[str] = []
+    info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
+    check_export_dest(output, force)
+    check_writable(output.parent, "--output")
+    for note in notes:
+        Console(stderr=True).print(f"note: {note}", style="yellow", markup=False, highlight=False,
+                                   soft_wrap=True)
+    # Hold the run folder's lock while reading: a live run would rotate checkpoints away under
+    # us. A folder nobody can write to (a read-only copy) needs no lock and is read without one.
+    if info.path.parent.name != ck.CHECKPOINTS:  # a checkpoint folder outside a run folder
+        return _export(info, output, token=token, push_to_hub=push_to_hub)
+    with held(info.path.parent.parent, optional=True):
+        return _export(info, output, token=token, push_to_hub=push_to_hub)
+
+
+def check_export_dest(output: Path, force: bool) -> None:
+    """Refuse what --output must not replace: a file, a foreign folder, or (without force) any
+    non-empty folder. ``--force`` replaces only a folder an earlier export wrote (it holds
+    ``zfctl-export.json``)."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file, not a folder; export never replaces a file "
+                        "(not even with --force): choose another --output")
+    if not output.exists() or not any(output.iterdir()):
+        return
+    if not force:
         raise UserError(f"export folder {output} already exists and is not empty; pass --force to "
-                        "replace it or choose another --output")
+                        "replace an earlier export, or choose another --output")
+    if not (output / EXPORT_MARKER).is_file():
+        raise UserError(f"--output {output} is not empty and was not written by zfctl export (no "
+                        f"{EXPORT_MARKER}); --force only replaces earlier exports: choose a new or empty "
+                        "--output")
+
+
+def _export(info: ck.CheckpointInfo, output: Path, *, token: str | None, push_to_hub: str | None) -> Path:
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     from zfctl.train.model import load_tokenizer
 
@@ -95,7 +131,7 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
         model.save_pretrained(tmp)  # safetensors; tied weights stored once
         tokenizer.save_pretrained(tmp)
         dump_plan_yaml(plan, tmp / "zfctl-plan.yaml")
-        (tmp / "zfctl-export.json").write_text(json.dumps(
+        (tmp / EXPORT_MARKER).write_text(json.dumps(
             {"checkpoint": str(info.path.resolve()), "step": info.step, "zfctl_version": info.version},
             indent=1) + "\n", encoding="utf-8")
         if output.exists():

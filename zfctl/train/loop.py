@@ -137,9 +137,13 @@ def train(x: LoopInputs) -> LoopResult:
     saved_step = x.start_step if x.start_step > 0 else None  # a resumed run starts from a checkpoint
     tokens_seen = x.tokens_seen
     timer = StepTimer(x.device)
-    stop = StopSignals(on_first=lambda s: x.display.print(
-        "[yellow]stop requested: finishing this step and writing a checkpoint "
-        "(press Ctrl-C again to abort without one)"))
+    stop = StopSignals(
+        on_first=lambda s: x.display.print(
+            "[yellow]stop requested: finishing this step and writing a checkpoint "
+            "(press Ctrl-C again to abort without one)"),
+        abort_message=lambda s: None if x.rank != 0 else "no checkpoint was written; " + (
+            f"the newest in {x.run_dir} is step {saved_step} (continue: zfctl resume {x.run_dir})"
+            if saved_step else f"{x.run_dir} has none yet"))
 
     def counters() -> dict[str, Any]:
         return {"tokens_seen": tokens_seen, "last_loss": loss}
@@ -235,6 +239,7 @@ def train(x: LoopInputs) -> LoopResult:
                 saved_step = step
                 x.display.print(f"checkpoint {last_ckpt}")
             if stopping:
+                stop.checkpointed()
                 exc = interrupted(stop.signum or 15, step, str(x.run_dir))
                 x.display.print(f"[yellow]{exc.message}")
                 x.display.close()

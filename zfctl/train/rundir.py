@@ -1,7 +1,9 @@
 """The run folder's rules: what `--force` may replace, and what counts as a changed plan.
 
-A run folder holds ``checkpoints/``, ``metrics.jsonl``, ``plan.yaml`` and optional logger
-folders. ``--force`` replaces exactly those and never empties a folder zfctl did not make.
+A run folder holds ``checkpoints/``, ``metrics.jsonl``, ``plan.yaml``, optional logger folders
+and, while a process works in it, ``.zfctl.lock`` (``zfctl.train.lock``). ``--force`` replaces
+exactly those (never the lock) and never empties a folder zfctl did not make, nor one a live run
+holds (the caller takes the lock first).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from zfctl.errors import UserError
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checkpoint import CHECKPOINTS
+from zfctl.train.lock import LOCK_FILE
 from zfctl.train.metrics import METRICS_FILE
 
 PLAN_FILE = "plan.yaml"
@@ -29,7 +32,7 @@ def check_output_dir(out: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise UserError(f"output {out} exists and is not a folder; choose another --output")
-    entries = {p.name for p in out.iterdir()}
+    entries = {p.name for p in out.iterdir()} - {LOCK_FILE}  # a stale lock alone: still empty
     if not entries:
         return
     if not force:

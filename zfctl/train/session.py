@@ -26,12 +26,14 @@ from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.display import NullDisplay, RichDisplay
 from zfctl.train.dist import DistEnv, dist_env
+from zfctl.train.lock import RunLock, acquire
 from zfctl.train.loop import LoopInputs, train
 from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
 from zfctl.train.optim import build_optimizer
 from zfctl.train.rundir import PLAN_FILE, check_output_dir, clear_run_dir, plan_differences
 from zfctl.train.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.schedule import build_scheduler, restore_scheduler
+from zfctl.writable import check_writable
 
 
 @dataclass
@@ -113,8 +115,29 @@ def _total_steps(plan: RunPlan, sampler: ResumableSampler) -> int:
     return max(1, plan.train.epochs * sampler.batches_per_epoch() // plan.train.gradient_accumulation_steps)
 
 
+def _note(message: str) -> None:
+    Console(stderr=True).print(f"note: {message}", style="yellow", highlight=False, markup=False,
+                               soft_wrap=True)
+
+
+@dataclass
+class _FolderLock:
+    """Rank 0's lock on the run folder, taken once (early if the folder exists, else on creation)."""
+
+    held: RunLock | None = None
+
+    def take(self, out: Path) -> None:
+        if self.held is None:
+            self.held = acquire(out, note=_note)
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+
+
 def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, fresh: bool,
-           force: bool = False, ckpt: ck.CheckpointInfo | None = None) -> RunResult:
+           lock: _FolderLock, force: bool = False, ckpt: ck.CheckpointInfo | None = None) -> RunResult:
     """Shared body of run/resume: build, restore (resume), train."""
     out = Path(plan.checkpoint.output_dir)
     t = plan.train
@@ -150,12 +173,16 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                     ck.restore_rng(ck.load_torch(ckpt, rng.name))
 
             # Every input is good: only now touch the output folder.
+            # Rank 0 holds the folder's lock from here (or from before) to the end: --force never
+            # clears, and no second process writes into, a folder a live run holds.
             if env.rank == 0:
                 if fresh:
                     check_output_dir(out, force)
-                    if out.exists():
-                        clear_run_dir(out)
                 out.mkdir(parents=True, exist_ok=True)
+                lock.take(out)
+                if fresh:
+                    check_output_dir(out, force)  # again, under the lock
+                    clear_run_dir(out)
                 dump_plan_yaml(plan, out / PLAN_FILE)
             if env.world_size > 1:
                 dist.barrier()
@@ -214,18 +241,28 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     """
     out = Path(plan.checkpoint.output_dir)
     env = dist_env()
-    if not debug_data and env.rank == 0:
-        check_output_dir(out, force)  # fail in a second, before minutes of data preparation
-        require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    tokenizer, prepared = load_inputs(plan)
-    if debug_data:
-        from zfctl.train.data import format_debug_samples
+    lock = _FolderLock()
+    try:
+        if not debug_data and env.rank == 0:
+            # Fail in a second, before minutes of data preparation: the folder's state, a live
+            # run in it, a destination that cannot be written, missing logger packages.
+            check_output_dir(out, force)
+            check_writable(out, "--output")
+            if out.is_dir():
+                lock.take(out)  # hold it through data preparation: nobody starts in between
+            require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
+        tokenizer, prepared = load_inputs(plan)
+        if debug_data:
+            from zfctl.train.data import format_debug_samples
 
-        if env.rank == 0:
-            Console().print(format_debug_samples(prepared, tokenizer), highlight=False, markup=False)
-        return RunResult(output_dir=out, steps=0, final_train_loss=None, final_eval_loss=None,
-                         last_checkpoint=None)
-    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=True, force=force)
+            if env.rank == 0:
+                Console().print(format_debug_samples(prepared, tokenizer), highlight=False, markup=False)
+            return RunResult(output_dir=out, steps=0, final_train_loss=None, final_eval_loss=None,
+                             last_checkpoint=None)
+        return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=True,
+                      lock=lock, force=force)
+    finally:
+        lock.release()
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
@@ -238,10 +275,27 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     """
-    info = ck.resolve_checkpoint(Path(ckpt_dir))
-    run_dir = info.path.parent.parent
-    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     env = dist_env()
+    notes: list[str] = []
+    info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
+    run_dir = info.path.parent.parent
+    lock = _FolderLock()
+    if env.rank == 0:
+        for note in notes:
+            _note(note)
+        check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")
+        lock.take(run_dir)  # before loading the checkpoint: a live run may be rotating it away
+    try:
+        return _resume(info, run_dir, env, lock, max_steps=max_steps, allow_changes=allow_changes,
+                       on_plan=on_plan)
+    finally:
+        lock.release()
+
+
+def _resume(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, lock: _FolderLock, *,
+            max_steps: int | None, allow_changes: bool,
+            on_plan: Callable[[RunPlan], None] | None) -> RunResult:
+    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
     edited = run_dir / PLAN_FILE
     if edited.is_file():
@@ -271,6 +325,10 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
         plan = replace(plan, train=replace(plan.train, max_steps=max_steps))
     if on_plan is not None and env.rank == 0:
         on_plan(plan)
+    if env.rank == 0:
+        Console().print(f"resuming from {info.path} (step {info.step}, saved "
+                        f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
     require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
     _, prepared = load_inputs(plan)
-    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, ckpt=info)
+    return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, lock=lock,
+                  ckpt=info)
