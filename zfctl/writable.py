@@ -35,13 +35,16 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_writable(dest: Path, flag: str, fix: str = "choose another location") -> None:
+def check_writable(dest: Path, flag: str, fix: str = "choose another location",
+                   shown: Path | str | None = None) -> None:
     """Raise a UserError naming ``flag`` unless files can be created where ``dest`` goes.
 
     ``dest`` is a folder to write into (it may not exist yet: its nearest existing ancestor is
-    probed, as that is where the folders will be created).
+    probed, as that is where the folders will be created). ``shown``: the value the user typed,
+    when it is a file inside ``dest``.
     """
     folder = nearest_existing(Path(dest))
+    dest = shown if shown is not None else dest
     if not folder.is_dir():
         raise UserError(f"{flag} {dest}: {folder} is a file, not a folder; {fix}")
     try:

@@ -34,6 +34,9 @@ def _check_out(flag: str, path: Path | None, force: bool, suffix: str | None = N
         raise UserError(f"{flag} {path}: folder {path.parent} does not exist; create it first")
     if path.exists() and not force:
         raise UserError(f"{flag} {path} already exists: pass --force to overwrite it, or pick another name")
+    from zfctl.writable import check_writable
+
+    check_writable(path.parent, flag, shown=path)  # a read-only folder: refuse now, not after the whole grid
 
 
 def _at_least(flag: str, v: int | None, minimum: int = 1) -> None:

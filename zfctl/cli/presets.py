@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -81,8 +82,11 @@ def show(
 @app.command("cp")
 def cp(
     name: str = typer.Argument(..., metavar="NAME", help="Preset to copy."),
-    dest: Path = typer.Argument(
-        ..., metavar="DEST", help="File or folder to copy it to (edit it, then use --config)."
+    dest: str = typer.Argument(
+        ...,
+        metavar="DEST",
+        help="File or folder to copy it to (edit it, then use --config); a name ending in / is a "
+        "folder, created if missing.",
     ),
     kind: str | None = typer.Option(None, "--kind", help="model, data or zenflow, if NAME is ambiguous."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
@@ -102,11 +106,24 @@ def cp(
             f"NAME {name!r} is a preset of several kinds; pick one with --kind "
             f"({', '.join(p.kind for p in found)})"
         )
+    from zfctl.writable import check_writable
+
     src = found[0].path
-    target = dest / src.name if dest.is_dir() else dest
+    # A trailing slash says "a folder" (pathlib drops it, so look at the text as typed).
+    as_folder = dest.endswith(("/", os.sep))
+    folder = Path(dest)
+    if as_folder and folder.exists() and not folder.is_dir():
+        raise UserError(f"DEST {dest}: {folder} is a file, not a folder; drop the trailing / to overwrite "
+                        "it (with --force) or choose another DEST")
+    target = folder / src.name if as_folder or folder.is_dir() else folder
+    if target.is_dir():
+        raise UserError(f"DEST {target}: is a folder; give a file name or another folder")
     if target.exists() and not force:
         raise UserError(f"DEST {target}: already exists; pass --force to overwrite it")
-    if not target.parent.is_dir():
-        raise UserError(f"DEST {target}: folder {target.parent} does not exist")
+    if not as_folder and not target.parent.is_dir():
+        raise UserError(f"DEST {target}: folder {target.parent} does not exist; create it, or end DEST "
+                        "with / to have it created")
+    check_writable(target.parent, "DEST", shown=target)
+    target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, target)
     console.print(f"copied {src.name} -> {target}  (use it: zfctl finetune ... --config {target})")

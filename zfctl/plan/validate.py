@@ -27,6 +27,13 @@ def _need(ok: bool, key: str, value: object, fix: str) -> None:
         raise ConfigError(key, value, fix)
 
 
+def _is_size_key(key: str) -> bool:
+    """transformers config keys that count or size something (hidden_size, num_hidden_layers,
+    num_key_value_heads, head_dim, vocab_size, max_position_embeddings, ...)."""
+    return (key.endswith("_size") or key.startswith("num_") or key == "head_dim"
+            or key == "max_position_embeddings")
+
+
 def check_model(m: ModelConfig) -> None:
     """The model section: each source names what it loads from."""
     if m.source in ("hub", "local", "gguf-package"):
@@ -45,6 +52,12 @@ def check_model(m: ModelConfig) -> None:
             "copy presets/models/tiny-llama.yaml with `zfctl presets cp`",
         )
     _need(m.params_b is None or m.params_b > 0, "model.params_b", m.params_b, "must be > 0 (billions)")
+    for k, v in (m.config or {}).items():
+        # Sizes and counts of the architecture: 0 or -1 layers builds a model that trains nothing
+        # and still exits 0. Token ids, dropout, eps and the like are not sizes and pass through.
+        if _is_size_key(k) and v is not None:
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"model.config.{k}", v,
+                  "must be an integer >= 1")
     if m.arch is not None:
         for k, v in m.arch.items():
             if isinstance(v, bool):  # switches such as tie_word_embeddings
