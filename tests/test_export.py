@@ -86,7 +86,14 @@ def test_export_refuses_existing_folder_and_offline_hub(trained, tmp_path, monke
     assert not fresh.exists()
     with pytest.raises(UserError, match="expected a repo id"):
         export(result.output_dir, fresh, push_to_hub="not a repo")
-    # --force replaces the folder only once the new export is complete
-    export(result.output_dir, target, force=True)
-    assert (target / "model.safetensors").is_file() and not (target / "keep.txt").exists()
+    # --force never replaces a folder export did not write...
+    with pytest.raises(UserError, match="was not written by zfctl export"):
+        export(result.output_dir, target, force=True)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    # ...and replaces an earlier export only once the new one is complete
+    earlier = tmp_path / "earlier"
+    export(result.output_dir, earlier)
+    (earlier / "stale.txt").write_text("from the earlier export")
+    export(result.output_dir, earlier, force=True)
+    assert (earlier / "model.safetensors").is_file() and not (earlier / "stale.txt").exists()
     assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".")]

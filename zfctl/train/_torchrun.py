@@ -10,6 +10,8 @@ a signal's as 128 + its number), so the launcher can exit with it.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -19,6 +21,13 @@ from torch.distributed.run import parse_args, run
 
 def main(argv: list[str]) -> int:
     """Run torchrun on ``argv``; return the workers' exit code."""
+    if "LOGLEVEL" not in os.environ:  # torchrun's own knob: a user who sets it sees everything
+        # torchrun logs "Sending process P closing signal SIGTERM" and "failed (exitcode: 143)"
+        # for every stop; the ranks already said what happened, in one line each.
+        # Each of its modules set its logger's level at import (all imported above by now).
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
