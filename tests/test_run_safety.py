@@ -191,11 +191,12 @@ def test_second_finetune_force_and_second_resume_against_a_live_run(tmp_path):
     live = finetune(run, "train.micro_batch_size=4", "train.max_steps=100000", "checkpoint.every=2")
     live.wait_for(lambda: (run / "checkpoints" / "latest").exists(), "the first checkpoint")
     try:
-        rc, log = run_cli("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), "--force",
-                          *sets("train.max_steps=3"))
-        one_line_error(rc, log, f"run folder {run} is in use by pid {live.p.pid} on ", "since ")
-        rc, log = run_cli("resume", str(run))
-        one_line_error(rc, log, f"run folder {run} is in use by pid {live.p.pid} on ")
+        # both at once (each is a Python + torch start-up: seconds on a loaded machine)
+        force = Proc("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), "--force",
+                     *sets("train.max_steps=3"))
+        resume = Proc("resume", str(run))
+        one_line_error(*force.finish(), f"run folder {run} is in use by pid {live.p.pid} on ", "since ")
+        one_line_error(*resume.finish(), f"run folder {run} is in use by pid {live.p.pid} on ")
         assert live.p.poll() is None, live.out  # the live run was not disturbed...
     finally:
         live.p.send_signal(signal.SIGTERM)

@@ -87,7 +87,7 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     notes: list[str] = []
     info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
     check_export_dest(output, force)
-    check_writable(output.parent, "--output")
+    check_writable(output.parent, "--output", shown=output)
     for note in notes:
         Console(stderr=True).print(f"note: {note}", style="yellow", markup=False, highlight=False,
                                    soft_wrap=True)
