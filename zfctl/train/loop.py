@@ -239,7 +239,6 @@ def train(x: LoopInputs) -> LoopResult:
                 saved_step = step
                 x.display.print(f"checkpoint {last_ckpt}")
             if stopping:
-                stop.checkpointed()
                 exc = interrupted(stop.signum or 15, step, str(x.run_dir))
                 x.display.print(f"[yellow]{exc.message}")
                 x.display.close()

@@ -44,7 +44,7 @@ class StopSignals:
     """
 
     def __init__(self, on_first: Callable[[int], None] | None = None,
-                 abort_message: Callable[[int], str] | None = None) -> None:
+                 abort_message: Callable[[int], str | None] | None = None) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._on_first = on_first
@@ -68,13 +68,6 @@ class StopSignals:
             os.write(2, f"aborted by a second {name}: {text}\n".encode())
         raise Aborted(signum)
 
-    def checkpointed(self) -> None:
-        """The stop checkpoint is on disk and the process is on its way out: ignore further
-        signals (torchrun sends one to the ranks still cleaning up when the first rank exits)."""
-        if threading.current_thread() is threading.main_thread():
-            for s in self._previous:
-                signal.signal(s, signal.SIG_IGN)
-
     @property
     def requested(self) -> bool:
         return self.signum is not None
@@ -85,9 +78,10 @@ class StopSignals:
                 self._previous[s] = signal.signal(s, self._handle)
 
     def __exit__(self, *exc: object) -> None:
-        if self.signum is None:
-            for s, prev in self._previous.items():
-                signal.signal(s, prev)
+        # Always the caller's handlers again: after the stop checkpoint (on disk, every rank past
+        # its final barrier) a further signal may end the process the default way.
+        for s, prev in self._previous.items():
+            signal.signal(s, prev)
         self._previous = {}
 
 
