@@ -56,7 +56,7 @@ def _read_holder(fd: int) -> dict:
 
 
 class RunLock:
-    """The held lock of one run folder; :meth:`release` (or the context manager) gives it back."""
+    """The held lock of one run folder; :meth:`release` (or leaving :func:`held`) gives it back."""
 
     def __init__(self, run_dir: Path, fd: int) -> None:
         self.run_dir = run_dir
