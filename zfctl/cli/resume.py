@@ -26,6 +26,12 @@ def resume(
         "--allow-changes",
         help="Accept a plan that differs from the checkpoint's (never the world size).",
     ),
+    latest_good: bool = typer.Option(
+        False,
+        "--latest-good",
+        help="From a run folder, resume the newest checkpoint whose files match their digests "
+        "(skips damaged newer ones).",
+    ),
     nproc: int | None = typer.Option(
         None,
         "--nproc",
@@ -42,7 +48,7 @@ def resume(
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
     if not under_torchrun():
-        n = nproc if nproc is not None else _saved_world_size(ckpt_dir)
+        n = nproc if nproc is not None else _saved_world_size(ckpt_dir, latest_good)
         if n > 1:  # the same world size as the checkpoint (anything else is refused by each rank)
             console.print(f"launching {n} processes under torchrun (standalone)")
             raise typer.Exit(code=relaunch(n, worker_argv(sys.argv[1:])))
@@ -54,6 +60,7 @@ def resume(
             max_steps=max_steps,
             allow_changes=allow_changes,
             on_plan=lambda plan: print_plan(plan, console),
+            latest_good=latest_good,
         )
     except UserError as e:
         raise rank_error(e, env) from None
@@ -61,11 +68,11 @@ def resume(
         console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
 
 
-def _saved_world_size(ckpt_dir: Path) -> int:
+def _saved_world_size(ckpt_dir: Path, latest_good: bool) -> int:
     """The world size recorded in the checkpoint; 1 if it cannot be read (resume reports why)."""
     from zfctl.train.checkpoint import resolve_checkpoint
 
     try:
-        return resolve_checkpoint(ckpt_dir).world_size
+        return resolve_checkpoint(ckpt_dir, latest_good=latest_good).world_size
     except UserError:
         return 1

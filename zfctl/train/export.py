@@ -79,6 +79,8 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     output = Path(output)
     token = check_hub(push_to_hub) if push_to_hub else None
     info = ck.resolve_checkpoint(Path(ckpt_dir))
+    # Every file export reads, checked against its digest before anything is loaded or written.
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(0)])
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UserError(f"export folder {output} already exists and is not empty; pass --force to "
                         "replace it or choose another --output")

@@ -149,7 +149,11 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                 if rng.exists():  # RNG last: nothing above may draw from it after the restore
                     ck.restore_rng(ck.load_torch(ckpt, rng.name))
 
-            # Every input is good: only now touch the output folder.
+            # Every input is good: only now touch the output folder. First the disk: a checkpoint
+            # that cannot fit is refused now, not after an hour of training (one line, exit 2).
+            estimate = ck.estimate_bytes(model)
+            if env.rank == 0:
+                _check_space(out, estimate, fresh=fresh, force=force)
             if env.rank == 0:
                 if fresh:
                     check_output_dir(out, force)
@@ -174,7 +178,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                     out, step, model=model, optimizer_state=optimizer.state_dict(), trainer_state=state,
                     write_plan=lambda p: dump_plan_yaml(plan, p), keep_last=plan.checkpoint.keep_last,
                     rank=env.rank, world_size=env.world_size,
-                    barrier=dist.barrier if env.world_size > 1 else (lambda: None))
+                    barrier=dist.barrier if env.world_size > 1 else (lambda: None), estimate=estimate)
 
             result = train(LoopInputs(
                 model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
@@ -185,7 +189,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                 checkpoint_every=plan.checkpoint.every, log_every=max(1, plan.logging.every),
                 save_checkpoint=save, metrics=metrics, display=display, run_dir=out, rank=env.rank,
                 world_size=env.world_size, tokens_seen=int(trainer_state.get("tokens_seen", 0)),
-                last_loss=trainer_state.get("last_loss")))
+                last_loss=trainer_state.get("last_loss"), guard_non_finite=t.precision != "fp16"))
         finally:
             if metrics is not None:
                 metrics.close()
@@ -195,6 +199,20 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
     last = result.last_checkpoint or (ckpt.path if ckpt is not None else None)
     return RunResult(output_dir=out, steps=result.steps, final_train_loss=result.final_train_loss,
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
+
+
+def _check_space(out: Path, estimate: int, *, fresh: bool, force: bool) -> None:
+    """Clean a killed process's ``.tmp-*`` folders, then refuse if one checkpoint cannot fit.
+
+    The size is the newest checkpoint's (a resumed run) or the estimate from the model. With
+    ``--force`` over an old run folder, the checkpoints it is about to delete count as free.
+    """
+    root = out / ck.CHECKPOINTS
+    ck.clean_stale(root)
+    needed = ck.last_size(root) or estimate
+    if fresh and force and root.is_dir():
+        needed -= sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    ck.check_free_space(out, needed)
 
 
 def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int) -> None:
@@ -229,7 +247,7 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
-           on_plan: Callable[[RunPlan], None] | None = None) -> RunResult:
+           on_plan: Callable[[RunPlan], None] | None = None, latest_good: bool = False) -> RunResult:
     """Continue a run from a checkpoint folder, or from a run folder's newest checkpoint.
 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
@@ -237,11 +255,19 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     world size is always refused: the optimizer state is partitioned per rank. ``max_steps``
     moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
+    Every file this process reads is checked against its digest first (one read each); a damaged
+    one is refused naming the nearest intact older checkpoint. ``latest_good``: for a run folder,
+    take the newest checkpoint that verifies, skipping damaged newer ones.
     """
-    info = ck.resolve_checkpoint(Path(ckpt_dir))
-    run_dir = info.path.parent.parent
-    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     env = dist_env()
+    info = ck.resolve_checkpoint(Path(ckpt_dir), latest_good=latest_good)
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(env.rank),
+                                ck.rng_file(env.rank)])
+    run_dir = info.path.parent.parent
+    if latest_good and env.rank == 0:
+        Console(stderr=True).print(f"[yellow]note: resuming from the newest intact checkpoint, {info.path}",
+                                   highlight=False)
+    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
     edited = run_dir / PLAN_FILE
     if edited.is_file():
