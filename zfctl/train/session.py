@@ -23,6 +23,7 @@ from zfctl import __version__
 from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.validate import check_max_length
 from zfctl.train import checkpoint as ck
 from zfctl.train.display import NullDisplay, RichDisplay
 from zfctl.train.dist import DistEnv, dist_env
@@ -120,6 +121,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
     t = plan.train
     with _process_setup(plan, env, device):
         model = _build_model(plan, device)
+        check_max_length(plan.data.max_length, getattr(model, "config", None))  # hub/local models
         position = None
         trainer_state: dict[str, Any] = {}
         if ckpt is not None:
