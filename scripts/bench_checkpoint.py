@@ -26,11 +26,11 @@ def build(name: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if name == "tiny-llama":
-        cfg = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024)
+        cfg = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 8}
     else:
-        cfg = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                   num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024)
+        cfg = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "num_key_value_heads": 12}
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
 
