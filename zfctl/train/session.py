@@ -267,8 +267,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
                                 ck.rng_file(env.rank)])
     run_dir = info.path.parent.parent
     if latest_good and env.rank == 0:
-        Console(stderr=True).print(f"[yellow]note: resuming from the newest intact checkpoint, {info.path}",
-                                   highlight=False)
+        Console(stderr=True).print(f"[yellow]note: resuming from the newest intact checkpoint, {info.path} "
+                                   f"(step {info.step})", highlight=False, soft_wrap=True)
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
     edited = run_dir / PLAN_FILE
