@@ -175,8 +175,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
     barrier()  # stale folders are gone before any rank measures the free space
     # Every rank checks the same numbers, so all refuse together instead of some waiting in a
     # barrier for a rank that stopped.
-    check_free_space(root, last_size(root) or estimate, fail=RunFailed,
-                     when=f"before the checkpoint of step {step}")
+    try:
+        check_free_space(root, last_size(root) or estimate, when=f"before the checkpoint of step {step}")
+    except UserError as e:
+        raise RunFailed(f"{e}; {_last_good(root)}") from None
     if rank == 0:
         tmp.mkdir()
     barrier()  # tmp exists before any rank writes into it
@@ -240,9 +242,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path) -> RunFailed:
     """One line for a save that could not complete; the previous checkpoint is untouched."""
-    prev = _newest_listed(root)
-    keep = (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
-            else "no earlier checkpoint exists")
+    keep = _last_good(root)
     if isinstance(e, NonFiniteTensorError):
         return RunFailed(f"step {step}: the model weights hold NaN or inf ({e.name}); no checkpoint was "
                          f"written from this state; {keep}; lower train.lr or check the data")
@@ -250,6 +250,12 @@ def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path) -> Ru
     what = os.strerror(e.errno) if e.errno else str(e)
     return RunFailed(f"cannot write the checkpoint of step {step}: {what} (errno {e.errno}) at {where}; "
                      f"the partial folder was removed; {keep}; free space or choose another --output")
+
+
+def _last_good(root: Path) -> str:
+    prev = _newest_listed(root)
+    return (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
+            else "no earlier checkpoint exists")
 
 
 def clean_stale(root: Path) -> list[Path]:
@@ -287,7 +293,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def check_free_space(folder: Path, needed: int, *, fail: type[UserError] = UserError, when: str = "") -> None:
+def check_free_space(folder: Path, needed: int, *, when: str = "") -> None:
     """Refuse with one line when ``folder``'s file system has less than ``needed`` bytes free."""
     probe = Path(folder).absolute()
     while not probe.exists():  # the run folder may not exist yet: measure where it will be made
@@ -295,7 +301,7 @@ def check_free_space(folder: Path, needed: int, *, fail: type[UserError] = UserE
     free = shutil.disk_usage(probe).free
     if needed > free:
         when = f" ({when})" if when else ""
-        raise fail(f"not enough disk space for a checkpoint{when}: needs {_fmt_bytes(needed)}, "
+        raise UserError(f"not enough disk space for a checkpoint{when}: needs {_fmt_bytes(needed)}, "
                    f"{_fmt_bytes(free)} free at {probe}; free some space or choose another --output")
 
 
@@ -495,5 +501,11 @@ def load_torch(info: CheckpointInfo, name: str) -> Any:
         return torch.load(info.path / name, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint {info.path} has no {name}") from None
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise UserError(f"checkpoint {info.path} is unreadable: {name}: {e}") from None
+    except pickle.UnpicklingError:
+        # torch's own text here advises weights_only=False, i.e. running whatever code the file
+        # holds: the wrong advice for a file that is damaged or not a zfctl checkpoint.
+        raise UserError(f"checkpoint {info.path} is unreadable: {name} holds objects other than tensors "
+                        "and numbers (damaged, or not written by zfctl); pick another checkpoint") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {info.path} is unreadable: {name}: {first}; pick another checkpoint") from None
