@@ -226,7 +226,7 @@ def test_disk_full_during_a_save_is_one_line_and_leaves_no_tmp(tmp_path: Path, m
     assert ck.damaged_files(ck.resolve_checkpoint(out)) == []
 
 
-def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path,
+def test_not_enough_space_is_refused_before_anything_is_written(trained: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
@@ -235,7 +235,15 @@ def test_not_enough_space_is_refused_before_anything_is_written(tmp_path: Path,
     assert res.exit_code == 2, res.output
     (line,) = errors(res.output)
     assert "not enough disk space for a checkpoint: needs" in line and "1 MB free at" in line
+    assert len(res.output.strip().splitlines()) == 1  # from the plan's parameter count, before the plan
     assert not out.exists()
+    # resume measures the newest checkpoint instead (after the plan: it is read from the checkpoint)
+    run = _copy(trained, tmp_path)
+    before = tree(run)
+    res = zf("resume", run, "--max-steps", 6)
+    needed = ck._fmt_bytes(ck.last_size(run / "checkpoints"))  # the newest checkpoint's size
+    assert res.exit_code == 2 and f"needs {needed}, 1 MB free" in errors(res.output)[0], res.output
+    assert tree(run) == before
 
 
 def test_a_stale_tmp_folder_is_removed_on_the_next_start(trained: Path, tmp_path: Path) -> None:

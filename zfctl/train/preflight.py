@@ -3,7 +3,8 @@
 A user who mistyped ``--output`` or points ``--data`` at a file with the wrong fields should get
 one ``error:`` line within a second, not after the 70-line plan and a model load. What is
 checked here is cheap: the output folder's state, and the first record of a local data file
-rendered through the plan's template (the same code the data pipeline runs on every record).
+rendered through the plan's template (the same code the data pipeline runs on every record),
+and the free disk space against the plan's checkpoint size (from its parameter count).
 Everything else (all records, the tokenizer, the model) is still checked where it is loaded.
 """
 
@@ -14,7 +15,9 @@ import json
 from pathlib import Path
 
 from zfctl.errors import UserError
+from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
+from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM, check_run_space
 from zfctl.train.data_source import resolve
 from zfctl.train.data_templates import render
 from zfctl.train.rundir import check_output_dir
@@ -44,7 +47,12 @@ def _first_record(path: Path) -> object | None:
 def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
     """Raise a UserError for a bad output folder or a local data file of the wrong shape."""
     if output:
-        check_output_dir(Path(plan.checkpoint.output_dir), force)
+        out = Path(plan.checkpoint.output_dir)
+        check_output_dir(out, force)
+        size = model_size(plan)  # from the config: no model is built (None for hub models)
+        if size is not None:
+            weight_bytes = 4 if plan.train.precision == "fp32" else 2
+            check_run_space(out, size.params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM), reclaim=force)
     if plan.data.source == "hub":
         return
     source = resolve(plan.data)

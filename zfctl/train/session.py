@@ -155,7 +155,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
             # that cannot fit is refused now, not after an hour of training (one line, exit 2).
             estimate = ck.estimate_bytes(model)
             if env.rank == 0:
-                _check_space(out, estimate, fresh=fresh, force=force)
+                ck.check_run_space(out, estimate, reclaim=fresh and force)
             if env.rank == 0:
                 if fresh:
                     check_output_dir(out, force)
@@ -201,20 +201,6 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
     last = result.last_checkpoint or (ckpt.path if ckpt is not None else None)
     return RunResult(output_dir=out, steps=result.steps, final_train_loss=result.final_train_loss,
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
-
-
-def _check_space(out: Path, estimate: int, *, fresh: bool, force: bool) -> None:
-    """Clean a killed process's ``.tmp-*`` folders, then refuse if one checkpoint cannot fit.
-
-    The size is the newest checkpoint's (a resumed run) or the estimate from the model. With
-    ``--force`` over an old run folder, the checkpoints it is about to delete count as free.
-    """
-    root = out / ck.CHECKPOINTS
-    ck.clean_stale(root)
-    needed = ck.last_size(root) or estimate
-    if fresh and force and root.is_dir():
-        needed -= sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    ck.check_free_space(out, needed)
 
 
 def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int) -> None:
