@@ -20,3 +20,11 @@ class ConfigError(UserError):
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
         super().__init__(f"{key}={value!r}: {fix}")
+
+
+class RunFailed(UserError):
+    """A run that started stopped for a reason outside the command line: the loss diverged, the
+    disk filled up, a write failed. One line saying what and what to do, exit code 1 (code 2 stays
+    "your command was refused before anything ran")."""
+
+    exit_code = 1

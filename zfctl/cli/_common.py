@@ -19,6 +19,14 @@ from typer.core import TyperGroup
 
 from zfctl.errors import UserError
 
+# The parser's error class: recent Typer vendors click as typer._click, older Typer uses the
+# click package; catch whichever this install raises.
+try:
+    from typer._click.exceptions import UsageError as _VendoredUsageError
+except ImportError:
+    _VendoredUsageError = click.UsageError
+USAGE_ERRORS = tuple({click.UsageError, _VendoredUsageError})
+
 console = Console()
 err_console = Console(stderr=True)
 
@@ -33,8 +41,27 @@ def note_line(message: str) -> None:
     err_console.print(Text(f"note: {message}", style="yellow"), soft_wrap=True)
 
 
+def usage_error_line(e: Exception) -> None:
+    """A parser error (bad flag value, missing path, unknown option) as one `error:` line."""
+    ctx = getattr(e, "ctx", None)
+    cmd = ctx.command_path if ctx is not None else "zfctl"
+    error_line(f"{e.format_message().rstrip('.')}; see `{cmd} --help`")
+
+
 class ZfctlGroup(TyperGroup):
-    """The root command group: converts UserError into `error: ...` + exit code 2."""
+    """The root command group: UserError and the parser's errors become one `error: ...` line.
+
+    Exit code 2 for both (a RunFailed carries 1). Click raises UsageError while parsing a
+    subcommand's flags inside ``invoke`` and the root's own in ``make_context``; Typer would
+    otherwise draw them as a framed box.
+    """
+
+    def make_context(self, *args, **kwargs) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except USAGE_ERRORS as e:
+            usage_error_line(e)
+            raise typer.Exit(code=2) from None
 
     def invoke(self, ctx: click.Context):
         try:
@@ -46,6 +73,9 @@ class ZfctlGroup(TyperGroup):
             from zfctl.writable import os_error_line
 
             error_line(os_error_line(e))
+            raise typer.Exit(code=2) from None
+        except USAGE_ERRORS as e:
+            usage_error_line(e)
             raise typer.Exit(code=2) from None
 
 

@@ -7,6 +7,7 @@ report files.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -175,8 +176,8 @@ def bench(
         _at_least(flag, v)
     _at_least("--warmup", warmup, 0)
     _at_least("--cpu-threads", cpu_threads, 0)
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise UserError(f"--max-grad-norm {max_grad_norm}: must be > 0 (omit it for no clipping)")
+    if max_grad_norm is not None and not 0 < max_grad_norm < math.inf:  # also refuses nan and inf
+        raise UserError(f"--max-grad-norm {max_grad_norm}: must be a finite number > 0 (omit it for no clipping)")
     if model is None and (seq_len is not None or batch is not None):
         raise UserError(
             "--seq-len/--batch apply to --model PRESET; the synthetic model takes one sample "

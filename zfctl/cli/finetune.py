@@ -67,6 +67,10 @@ def finetune(
             f"{what} is not available yet in this build (zfctl.train.run is missing); "
             "`zfctl plan` shows the resolved plan and memory estimate"
         ) from None
+    if env.is_main and not os.environ.get(PLAN_PRINTED_ENV):
+        from zfctl.train.preflight import preflight
+
+        preflight(plan, force=force, output=not debug_data)  # before the plan: one line, in a second
     if plan.distributed.nproc > 1 and not under_torchrun() and not debug_data:
         # Everything that can fail on user input is checked here, once, before N processes start;
         # the data lands in the cache, so the ranks load it instead of tokenising it N times.

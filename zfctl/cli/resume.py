@@ -26,6 +26,12 @@ def resume(
         "--allow-changes",
         help="Accept a plan that differs from the checkpoint's (never the world size).",
     ),
+    latest_good: bool = typer.Option(
+        False,
+        "--latest-good",
+        help="From a run folder, resume the newest checkpoint whose files match their digests "
+        "(skips damaged newer ones).",
+    ),
     nproc: int | None = typer.Option(
         None,
         "--nproc",
@@ -42,7 +48,7 @@ def resume(
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
     if not under_torchrun():
-        saved = _saved_world_size(ckpt_dir)
+        saved = _saved_world_size(ckpt_dir, latest_good)
         if nproc is not None and saved is not None and nproc != saved:
             # Checked here, before N processes start, rather than by each rank after torchrun
             # formed the group (that ended in a ChildFailedError traceback per rank).
@@ -51,7 +57,7 @@ def resume(
                             f"supported); resume with --nproc {saved} or leave --nproc out")
         n = nproc if nproc is not None else (saved or 1)
         if n > 1:  # the same world size as the checkpoint
-            _check_launch(ckpt_dir)
+            _check_launch(ckpt_dir, latest_good)
             console.print(f"launching {n} processes under torchrun (standalone)")
             raise typer.Exit(code=relaunch(n, worker_argv(sys.argv[1:])))
     env = dist_env()
@@ -62,6 +68,7 @@ def resume(
             max_steps=max_steps,
             allow_changes=allow_changes,
             on_plan=lambda plan: print_plan(plan, console),
+            latest_good=latest_good,
         )
     except UserError as e:
         raise rank_error(e, env) from None
@@ -69,22 +76,22 @@ def resume(
         console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
 
 
-def _saved_world_size(ckpt_dir: Path) -> int | None:
+def _saved_world_size(ckpt_dir: Path, latest_good: bool) -> int | None:
     """The world size recorded in the checkpoint; None if it cannot be read (resume reports why)."""
     from zfctl.train.checkpoint import resolve_checkpoint
 
     try:
-        return resolve_checkpoint(ckpt_dir).world_size
+        return resolve_checkpoint(ckpt_dir, latest_good=latest_good).world_size
     except UserError:
         return None
 
 
-def _check_launch(ckpt_dir: Path) -> None:
+def _check_launch(ckpt_dir: Path, latest_good: bool) -> None:
     """Before starting N processes: the run folder is free and writable (rank 0 locks it)."""
     from zfctl.train.checkpoint import resolve_checkpoint
     from zfctl.train.lock import check_free
     from zfctl.writable import check_writable
 
-    run_dir = resolve_checkpoint(ckpt_dir).path.parent.parent
+    run_dir = resolve_checkpoint(ckpt_dir, latest_good=latest_good).path.parent.parent
     check_free(run_dir)
     check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")

@@ -108,8 +108,10 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
         return int(num)
     if tp is float:
         num = _number(value)
-        if num is None or math.isnan(num):  # NaN is never a meaningful setting
+        if num is None:
             raise _fail(key, value, tp)
+        if not math.isfinite(num):  # NaN or inf is never a meaningful setting (lr=inf trains on NaN)
+            raise ConfigError(key, value, "expected a finite number")
         return num
     if tp is str:
         if isinstance(value, str):
@@ -123,8 +125,8 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
         out = []
         for i, item in enumerate(value):
             num = _number(item)
-            if num is None:
-                raise ConfigError(f"{key}[{i}]", item, "expected a number")
+            if num is None or not math.isfinite(num):
+                raise ConfigError(f"{key}[{i}]", item, "expected a number" if num is None else "expected a finite number")
             out.append(num)
         return tuple(out)
     if tp is list or origin is list:

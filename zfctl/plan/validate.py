@@ -10,6 +10,8 @@ plan saved in a checkpoint still loads on a machine where the original data path
 
 from __future__ import annotations
 
+import math
+
 from zfctl.errors import ConfigError
 from zfctl.plan.schema import (
     CheckpointConfig,
@@ -20,6 +22,9 @@ from zfctl.plan.schema import (
     RunPlan,
     TrainConfig,
 )
+
+# Where transformers configs keep the position limit (Llama/OPT/Mistral; GPT-2; others).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 def _need(ok: bool, key: str, value: object, fix: str) -> None:
@@ -32,6 +37,30 @@ def _is_size_key(key: str) -> bool:
     num_key_value_heads, head_dim, vocab_size, max_position_embeddings, ...)."""
     return (key.endswith("_size") or key.startswith("num_") or key == "head_dim"
             or key == "max_position_embeddings")
+
+
+def position_limit(model_config: object) -> tuple[str, int] | None:
+    """(key, limit) of a model's position embeddings from a config dict or object; None if unknown."""
+    for key in POSITION_KEYS:
+        value = model_config.get(key) if isinstance(model_config, dict) else getattr(model_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
+def check_max_length(max_length: int, model_config: object) -> None:
+    """data.max_length must fit the model's positions: an error naming both numbers.
+
+    Chosen over clamping: a clamped run trains on shorter sequences than the plan (and the
+    printed plan) says; the user picks the number once instead of reading a warning each run.
+    Sequences longer than the limit index past the position table (learned embeddings) or past
+    the rotary range the model was trained on (RoPE), so the run would be meaningless either way.
+    """
+    found = position_limit(model_config or {})
+    if found is not None and max_length > found[1]:
+        key, limit = found
+        raise ConfigError("data.max_length", max_length,
+                          f"exceeds the model's {key} ({limit}); set data.max_length <= {limit}")
 
 
 def check_model(m: ModelConfig) -> None:
@@ -58,6 +87,7 @@ def check_model(m: ModelConfig) -> None:
         if _is_size_key(k) and v is not None:
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"model.config.{k}", v,
                   "must be an integer >= 1")
+        _need(not isinstance(v, float) or math.isfinite(v), f"model.config.{k}", v, "expected a finite number")
     if m.arch is not None:
         for k, v in m.arch.items():
             if isinstance(v, bool):  # switches such as tie_word_embeddings
@@ -172,6 +202,9 @@ def check_combinations(p: RunPlan) -> None:
     """Rules that span sections."""
     if p.distributed.backend == "nccl" and p.train.device == "cpu":
         raise ConfigError("distributed.backend", "nccl", "nccl needs CUDA; use gloo or auto on CPU")
+    # Known without loading anything for source=config (and an `arch` summary); hub and local
+    # models are checked against their loaded config before training (zfctl.train.session).
+    check_max_length(p.data.max_length, p.model.config if p.model.source == "config" else p.model.arch)
 
 
 def validate_plan(plan: RunPlan) -> RunPlan:

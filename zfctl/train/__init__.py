@@ -26,11 +26,12 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
-           on_plan: Callable[[RunPlan], None] | None = None) -> RunResult:
+           on_plan: Callable[[RunPlan], None] | None = None, latest_good: bool = False) -> RunResult:
     """Continue a run exactly where a checkpoint left it (see :func:`zfctl.train.session.resume`)."""
     from zfctl.train.session import resume as _resume
 
-    return _resume(Path(ckpt_dir), max_steps=max_steps, allow_changes=allow_changes, on_plan=on_plan)
+    return _resume(Path(ckpt_dir), max_steps=max_steps, allow_changes=allow_changes, on_plan=on_plan,
+                   latest_good=latest_good)
 
 
 def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: str | None = None) -> Path:

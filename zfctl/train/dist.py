@@ -166,7 +166,11 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
 
 def rank_error(e: UserError, env: DistEnv) -> UserError:
     """``e`` with ``rank R:`` in front when several processes run (the same class and exit code)."""
-    return e if env.world_size <= 1 else UserError(f"rank {env.rank}: {e}")
+    if env.world_size <= 1:
+        return e
+    out = UserError(f"rank {env.rank}: {e}")
+    out.exit_code = e.exit_code  # a diverged run (RunFailed, 1) stays distinguishable from bad input (2)
+    return out
 
 
 def prepare_launch(plan: RunPlan, *, force: bool) -> None:

@@ -86,6 +86,8 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     token = check_hub(push_to_hub) if push_to_hub else None
     notes: list[str] = []
     info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
+    # Every file export reads, checked against its digest before anything is loaded or written.
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(0)])
     check_export_dest(output, force)
     check_writable(output.parent, "--output", shown=output)
     for note in notes:

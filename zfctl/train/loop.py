@@ -8,7 +8,9 @@ Everything it needs is built beforehand (``zfctl.train.session``) and handed ove
 3. ``optimizer.step()`` (ZenFlow: device AdamW on the selected columns, the rest to the CPU),
    then the LR scheduler;
 4. one ``.item()`` sync for the loss, a metrics record, a console line every N steps;
-5. evaluation / checkpoint when due, or when a stop signal arrived.
+5. the non-finite guard: a NaN/inf loss or gradient norm stops the run before any checkpoint
+   (except under fp16, whose loss scaler skips such steps by design);
+6. evaluation / checkpoint when due, or when a stop signal arrived.
 
 At the end: a checkpoint of the exact training state, then ``optimizer.flush()`` (installs an
 in-flight CPU update into the weights) and the final evaluation of the finished model.
@@ -16,6 +18,7 @@ in-flight CPU update into the weights) and the final evaluation of the finished 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zfctl.errors import RunFailed
+from zfctl.train.checkpoint import CHECKPOINTS, step_name
 from zfctl.train.display import Display, format_eval_line, format_train_line
 from zfctl.train.metrics import MetricsWriter, StepTimer, memory_stats
 from zfctl.train.sampler import ResumableSampler
@@ -62,6 +67,7 @@ class LoopInputs:
     world_size: int = 1
     tokens_seen: int = 0  # restored from the checkpoint: totals continue across resumes
     last_loss: float | None = None  # the checkpoint's last loss (reported if no step is left)
+    guard_non_finite: bool = True  # False under fp16: the loss scaler skips overflowing steps itself
 
 
 @dataclass
@@ -225,6 +231,13 @@ def train(x: LoopInputs) -> LoopResult:
                     window.clear()
             x.display.advance(step, loss)
 
+            # -- non-finite guard: the step's update already used the NaN/inf gradient, so this
+            #    state must never become a checkpoint (nor push a good one out of keep_last).
+            #    Every rank sees the same all-reduced loss and the same averaged-gradient norm.
+            if x.guard_non_finite and not (math.isfinite(loss) and _finite(stats.grad_norm)):
+                x.display.close()
+                raise _diverged(x, step, loss, stats.grad_norm, lr, saved_step)
+
             # -- evaluation (the last step's is done after flush, on the finished model).
             if x.eval_every > 0 and step % x.eval_every == 0 and step < x.total_steps:
                 eval_loss = evaluate(model, x.eval_data, x.collate, x.device,
@@ -256,6 +269,21 @@ def train(x: LoopInputs) -> LoopResult:
     x.display.close()
     return LoopResult(steps=step, final_train_loss=loss, final_eval_loss=eval_loss,
                       last_checkpoint=last_ckpt)
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def _diverged(x: LoopInputs, step: int, loss: float, grad_norm: float | None, lr: float,
+              saved_step: int | None) -> RunFailed:
+    """One line: which step, what went non-finite, the likely causes, where to go back to."""
+    what = f"loss {loss}" + ("" if grad_norm is None else f", gradient norm {grad_norm}")
+    back = (f"the last checkpoint {x.run_dir / CHECKPOINTS / step_name(saved_step)} is from before it"
+            if saved_step else "no checkpoint was written yet")
+    return RunFailed(f"step {step}: {what}: training diverged and was stopped, no checkpoint was written "
+                     f"from this state; likely causes: train.lr={lr:.3g} too high, a bad data record, or "
+                     f"a damaged checkpoint it resumed from; {back}")
 
 
 def _log_eval(x: LoopInputs, step: int, eval_loss: float | None) -> None:

@@ -23,6 +23,7 @@ from zfctl import __version__
 from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.validate import check_max_length
 from zfctl.train import checkpoint as ck
 from zfctl.train.display import NullDisplay, RichDisplay
 from zfctl.train.dist import DistEnv, dist_env
@@ -143,6 +144,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
     t = plan.train
     with _process_setup(plan, env, device):
         model = _build_model(plan, device)
+        check_max_length(plan.data.max_length, getattr(model, "config", None))  # hub/local models
         position = None
         trainer_state: dict[str, Any] = {}
         if ckpt is not None:
@@ -172,7 +174,11 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                 if rng.exists():  # RNG last: nothing above may draw from it after the restore
                     ck.restore_rng(ck.load_torch(ckpt, rng.name))
 
-            # Every input is good: only now touch the output folder.
+            # Every input is good: only now touch the output folder. First the disk: a checkpoint
+            # that cannot fit is refused now, not after an hour of training (one line, exit 2).
+            estimate = ck.estimate_bytes(model)
+            if env.rank == 0:
+                ck.check_run_space(out, estimate, reclaim=fresh and force)
             # Rank 0 holds the folder's lock from here (or from before) to the end: --force never
             # clears, and no second process writes into, a folder a live run holds.
             if env.rank == 0:
@@ -201,7 +207,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                     out, step, model=model, optimizer_state=optimizer.state_dict(), trainer_state=state,
                     write_plan=lambda p: dump_plan_yaml(plan, p), keep_last=plan.checkpoint.keep_last,
                     rank=env.rank, world_size=env.world_size,
-                    barrier=dist.barrier if env.world_size > 1 else (lambda: None))
+                    barrier=dist.barrier if env.world_size > 1 else (lambda: None), estimate=estimate)
 
             result = train(LoopInputs(
                 model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
@@ -212,7 +218,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                 checkpoint_every=plan.checkpoint.every, log_every=max(1, plan.logging.every),
                 save_checkpoint=save, metrics=metrics, display=display, run_dir=out, rank=env.rank,
                 world_size=env.world_size, tokens_seen=int(trainer_state.get("tokens_seen", 0)),
-                last_loss=trainer_state.get("last_loss")))
+                last_loss=trainer_state.get("last_loss"), guard_non_finite=t.precision != "fp16"))
         finally:
             if metrics is not None:
                 metrics.close()
@@ -266,7 +272,7 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
-           on_plan: Callable[[RunPlan], None] | None = None) -> RunResult:
+           on_plan: Callable[[RunPlan], None] | None = None, latest_good: bool = False) -> RunResult:
     """Continue a run from a checkpoint folder, or from a run folder's newest checkpoint.
 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
@@ -274,15 +280,20 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     world size is always refused: the optimizer state is partitioned per rank. ``max_steps``
     moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
+    Every file this process reads is checked against its digest first (one read each); a damaged
+    one is refused naming the nearest intact older checkpoint. ``latest_good``: for a run folder,
+    take the newest checkpoint that verifies, skipping damaged newer ones.
     """
     env = dist_env()
     notes: list[str] = []
-    info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
+    info = ck.resolve_checkpoint(Path(ckpt_dir), notes, latest_good=latest_good)
     run_dir = info.path.parent.parent
     lock = _FolderLock()
     if env.rank == 0:
         for note in notes:
             _note(note)
+        if latest_good:
+            _note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
         check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")
         lock.take(run_dir)  # before loading the checkpoint: a live run may be rotating it away
     try:
@@ -295,6 +306,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
 def _resume(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, lock: _FolderLock, *,
             max_steps: int | None, allow_changes: bool,
             on_plan: Callable[[RunPlan], None] | None) -> RunResult:
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(env.rank),
+                                ck.rng_file(env.rank)])
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
     edited = run_dir / PLAN_FILE
