@@ -9,14 +9,15 @@ Everything goes through the real engine (``zfctl.plan.resolve_plan`` + ``zfctl.t
 code path of ``zfctl finetune``), same seed, same batches, same steps for every variant.
 
 1. A small *pretrained* base, made once and cached (``<cache>/base-*``): tiny-llama trained from
-   random init with plain AdamW (``--zenflow off``) on the number/date/fact half of the shipped
-   alpaca sample as plain text, then exported (``zfctl export``). ``--model smollm2-135m`` skips
-   this (it is pretrained already).
+   random init with plain AdamW (``--zenflow off``) as a plain causal LM on the number/date/fact
+   half of the shipped alpaca sample plus the sst2-sample training sentences (no labels), then
+   exported (``zfctl export``). ``--model smollm2-135m`` skips this (it is pretrained already).
 2. Fine-tuning tasks the base has not seen, built from the shipped samples into ``<cache>/data``:
    ``instruct``: the word/string half of the alpaca sample (reversal, sorting words, case,
-   letters, counting words), instruction template, loss on the response; ``text``: the sst2
-   sentences as plain text (causal LM on every token); ``sst2``: sst2-sample classification,
-   scored by accuracy too (the label word with the higher log-likelihood).
+   letters, counting words), instruction template, loss on the response; ``text``: the same
+   unseen records as plain text (causal LM on every token); ``sst2``: sst2-sample
+   classification (the label word after a prompt the base never saw), scored by accuracy too
+   (the label word with the higher log-likelihood).
 3. Per task and variant: eval loss at fixed steps (the loop's own evaluation, from
    ``metrics.jsonl``; the last one after the final CPU update is installed), the final gap to the
    first variant in %, the mean step time, and for ``sst2`` the validation accuracy of the final
@@ -84,8 +85,14 @@ def _records(path: Path) -> list[dict]:
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
+    """Write ``rows`` as JSONL unless the file already holds them; atomically (harnesses may share a cache)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
     return path
 
 
@@ -104,9 +111,10 @@ def build_data(cache: Path) -> dict[str, Path]:
         sst2 = _records(samples / "sst2-sample" / f"{split}.jsonl")
         words = [r for r in alpaca if _WORD_TASKS.match(r["instruction"])]
         rest = [r for r in alpaca if not _WORD_TASKS.match(r["instruction"])]
-        out[f"base-{split}"] = _write(cache / "data" / f"base-{split}.jsonl", [{"text": _as_text(r)} for r in rest])
+        base = [{"text": _as_text(r)} for r in rest] + [{"text": r["sentence"]} for r in sst2]
+        out[f"base-{split}"] = _write(cache / "data" / f"base-{split}.jsonl", base)
         out[f"instruct-{split}"] = _write(cache / "data" / f"instruct-{split}.jsonl", words)
-        out[f"text-{split}"] = _write(cache / "data" / f"text-{split}.jsonl", [{"text": r["sentence"]} for r in sst2])
+        out[f"text-{split}"] = _write(cache / "data" / f"text-{split}.jsonl", [{"text": _as_text(r)} for r in words])
     return out
 
 
@@ -115,8 +123,8 @@ def task_data(task: str, files: dict[str, Path]) -> tuple[str, list[str]]:
     if task == "sst2":
         return "sst2-sample", ["data.max_length=64"]
     template = "alpaca" if task == "instruct" else "text"
-    return str(files[f"{task}-train"]), [f"data.template={template}", f"data.validation_split={files[f'{task}-validation']}",
-                                         "data.max_length=64"]
+    return str(files[f"{task}-train"]), [f"data.template={template}",
+                                         f"data.validation_split={files[f'{task}-validation']}", "data.max_length=64"]
 
 
 # -- runs ------------------------------------------------------------------------------------------
