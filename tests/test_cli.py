@@ -330,12 +330,17 @@ def test_finetune_warns_once_about_settings_that_lose_accuracy(monkeypatch: pyte
     # tiny-llama is random init: the paper's settings hit every rule, each warned exactly once.
     paper = zf(*base, "--zenflow", "paper")
     assert paper.exit_code == 0, paper.output
-    for needle in ("random init with no full warm-up", "deferred_lr_scale=off", "select_strategy=auto"):
+    for needle in ("full_warm_up_rounds=0: the first steps on random init", "deferred_lr_scale=off",
+                   "select_strategy=auto"):
         assert paper.stderr.count(needle) == 1, paper.stderr
     # The rules are about the settings, not the preset's name: fixing each one silences it.
     fixed = zf(*base, "--zenflow", "paper", "--set", "zenflow.full_warm_up_rounds=10",
                "--set", "zenflow.deferred_lr_scale=sqrt", "--set", "zenflow.select_strategy=step",
                "--set", "zenflow.select_interval=32")
     assert fixed.exit_code == 0 and "warning" not in fixed.stderr, fixed.stderr
+    assert "warning" not in zf(*base).stderr  # the default preset
+    # A scaled CPU step without the warm-up: measured worse than no correction at all.
+    hot = zf(*base, "--set", "zenflow.full_warm_up_rounds=0")
+    assert hot.stderr.count("warning") == 1 and "makes it worse" in hot.stderr, hot.stderr
     for exact in ("off", "zero-offload"):  # AdamW exactly: nothing to warn about
         assert "warning" not in zf(*base, "--zenflow", exact).stderr

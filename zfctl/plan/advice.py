@@ -17,19 +17,21 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
         return []
     out = []
     deferred = z.update_interval == "auto" or int(z.update_interval) > 1
-    if plan.model.source == "config" and z.overlap_step and z.full_warm_up_rounds == 0:
+    if z.full_warm_up_rounds == 0 and deferred:
+        start = "random init" if plan.model.source == "config" else "a new task"
         out.append(
-            "random init with no full warm-up: while every weight moves fast, the deferred columns' "
-            "update lands one interval late and overshoots (tiny-llama from scratch: +6.6% loss); "
-            "set zenflow.full_warm_up_rounds to ~10% of the steps, e.g. --set zenflow.full_warm_up_rounds=20")
+            f"zenflow.full_warm_up_rounds=0: the first steps on {start} move every weight fast, and the "
+            "deferred columns' update lands late and overshoots there; --set zenflow.full_warm_up_rounds=20 "
+            "(the default preset) runs them as plain AdamW"
+            + (" (a larger lr-scaled CPU step makes it worse)" if z.deferred_lr_scale != "off" else ""))
     if deferred and z.deferred_lr_scale == "off":
         out.append(
             "zenflow.deferred_lr_scale=off: the non-selected columns take one lr-sized Adam step per "
             "interval instead of one per step, so they learn up to update_interval times slower than "
-            "under AdamW; --set zenflow.deferred_lr_scale=sqrt (the default preset) closes most of the gap")
+            "under AdamW; --set zenflow.deferred_lr_scale=linear (the default preset, with its warm-up)")
     if z.select_strategy != "step":
         out.append(
             f"zenflow.select_strategy={z.select_strategy}: the device columns are chosen once per epoch "
             "(once in all, for runs shorter than an epoch) while the important columns drift; "
-            "--set zenflow.select_strategy=step --set zenflow.select_interval=32 re-chooses them every 32 steps")
+            "--set zenflow.select_strategy=step --set zenflow.select_interval=16 re-chooses them every 16 steps")
     return out
