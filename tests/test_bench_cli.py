@@ -215,6 +215,7 @@ def test_plot_is_a_png(tmp_path):
         (["--json", "no/such/dir/b.json"], "does not exist"),
         (["--plot", "b.pdf"], "must end in .png"),
         (["--max-grad-norm", "0"], "--max-grad-norm"),
+        (["--zenflow", "fast"], "--zenflow 'fast': not a zenflow preset"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(args, needle):
@@ -272,3 +273,14 @@ def test_cuda_events_time_the_step_and_agree_with_the_wall_clock(tmp_path):
         # Events measure the device timeline, the wall clock the host's; over a whole window
         # (one sync at its end) they agree to within the loop's own overhead.
         assert r["step_ms"]["overall"]["mean"] == pytest.approx(r["wall_ms_per_step"], rel=0.25)
+
+
+def test_zenflow_preset_sets_the_keys_the_grid_does_not(tmp_path):
+    """--zenflow PRESET: its selection and correction keys apply, the grid's four knobs still win."""
+    res = invoke("--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--topk", "0.25", "--interval", "2",
+                 "--warmup", "2", "--iterations", "1", "--device", "cpu", "--zenflow", "paper",
+                 "--json", str(tmp_path / "b.json"))
+    assert res.exit_code == 0, res.output
+    base = json.loads((tmp_path / "b.json").read_text())["meta"]["zenflow_base"]
+    assert (base["select_strategy"], base["deferred_lr_scale"]) == ("auto", "off")
+    assert base["topk_ratio"] == 0.1  # the preset's, recorded as given; the grid ran topk 0.25

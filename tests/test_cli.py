@@ -320,3 +320,28 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     exp = zf("export", tmp_path, "--output", tmp_path / "hf", "--force", "--push-to-hub", "me/tiny")
     assert exp.exit_code == 0, exp.output
     assert seen["export"] == (tmp_path, tmp_path / "hf", True, "me/tiny")
+
+
+def test_finetune_warns_once_about_settings_that_lose_accuracy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Result:
+        output_dir, steps, final_train_loss, final_eval_loss, last_checkpoint = tmp_path, 1, 1.0, 1.0, None
+
+    monkeypatch.setattr(zfctl.train, "run", lambda plan, **kw: Result())
+    base = ["finetune", "tiny-llama", "--data", "alpaca-sample", "--output", tmp_path / "o", "--force"]
+    # tiny-llama is random init: the paper's settings hit every rule, each warned exactly once.
+    paper = zf(*base, "--zenflow", "paper")
+    assert paper.exit_code == 0, paper.output
+    for needle in ("full_warm_up_rounds=0: the first steps on random init", "deferred_lr_scale=off",
+                   "select_strategy=auto"):
+        assert paper.stderr.count(needle) == 1, paper.stderr
+    # The rules are about the settings, not the preset's name: fixing each one silences it.
+    fixed = zf(*base, "--zenflow", "paper", "--set", "zenflow.full_warm_up_rounds=10",
+               "--set", "zenflow.deferred_lr_scale=sqrt", "--set", "zenflow.select_strategy=step",
+               "--set", "zenflow.select_interval=32")
+    assert fixed.exit_code == 0 and "warning" not in fixed.stderr, fixed.stderr
+    assert "warning" not in zf(*base).stderr  # the default preset
+    # A scaled CPU step without the warm-up: measured worse than no correction at all.
+    hot = zf(*base, "--set", "zenflow.full_warm_up_rounds=0")
+    assert hot.stderr.count("warning") == 1 and "makes it worse" in hot.stderr, hot.stderr
+    for exact in ("off", "zero-offload"):  # AdamW exactly: nothing to warn about
+        assert "warning" not in zf(*base, "--zenflow", exact).stderr

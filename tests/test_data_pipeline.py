@@ -240,3 +240,21 @@ def test_hub_dataset_fails_fast_when_offline(monkeypatch, tmp_path, tok):
         "data.path='tatsu-lab/alpaca': the Hugging Face hub (https://hub.invalid) cannot be reached"
     )
     assert "alpaca-sample" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_validation_file_by_path_or_by_sibling_name(tmp_path, tok):
+    rows = [{"text": f"doc {i}"} for i in range(6)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    held = write_jsonl(elsewhere / "held.jsonl", rows[:2])
+    # An absolute path to a file in another folder (was a ValueError from pathlib).
+    d = prepare_data(local(train, template="text", validation_split=str(held)), tok, seed=0, cache_dir=tmp_path / "c")
+    assert (len(d.train), len(d.eval)) == (6, 2)
+    write_jsonl(tmp_path / "validation.jsonl", rows[:3])  # a split name: the sibling file
+    d = prepare_data(local(train, template="text", validation_split="validation"), tok, seed=0,
+                     cache_dir=tmp_path / "c")
+    assert len(d.eval) == 3
+    with pytest.raises(ConfigError, match="data.validation_split"):
+        prepare_data(local(train, template="text", validation_split=str(elsewhere / "nope.jsonl")), tok, seed=0,
+                     cache_dir=tmp_path / "c")

@@ -47,6 +47,19 @@ def test_select_period_from_the_epoch_length() -> None:
     assert [s.update_interval for s in stats if s.boundary] == [4, 2, 4, 2]
 
 
+def test_select_period_in_steps_counts_from_the_end_of_warm_up() -> None:
+    # The default preset's refresh (select_strategy step): every 8 steps after W=2 warm-up steps,
+    # with U=4 intervals that line up with it, so no interval is cut short.
+    model = tiny_net()
+    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=4, select_strategy="step", select_interval=8,
+                        full_warm_up_rounds=2)
+    with ZenFlowOptimizer(model.named_parameters(), cfg) as opt:
+        stats = train(model, opt, 20)
+    assert [s.step for s in stats if s.selection] == [2, 10, 18]
+    assert [s.step for s in stats if s.boundary] == [0, 1, 5, 9, 13, 17]
+    assert {s.update_interval for s in stats if s.boundary and not s.warmup} == {4}
+
+
 def test_lifecycle_close_flush_and_closure() -> None:
     model = tiny_net()
     opt = ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(topk_ratio=0.1, update_interval=2))

@@ -18,16 +18,18 @@ from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 LR, B1, B2, EPS, WD, U, R, STEPS = 1e-2, 0.9, 0.999, 1e-6, 0.01, 4, 0.1, 24
 
 
-def adamw(p, g, m, v, count):
+def adamw(p, g, m, v, count, lr=LR, wd=WD):
     """torch.optim.AdamW's formula with a per-element (broadcast) step count."""
-    p.mul_(1 - LR * WD)
+    p.mul_(1 - lr * wd)
     m.lerp_(g, 1 - B1)
     v.mul_(B2).addcmul_(g, g, value=1 - B2)
     bc1, bc2 = 1 - B1**count, 1 - B2**count
-    p.sub_(LR / bc1 * m / (v.sqrt() / bc2.sqrt() + EPS))
+    p.sub_(lr / bc1 * m / (v.sqrt() / bc2.sqrt() + EPS))
 
 
-def reference(overlap: bool) -> dict[str, torch.Tensor]:
+def reference(overlap: bool, host_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """``host_scale``: zenflow.deferred_lr_scale's factor s, stated literally: the CPU step uses
+    lr * s and keeps U steps of decoupled weight decay (lr * s * wd' = U * lr * wd)."""
     model = tiny_net()
     params = dict(model.named_parameters())
     st = {n: {"p": p.detach().clone(), "m": torch.zeros_like(p), "v": torch.zeros_like(p),
@@ -70,7 +72,9 @@ def reference(overlap: bool) -> dict[str, torch.Tensor]:
                 s["host_n"][host] += 1
                 cols = host.nonzero().flatten()
                 pc, mc, vc = s["p"][:, cols], s["m"][:, cols], s["v"][:, cols]
-                adamw(pc, s["acc"][:, cols] / U, mc, vc, s["host_n"][cols])
+                host_lr = LR * host_scale
+                host_wd = WD if host_scale == 1.0 else WD * U / host_scale
+                adamw(pc, s["acc"][:, cols] / U, mc, vc, s["host_n"][cols], lr=host_lr, wd=host_wd)
                 s["p"][:, cols], s["m"][:, cols], s["v"][:, cols] = pc, mc, vc
                 s["acc"].zero_()
                 pending[n] = pc.clone()
@@ -81,19 +85,22 @@ def reference(overlap: bool) -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
-def test_optimizer_matches_the_literal_algorithm(overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "scale"), [(False, "off"), (True, "off"), (True, "sqrt"), (False, "linear")],
+                         ids=["sequential", "overlap", "overlap-sqrt", "sequential-linear"])
+def test_optimizer_matches_the_literal_algorithm(overlap: bool, scale: str) -> None:
     model = tiny_net()
     cfg = ZenFlowConfig(topk_ratio=R, update_interval=U, overlap_step=overlap, select_strategy="step",
-                        select_interval=1000)
+                        select_interval=1000, deferred_lr_scale=scale)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD) as opt:
         for x, y in batches(STEPS):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-    ref = reference(overlap)
+    ref = reference(overlap, host_scale={"off": 1.0, "sqrt": U**0.5, "linear": float(U)}[scale])
     # Not 1e-6: a few elements' interval gradients cancel to ~1e-8 (4 steps of +-5e-4), which
     # amplifies the last-bit differences of two fp32 forward passes; any rule broken (a boundary,
     # the staleness, a counter) moves the result by more than 1e-1, see the last line.
     assert max_rel_err(snapshot(model), ref) <= 2e-4
     assert max_rel_err(reference(not overlap), ref) > 1e-1  # the two modes really differ
+    if scale != "off":  # the correction moved the deferred columns, and only those (see reference)
+        assert max_rel_err(reference(overlap), ref) > 1e-2

@@ -22,7 +22,7 @@ ALL = [p for kind in KINDS for p in list_presets(kind)]
 EXPECTED = {
     "model": {"llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama", "smollm2-135m"},
     "data": {"alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample"},
-    "zenflow": {"default", "aggressive", "zero-offload", "off"},
+    "zenflow": {"default", "paper", "aggressive", "zero-offload", "off"},
 }
 
 
@@ -84,9 +84,15 @@ def test_zenflow_presets_mean_what_they_say() -> None:
         0.1,
         4,
         True,
-        "auto",
-        "auto",
+        "step",
+        16,
     )
+    assert (d.full_warm_up_rounds, d.deferred_lr_scale) == (20, "linear")
+    # paper: the same split, selected once per epoch, no warm-up, uncorrected CPU step
+    p = z["paper"]
+    assert (p.topk_ratio, p.update_interval, p.overlap_step, p.select_strategy, p.select_interval) == (
+        0.1, 4, True, "auto", "auto")
+    assert (p.full_warm_up_rounds, p.deferred_lr_scale) == (0, "off")
     zo = z["zero-offload"]
     assert (zo.topk_ratio, zo.update_interval, zo.overlap_step) == (0.0, 1, False)
     assert z["off"].topk_ratio == 1.0
@@ -156,8 +162,7 @@ def test_wheel_ships_presets_and_native_and_finds_them(tmp_path: Path) -> None:
     code = (
         "from zfctl.resources import presets_root; from zfctl.plan.presets import list_presets; "
         "import zfctl._native as n; "
-        "print(presets_root()); print(len(list_presets('model'))); print(n.__file__.startswith(%r))"
-        % str(site)
+        f"print(presets_root()); print(len(list_presets('model'))); print(n.__file__.startswith({str(site)!r}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
 
 
 def test_presets_shipped():
-    assert {"default", "off", "zero-offload", "aggressive"} <= set(PRESETS)
+    assert {"default", "paper", "off", "zero-offload", "aggressive"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -52,9 +52,13 @@ def test_every_preset_trains(runs, preset):
         assert boundaries == []
     elif z.update_interval == 1:  # zero-offload: a synchronous CPU update every step
         assert boundaries == [1, 2, 3, 4] and all(r["d2h_bytes"] > 0 for r in recs)
-    else:  # ZenFlow: the first CPU update fires at step update_interval
-        assert boundaries == ([z.update_interval] if z.update_interval <= 4 else [])
-        assert all(0 < r["selected_fraction"] < 1 for r in recs)
+    else:  # ZenFlow: W warm-up steps (a synchronous CPU update of every matrix each), selection
+        # at step W+1, then the first CPU update fires update_interval steps after the warm-up
+        w = min(z.full_warm_up_rounds, 4)
+        first = w + z.update_interval
+        assert boundaries == list(range(1, w + 1)) + ([first] if first <= 4 else [])
+        assert all(r["selected_fraction"] == 0 for r in recs[:w])
+        assert all(0 < r["selected_fraction"] < 1 for r in recs[w:])
 
 
 def test_off_and_zero_offload_agree(runs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -57,6 +57,7 @@ class BenchOptions:
     lr: float = 1e-5
     max_grad_norm: float | None = None
     cpu_threads: int = 0
+    zenflow: ZenFlowConfig | None = None  # --zenflow PRESET: the non-grid zenflow.* keys
 
 
 @dataclass
@@ -142,6 +143,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "seed": opts.seed,
         "native_isa": _native_isa(),
         "cpu_threads": opts.cpu_threads,
+        "zenflow_base": asdict(opts.zenflow) if opts.zenflow is not None else None,
         "max_grad_norm": opts.max_grad_norm,
         "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins},
         "model_preset": getattr(opts.model, "name", None),
@@ -159,7 +161,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     if device.type != "cuda" and len(opts.pins) > 1:
         console.print("  note: pin_memory changes nothing without CUDA; pin on/off rows differ only by noise")
 
-    base = ZenFlowConfig(cpu_threads=opts.cpu_threads)
+    base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
     results, rows = [], []
     for i, cfg in enumerate(configs, 1):

@@ -36,6 +36,11 @@ def error_line(message: str) -> None:
     err_console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
 
 
+def warning_line(message: str) -> None:
+    """A yellow ``warning: ...`` line on stderr: the run goes on, but the user should know."""
+    err_console.print(Text(f"warning: {message}", style="yellow"), soft_wrap=True)
+
+
 def note_line(message: str) -> None:
     """One yellow informational line on stderr."""
     err_console.print(Text(f"note: {message}", style="yellow"), soft_wrap=True)

@@ -56,6 +56,19 @@ def _model_config(name: str):
         raise UserError(f"--model {name!r}: {e.fix}") from None
 
 
+def _zenflow_config(name: str):
+    """The typed ZenFlowConfig of a zenflow preset."""
+    from zfctl.offload.config import ZenFlowConfig
+    from zfctl.plan.coerce import section_from_dict
+    from zfctl.plan.presets import find_preset, list_presets
+
+    preset = find_preset("zenflow", name)
+    if preset is None:
+        names = ", ".join(p.name for p in list_presets("zenflow"))
+        raise UserError(f"--zenflow {name!r}: not a zenflow preset; use one of {names}")
+    return section_from_dict(ZenFlowConfig, preset.load()["zenflow"], "zenflow").validate()
+
+
 def bench(
     model: Annotated[
         str | None,
@@ -117,6 +130,15 @@ def bench(
             help="Runs per configuration, each on a fresh model; their steps are pooled.", rich_help_panel=RUN
         ),
     ] = 1,
+    zenflow: Annotated[
+        str | None,
+        typer.Option(
+            help="ZenFlow preset (e.g. default, paper) whose other zenflow.* keys (selection, "
+            "deferred_lr_scale, ...) every configuration starts from; --topk/--interval/--overlap/--pin "
+            "still set those four. Default: the library's ZenFlowConfig() defaults.",
+            rich_help_panel=GRID,
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel=RUN)] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for weights and inputs.", rich_help_panel=RUN)] = 0,
     cpu_threads: Annotated[
@@ -199,6 +221,7 @@ def bench(
 
         require_matplotlib()
     model_cfg = _model_config(model) if model is not None else None
+    zenflow_cfg = _zenflow_config(zenflow) if zenflow is not None else None
 
     from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
     from zfctl.bench.suite import BenchOptions, run_bench
@@ -222,6 +245,7 @@ def bench(
         seed=seed,
         cpu_threads=cpu_threads,
         max_grad_norm=max_grad_norm,
+        zenflow=zenflow_cfg,
     )
     report = run_bench(opts, console)
     print_tables(console, report.rows, report.meta)

@@ -19,6 +19,7 @@ from zfctl.cli._common import (
     console,
     plan_flags,
     resolve_from_cli,
+    warning_line,
 )
 from zfctl.errors import UserError
 
@@ -48,6 +49,7 @@ def finetune(
     Resolution order: model preset < data preset < zenflow preset < --config < --set < flags.
     The resolved plan is printed first and saved as plan.yaml in the output folder.
     """
+    from zfctl.plan.advice import accuracy_warnings
     from zfctl.plan.render import print_plan
     from zfctl.train.dist import PLAN_PRINTED_ENV, dist_env, rank_error, relaunch, under_torchrun, worker_argv
 
@@ -55,6 +57,10 @@ def finetune(
     plan, _ = resolve_from_cli(
         model, data, zenflow, config, set_ or [], plan_flags(output, max_steps, nproc), quiet=not env.is_main
     )
+    if env.is_main and not os.environ.get(PLAN_PRINTED_ENV) and not debug_data:
+        # Once per run: a torchrun relaunch sets PLAN_PRINTED_ENV, so its workers stay quiet.
+        for line in accuracy_warnings(plan):
+            warning_line(line)
     try:
         from zfctl.train import run
     except ImportError:

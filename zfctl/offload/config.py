@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
 from zfctl.errors import ConfigError
+from zfctl.offload.correction import DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
@@ -52,6 +53,14 @@ class ZenFlowConfig:
         True,
         "Run the CPU update in the background while the device keeps training; its result is "
         "installed at the next boundary (exactly one interval stale). Off: the step waits.",
+    )
+    deferred_lr_scale: DeferredLrScale = _f(
+        "off",
+        "Scale the CPU step's learning rate for the n steps a deferred column waited: 'off' = x1 "
+        "(the paper), 'sqrt' = x sqrt(n) (noisy gradients), 'linear' = x n (consistent gradients). "
+        "Adam's step is ~lr whatever the gradient's size, so without it deferred columns move up "
+        "to n times less than under AdamW. Moments and bias correction are unchanged; weight decay "
+        "stays n steps' worth. See zfctl/offload/correction.py.",
     )
     pin_memory: bool = _f(
         True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
@@ -100,6 +109,8 @@ class ZenFlowConfig:
                 f"must be >= update_interval ({self.update_interval}): "
                 "re-selection happens on a CPU-update boundary",
             )
+        if self.deferred_lr_scale not in ("off", "sqrt", "linear"):
+            raise bad("deferred_lr_scale", "use one of off, sqrt, linear")
         for name in ("full_warm_up_rounds", "cpu_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

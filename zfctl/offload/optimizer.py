@@ -15,7 +15,8 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
    accumulated in fp32: ``acc += coef * grad``.
 5. At a boundary (every ``U`` steps, or the auto rule, or the step before a re-selection, or every
    warm-up step) the CPU worker runs AdamW on the host-owned columns with the interval-mean
-   gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step.
+   gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step
+   (times ``zenflow.deferred_lr_scale``'s factor for the steps it stood for, see ``correction``).
    Without ``overlap_step`` (and during warm-up) the step waits for it and installs the result
    (H2D into the model params) at once. With it, the update runs in the background and is
    installed at the next boundary, before the next one is submitted: the non-selected columns are
@@ -53,6 +54,7 @@ from zfctl.errors import ConfigError, UserError
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
+from zfctl.offload.correction import corrected_hyperparams
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
@@ -317,6 +319,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                   eps: float, wd: float) -> None:
         """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
         n = self._interval_len
+        # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
+        # step for them (correction.py; 'off' passes lr and wd through untouched).
+        lr, wd = corrected_hyperparams(self.config.deferred_lr_scale, n, lr, wd)
         update = CpuUpdate(self.host.acc[self._cur], 1.0 / n, self.host.update_groups(),
                            lr, beta1, beta2, eps, wd)
         self._interval_len, self._last_interval = 0, n

@@ -8,7 +8,7 @@ overlap_comm, print cadence) is listed as ignored. Nothing is dropped silently.
 
 Where DeepSpeed's defaults differ from ours, an absent key means what it means in DeepSpeed: a
 `zenflow` block without `overlap_step` runs synchronously and without `update_interval` is
-'auto'; a config with CPU optimizer offload but no `zenflow` block is plain ZeRO-Offload
+'auto', selects once per epoch and never scales the CPU step (`deferred_lr_scale: off`); a config with CPU optimizer offload but no `zenflow` block is plain ZeRO-Offload
 (topk_ratio 0, update_interval 1); a config without optimizer offload keeps everything on the
 device (topk_ratio 1).
 """
@@ -254,6 +254,12 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
         # DeepSpeed's defaults for the keys the block leaves out (ours differ; see module doc).
         out.put("zenflow.overlap_step", False)
         out.put("zenflow.update_interval", "auto")
+        # Selection and warm-up as DeepSpeed does them, and its uncorrected CPU step (zfctl's
+        # default preset changes these; a DeepSpeed config should run as it does there).
+        out.put("zenflow.select_strategy", "auto")
+        out.put("zenflow.select_interval", "auto")
+        out.put("zenflow.full_warm_up_rounds", 0)
+        out.put("zenflow.deferred_lr_scale", "off")
         for key, value in zf.items():
             if key in _ZENFLOW_KEYS:
                 out.put(f"zenflow.{key}", value)

@@ -88,14 +88,15 @@ def resolve(cfg: DataConfig) -> DataSource:
     val = None
     if cfg.validation_split:  # for a single file: a second file, or a sibling named after the split
         given = Path(cfg.validation_split).expanduser()
-        sibling = path.with_name(cfg.validation_split + path.suffix)
-        val = given if given.is_file() else sibling if sibling.is_file() else None
+        # A split *name* ("validation") may be a sibling file; a path ("/x/eval.jsonl") never is.
+        sibling = path.with_name(given.name + path.suffix) if given.name == cfg.validation_split else None
+        val = given if given.is_file() else sibling if sibling is not None and sibling.is_file() else None
         if val is None:
             raise ConfigError(
                 "data.validation_split",
                 cfg.validation_split,
-                f"no such file (nor {sibling}); give an eval file, or null to hold out "
-                "data.validation_fraction of the training records",
+                f"no such file{f' (nor {sibling})' if sibling is not None else ''}; give an eval file, or "
+                "null to hold out data.validation_fraction of the training records",
             )
         _check_suffix(val, "data.validation_split")
     return DataSource("files", str(path), val and str(val))

@@ -1,0 +1,302 @@
+"""Accuracy harness: does ZenFlow learn as fast as AdamW per step when fine-tuning a pretrained model?
+
+    OMP_NUM_THREADS=1 python scripts/accuracy.py                      # the table (tiny base, CPU)
+    OMP_NUM_THREADS=1 python scripts/accuracy.py --variant sel16=paper+zenflow.select_strategy=step \\
+        +zenflow.select_interval=16 --variant adamw=off                # a study: any preset + --set keys
+    python scripts/accuracy.py --model smollm2-135m --steps 100 --tasks instruct,sst2  # optional extra
+
+Everything goes through the real engine (``zfctl.plan.resolve_plan`` + ``zfctl.train.run``, the
+code path of ``zfctl finetune``), same seed, same batches, same steps for every variant.
+
+1. A small *pretrained* base, made once and cached (``<cache>/base-*``): tiny-llama trained from
+   random init with plain AdamW (``--zenflow off``) as a plain causal LM on the number/date/fact
+   half of the shipped alpaca sample plus the sst2-sample training sentences (no labels), then
+   exported (``zfctl export``). ``--model smollm2-135m`` skips this (it is pretrained already).
+2. Fine-tuning tasks the base has not seen, built from the shipped samples into ``<cache>/data``:
+   ``instruct``: the word/string half of the alpaca sample (reversal, sorting words, case,
+   letters, counting words), instruction template, loss on the response; ``text``: the same
+   unseen records as plain text (causal LM on every token); ``sst2``: sst2-sample
+   classification (the label word after a prompt the base never saw), scored by accuracy too
+   (the label word with the higher log-likelihood).
+3. Per task and variant: eval loss at fixed steps (the loop's own evaluation, from
+   ``metrics.jsonl``; the last one after the final CPU update is installed), the final gap to the
+   first variant in %, the mean step time, and for ``sst2`` the validation accuracy of the final
+   weights (the checkpoint with its in-flight CPU update installed, as ``zfctl export`` does).
+
+Variants are ``LABEL=PRESET[+KEY=VALUE...]``: a zenflow preset plus ``--set``-style overrides. The
+first variant is the reference for the gap column. Runs live under ``<cache>/runs`` (replaced on
+every call); the cache folder (default ``.zfctl-cache/accuracy``) is git-ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+import transformers
+
+from zfctl.plan import resolve_plan
+from zfctl.resources import presets_root
+from zfctl.train.data_templates import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, CLASSIFICATION_PROMPT
+
+DEFAULT_VARIANTS = ["adamw=off", "paper=paper", "default=default"]
+TASKS = ("instruct", "text", "sst2")
+# The fine-tuning half of the alpaca sample: word and string manipulation. The rest (arithmetic,
+# comparisons, dates, fictional facts) is the base's pre-training corpus.
+_WORD_TASKS = re.compile(r"^(Reverse the|Sort the words|Convert the text|Convert snake_case|Convert the words"
+                         r"|What is the (first|last) letter|How many (letters|words|times does the letter))")
+BASE = {  # tiny-llama pre-training: enough to learn the embedded tokenizer's English and the formats
+    "steps": 200, "lr": 3e-3, "micro_batch_size": 16, "max_length": 96, "warmup_steps": 20,
+}
+
+
+@dataclass
+class Result:
+    task: str
+    variant: str
+    evals: dict[int, float]  # step -> eval loss
+    ms_per_step: float
+    wall_s: float
+    accuracy: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def final(self) -> float:
+        return self.evals[max(self.evals)]
+
+
+# -- data ------------------------------------------------------------------------------------------
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    """Write ``rows`` as JSONL unless the file already holds them; atomically (harnesses may share a cache)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _as_text(rec: dict) -> str:
+    """An alpaca record as the plain text the instruction template would show, answer included."""
+    fmt = ALPACA_PROMPT if rec.get("input", "").strip() else ALPACA_PROMPT_NO_INPUT
+    return fmt.format(instruction=rec["instruction"], input=rec.get("input", "")) + rec["output"]
+
+
+def build_data(cache: Path) -> dict[str, Path]:
+    """The base corpus and the task files, derived from the shipped samples (deterministic)."""
+    samples = presets_root() / "samples"
+    out: dict[str, Path] = {}
+    for split in ("train", "validation"):
+        alpaca = _records(samples / "alpaca-sample" / f"{split}.jsonl")
+        sst2 = _records(samples / "sst2-sample" / f"{split}.jsonl")
+        words = [r for r in alpaca if _WORD_TASKS.match(r["instruction"])]
+        rest = [r for r in alpaca if not _WORD_TASKS.match(r["instruction"])]
+        base = [{"text": _as_text(r)} for r in rest] + [{"text": r["sentence"]} for r in sst2]
+        out[f"base-{split}"] = _write(cache / "data" / f"base-{split}.jsonl", base)
+        out[f"instruct-{split}"] = _write(cache / "data" / f"instruct-{split}.jsonl", words)
+        out[f"text-{split}"] = _write(cache / "data" / f"text-{split}.jsonl", [{"text": _as_text(r)} for r in words])
+    return out
+
+
+def task_data(task: str, files: dict[str, Path]) -> tuple[str, list[str]]:
+    """(--data argument, --set overrides) for one task."""
+    if task == "sst2":
+        return "sst2-sample", ["data.max_length=64"]
+    template = "alpaca" if task == "instruct" else "text"
+    return str(files[f"{task}-train"]), [f"data.template={template}",
+                                         f"data.validation_split={files[f'{task}-validation']}", "data.max_length=64"]
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def _train(model: str, data: str, preset: str, overrides: list[str], out: Path, log: Path):
+    """One `zfctl finetune`, in this process, its console output into ``log``."""
+    from zfctl.train import run
+
+    plan = resolve_plan(model, data, zenflow=preset, overrides=[*overrides, f"checkpoint.output_dir={out}"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w", encoding="utf-8") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        return run(plan, force=True)
+
+
+def ensure_base(cache: Path, files: dict[str, Path], seed: int) -> Path:
+    """The pre-trained tiny-llama folder, trained and exported on the first call only."""
+    from zfctl.train.export import export  # the function (the package attribute can be the module)
+
+    key = hashlib.sha256(json.dumps({**BASE, "seed": seed, "data": files["base-train"].read_text()},
+                                    sort_keys=True).encode()).hexdigest()[:10]
+    folder = cache / f"base-tiny-llama-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    print(f"pre-training the base once ({BASE['steps']} AdamW steps; cached in {folder}) ...", flush=True)
+    t0 = time.perf_counter()
+    run_dir = cache / "runs" / "base"
+    overrides = ["data.template=text", f"data.validation_split={files['base-validation']}",
+                 f"data.max_length={BASE['max_length']}", f"train.max_steps={BASE['steps']}",
+                 f"train.lr={BASE['lr']}", f"train.micro_batch_size={BASE['micro_batch_size']}",
+                 f"train.warmup_steps={BASE['warmup_steps']}", f"train.seed={seed}", "train.eval_every=0",
+                 "checkpoint.every=0", "checkpoint.keep_last=1", "logging.every=50", "train.device=cpu"]
+    result = _train("tiny-llama", str(files["base-train"]), "off", overrides, run_dir, run_dir.parent / "base.log")
+    export(result.output_dir, folder, force=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"base: eval loss {result.final_eval_loss:.4f} after {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder
+
+
+def finetune(model: str, task: str, label: str, spec: str, files: dict[str, Path], args) -> Result:
+    """Fine-tune ``model`` on ``task`` under variant ``spec``; eval losses, step time, accuracy."""
+    preset, *sets = spec.split("+")
+    data, data_sets = task_data(task, files)
+    out = args.cache / "runs" / task / label
+    overrides = [*data_sets, f"train.max_steps={args.steps}", f"train.lr={args.lr}",
+                 f"train.micro_batch_size={args.batch}", f"train.warmup_steps={args.warmup}",
+                 "train.schedule=cosine", "train.weight_decay=0.0", "train.max_grad_norm=1.0",
+                 f"train.eval_every={args.eval_every}", f"train.eval_batches={args.eval_batches}",
+                 f"train.seed={args.seed}", "train.precision=fp32", f"train.device={args.device}",
+                 "checkpoint.every=0", "checkpoint.keep_last=1", f"logging.every={args.steps}",
+                 f"zenflow.cpu_threads={args.threads}", *sets]
+    t0 = time.perf_counter()
+    result = _train(model, data, preset, overrides, out, out.parent / f"{label}.log")
+    wall = time.perf_counter() - t0
+    evals, step_ms = {}, []
+    for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "eval":
+            evals[int(rec["step"])] = float(rec["eval_loss"])
+        elif rec.get("kind") == "train" and rec["step"] > 2:  # the first steps include warm-up effects
+            step_ms.append(float(rec["step_ms"]))
+    res = Result(task, label, evals, sum(step_ms) / max(1, len(step_ms)), wall)
+    if task == "sst2":
+        res.accuracy = sst2_accuracy(result.output_dir, out / "final")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out / "final", ignore_errors=True)
+    return res
+
+
+@torch.no_grad()
+def sst2_accuracy(run_dir: Path, export_dir: Path) -> float:
+    """Accuracy on sst2-sample's validation split: the label word with the higher log-likelihood."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zfctl.train.data_templates import Rendered, tokenize
+    from zfctl.train.export import export  # the function (the package attribute can be the module)
+
+    export(run_dir, export_dir, force=True)  # the final weights: in-flight CPU update installed
+    model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    tok = AutoTokenizer.from_pretrained(export_dir)
+    rows = _records(presets_root() / "samples" / "sst2-sample" / "validation.jsonl")
+    scores = []
+    for word in ("negative", "positive"):
+        rendered = [Rendered(i, CLASSIFICATION_PROMPT.format(text=r["sentence"]), word, "label")
+                    for i, r in enumerate(rows)]
+        seqs = list(tokenize(rendered, tok, "sst2"))
+        scores.append(torch.tensor([_loglik(model, ids, labels) for ids, labels in seqs]))
+    pred = (scores[1] > scores[0]).long()
+    gold = torch.tensor([int(r["label"]) for r in rows])
+    return float((pred == gold).float().mean())
+
+
+def _loglik(model, ids: list[int], labels: list[int]) -> float:
+    x = torch.tensor([ids])
+    logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
+    y = torch.tensor(labels[1:])
+    keep = y != -100
+    return float(logp[keep].gather(1, y[keep, None]).sum())
+
+
+# -- report ----------------------------------------------------------------------------------------
+def table(results: list[Result], ref_label: str) -> str:
+    """Markdown: one row per task x variant; eval loss at each step, gap of the final to the reference."""
+    lines = []
+    for task in dict.fromkeys(r.task for r in results):
+        rows = [r for r in results if r.task == task]
+        steps = sorted(set().union(*(r.evals for r in rows)))
+        ref = next((r for r in rows if r.variant == ref_label), rows[0])
+        head = ["task", "variant", *(f"@{s}" for s in steps), "gap", "ms/step"] + (["acc"] if task == "sst2" else [])
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            gap = 100 * (r.final - ref.final) / ref.final
+            cells = [task, r.variant, *(f"{r.evals[s]:.4f}" if s in r.evals else "-" for s in steps),
+                     f"{gap:+.1f}%", f"{r.ms_per_step:.0f}"]
+            if task == "sst2":
+                cells.append(f"{100 * r.accuracy:.1f}%" if r.accuracy is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama",
+                   help="tiny-llama (pre-trained here once, cached) or a pretrained preset/folder, e.g. smollm2-135m")
+    p.add_argument("--variant", action="append", default=None, metavar="LABEL=PRESET[+KEY=VALUE...]",
+                   help=f"repeatable; default: {' '.join(DEFAULT_VARIANTS)}; the first is the gap's reference")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--steps", type=int, default=80, help="fine-tuning steps per run")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning peak lr (tiny base); 5e-5 suits smollm2")
+    p.add_argument("--batch", type=int, default=8, help="micro-batch size (one micro-batch per step)")
+    p.add_argument("--warmup", type=int, default=5, help="LR warm-up steps")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1, help="torch and CPU-Adam threads (shared machines: 1)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "auto", "cuda"])
+    p.add_argument("--cache", type=Path, default=REPO / ".zfctl-cache" / "accuracy")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    args = p.parse_args(argv)
+    variants = args.variant or DEFAULT_VARIANTS
+    tasks = [t for t in args.tasks.split(",") if t]
+    if bad := [t for t in tasks if t not in TASKS]:
+        p.error(f"--tasks: unknown {', '.join(bad)}; use {', '.join(TASKS)}")
+    parsed = []
+    for v in variants:
+        label, sep, spec = v.partition("=")
+        if not sep or not label or not spec:
+            p.error(f"--variant {v!r}: use LABEL=PRESET[+KEY=VALUE...], e.g. sel16=paper+zenflow.select_interval=16")
+        parsed.append((label, spec))
+
+    transformers.utils.logging.disable_progress_bar()  # one line per run is enough
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    t0 = time.perf_counter()
+    files = build_data(args.cache)
+    model = str(ensure_base(args.cache, files, args.seed)) if args.model == "tiny-llama" else args.model
+    results: list[Result] = []
+    for task in tasks:
+        for label, spec in parsed:
+            r = finetune(model, task, label, spec, files, args)
+            results.append(r)
+            acc = f"  acc {100 * r.accuracy:.1f}%" if r.accuracy is not None else ""
+            print(f"{task:8s} {label:16s} final eval loss {r.final:.4f}{acc}  ({r.wall_s:.0f} s)", flush=True)
+    print()
+    print(table(results, parsed[0][0]))
+    total = time.perf_counter() - t0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    print(f"harness wall time {total:.0f} s (load average at the end {load:.2f}); model {model}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
+                                         "wall_s": total, "results": [r.__dict__ for r in results]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Settings known to cost accuracy: the warnings `zfctl finetune` prints once before training.
+
+Each rule is a measured finding (README, section Accuracy; scripts/accuracy.py reproduces the
+numbers), not a guess: a run that matches one still trains, it just learns less per step than
+AdamW would. Pure functions of the plan, so `zfctl plan` and tests can ask too.
+"""
+
+from __future__ import annotations
+
+from zfctl.plan.schema import RunPlan
+
+
+def accuracy_warnings(plan: RunPlan) -> list[str]:
+    """One line per setting of ``plan`` known to lose accuracy against AdamW at equal steps."""
+    z = plan.zenflow
+    if not 0.0 < float(z.topk_ratio) < 1.0:  # off (all device) or zero-offload: AdamW exactly
+        return []
+    out = []
+    deferred = z.update_interval == "auto" or int(z.update_interval) > 1
+    if z.full_warm_up_rounds == 0 and deferred:
+        start = "random init" if plan.model.source == "config" else "a new task"
+        out.append(
+            f"zenflow.full_warm_up_rounds=0: the first steps on {start} move every weight fast, and the "
+            "deferred columns' update lands late and overshoots there; --set zenflow.full_warm_up_rounds=20 "
+            "(the default preset) runs them as plain AdamW"
+            + (" (a larger lr-scaled CPU step makes it worse)" if z.deferred_lr_scale != "off" else ""))
+    if deferred and z.deferred_lr_scale == "off":
+        out.append(
+            "zenflow.deferred_lr_scale=off: the non-selected columns take one lr-sized Adam step per "
+            "interval instead of one per step, so they learn up to update_interval times slower than "
+            "under AdamW; --set zenflow.deferred_lr_scale=linear (the default preset, with its warm-up)")
+    if z.select_strategy != "step":
+        out.append(
+            f"zenflow.select_strategy={z.select_strategy}: the device columns are chosen once per epoch "
+            "(once in all, for runs shorter than an epoch) while the important columns drift; "
+            "--set zenflow.select_strategy=step --set zenflow.select_interval=16 re-chooses them every 16 steps")
+    return out
