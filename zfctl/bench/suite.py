@@ -175,7 +175,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
             device=device,
             opt_kwargs=opt_kwargs,
         )
-        row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens)
+        row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens,
+                        n_params=n_params)
         results.append(res)
         rows.append(row)
         _progress(console, i, len(configs), cfg, row)
@@ -188,6 +189,6 @@ def _progress(console: Console, i: int, n: int, cfg: BenchConfig, row: dict[str,
     console.print(
         f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
         f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
-        f"stall {100 * (row['stall_fraction'] or 0):.1f}%"
+        f"stall {100 * (row['stall_fraction'] or 0):.1f}%, GPU busy {100 * (row['gpu_busy_fraction'] or 0):.1f}%"
         + (f", {row['n_skipped']} fp16 overflow steps skipped" if row["n_skipped"] else "")
     )

@@ -150,6 +150,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
         self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
+        # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
+        self._host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self._chunks)
 
     # -- the public loop API ------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -164,6 +166,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if self.last_stats is not None:
+            self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
         t, group = self._t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         warm = t < self._warmup
@@ -183,9 +187,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
         # 2. Selection: drain the CPU pipeline, choose columns, migrate their state.
         if self._selection_due(t):
+            c = time.perf_counter()
             self._collect(stats)
             self._select(grads, stats)
             stats.selection = True
+            stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
 
         # Host scalars start their D2H now, ordered before the device update below.
         scalars = self._start_scalars(norm, coef, grads, warm) if self.host is not None else None
@@ -195,8 +201,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._device.load_grads(self._params, coef, self._selected)
         self._device.step(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, selected=self._selected)
         self._device.write_params(self._params, self._selected)
-        device_clock = t0.stop()
+        t0.stop(stats)
 
+        # Everything from here on is host work the device does not overlap with: stall.
+        tail = time.perf_counter()
         host_norm = None
         if self.host is not None:
             # 4. The rest of the gradient goes to the host and is accumulated in fp32.
@@ -206,6 +214,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.host.acc[self._cur],
                                                  host_coef, self._accumulate)
             stats.d2h_bytes += 4 * len(values)
+            stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             stats.offload_ms = (time.perf_counter() - c) * 1e3
             self._interval_len += 1
             # 5. Boundary: hand the interval to the CPU worker.
@@ -215,9 +224,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             elif self._policy.auto and self._selected:
                 self._observe(masses, host_coef)
 
-        stats.device_opt_ms = device_clock()
-        if norm is not None:
-            stats.grad_norm = host_norm if host_norm is not None else float(norm.item())  # r=1: a sync
+        if host_norm is not None:
+            stats.grad_norm = host_norm
+        elif norm is not None:  # topk 1: nothing synced yet; read the norm one step late on CUDA
+            stats.defer(lambda st, norm=norm: setattr(st, "grad_norm", float(norm.item())))
+            if self.device.type != "cuda":
+                stats.resolve()
+        stats.stall_ms += (time.perf_counter() - tail) * 1e3
         if self._scaler is not None:
             self._scaler.update(overflow=False)
         stats.update_interval = self._last_interval
@@ -322,6 +335,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._interval_len, self._last_interval = 0, n
         self._policy.reset()
         stats.boundary = True
+        # CPU AdamW: master, moments read+written (24 B), acc read and zeroed (8 B), upload written.
+        upload = self.host.upload.element_size() if self.host.upload is not None else 0
+        stats.host_bytes += self._host_elems * (32 + upload)
         if self.config.overlap_step and not warm:
             self._collect(stats)  # install the previous interval's update (one interval stale) ...
             self._worker.submit(update)  # ... then start this one in the background
@@ -333,9 +349,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _collect(self, stats: StepStats) -> None:
         """Wait for an in-flight CPU update (stall) and install any finished one into the model."""
         if self._worker is not None and self._worker.busy:
-            t0 = time.perf_counter()
-            stats.cpu_step_ms = self._worker.wait()
-            stats.stall_ms += (time.perf_counter() - t0) * 1e3
+            stats.cpu_step_ms = self._worker.wait()  # a wait: the caller counts it as stall
             self._pending_install = True
         if self._pending_install:
             src = self.host.upload if self.host.upload is not None else self.host.master
@@ -378,17 +392,18 @@ class _Clock:
         else:
             self.t0 = time.perf_counter()
 
-    def stop(self):
+    def stop(self, stats: StepStats) -> None:
+        """Set ``stats.device_opt_ms``: now on CPU, at ``stats.resolve()`` on CUDA (no sync here)."""
         if not self.cuda:
-            ms = (time.perf_counter() - self.t0) * 1e3
-            return lambda: ms
+            stats.device_opt_ms = (time.perf_counter() - self.t0) * 1e3
+            return
         self.end.record()
 
-        def read() -> float:
-            self.end.synchronize()  # sync point; with offload the step already waited past it
-            return self.start.elapsed_time(self.end)
+        def read(st: StepStats) -> None:
+            self.end.synchronize()  # a sync only if resolved before the device got here
+            st.device_opt_ms = self.start.elapsed_time(self.end)
 
-        return read
+        stats.defer(read)
 
 
 def _named_params(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:

@@ -194,6 +194,8 @@ def train(x: LoopInputs) -> LoopResult:
             loss, step_tokens, votes = _all_reduce_sum(
                 [float(step_loss), float(n_tokens), float(stop.requested)], x.device, x.world_size)
             loss, step_tokens, stopping = loss / x.world_size, int(step_tokens), votes > 0
+            if hasattr(stats, "resolve"):  # StepStats' device timings: read after the sync above, free
+                stats.resolve()
             tokens_seen += step_tokens
             step_ms = (time.perf_counter() - t_step) * 1e3
 
@@ -204,6 +206,8 @@ def train(x: LoopInputs) -> LoopResult:
                        "tokens_per_s": step_tokens / max(step_ms, 1e-6) * 1e3,
                        "step_ms": step_ms, "compute_ms": timer.ms(),
                        "device_opt_ms": stats.device_opt_ms, "stall_ms": stats.stall_ms,
+                       # share of the step the device had work: fwd/bwd + device optimizer
+                       "gpu_busy": min(1.0, (timer.ms() + stats.device_opt_ms) / max(step_ms, 1e-6)),
                        "cpu_step_ms": stats.cpu_step_ms, "boundary": stats.boundary,
                        "selection": stats.selection, "warmup": stats.warmup,
                        "skipped": stats.skipped, "selected_fraction": stats.selected_fraction,
