@@ -79,3 +79,16 @@ class HostState:
             groups.append((int(value) + 1, runs))
         self.steps[host] += 1
         return groups
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master, moments and counters (copies). Accumulators and the upload buffer belong to the
+        pipeline's state (which one is live depends on its counters); ``device_owned`` follows
+        from the selection."""
+        return {k: getattr(self, k).clone() for k in self.STATE_KEYS}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for k in self.STATE_KEYS:
+            getattr(self, k).copy_(sd[k])

@@ -41,6 +41,7 @@ Choices the algorithm leaves open, made here:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -51,6 +52,7 @@ from typing_extensions import Self
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_adam import DeviceAdam
@@ -64,11 +66,12 @@ from zfctl.offload.partition import (
     partition_layout,
     share_installed,
 )
+from zfctl.offload.pipeline import Pipeline
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
-from zfctl.offload.worker import CpuUpdate, CpuWorker
+from zfctl.offload.worker import CpuUpdate
 
 
 class ZenFlowOptimizer(torch.optim.Optimizer):
@@ -108,15 +111,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       min_interval=config.auto_min_interval,
                                       max_interval=config.auto_max_interval)
         self.host: HostState | None = None
-        self._worker: CpuWorker | None = None
         if self._host_slots:
             self._setup_host()
-
-        self._t = 0  # optimizer steps taken (skipped fp16 steps excluded)
-        self._interval_len = 0  # steps accumulated in the current interval
-        self._last_interval = 0 if self._policy.auto else self._policy.fixed
-        self._cur = 0  # which accumulator the main thread fills
-        self._pending_install = False  # a finished CPU update waits to be copied into the model
+        # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
+        self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
+        if self.pipeline.worker is not None:
+            self._accumulate = self.pipeline.worker.native.accumulate
+            if config.cpu_threads:
+                self.pipeline.worker.native.set_num_threads(config.cpu_threads)
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -129,10 +131,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         itemsize = dtype.itemsize
         self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
                               upload_dtype=None if dtype == torch.float32 else dtype)
-        self._worker = CpuWorker(self.host)
-        self._accumulate = self._worker.native.accumulate
-        if self.config.cpu_threads:
-            self._worker.native.set_num_threads(self.config.cpu_threads)
         # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
         want = int(self.config.ring_slot_mb * 2**20)
         biggest = max(self._host_slots, key=lambda s: s.rows)
@@ -168,7 +166,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 closure()
         if self.last_stats is not None:
             self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
-        t, group = self._t, self.param_groups[0]
+        t, group = self.pipeline.t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
@@ -211,15 +209,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
             c = time.perf_counter()
-            stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.host.acc[self._cur],
+            stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
                                                  host_coef, self._accumulate)
             stats.d2h_bytes += 4 * len(values)
             stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             stats.offload_ms = (time.perf_counter() - c) * 1e3
-            self._interval_len += 1
             # 5. Boundary: hand the interval to the CPU worker.
-            force = warm or self._selection_due(t + 1)
-            if self._policy.is_boundary(self._interval_len, force):
+            if self.pipeline.close_step(force=warm or self._selection_due(t + 1)):
                 self._boundary(stats, warm, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
             elif self._policy.auto and self._selected:
                 self._observe(masses, host_coef)
@@ -233,23 +229,22 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
         if self._scaler is not None:
             self._scaler.update(overflow=False)
-        stats.update_interval = self._last_interval
+        stats.update_interval = self.pipeline.last_interval
         stats.selected_fraction = self._selected_fraction()
-        self._t += 1
+        self.pipeline.advance()
         self.last_stats = stats
         return stats
 
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
-        if self._worker is not None:
-            self._collect(StepStats(step=self._t))
+        if self.host is not None:
+            self._collect(StepStats(step=self.pipeline.t))
 
     def close(self) -> None:
         """Stop the CPU worker (after finishing its update, not installed). Idempotent."""
         if not self._closed:
             self._closed = True
-            if self._worker is not None:
-                self._worker.close()
+            self.pipeline.close()
 
     def __enter__(self) -> Self:
         return self
@@ -329,37 +324,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
                   eps: float, wd: float) -> None:
         """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
-        n = self._interval_len
-        update = CpuUpdate(self.host.acc[self._cur], 1.0 / n, self.host.update_groups(),
-                           lr, beta1, beta2, eps, wd)
-        self._interval_len, self._last_interval = 0, n
-        self._policy.reset()
-        stats.boundary = True
+        acc = self.pipeline.acc
+        n = self.pipeline.end_interval()
+        update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(), lr, beta1, beta2, eps, wd)
         # CPU AdamW: master, moments read+written (24 B), acc read and zeroed (8 B), upload written.
         upload = self.host.upload.element_size() if self.host.upload is not None else 0
         stats.host_bytes += self._host_elems * (32 + upload)
-        if self.config.overlap_step and not warm:
-            self._collect(stats)  # install the previous interval's update (one interval stale) ...
-            self._worker.submit(update)  # ... then start this one in the background
-            self._cur = (self._cur + 1) % len(self.host.acc)
-        else:
-            self._worker.submit(update)
-            self._collect(stats)
+        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm)
 
     def _collect(self, stats: StepStats) -> None:
         """Wait for an in-flight CPU update (stall) and install any finished one into the model."""
-        if self._worker is not None and self._worker.busy:
-            stats.cpu_step_ms = self._worker.wait()  # a wait: the caller counts it as stall
-            self._pending_install = True
-        if self._pending_install:
-            src = self.host.upload if self.host.upload is not None else self.host.master
-            stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
-            # Whole column ranges were written: put the device-owned columns back.
-            self._device.write_params(self._params, self._selected, only=self._selectable)
-            if self._part is not None:  # each owner's columns to every rank (a collective)
-                stats.comm_bytes += share_installed(self._part, self.layout, self._params)
-            stats.installed = True
-            self._pending_install = False
+        self.pipeline.collect(stats)
+
+    def _install(self, stats: StepStats) -> None:
+        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        src = self.host.upload if self.host.upload is not None else self.host.master
+        stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
+        # Whole column ranges were written: put the device-owned columns back.
+        self._device.write_params(self._params, self._selected, only=self._selectable)
+        if self._part is not None:  # each owner's columns to every rank (a collective)
+            stats.comm_bytes += share_installed(self._part, self.layout, self._params)
 
     def _selected_fraction(self) -> float:
         mats = self.layout.matrices
@@ -370,15 +354,38 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
-        from zfctl.offload.checkpoint import optimizer_state
-
-        return optimizer_state(self)
+        return pack_state(
+            names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
+            param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            partition=self._partition_info(), selected=self._selected, pipeline=self.pipeline.state_dict(),
+            device=self._device.state_dict(), host=self.host.state_dict() if self.host is not None else None,
+            scaler=self._scaler.state_dict() if self._scaler is not None else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio."""
-        from zfctl.offload.checkpoint import load_optimizer_state
+        check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
+                    topk_ratio=self.config.topk_ratio, partition=self._partition_info())
+        parts = unpack_state(state_dict)
+        for group, saved in zip(self.param_groups, parts["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.pipeline.load_state_dict(parts["pipeline"])
+        self._selected = parts["selected"]
+        self._device.load_state_dict(parts["device"])
+        if self.host is not None:
+            self.host.load_state_dict(parts["host"])
+            self.host.device_owned.zero_()
+            for s in self._selectable:
+                if self._device.index[s.index] is not None:
+                    self.host.set_device_owned(s, self._device.index[s.index])
+            self._refresh_chunks()
+        if self._scaler is not None and parts["scaler"] is not None:
+            self._scaler.load_state_dict(parts["scaler"])
 
-        load_optimizer_state(self, state_dict)
+    def _partition_info(self) -> dict[str, Any]:
+        """Which slice of the host state this optimizer holds (one process: all of it)."""
+        if self._part is None:
+            return {"world_size": 1, "rank": 0}
+        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds)}
 
 
 class _Clock:
