@@ -87,7 +87,9 @@ def run_trial(
     clock = clock_for(device)
     with ZenFlowOptimizer(list(module.named_parameters()), zf, **opt_kwargs) as opt:
         for i in range(warmup):
-            opt.scale_loss(loss_fn(module, batches[i])).backward()
+            loss = loss_fn(module, batches[i])
+            opt.prepare_backward(final=True)  # gradients stream to the host during backward
+            opt.scale_loss(loss).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         device_sync(device)
@@ -98,6 +100,7 @@ def run_trial(
             m0 = clock.mark()
             loss = loss_fn(module, batches[i])
             m1 = clock.mark()
+            opt.prepare_backward(final=True)
             opt.scale_loss(loss).backward()
             m2 = clock.mark()
             st = opt.step()

@@ -53,6 +53,11 @@ class ZenFlowConfig:
         "Run the CPU update in the background while the device keeps training; its result is "
         "installed at the next boundary (exactly one interval stale). Off: the step waits.",
     )
+    stream_grads: bool = _f(
+        True,
+        "Copy the non-selected gradient columns to the host during the last backward of a step "
+        "(gradient hooks; the training loop announces that backward) instead of inside step().",
+    )
     pin_memory: bool = _f(
         True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
     )
@@ -104,7 +109,7 @@ class ZenFlowConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
-        for name in ("overlap_step", "pin_memory"):
+        for name in ("overlap_step", "pin_memory", "stream_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         if isinstance(self.auto_ratio, bool) or not isinstance(self.auto_ratio, (int, float)) or not 0 < self.auto_ratio <= 1:

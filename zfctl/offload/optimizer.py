@@ -62,6 +62,7 @@ from zfctl.offload.partition import (
     OwnedRows,
     Partition,
     average_gradients,
+    average_one,
     group_info,
     partition_layout,
     share_installed,
@@ -71,6 +72,7 @@ from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
+from zfctl.offload.stream import GradStream
 from zfctl.offload.worker import CpuUpdate
 
 
@@ -115,10 +117,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
+        self._stream: GradStream | None = None
+        self._fence = None  # the hook path's accumulation the next CPU update must wait for
         if self.pipeline.worker is not None:
             self._accumulate = self.pipeline.worker.native.accumulate
             if config.cpu_threads:
                 self.pipeline.worker.native.set_num_threads(config.cpu_threads)
+            if config.stream_grads:
+                self._stream = self._make_stream()
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -145,6 +151,25 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._itemsize = itemsize
         self._refresh_chunks()
 
+    def _make_stream(self) -> GradStream:
+        """The hook path (stream.py): a landing buffer pair and the accumulation thread."""
+        dtype = self._params[self._host_slots[0].index].dtype
+        ring_bytes = self.config.ring_slots * self._d2h.slot_bytes
+        # Device temporaries in flight: 4x the ring (512 MiB by default: a few layers' matrices of
+        # a 1B model, drained in ~10 ms at 50 GB/s), so the hooks rarely wait; never more than
+        # the host-path gradient itself.
+        budget = min(4 * ring_bytes, self.layout.host_numel * self._itemsize)
+        average = None
+        if self._part is not None:
+            group, world = self.process_group, self.world_size
+
+            def average(g: torch.Tensor) -> int:
+                return average_one(g, group, world)
+
+        return GradStream(self._params, self._host_slots, numel=self.layout.host_numel, dtype=dtype,
+                          device=self.device, pin_memory=self.config.pin_memory, budget_bytes=max(budget, 1),
+                          accumulate=self._accumulate, average=average)
+
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
         self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
@@ -155,6 +180,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self._scaler.scale if self._scaler is not None else loss
+
+    def prepare_backward(self, final: bool = True) -> None:
+        """Announce the next backward: ``final=True`` if it is the last of this optimizer step
+        (its gradients are then final and leave for the host during it, see stream.py); False
+        for the earlier micro-batches of a gradient-accumulation window. Optional: without it,
+        step() moves the gradients itself. Call ``step()`` after that backward."""
+        if self._stream is None:
+            return
+        t = self.pipeline.t
+        if not final or self._selection_due(t):  # a selection re-plans the chunks: step() path
+            self._stream.disarm()
+            return
+        known = 1.0 if self.max_grad_norm is None and self._scaler is None else None
+        self._stream.arm(self._chunks, self.pipeline.acc, known)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -170,15 +209,21 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
+        streamed = self._stream is not None and self._stream.armed
         if self._part is not None:
-            # 0. Data parallel: every rank continues with the same averaged gradient (a collective).
-            stats.comm_bytes += average_gradients(self._params, self.process_group, self.world_size)
+            # 0. Data parallel: every rank continues with the same averaged gradient (a collective;
+            #    the gradient hooks already averaged the matrices they streamed).
+            done = self._stream.averaged if streamed else set()
+            rest = [p for i, p in enumerate(self._params) if i not in done]
+            stats.comm_bytes += average_gradients(rest, self.process_group, self.world_size)
         grads = [p.grad for p in self._params]
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
         norm, coef = self._coefficient(grads)
         if self._scaler is not None and not bool(torch.isfinite(norm).item()):
             self._scaler.update(overflow=True)
+            if streamed:
+                self._stream.finish(stats, None, self._itemsize)  # drop what the hooks moved
             stats.skipped, stats.grad_norm = True, math.inf
             self.last_stats = stats
             return stats
@@ -209,8 +254,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
             c = time.perf_counter()
-            stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
-                                                 host_coef, self._accumulate)
+            if streamed:  # the hooks moved it during backward; the host thread adds it
+                self._fence = self._stream.finish(stats, host_coef, self._itemsize)
+                stats.d2h_bytes += stats.early_bytes
+            else:
+                if self._stream is not None:
+                    self._stream.drain()  # the thread may still add the previous step into acc
+                stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
+                                                     host_coef, self._accumulate)
+                stats.in_step_chunks = len(self._chunks)
+                stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
             stats.d2h_bytes += 4 * len(values)
             stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             stats.offload_ms = (time.perf_counter() - c) * 1e3
@@ -238,12 +291,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
         if self.host is not None:
+            self._drain()
             self._collect(StepStats(step=self.pipeline.t))
 
     def close(self) -> None:
         """Stop the CPU worker (after finishing its update, not installed). Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._stream is not None:
+                self._stream.close()
             self.pipeline.close()
 
     def __enter__(self) -> Self:
@@ -330,11 +386,17 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # CPU AdamW: master, moments read+written (24 B), acc read and zeroed (8 B), upload written.
         upload = self.host.upload.element_size() if self.host.upload is not None else 0
         stats.host_bytes += self._host_elems * (32 + upload)
-        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm)
+        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm, after=self._fence)
+        self._fence = None
 
     def _collect(self, stats: StepStats) -> None:
         """Wait for an in-flight CPU update (stall) and install any finished one into the model."""
         self.pipeline.collect(stats)
+
+    def _drain(self) -> None:
+        """Wait for the hook path's queued accumulations (before anyone else reads the accumulator)."""
+        if self._stream is not None:
+            self._stream.drain()
 
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
@@ -354,6 +416,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
+        self._drain()
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -366,6 +429,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
                     topk_ratio=self.config.topk_ratio, partition=self._partition_info())
         parts = unpack_state(state_dict)
+        self._drain()
+        if self._stream is not None:
+            self._stream.disarm()
         for group, saved in zip(self.param_groups, parts["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.pipeline.load_state_dict(parts["pipeline"])

@@ -21,6 +21,7 @@ Without host columns (topk_ratio 1) only the step counter is used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -81,15 +82,17 @@ class Pipeline:
         self.policy.reset()
         return n
 
-    def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool) -> None:
-        """Hand one interval to the CPU worker; see the module docstring for the two modes."""
+    def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
+               after: Future | None = None) -> None:
+        """Hand one interval to the CPU worker; see the module docstring for the two modes.
+        ``after``: the accumulation still running into ``update.acc`` (hook path)."""
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-            self.worker.submit(update)  # ... then start this one in the background
+            self.worker.submit(update, after)  # ... then start this one in the background
             self.cur = (self.cur + 1) % len(self.host.acc)
         else:
-            self.worker.submit(update)
+            self.worker.submit(update, after)
             self.collect(stats)
 
     def collect(self, stats: StepStats) -> None:

@@ -63,13 +63,20 @@ class CpuWorker:
         update.acc.zero_()  # ready for the interval after next; only device-free columns were written
         return (time.perf_counter() - t0) * 1e3
 
-    def submit(self, update: CpuUpdate) -> None:
-        """Start ``update`` in the background. At most one update is ever in flight."""
+    def submit(self, update: CpuUpdate, after: Future | None = None) -> None:
+        """Start ``update`` in the background, once ``after`` (the accumulation of the interval's
+        last gradient, offload/stream.py) is done. At most one update is ever in flight."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
         if self._future is not None:
             raise RuntimeError("a CPU update is already in flight; wait() for it first")
-        self._future = self._pool.submit(self.run, update)
+
+        def run() -> float:
+            if after is not None:
+                after.result()  # worker thread: the accumulator is complete only after this
+            return self.run(update)
+
+        self._future = self._pool.submit(run)
 
     def wait(self) -> float:
         """Block until the in-flight update is done; its duration in ms (re-raises its error)."""
