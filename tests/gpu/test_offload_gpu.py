@@ -139,3 +139,15 @@ def test_cuda_hook_path_is_bit_identical_to_step_path(clip, dtype, kw) -> None:
     assert all(torch.equal(ref[n], got[n]) for n in ref)
     streamed = [s for s in stats if not s.selection]
     assert streamed and all(s.early_chunks > 0 and s.in_step_chunks == 0 for s in streamed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
+def test_cuda_device_accumulation_matches_host(dtype) -> None:
+    """accumulate=device: the fp32 sum on the GPU, one pinned async D2H per interval. fp32 only:
+    in bf16 one ulp of the fp32 sum can flip a weight's rounding, which no tolerance on the
+    sum bounds."""
+    host, hs = zen_run(ZenFlowConfig(accumulate="host", **ZEN), "cuda", dtype=dtype, clip=0.5)
+    dev, ds = zen_run(ZenFlowConfig(accumulate="device", **ZEN), "cuda", dtype=dtype, clip=0.5)
+    assert max_rel_err(dev, host) <= 1e-6
+    assert [s.installed for s in hs] == [s.installed for s in ds]
+    assert all(d.d2h_bytes < h.d2h_bytes for h, d in zip(hs, ds) if not d.boundary and not d.selection)

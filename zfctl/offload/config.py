@@ -58,6 +58,13 @@ class ZenFlowConfig:
         "Copy the non-selected gradient columns to the host during the last backward of a step "
         "(gradient hooks; the training loop announces that backward) instead of inside step().",
     )
+    accumulate: Literal["auto", "host", "device"] = _f(
+        "auto",
+        "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
+        "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
+        "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
+        "(device when the memory estimate says it fits).",
+    )
     pin_memory: bool = _f(
         True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
     )
@@ -86,6 +93,8 @@ class ZenFlowConfig:
             raise bad("topk_ratio", "must be a number in [0, 1], e.g. 0.1")
         if not 0.0 <= float(self.topk_ratio) <= 1.0:
             raise bad("topk_ratio", "must be in [0, 1], e.g. 0.1")
+        if self.accumulate not in ("auto", "host", "device"):
+            raise bad("accumulate", "use one of auto, host, device")
         if self.select_strategy not in ("auto", "step", "epoch"):
             raise bad("select_strategy", "use one of auto, step, epoch")
         for name in ("select_interval", "update_interval"):

@@ -33,14 +33,16 @@ class HostState:
     parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``)."""
 
     def __init__(self, layout: Layout, params: list[torch.Tensor], *, double_buffer: bool,
-                 upload_dtype: torch.dtype | None) -> None:
+                 upload_dtype: torch.dtype | None, pin_acc: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
         self.master = torch.empty(n, dtype=f32)
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
-        self.acc = [torch.zeros(n, dtype=f32) for _ in range(2 if double_buffer else 1)]
+        # pin_acc (accumulate=device on CUDA): the accumulators are the target of the interval
+        # sum's async D2H, so they are page-locked.
+        self.acc = [torch.zeros(n, dtype=f32, pin_memory=pin_acc) for _ in range(2 if double_buffer else 1)]
         self.upload = torch.zeros(n, dtype=upload_dtype) if upload_dtype is not None else None
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
         for slot in layout.host_slots:

@@ -55,6 +55,7 @@ from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
+from zfctl.offload.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
@@ -113,6 +114,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       min_interval=config.auto_min_interval,
                                       max_interval=config.auto_max_interval)
         self.host: HostState | None = None
+        self._dev_acc: DeviceAccumulator | None = None
+        self.accumulate = "host"  # resolved zenflow.accumulate (host when nothing is offloaded)
         if self._host_slots:
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
@@ -123,7 +126,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._accumulate = self.pipeline.worker.native.accumulate
             if config.cpu_threads:
                 self.pipeline.worker.native.set_num_threads(config.cpu_threads)
-            if config.stream_grads:
+            if config.stream_grads and self._dev_acc is None:
                 self._stream = self._make_stream()
         self._closed = False
         self.last_stats: StepStats | None = None
@@ -135,8 +138,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
         itemsize = dtype.itemsize
+        self.accumulate = resolve(self.config.accumulate, self.device, 4 * self.layout.host_numel)
+        on_device = self.accumulate == "device"
         self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
-                              upload_dtype=None if dtype == torch.float32 else dtype)
+                              upload_dtype=None if dtype == torch.float32 else dtype,
+                              pin_acc=on_device and self.device.type == "cuda" and self.config.pin_memory)
+        if on_device:
+            self._dev_acc = DeviceAccumulator(self.layout, self.device)
         # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
         want = int(self.config.ring_slot_mb * 2**20)
         biggest = max(self._host_slots, key=lambda s: s.rows)
@@ -244,19 +252,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._device.load_grads(self._params, coef, self._selected)
         self._device.step(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, selected=self._selected)
         self._device.write_params(self._params, self._selected)
+        if self._dev_acc is not None:  # accumulate=device: the rest of the gradient, summed here too
+            self._dev_acc.add(grads, coef, first=self.pipeline.first_of_interval)
         t0.stop(stats)
 
-        # Everything from here on is host work the device does not overlap with: stall.
         tail = time.perf_counter()
         host_norm = None
         if self.host is not None:
             # 4. The rest of the gradient goes to the host and is accumulated in fp32.
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
-            c = time.perf_counter()
-            if streamed:  # the hooks moved it during backward; the host thread adds it
-                self._fence = self._stream.finish(stats, host_coef, self._itemsize)
+            # Not stall: the device update is queued behind the scalars, the device keeps busy.
+            # Everything from here on is host work the device does not overlap with: stall.
+            tail = c = time.perf_counter()
+            if self._dev_acc is not None:
+                pass  # added on the device above; crosses PCIe only at the boundary
+            elif streamed:  # the hooks moved it during backward; the host thread adds it
+                fence = self._stream.finish(stats, host_coef, self._itemsize)
+                self._fence = fence.result if fence is not None else None
                 stats.d2h_bytes += stats.early_bytes
+                stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             else:
                 if self._stream is not None:
                     self._stream.drain()  # the thread may still add the previous step into acc
@@ -264,11 +279,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                                      host_coef, self._accumulate)
                 stats.in_step_chunks = len(self._chunks)
                 stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
+                stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             stats.d2h_bytes += 4 * len(values)
-            stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             stats.offload_ms = (time.perf_counter() - c) * 1e3
             # 5. Boundary: hand the interval to the CPU worker.
             if self.pipeline.close_step(force=warm or self._selection_due(t + 1)):
+                if self._dev_acc is not None:  # the interval sum crosses PCIe once (fp32)
+                    self._fence = self._dev_acc.copy_out(self.pipeline.acc)
+                    stats.d2h_bytes += 4 * self.layout.host_numel
+                    stats.host_bytes += 4 * self._host_elems
                 self._boundary(stats, warm, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
             elif self._policy.auto and self._selected:
                 self._observe(masses, host_coef)
@@ -397,6 +416,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Wait for the hook path's queued accumulations (before anyone else reads the accumulator)."""
         if self._stream is not None:
             self._stream.drain()
+        if self._dev_acc is not None:
+            self._dev_acc.wait()
 
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
@@ -417,10 +438,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
         self._drain()
+        pipeline = self.pipeline.state_dict()
+        if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
+            pipeline["acc"] = self._dev_acc.buf.to("cpu", copy=True)
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            partition=self._partition_info(), selected=self._selected, pipeline=self.pipeline.state_dict(),
+            partition=self._partition_info(), selected=self._selected, pipeline=pipeline,
             device=self._device.state_dict(), host=self.host.state_dict() if self.host is not None else None,
             scaler=self._scaler.state_dict() if self._scaler is not None else None)
 
@@ -435,6 +459,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, parts["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.pipeline.load_state_dict(parts["pipeline"])
+        if self._dev_acc is not None:
+            self._dev_acc.buf.copy_(parts["pipeline"]["acc"])
         self._selected = parts["selected"]
         self._device.load_state_dict(parts["device"])
         if self.host is not None:

@@ -21,7 +21,6 @@ Without host columns (topk_ratio 1) only the step counter is used.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -83,7 +82,7 @@ class Pipeline:
         return n
 
     def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
-               after: Future | None = None) -> None:
+               after: Callable[[], Any] | None = None) -> None:
         """Hand one interval to the CPU worker; see the module docstring for the two modes.
         ``after``: the accumulation still running into ``update.acc`` (hook path)."""
         stats.boundary = True

@@ -12,8 +12,10 @@ count alone, when to wait and install.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,9 +65,10 @@ class CpuWorker:
         update.acc.zero_()  # ready for the interval after next; only device-free columns were written
         return (time.perf_counter() - t0) * 1e3
 
-    def submit(self, update: CpuUpdate, after: Future | None = None) -> None:
-        """Start ``update`` in the background, once ``after`` (the accumulation of the interval's
-        last gradient, offload/stream.py) is done. At most one update is ever in flight."""
+    def submit(self, update: CpuUpdate, after: Callable[[], Any] | None = None) -> None:
+        """Start ``update`` in the background; the worker first calls ``after`` (a wait for the
+        accumulation of the interval's last gradient: stream.py, device_acc.py). At most one
+        update is ever in flight."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
         if self._future is not None:
@@ -73,7 +76,7 @@ class CpuWorker:
 
         def run() -> float:
             if after is not None:
-                after.result()  # worker thread: the accumulator is complete only after this
+                after()  # worker thread: the accumulator is complete only after this
             return self.run(update)
 
         self._future = self._pool.submit(run)
