@@ -57,6 +57,7 @@ class BenchOptions:
     lr: float = 1e-5
     max_grad_norm: float | None = None
     cpu_threads: int = 0
+    accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
 
 
 @dataclass
@@ -92,6 +93,8 @@ def _native_isa() -> str | None:
 
 def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     """Run baselines + grid and return the summarised report (nothing is printed but progress)."""
+    if opts.accumulate not in ("auto", "host", "device"):
+        raise UserError(f"--accumulate {opts.accumulate!r}: use auto, host or device")
     device = resolve_device(opts.device)
 
     if opts.model is not None:
@@ -159,7 +162,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     if device.type != "cuda" and len(opts.pins) > 1:
         console.print("  note: pin_memory changes nothing without CUDA; pin on/off rows differ only by noise")
 
-    base = ZenFlowConfig(cpu_threads=opts.cpu_threads)
+    base = ZenFlowConfig(cpu_threads=opts.cpu_threads, accumulate=opts.accumulate)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
     results, rows = [], []
     for i, cfg in enumerate(configs, 1):
