@@ -138,3 +138,14 @@ def test_resume_with_accumulation_in_flight_is_bit_identical(stop: int) -> None:
         run(model, opt, data[stop:], hooks=True)
     got = snapshot(model)
     assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+def test_a_second_final_backward_is_refused() -> None:
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**BASE), **HP) as opt:
+        run(model, opt, batches(1, seed=3), hooks=True)
+        (x, y), = batches(1)
+        opt.prepare_backward(final=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="announces ONE backward"):
+            torch.nn.functional.mse_loss(model(x), y).backward()

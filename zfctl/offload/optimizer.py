@@ -11,8 +11,13 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
    gradient L1 and the state of entering/leaving columns migrates (``selection.migrate``).
 3. Device AdamW on the dense params and the selected columns (``device_adam``), written back
    into the model params.
-4. The other columns' gradients stream to the host (``chunks.offload_gradients``) and are
-   accumulated in fp32: ``acc += coef * grad``.
+4. The other columns' gradients are accumulated in fp32, ``acc += coef * grad``, by one of three
+   paths with the same result: ``step()`` streams them to the host and accumulates them itself
+   (``chunks.offload_gradients``); or, when the loop announced the step's last backward
+   (``prepare_backward``), they already left during that backward and a host thread adds them
+   (``stream``, bit-identical); or, with ``accumulate: device``, they are added on the device and
+   only the interval sum crosses PCIe at the boundary (``device_acc``, within an ulp per step).
+   The interval counters, the accumulators and the CPU worker belong to ``pipeline.Pipeline``.
 5. At a boundary (every ``U`` steps, or the auto rule, or the step before a re-selection, or every
    warm-up step) the CPU worker runs AdamW on the host-owned columns with the interval-mean
    gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step.

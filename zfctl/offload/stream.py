@@ -86,6 +86,7 @@ class GradStream:
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
         self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
         self.averaged: set[int] = set()  # params the hooks already averaged over ranks
+        self.seen: set[int] = set()  # params whose final gradient this window has taken
         self.inflight: deque[tuple[Any, int]] = deque()  # (event, temp bytes) for the budget
         self.inflight_bytes = 0
         self.jobs: list[Future] = []  # CUDA, coefficient known: one job per chunk
@@ -115,6 +116,10 @@ class GradStream:
 
     @torch.no_grad()
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
+        if index in self.seen:  # a second backward in one window would add its gradient twice
+            raise RuntimeError("ZenFlowOptimizer.prepare_backward(final=True) announces ONE backward: call "
+                               "step() after it (earlier micro-batches take final=False)")
+        self.seen.add(index)
         if not self.started:  # first hook of the window: landing[w] must be free again
             self.started = True
             self._w = 1 - self._w
