@@ -149,3 +149,29 @@ def test_a_second_final_backward_is_refused() -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         with pytest.raises(RuntimeError, match="announces ONE backward"):
             torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["step-path", "hook-path"])
+def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool) -> None:
+    """The interval's first step writes the accumulator instead of adding (no zeroing pass), so a
+    matrix without a gradient at that step must write zeros, not keep an older interval's sum."""
+    cfg = ZenFlowConfig(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: acc0 again at 6
+
+    def go(hook_path: bool, zeros: bool):
+        model = tiny_net()
+        with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
+            for t, (x, y) in enumerate(batches(10)):
+                opt.zero_grad(set_to_none=True)
+                model.fc2.weight.requires_grad_(t != 6)
+                if hook_path:
+                    opt.prepare_backward(final=True)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                model.fc2.weight.requires_grad_(True)
+                if zeros and t == 6:
+                    model.fc2.weight.grad = torch.zeros_like(model.fc2.weight)
+                opt.step()
+            opt.flush()
+        return snapshot(model)
+
+    ref, got = go(False, zeros=True), go(hooks, zeros=False)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)

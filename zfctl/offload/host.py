@@ -6,7 +6,7 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 | --- | --- | --- | --- |
 | master, exp_avg, exp_avg_sq (fp32) | all matrix columns | main thread (migration, state_dict) | CPU worker (reads and writes) |
 | steps (fp32 per column) | all columns | main thread | main thread (the worker gets counts by value) |
-| acc[i] (fp32) | all columns | main thread accumulates into acc[cur] | CPU worker reads acc[other], then zeroes it |
+| acc[i] (fp32) | all columns | main thread (or the stream's thread) writes then adds into acc[cur] | CPU worker reads acc[other] |
 | upload (model dtype; bf16/fp16 only) | all columns | main thread reads it to install | CPU worker writes it |
 
 ``acc`` is double-buffered only with ``overlap_step`` (the next interval accumulates while the

@@ -206,7 +206,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._stream.disarm()
             return
         known = 1.0 if self.max_grad_norm is None and self._scaler is None else None
-        self._stream.arm(self._chunks, self.pipeline.acc, known)
+        self._stream.arm(self._chunks, self.pipeline.acc, known, first=self.pipeline.first_of_interval)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -272,19 +272,21 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             tail = c = time.perf_counter()
             if self._dev_acc is not None:
                 pass  # added on the device above; crosses PCIe only at the boundary
-            elif streamed:  # the hooks moved it during backward; the host thread adds it
-                fence = self._stream.finish(stats, host_coef, self._itemsize)
-                self._fence = fence.result if fence is not None else None
-                stats.d2h_bytes += stats.early_bytes
-                stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
             else:
-                if self._stream is not None:
-                    self._stream.drain()  # the thread may still add the previous step into acc
-                stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
-                                                     host_coef, self._accumulate)
-                stats.in_step_chunks = len(self._chunks)
-                stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
-                stats.host_bytes += self._host_elems * (self._itemsize + 8)  # read grad, read+write acc
+                first = self.pipeline.first_of_interval
+                # Host memory per element: read the gradient, write acc (and read it after the first).
+                stats.host_bytes += self._host_elems * (self._itemsize + (4 if first else 8))
+                if streamed:  # the hooks moved it during backward; the host thread adds it
+                    fence = self._stream.finish(stats, host_coef, self._itemsize)
+                    self._fence = fence.result if fence is not None else None
+                    stats.d2h_bytes += stats.early_bytes
+                else:
+                    if self._stream is not None:
+                        self._stream.drain()  # the thread may still add the previous step into acc
+                    stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
+                                                         host_coef, self._accumulate, overwrite=first)
+                    stats.in_step_chunks = len(self._chunks)
+                    stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
             stats.d2h_bytes += 4 * len(values)
             stats.offload_ms = (time.perf_counter() - c) * 1e3
             # 5. Boundary: hand the interval to the CPU worker.
@@ -407,9 +409,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
         update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(), lr, beta1, beta2, eps, wd)
-        # CPU AdamW: master, moments read+written (24 B), acc read and zeroed (8 B), upload written.
+        # CPU AdamW: master, moments read+written (24 B), acc read (4 B), upload written.
         upload = self.host.upload.element_size() if self.host.upload is not None else 0
-        stats.host_bytes += self._host_elems * (32 + upload)
+        stats.host_bytes += self._host_elems * (28 + upload)
         self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm, after=self._fence)
         self._fence = None
 

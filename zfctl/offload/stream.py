@@ -84,6 +84,7 @@ class GradStream:
         self.chunks: dict[int, list[Chunk]] = {}
         self.acc: torch.Tensor | None = None
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
+        self.first = False  # the interval's first step: write the accumulator, do not add
         self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
         self.averaged: set[int] = set()  # params the hooks already averaged over ranks
         self.seen: set[int] = set()  # params whose final gradient this window has taken
@@ -95,12 +96,13 @@ class GradStream:
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
 
-    def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None) -> None:
-        """Stream the next backward's final gradients; ``coef`` known in advance, else None."""
+    def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
+        """Stream the next backward's final gradients; ``coef`` known in advance, else None;
+        ``first``: the interval's first step (``acc`` is written, not added to)."""
         self._reset_window()
         for ch in chunks:
             self.chunks.setdefault(ch.slot.index, []).append(ch)
-        self.acc, self.coef, self.armed = acc, coef, True
+        self.acc, self.coef, self.first, self.armed = acc, coef, first, True
 
     def disarm(self) -> None:
         """The next backward is not the last of the step (or the hook path is off for it)."""
@@ -139,7 +141,7 @@ class GradStream:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 self.landed.append((ch, None))
                 if self.coef is not None:
-                    self._add(ch, None, landing, self.acc, self.coef)
+                    self._add(ch, None, landing, self.acc, self.coef, self.first)
                     self.early_accumulated += 1
                 continue
             self._make_room(ch.numel * dst.element_size())
@@ -155,7 +157,7 @@ class GradStream:
             self.inflight_bytes += self.inflight[-1][1]
             self.landed.append((ch, event))
             if self.coef is not None:  # the thread adds it as soon as the copy has landed
-                self._last_job = self._pool.submit(self._add, ch, event, landing, self.acc, self.coef)
+                self._last_job = self._pool.submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
                 self.fences[self._w] = self._last_job
                 self.jobs.append(self._last_job)
 
@@ -169,11 +171,12 @@ class GradStream:
                 self.wait_ms += (time.perf_counter() - t0) * 1e3
             self.inflight_bytes -= b
 
-    def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float) -> None:
+    def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float,
+             first: bool) -> None:
         if event is not None:
             event.synchronize()  # accumulation thread: that chunk's D2H has landed
         self._accumulate(acc[ch.off : ch.off + ch.numel], landing[ch.off : ch.off + ch.numel],
-                         scale=coef, runs=ch.runs)
+                         scale=coef, runs=ch.runs, overwrite=first)
 
     # -- inside step() -----------------------------------------------------------------------------
     def finish(self, stats: StepStats, coef: float | None, itemsize: int) -> Future | None:
@@ -185,12 +188,22 @@ class GradStream:
         stats.stall_ms += self.wait_ms
         stats.comm_bytes += self.comm_bytes
         w = self._w
+        acc, first = self.acc, self.first
+        if first and coef is not None:  # matrices without a gradient this step: a zero sum
+            got = {id(ch) for ch, _ in self.landed}
+            missing = [ch for chs in self.chunks.values() for ch in chs if id(ch) not in got]
+            if missing:
+                def zero() -> None:
+                    for ch in missing:
+                        acc[ch.off : ch.off + ch.numel].zero_()
+
+                self._last_job = self._pool.submit(zero)  # the thread owns acc: keep its order
         if self.coef is None and coef is not None and self.landed:
-            landed, landing, acc = list(self.landed), self.landing[w], self.acc
+            landed, landing = list(self.landed), self.landing[w]
 
             def job() -> None:
                 for ch, event in landed:
-                    self._add(ch, event, landing, acc, coef)
+                    self._add(ch, event, landing, acc, coef, first)
 
             self._last_job = self._pool.submit(job)
             self.fences[w] = self._last_job
