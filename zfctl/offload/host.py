@@ -91,6 +91,20 @@ class HostState:
         from the selection."""
         return {k: getattr(self, k).clone() for k in self.STATE_KEYS}
 
+    def canonical_acc(self, acc: torch.Tensor, *, fresh: bool) -> torch.Tensor:
+        """A copy of an accumulator as a checkpoint stores it: what a resumed run can read.
+
+        The first step of an interval writes the host-owned elements and nothing ever reads the
+        device-owned ones, so those hold leftovers of older intervals that differ between a
+        straight and a resumed run. They are saved as zeros (``fresh``: the interval has no step
+        yet, so nothing is live), which keeps saved states comparable bit for bit.
+        """
+        if fresh:
+            return torch.zeros_like(acc, device="cpu")
+        lengths = self.layout.host_col_offsets[1:] - self.layout.host_col_offsets[:-1]
+        owned = self.device_owned.repeat_interleave(lengths)
+        return acc.to("cpu", copy=True).masked_fill_(owned, 0.0)
+
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         for k in self.STATE_KEYS:
             getattr(self, k).copy_(sd[k])

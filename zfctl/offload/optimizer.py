@@ -447,7 +447,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._drain()
         pipeline = self.pipeline.state_dict()
         if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
-            pipeline["acc"] = self._dev_acc.buf.to("cpu", copy=True)
+            pipeline["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],

@@ -128,7 +128,7 @@ class Pipeline:
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
-            sd["acc"] = self.acc.clone()
+            sd["acc"] = self.host.canonical_acc(self.acc, fresh=self.interval_len == 0)
             if self.pending_install and self.host.upload is not None:
                 sd["upload"] = self.host.upload.clone()
         return sd
