@@ -221,6 +221,7 @@ typedef struct {
     const void *g;
     int gdt;
     float scale;
+    int overwrite;
 } acc_job;
 
 static void acc_piece(void *ctx, int64_t off, int64_t n)
@@ -228,6 +229,11 @@ static void acc_piece(void *ctx, int64_t off, int64_t n)
     const ew_call *c = ctx;
     const acc_job *j = c->job;
     int64_t body = n & ~(int64_t)(ZF_BLOCK - 1), k = n - body, gs = zf_dtype_size(j->gdt);
+    /* Overwrite: zero the piece first, so the kernel's fma adds to +0 (the same bits as adding into
+     * a zeroed buffer). The piece is a tile that stays in L1, so the accumulator costs one write to
+     * memory instead of a separate zeroing pass plus a read. */
+    if (j->overwrite)
+        memset(j->acc + off, 0, (size_t)n * sizeof(float));
     if (body)
         c->k->acc(j->acc, j->g, j->gdt, j->scale, off, body);
     if (!k)
@@ -242,9 +248,9 @@ static void acc_piece(void *ctx, int64_t off, int64_t n)
 }
 
 void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,
-                   const int64_t *runs, int64_t nruns)
+                   const int64_t *runs, int64_t nruns, int overwrite)
 {
-    acc_job j = {acc, grad, grad_dtype, scale};
+    acc_job j = {acc, grad, grad_dtype, scale, overwrite};
     ew_call c = {.k = kernels(), .piece = acc_piece, .job = &j};
     ew_run(&c, runs, nruns, numel);
 }

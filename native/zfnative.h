@@ -34,9 +34,10 @@ void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_av
                    int64_t step, double lr, double beta1, double beta2, double eps,
                    double weight_decay, double grad_scale, int adamw);
 
-/* acc[i] += scale * grad[i]; acc fp32, grad fp32/bf16/fp16. */
+/* acc[i] += scale * grad[i]; acc fp32, grad fp32/bf16/fp16. overwrite != 0: acc[i] = 0 + scale * grad[i]
+ * (the first gradient of an interval: acc is not read from memory, its old contents do not matter). */
 void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,
-                   const int64_t *runs, int64_t nruns);
+                   const int64_t *runs, int64_t nruns, int overwrite);
 
 /* Sum of x[i]^2 in double; the reduction order depends only on the run list, never on threads. */
 double zf_sq_norm(const void *x, int x_dtype, int64_t numel, const int64_t *runs, int64_t nruns);

@@ -60,6 +60,13 @@ if [ "$PART" != reference ]; then
 run llama-1b --model llama3.2-1b --seq-len 1024 --batch 1 --dtype bf16 \
   --topk 0.1 --interval 4 --overlap on,off --pin on \
   --warmup 8 --iterations 5 --trials 3
+# The acceptance lines: batch 4, host accumulation (gradients stream during backward) and device
+# accumulation (the interval sum on the GPU).
+for acc in host device; do
+run "llama-1b-b4-$acc" --model llama3.2-1b --seq-len 1024 --batch 4 --dtype bf16 \
+  --topk 0.1 --interval 4 --overlap on --pin on --accumulate "$acc" \
+  --warmup 8 --iterations 5 --trials 2
+done
 fi
 
 echo "results in $OUT"

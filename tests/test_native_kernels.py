@@ -46,6 +46,24 @@ def test_accumulate_matches_torch(isa, gdt):
     assert torch.equal(acc, ref)
 
 
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16])
+def test_overwrite_is_accumulating_into_zeros(isa, gdt):
+    """overwrite=True (the first gradient of an interval) gives the bits of a zeroed accumulator
+    plus one accumulate, never reads the old contents (NaN here), and leaves other runs alone."""
+    n = 1037  # not a multiple of the SIMD block: the tail path too
+    runs = torch.tensor([[0, 5], [7, 600], [700, 337]])
+    inside = torch.zeros(n, dtype=torch.bool)
+    for off, length in runs.tolist():
+        inside[off : off + length] = True
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(n, generator=gen).to(gdt)
+    acc = torch.full((n,), float("nan"))
+    N.accumulate(acc, g, scale=-0.7, runs=runs, overwrite=True)
+    ref = torch.zeros(n)
+    N.accumulate(ref, g, scale=-0.7, runs=runs)
+    assert torch.equal(acc[inside], ref[inside]) and acc[~inside].isnan().all()
+
+
 def test_accumulate_runs_and_paths_bit_identical():
     n = 1001
     runs = torch.tensor([[0, 3], [3, 0], [10, 17], [500, 501]])

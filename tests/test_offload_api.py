@@ -73,10 +73,10 @@ def test_lifecycle_close_flush_and_closure() -> None:
 
     for _ in range(4):  # boundaries at 1 and 3: with overlap the second update is still pending
         stats = opt.step(closure)
-    assert isinstance(stats, StepStats) and opt.last_stats is stats and opt._worker.busy
+    assert isinstance(stats, StepStats) and opt.last_stats is stats and opt.pipeline.busy
     before = model.fc2.weight.detach().clone()
     opt.flush()  # installs it now
-    assert not opt._worker.busy and not torch.equal(before, model.fc2.weight)
+    assert not opt.pipeline.busy and not torch.equal(before, model.fc2.weight)
     opt.close()
     opt.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):

@@ -4,6 +4,7 @@ resuming into fresh objects continues the same trajectory bit for bit."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
     model = tiny_net(dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, data[:STOP])
-        in_flight = opt._worker.busy
+        in_flight = opt.pipeline.busy
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     if name == "overlap":
@@ -80,3 +81,28 @@ def test_state_must_match_the_optimizer() -> None:
     fewer = list(model.named_parameters())[:-1]
     with ZenFlowOptimizer(fewer, CONFIGS["sequential"]) as opt, pytest.raises(ValueError, match="parameter"):
         opt.load_state_dict(sd)
+
+
+def test_checkpoint_module_reaches_into_no_component() -> None:
+    """The components save themselves; checkpoint.py only assembles (and imports none of them)."""
+    import ast
+
+    import zfctl.offload.checkpoint as ckpt
+
+    tree = ast.parse(Path(ckpt.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("zfctl") for m in imported)
+
+
+def test_pipeline_round_trips_its_counters() -> None:
+    model = tiny_net()
+    cfg = CONFIGS["overlap"]
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        steps(model, opt, batches(6))
+        sd = opt.pipeline.state_dict()
+    assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True}
+    with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
+        opt.pipeline.load_state_dict(sd)
+        assert opt.pipeline.t == 6 and opt.pipeline.interval_len == 2 and opt.pipeline.pending_install
+        assert torch.equal(opt.pipeline.acc, sd["acc"])

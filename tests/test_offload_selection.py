@@ -71,7 +71,7 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
         planted_grads(layer, SECOND, 4)
         stats = opt.step()
         assert stats.selection and stats.installed  # the drain installed the in-flight update first
-        assert not opt._worker.busy
+        assert not opt.pipeline.busy
         groups = opt.host.update_groups()
 
     before, after = captured["before"], captured["after"]

@@ -150,12 +150,17 @@ def adamw_step(
     )
 
 
-def accumulate(acc: torch.Tensor, grad: torch.Tensor, *, scale: float = 1.0, runs: torch.Tensor | None = None) -> None:
-    """acc += scale * grad, in place (acc fp32; grad fp32/bf16/fp16), with one rounding (fma)."""
+def accumulate(acc: torch.Tensor, grad: torch.Tensor, *, scale: float = 1.0, runs: torch.Tensor | None = None,
+               overwrite: bool = False) -> None:
+    """acc += scale * grad, in place (acc fp32; grad fp32/bf16/fp16), with one rounding (fma).
+
+    ``overwrite``: acc = scale * grad (as if acc were zero; its old contents are never read).
+    """
     n = _check("acc", acc, _FP32).numel()
     _check("grad", grad, _ANY, n)
     runs_ptr, nruns = _runs(runs, n)
-    lib.zf_accumulate(_ptr(acc, "float *"), _ptr(grad), _DTYPE[grad.dtype], float(scale), n, runs_ptr, nruns)
+    lib.zf_accumulate(_ptr(acc, "float *"), _ptr(grad), _DTYPE[grad.dtype], float(scale), n, runs_ptr, nruns,
+                      int(bool(overwrite)))
 
 
 def sq_norm(x: torch.Tensor, *, runs: torch.Tensor | None = None) -> float:

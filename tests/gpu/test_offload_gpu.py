@@ -109,3 +109,45 @@ def test_cuda_fp16_overflow_skips_and_bf16_trains() -> None:
         stats = train(model, opt, 24)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sum(s.h2d_bytes for s in stats) > 0 and all(s.d2h_bytes > 0 for s in stats)
+
+
+def _micro_run(cfg: ZenFlowConfig, *, hooks: bool, dtype, clip, steps: int = 16):
+    """Gradient accumulation over 2 micro-batches on CUDA; ``hooks``: the stream path."""
+    model = tiny_net(device="cuda", dtype=dtype)
+    stats = []
+    with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
+        for x, y in batches(steps, dtype=dtype):
+            opt.zero_grad(set_to_none=True)
+            for i, (xs, ys) in enumerate(zip(x.cuda().chunk(2), y.cuda().chunk(2))):
+                if hooks:
+                    opt.prepare_backward(final=i == 1)
+                (torch.nn.functional.mse_loss(model(xs).float(), ys.float()) / 2).backward()
+            stats.append(opt.step())
+        opt.flush()
+    return {n: p.cpu() for n, p in snapshot(model).items()}, stats
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kw", [{}, {"ring_slots": 1, "ring_slot_mb": 0.0005}, {"pin_memory": False}],
+                         ids=["default", "tiny-budget", "pageable"])
+def test_cuda_hook_path_is_bit_identical_to_step_path(clip, dtype, kw) -> None:
+    """Copy stream, events, pinned landing buffers and the accumulation thread change no bit."""
+    cfg = ZenFlowConfig(overlap_step=True, **ZEN, **kw)
+    ref, _ = _micro_run(cfg, hooks=False, dtype=dtype, clip=clip)
+    got, stats = _micro_run(cfg, hooks=True, dtype=dtype, clip=clip)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    streamed = [s for s in stats if not s.selection]
+    assert streamed and all(s.early_chunks > 0 and s.in_step_chunks == 0 for s in streamed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
+def test_cuda_device_accumulation_matches_host(dtype) -> None:
+    """accumulate=device: the fp32 sum on the GPU, one pinned async D2H per interval. fp32 only:
+    in bf16 one ulp of the fp32 sum can flip a weight's rounding, which no tolerance on the
+    sum bounds."""
+    host, hs = zen_run(ZenFlowConfig(accumulate="host", **ZEN), "cuda", dtype=dtype, clip=0.5)
+    dev, ds = zen_run(ZenFlowConfig(accumulate="device", **ZEN), "cuda", dtype=dtype, clip=0.5)
+    assert max_rel_err(dev, host) <= 1e-6
+    assert [s.installed for s in hs] == [s.installed for s in ds]
+    assert all(d.d2h_bytes < h.d2h_bytes for h, d in zip(hs, ds) if not d.boundary and not d.selection)

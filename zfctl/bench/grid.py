@@ -38,9 +38,11 @@ class BenchConfig:
         return f"{tag}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}"
 
     def zenflow_config(self, base: ZenFlowConfig) -> ZenFlowConfig:
-        """`base` with this point's four knobs; no warm-up rounds (the bench has its own)."""
+        """`base` with this point's four knobs; no warm-up rounds (the bench has its own). The
+        zero-offload yardstick always accumulates on the host, as ZeRO-Offload does."""
         return replace(
             base,
+            accumulate=base.accumulate if self.name == "zenflow" else "host",
             topk_ratio=self.topk,
             update_interval=self.interval,
             overlap_step=self.overlap,

@@ -54,13 +54,17 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
     """Step-time table (mean / median (steps), per step kind) and phase + traffic table.
 
     An update step is one that ends a CPU-update interval (StepStats.boundary); every other step
-    is an accumulation step. `off` has no CPU updates, zero-offload has nothing but.
+    is an accumulation step. `off` has no CPU updates, zero-offload has nothing but. Stall is the
+    share of step time the host spent waiting inside step() (PCIe copies, accumulation, the CPU
+    worker); GPU busy is (forward + backward + device optimizer) / step time.
     """
     t = Table(
         title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
         title_justify="left",
     )
-    for col in ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall"):
+    cols = ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall",
+            "GPU busy")
+    for col in cols:
         t.add_column(col, justify="left" if col == "configuration" else "right")
     for i, r in enumerate(rows, 1):
         s = r["step_ms"]
@@ -72,6 +76,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
             _mm(s["overall"]),
             _x(r["speedup_vs_zero_offload"]),
             _pct(r["stall_fraction"]),
+            _pct(r.get("gpu_busy_fraction")),
         )
     console.print(t)
 
@@ -91,6 +96,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
         "D2H",
         "H2D",
         "x model",
+        "host B/param/U",
     ):
         p.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):
@@ -104,6 +110,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
             fmt_bytes(r["d2h_bytes_per_step"]),
             fmt_bytes(r["h2d_bytes_per_step"]),
             _x(r["traffic_x_model"]),
+            DASH if r.get("host_bytes_per_param_interval") is None else f"{r['host_bytes_per_param_interval']:.1f}",
         )
     console.print(p)
 
@@ -134,6 +141,8 @@ CSV_COLUMNS = [
     "n_cpu_steps",
     "stall_mean_ms",
     "stall_fraction",
+    "gpu_busy_fraction",
+    "host_bytes_per_param_interval",
     "d2h_bytes_per_step",
     "h2d_bytes_per_step",
     "traffic_x_model",

@@ -4,7 +4,8 @@ Every configuration gets a fresh model (same seed, same inputs) and a fresh `Zen
 The first `warmup` steps are untimed (allocator, kernel autotuning, the initial selection and
 the first CPU updates). Then each step is cut into forward / backward / optimizer by three clock
 marks, and the optimizer's own `StepStats` supply the device-optimizer, CPU-step and stall times
-and the PCIe bytes. Nothing in the window synchronises the device beyond what the optimizer
+and the PCIe bytes (read after the window's sync: the device timings are filled late, see
+StepStats.resolve). Nothing in the window synchronises the device beyond what the optimizer
 itself does (see timing.py); the window ends with one synchronisation.
 """
 
@@ -35,10 +36,16 @@ class StepRecord:
     device_opt_ms: float  # StepStats.device_opt_ms
     offload_ms: float  # StepStats.offload_ms: D2H gradient streaming + host accumulation (host wall)
     cpu_step_ms: float  # StepStats.cpu_step_ms: 0.0 unless a CPU update completed this step
-    stall_ms: float  # StepStats.stall_ms: time step() waited for the CPU worker
+    stall_ms: float  # StepStats.stall_ms: every host wait inside step() (D2H, accumulation, worker)
     d2h_bytes: int
     h2d_bytes: int
     skipped: bool  # fp16 overflow: the step did no update
+    host_bytes: int = 0  # StepStats.host_bytes: host memory the gradient accumulation touched
+
+    @property
+    def busy_ms(self) -> float:
+        """Device work of the step: forward + backward + device optimizer."""
+        return self.fwd_ms + self.bwd_ms + self.device_opt_ms
 
 
 @dataclass
@@ -80,7 +87,9 @@ def run_trial(
     clock = clock_for(device)
     with ZenFlowOptimizer(list(module.named_parameters()), zf, **opt_kwargs) as opt:
         for i in range(warmup):
-            opt.scale_loss(loss_fn(module, batches[i])).backward()
+            loss = loss_fn(module, batches[i])
+            opt.prepare_backward(final=True)  # gradients stream to the host during backward
+            opt.scale_loss(loss).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         device_sync(device)
@@ -91,49 +100,38 @@ def run_trial(
             m0 = clock.mark()
             loss = loss_fn(module, batches[i])
             m1 = clock.mark()
+            opt.prepare_backward(final=True)
             opt.scale_loss(loss).backward()
             m2 = clock.mark()
             st = opt.step()
             opt.zero_grad(set_to_none=True)
             m3 = clock.mark()
             marks.append((m0, m1, m2, m3))
-            # Copy the numbers out now: StepStats holds plain Python numbers, but the engine may
-            # reuse one object. The loss stays a device tensor (an .item() here would be a sync).
-            stats.append(
-                (
-                    st.boundary,
-                    st.device_opt_ms,
-                    st.offload_ms,
-                    st.cpu_step_ms,
-                    st.stall_ms,
-                    st.d2h_bytes,
-                    st.h2d_bytes,
-                    st.skipped,
-                )
-            )
+            stats.append(st)  # read after the window's one sync (its device timings are late)
             losses.append(loss.detach())
         clock.resolve()
+        for st in stats:
+            st.resolve()  # the device has passed every event: no further wait
         wall_ms = (time.perf_counter() - t0) * 1e3
         opt.flush()  # install the last in-flight CPU update (untimed) before closing
 
     records = []
-    for (m0, m1, m2, m3), (boundary, dev_ms, off_ms, cpu_ms, stall, d2h, h2d, skipped) in zip(
-        marks, stats, strict=True
-    ):
+    for (m0, m1, m2, m3), st in zip(marks, stats, strict=True):
         records.append(
             StepRecord(
-                update=bool(boundary),
+                update=bool(st.boundary),
                 step_ms=clock.elapsed_ms(m0, m3),
                 fwd_ms=clock.elapsed_ms(m0, m1),
                 bwd_ms=clock.elapsed_ms(m1, m2),
                 opt_ms=clock.elapsed_ms(m2, m3),
-                device_opt_ms=float(dev_ms),
-                offload_ms=float(off_ms),
-                cpu_step_ms=float(cpu_ms),
-                stall_ms=float(stall),
-                d2h_bytes=int(d2h),
-                h2d_bytes=int(h2d),
-                skipped=bool(skipped),
+                device_opt_ms=float(st.device_opt_ms),
+                offload_ms=float(st.offload_ms),
+                cpu_step_ms=float(st.cpu_step_ms),
+                stall_ms=float(st.stall_ms),
+                d2h_bytes=int(st.d2h_bytes),
+                h2d_bytes=int(st.h2d_bytes),
+                skipped=bool(st.skipped),
+                host_bytes=int(st.host_bytes),
             )
         )
     return TrialResult(records, wall_ms, float(losses[0]), float(losses[-1]))

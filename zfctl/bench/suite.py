@@ -58,6 +58,7 @@ class BenchOptions:
     max_grad_norm: float | None = None
     cpu_threads: int = 0
     zenflow: ZenFlowConfig | None = None  # --zenflow PRESET: the non-grid zenflow.* keys
+    accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
 
 
 @dataclass
@@ -93,6 +94,8 @@ def _native_isa() -> str | None:
 
 def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     """Run baselines + grid and return the summarised report (nothing is printed but progress)."""
+    if opts.accumulate not in ("auto", "host", "device"):
+        raise UserError(f"--accumulate {opts.accumulate!r}: use auto, host or device")
     device = resolve_device(opts.device)
 
     if opts.model is not None:
@@ -161,7 +164,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     if device.type != "cuda" and len(opts.pins) > 1:
         console.print("  note: pin_memory changes nothing without CUDA; pin on/off rows differ only by noise")
 
-    base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads)
+    base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads, accumulate=opts.accumulate)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
     results, rows = [], []
     for i, cfg in enumerate(configs, 1):
@@ -177,7 +180,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
             device=device,
             opt_kwargs=opt_kwargs,
         )
-        row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens)
+        row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens,
+                        n_params=n_params)
         results.append(res)
         rows.append(row)
         _progress(console, i, len(configs), cfg, row)
@@ -190,6 +194,6 @@ def _progress(console: Console, i: int, n: int, cfg: BenchConfig, row: dict[str,
     console.print(
         f"  [{i}/{n}] {cfg.label}: {fmt_ms(s['overall']['mean'])} ms/step "
         f"(accumulation {fmt_ms(s['accumulate']['mean'])}, update {fmt_ms(s['update']['mean'])}), "
-        f"stall {100 * (row['stall_fraction'] or 0):.1f}%"
+        f"stall {100 * (row['stall_fraction'] or 0):.1f}%, GPU busy {100 * (row['gpu_busy_fraction'] or 0):.1f}%"
         + (f", {row['n_skipped']} fp16 overflow steps skipped" if row["n_skipped"] else "")
     )

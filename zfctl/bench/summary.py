@@ -38,7 +38,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(
-    res: ConfigResult, *, param_bytes: int, samples_per_step: int, tokens_per_step: int
+    res: ConfigResult, *, param_bytes: int, samples_per_step: int, tokens_per_step: int,
+    n_params: int | None = None,
 ) -> dict[str, Any]:
     """One configuration's report row (JSON-ready). Speedup is filled by `add_speedups`."""
     recs: list[StepRecord] = res.records
@@ -79,6 +80,15 @@ def summarize(
         "stall_ms": asdict(agg(r.stall_ms for r in recs)),
         "stall_update_ms": asdict(agg(r.stall_ms for r in upd)),
         "stall_fraction": sum(r.stall_ms for r in recs) / total_ms if total_ms > 0 else None,
+        # GPU busy = (forward + backward + device optimizer) / step: what is left is the device
+        # waiting on the host or on PCIe (stall) and launch gaps.
+        "gpu_busy_fraction": min(1.0, sum(r.busy_ms for r in recs) / total_ms) if total_ms > 0 else None,
+        "host_bytes_per_step": agg(r.host_bytes for r in recs).mean,
+        # Host memory traffic of one interval (accumulation of its steps + the CPU update), per
+        # model parameter: the number the "less host work" choices move (offload/pipeline.py).
+        "host_bytes_per_param_interval": (
+            sum(r.host_bytes for r in recs) / len(upd) / n_params if n_params and upd else None
+        ),
         "d2h_bytes_per_step": d2h.mean,
         "h2d_bytes_per_step": h2d.mean,
         "traffic_x_model": _ratio((d2h.mean or 0) + (h2d.mean or 0), param_bytes),

@@ -144,6 +144,11 @@ def bench(
     cpu_threads: Annotated[
         int, typer.Option(help="zenflow.cpu_threads for the CPU AdamW (0 = all cores).", rich_help_panel=RUN)
     ] = 0,
+    accumulate: Annotated[
+        str,
+        typer.Option(help="zenflow.accumulate: auto, host or device (where gradients are summed).",
+                     rich_help_panel=RUN),
+    ] = "auto",
     max_grad_norm: Annotated[
         float | None,
         typer.Option(
@@ -246,6 +251,7 @@ def bench(
         cpu_threads=cpu_threads,
         max_grad_norm=max_grad_norm,
         zenflow=zenflow_cfg,
+        accumulate=accumulate,
     )
     report = run_bench(opts, console)
     print_tables(console, report.rows, report.meta)

@@ -56,18 +56,23 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
 
 
 def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor | None],
-                      acc: torch.Tensor, scale: float, accumulate: Callable[..., None]) -> int:
+                      acc: torch.Tensor, scale: float, accumulate: Callable[..., None], *,
+                      overwrite: bool = False) -> int:
     """Stream the host-owned gradient columns to the host and add ``scale * grad`` into ``acc``.
 
     The device transposes each column range into column-major order (one strided copy on the
     device), the ring moves it (PCIe D2H, model dtype: 2 B/element for bf16), and the native
-    kernel accumulates it in fp32 on the host. Returns the bytes copied.
+    kernel accumulates it in fp32 on the host. ``overwrite`` (the interval's first step): write
+    ``scale * grad`` instead of adding, so the accumulator is never zeroed nor read. Returns the
+    bytes copied.
     """
     def produce():
         for ch in chunks:
             g = grads[ch.slot.index]
-            if g is None:
-                continue  # no gradient this step: nothing to add
+            if g is None:  # no gradient this step: nothing to add (first step: a zero sum)
+                if overwrite:
+                    acc[ch.off : ch.off + ch.numel].zero_()
+                continue
             gm = as_matrix(g, ch.slot)
 
             def fill(dst: torch.Tensor, gm: torch.Tensor = gm, ch: Chunk = ch) -> None:
@@ -76,7 +81,7 @@ def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor 
             yield ch.numel, g.dtype, fill, ch
 
     def consume(view: torch.Tensor, ch: Chunk) -> None:
-        accumulate(acc[ch.off : ch.off + ch.numel], view, scale=scale, runs=ch.runs)
+        accumulate(acc[ch.off : ch.off + ch.numel], view, scale=scale, runs=ch.runs, overwrite=overwrite)
 
     return ring.d2h(produce(), consume)
 

@@ -62,6 +62,18 @@ class ZenFlowConfig:
         "to n times less than under AdamW. Moments and bias correction are unchanged; weight decay "
         "stays n steps' worth. See zfctl/offload/correction.py.",
     )
+    stream_grads: bool = _f(
+        True,
+        "Copy the non-selected gradient columns to the host during the last backward of a step "
+        "(gradient hooks; the training loop announces that backward) instead of inside step().",
+    )
+    accumulate: Literal["auto", "host", "device"] = _f(
+        "auto",
+        "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
+        "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
+        "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
+        "(device when the memory estimate says it fits).",
+    )
     pin_memory: bool = _f(
         True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
     )
@@ -90,6 +102,8 @@ class ZenFlowConfig:
             raise bad("topk_ratio", "must be a number in [0, 1], e.g. 0.1")
         if not 0.0 <= float(self.topk_ratio) <= 1.0:
             raise bad("topk_ratio", "must be in [0, 1], e.g. 0.1")
+        if self.accumulate not in ("auto", "host", "device"):
+            raise bad("accumulate", "use one of auto, host, device")
         if self.select_strategy not in ("auto", "step", "epoch"):
             raise bad("select_strategy", "use one of auto, step, epoch")
         for name in ("select_interval", "update_interval"):
@@ -115,7 +129,7 @@ class ZenFlowConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
-        for name in ("overlap_step", "pin_memory"):
+        for name in ("overlap_step", "pin_memory", "stream_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         if isinstance(self.auto_ratio, bool) or not isinstance(self.auto_ratio, (int, float)) or not 0 < self.auto_ratio <= 1:

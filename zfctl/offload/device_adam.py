@@ -142,3 +142,22 @@ class DeviceAdam:
                 as_matrix(p.data, slot).copy_(seg.t())
             else:
                 as_matrix(p.data, slot).t().index_copy_(0, self.index[slot.index], seg.to(p.dtype))
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
+
+    def state_dict(self) -> dict:
+        """Master, moments, counters (CPU copies) and the selection: sorted column ids per matrix
+        name (only matrices that have one)."""
+        sd = {k: getattr(self, k).detach().to("cpu", copy=True) for k in self.STATE_KEYS}
+        sd["selection"] = {s.name: self.index[s.index].to("cpu", copy=True) for s in self.layout.slots
+                           if s.selects and self.index[s.index] is not None}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k in self.STATE_KEYS:
+            getattr(self, k).copy_(sd[k])
+        for s in self.layout.slots:
+            if s.selects:
+                saved = sd["selection"].get(s.name)
+                self.index[s.index] = saved.to(self.master.device) if saved is not None else None

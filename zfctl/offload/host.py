@@ -6,7 +6,7 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 | --- | --- | --- | --- |
 | master, exp_avg, exp_avg_sq (fp32) | all matrix columns | main thread (migration, state_dict) | CPU worker (reads and writes) |
 | steps (fp32 per column) | all columns | main thread | main thread (the worker gets counts by value) |
-| acc[i] (fp32) | all columns | main thread accumulates into acc[cur] | CPU worker reads acc[other], then zeroes it |
+| acc[i] (fp32) | all columns | main thread (or the stream's thread) writes then adds into acc[cur] | CPU worker reads acc[other] |
 | upload (model dtype; bf16/fp16 only) | all columns | main thread reads it to install | CPU worker writes it |
 
 ``acc`` is double-buffered only with ``overlap_step`` (the next interval accumulates while the
@@ -33,14 +33,16 @@ class HostState:
     parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``)."""
 
     def __init__(self, layout: Layout, params: list[torch.Tensor], *, double_buffer: bool,
-                 upload_dtype: torch.dtype | None) -> None:
+                 upload_dtype: torch.dtype | None, pin_acc: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
         self.master = torch.empty(n, dtype=f32)
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
-        self.acc = [torch.zeros(n, dtype=f32) for _ in range(2 if double_buffer else 1)]
+        # pin_acc (accumulate=device on CUDA): the accumulators are the target of the interval
+        # sum's async D2H, so they are page-locked.
+        self.acc = [torch.zeros(n, dtype=f32, pin_memory=pin_acc) for _ in range(2 if double_buffer else 1)]
         self.upload = torch.zeros(n, dtype=upload_dtype) if upload_dtype is not None else None
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
         for slot in layout.host_slots:
@@ -79,3 +81,30 @@ class HostState:
             groups.append((int(value) + 1, runs))
         self.steps[host] += 1
         return groups
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master, moments and counters (copies). Accumulators and the upload buffer belong to the
+        pipeline's state (which one is live depends on its counters); ``device_owned`` follows
+        from the selection."""
+        return {k: getattr(self, k).clone() for k in self.STATE_KEYS}
+
+    def canonical_acc(self, acc: torch.Tensor, *, fresh: bool) -> torch.Tensor:
+        """A copy of an accumulator as a checkpoint stores it: what a resumed run can read.
+
+        The first step of an interval writes the host-owned elements and nothing ever reads the
+        device-owned ones, so those hold leftovers of older intervals that differ between a
+        straight and a resumed run. They are saved as zeros (``fresh``: the interval has no step
+        yet, so nothing is live), which keeps saved states comparable bit for bit.
+        """
+        if fresh:
+            return torch.zeros_like(acc, device="cpu")
+        lengths = self.layout.host_col_offsets[1:] - self.layout.host_col_offsets[:-1]
+        owned = self.device_owned.repeat_interleave(lengths)
+        return acc.to("cpu", copy=True).masked_fill_(owned, 0.0)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for k in self.STATE_KEYS:
+            getattr(self, k).copy_(sd[k])

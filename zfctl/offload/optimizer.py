@@ -11,8 +11,13 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
    gradient L1 and the state of entering/leaving columns migrates (``selection.migrate``).
 3. Device AdamW on the dense params and the selected columns (``device_adam``), written back
    into the model params.
-4. The other columns' gradients stream to the host (``chunks.offload_gradients``) and are
-   accumulated in fp32: ``acc += coef * grad``.
+4. The other columns' gradients are accumulated in fp32, ``acc += coef * grad``, by one of three
+   paths with the same result: ``step()`` streams them to the host and accumulates them itself
+   (``chunks.offload_gradients``); or, when the loop announced the step's last backward
+   (``prepare_backward``), they already left during that backward and a host thread adds them
+   (``stream``, bit-identical); or, with ``accumulate: device``, they are added on the device and
+   only the interval sum crosses PCIe at the boundary (``device_acc``, within an ulp per step).
+   The interval counters, the accumulators and the CPU worker belong to ``pipeline.Pipeline``.
 5. At a boundary (every ``U`` steps, or the auto rule, or the step before a re-selection, or every
    warm-up step) the CPU worker runs AdamW on the host-owned columns with the interval-mean
    gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step
@@ -42,6 +47,7 @@ Choices the algorithm leaves open, made here:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -52,9 +58,11 @@ from typing_extensions import Self
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.correction import corrected_hyperparams
+from zfctl.offload.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
@@ -62,15 +70,18 @@ from zfctl.offload.partition import (
     OwnedRows,
     Partition,
     average_gradients,
+    average_one,
     group_info,
     partition_layout,
     share_installed,
 )
+from zfctl.offload.pipeline import Pipeline
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
-from zfctl.offload.worker import CpuUpdate, CpuWorker
+from zfctl.offload.stream import GradStream
+from zfctl.offload.worker import CpuUpdate
 
 
 class ZenFlowOptimizer(torch.optim.Optimizer):
@@ -110,15 +121,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       min_interval=config.auto_min_interval,
                                       max_interval=config.auto_max_interval)
         self.host: HostState | None = None
-        self._worker: CpuWorker | None = None
+        self._dev_acc: DeviceAccumulator | None = None
+        self.accumulate = "host"  # resolved zenflow.accumulate (host when nothing is offloaded)
         if self._host_slots:
             self._setup_host()
-
-        self._t = 0  # optimizer steps taken (skipped fp16 steps excluded)
-        self._interval_len = 0  # steps accumulated in the current interval
-        self._last_interval = 0 if self._policy.auto else self._policy.fixed
-        self._cur = 0  # which accumulator the main thread fills
-        self._pending_install = False  # a finished CPU update waits to be copied into the model
+        # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
+        self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
+        self._stream: GradStream | None = None
+        self._fence = None  # the hook path's accumulation the next CPU update must wait for
+        if self.pipeline.worker is not None:
+            self._accumulate = self.pipeline.worker.native.accumulate
+            if config.cpu_threads:
+                self.pipeline.worker.native.set_num_threads(config.cpu_threads)
+            if config.stream_grads and self._dev_acc is None:
+                self._stream = self._make_stream()
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -129,12 +145,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
         itemsize = dtype.itemsize
+        self.accumulate = resolve(self.config.accumulate, self.device, 4 * self.layout.host_numel)
+        on_device = self.accumulate == "device"
         self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
-                              upload_dtype=None if dtype == torch.float32 else dtype)
-        self._worker = CpuWorker(self.host)
-        self._accumulate = self._worker.native.accumulate
-        if self.config.cpu_threads:
-            self._worker.native.set_num_threads(self.config.cpu_threads)
+                              upload_dtype=None if dtype == torch.float32 else dtype,
+                              pin_acc=on_device and self.device.type == "cuda" and self.config.pin_memory)
+        if on_device:
+            self._dev_acc = DeviceAccumulator(self.layout, self.device)
         # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
         want = int(self.config.ring_slot_mb * 2**20)
         biggest = max(self._host_slots, key=lambda s: s.rows)
@@ -149,14 +166,49 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._itemsize = itemsize
         self._refresh_chunks()
 
+    def _make_stream(self) -> GradStream:
+        """The hook path (stream.py): a landing buffer pair and the accumulation thread."""
+        dtype = self._params[self._host_slots[0].index].dtype
+        ring_bytes = self.config.ring_slots * self._d2h.slot_bytes
+        # Device temporaries in flight: 4x the ring (512 MiB by default: a few layers' matrices of
+        # a 1B model, drained in ~10 ms at 50 GB/s), so the hooks rarely wait; never more than
+        # the host-path gradient itself.
+        budget = min(4 * ring_bytes, self.layout.host_numel * self._itemsize)
+        average = None
+        if self._part is not None:
+            group, world = self.process_group, self.world_size
+
+            def average(g: torch.Tensor) -> int:
+                return average_one(g, group, world)
+
+        return GradStream(self._params, self._host_slots, numel=self.layout.host_numel, dtype=dtype,
+                          device=self.device, pin_memory=self.config.pin_memory, budget_bytes=max(budget, 1),
+                          accumulate=self._accumulate, average=average)
+
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
         self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
+        # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
+        self._host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self._chunks)
 
     # -- the public loop API ------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self._scaler.scale if self._scaler is not None else loss
+
+    def prepare_backward(self, final: bool = True) -> None:
+        """Announce the next backward: ``final=True`` if it is the last of this optimizer step
+        (its gradients are then final and leave for the host during it, see stream.py); False
+        for the earlier micro-batches of a gradient-accumulation window. Optional: without it,
+        step() moves the gradients itself. Call ``step()`` after that backward."""
+        if self._stream is None:
+            return
+        t = self.pipeline.t
+        if not final or self._selection_due(t):  # a selection re-plans the chunks: step() path
+            self._stream.disarm()
+            return
+        known = 1.0 if self.max_grad_norm is None and self._scaler is None else None
+        self._stream.arm(self._chunks, self.pipeline.acc, known, first=self.pipeline.first_of_interval)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -166,28 +218,38 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        t, group = self._t, self.param_groups[0]
+        if self.last_stats is not None:
+            self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
+        t, group = self.pipeline.t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
+        streamed = self._stream is not None and self._stream.armed
         if self._part is not None:
-            # 0. Data parallel: every rank continues with the same averaged gradient (a collective).
-            stats.comm_bytes += average_gradients(self._params, self.process_group, self.world_size)
+            # 0. Data parallel: every rank continues with the same averaged gradient (a collective;
+            #    the gradient hooks already averaged the matrices they streamed).
+            done = self._stream.averaged if streamed else set()
+            rest = [p for i, p in enumerate(self._params) if i not in done]
+            stats.comm_bytes += average_gradients(rest, self.process_group, self.world_size)
         grads = [p.grad for p in self._params]
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
         norm, coef = self._coefficient(grads)
         if self._scaler is not None and not bool(torch.isfinite(norm).item()):
             self._scaler.update(overflow=True)
+            if streamed:
+                self._stream.finish(stats, None, self._itemsize)  # drop what the hooks moved
             stats.skipped, stats.grad_norm = True, math.inf
             self.last_stats = stats
             return stats
 
         # 2. Selection: drain the CPU pipeline, choose columns, migrate their state.
         if self._selection_due(t):
+            c = time.perf_counter()
             self._collect(stats)
             self._select(grads, stats)
             stats.selection = True
+            stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
 
         # Host scalars start their D2H now, ordered before the device update below.
         scalars = self._start_scalars(norm, coef, grads, warm) if self.host is not None else None
@@ -197,48 +259,76 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._device.load_grads(self._params, coef, self._selected)
         self._device.step(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, selected=self._selected)
         self._device.write_params(self._params, self._selected)
-        device_clock = t0.stop()
+        if self._dev_acc is not None:  # accumulate=device: the rest of the gradient, summed here too
+            self._dev_acc.add(grads, coef, first=self.pipeline.first_of_interval)
+        t0.stop(stats)
 
+        tail = time.perf_counter()
         host_norm = None
         if self.host is not None:
             # 4. The rest of the gradient goes to the host and is accumulated in fp32.
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
-            c = time.perf_counter()
-            stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.host.acc[self._cur],
-                                                 host_coef, self._accumulate)
+            # Not stall: the device update is queued behind the scalars, the device keeps busy.
+            # Everything from here on is host work the device does not overlap with: stall.
+            tail = c = time.perf_counter()
+            if self._dev_acc is not None:
+                pass  # added on the device above; crosses PCIe only at the boundary
+            else:
+                first = self.pipeline.first_of_interval
+                # Host memory per element: read the gradient, write acc (and read it after the first).
+                stats.host_bytes += self._host_elems * (self._itemsize + (4 if first else 8))
+                if streamed:  # the hooks moved it during backward; the host thread adds it
+                    fence = self._stream.finish(stats, host_coef, self._itemsize)
+                    self._fence = fence.result if fence is not None else None
+                    stats.d2h_bytes += stats.early_bytes
+                else:
+                    if self._stream is not None:
+                        self._stream.drain()  # the thread may still add the previous step into acc
+                    stats.d2h_bytes += offload_gradients(self._d2h, self._chunks, grads, self.pipeline.acc,
+                                                         host_coef, self._accumulate, overwrite=first)
+                    stats.in_step_chunks = len(self._chunks)
+                    stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
             stats.d2h_bytes += 4 * len(values)
             stats.offload_ms = (time.perf_counter() - c) * 1e3
-            self._interval_len += 1
             # 5. Boundary: hand the interval to the CPU worker.
-            force = warm or self._selection_due(t + 1)
-            if self._policy.is_boundary(self._interval_len, force):
+            if self.pipeline.close_step(force=warm or self._selection_due(t + 1)):
+                if self._dev_acc is not None:  # the interval sum crosses PCIe once (fp32)
+                    self._fence = self._dev_acc.copy_out(self.pipeline.acc)
+                    stats.d2h_bytes += 4 * self.layout.host_numel
+                    stats.host_bytes += 4 * self._host_elems
                 self._boundary(stats, warm, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
             elif self._policy.auto and self._selected:
                 self._observe(masses, host_coef)
 
-        stats.device_opt_ms = device_clock()
-        if norm is not None:
-            stats.grad_norm = host_norm if host_norm is not None else float(norm.item())  # r=1: a sync
+        if host_norm is not None:
+            stats.grad_norm = host_norm
+        elif norm is not None:  # topk 1: nothing synced yet; read the norm one step late on CUDA
+            stats.defer(lambda st, norm=norm: setattr(st, "grad_norm", float(norm.item())))
+            if self.device.type != "cuda":
+                stats.resolve()
+        stats.stall_ms += (time.perf_counter() - tail) * 1e3
         if self._scaler is not None:
             self._scaler.update(overflow=False)
-        stats.update_interval = self._last_interval
+        stats.update_interval = self.pipeline.last_interval
         stats.selected_fraction = self._selected_fraction()
-        self._t += 1
+        self.pipeline.advance()
         self.last_stats = stats
         return stats
 
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
-        if self._worker is not None:
-            self._collect(StepStats(step=self._t))
+        if self.host is not None:
+            self._drain()
+            self._collect(StepStats(step=self.pipeline.t))
 
     def close(self) -> None:
         """Stop the CPU worker (after finishing its update, not installed). Idempotent."""
         if not self._closed:
             self._closed = True
-            if self._worker is not None:
-                self._worker.close()
+            if self._stream is not None:
+                self._stream.close()
+            self.pipeline.close()
 
     def __enter__(self) -> Self:
         return self
@@ -318,39 +408,37 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
                   eps: float, wd: float) -> None:
         """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
-        n = self._interval_len
+        acc = self.pipeline.acc
+        n = self.pipeline.end_interval()
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
         # step for them (correction.py; 'off' passes lr and wd through untouched).
         lr, wd = corrected_hyperparams(self.config.deferred_lr_scale, n, lr, wd)
-        update = CpuUpdate(self.host.acc[self._cur], 1.0 / n, self.host.update_groups(),
-                           lr, beta1, beta2, eps, wd)
-        self._interval_len, self._last_interval = 0, n
-        self._policy.reset()
-        stats.boundary = True
-        if self.config.overlap_step and not warm:
-            self._collect(stats)  # install the previous interval's update (one interval stale) ...
-            self._worker.submit(update)  # ... then start this one in the background
-            self._cur = (self._cur + 1) % len(self.host.acc)
-        else:
-            self._worker.submit(update)
-            self._collect(stats)
+        update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(), lr, beta1, beta2, eps, wd)
+        # CPU AdamW: master, moments read+written (24 B), acc read (4 B), upload written.
+        upload = self.host.upload.element_size() if self.host.upload is not None else 0
+        stats.host_bytes += self._host_elems * (28 + upload)
+        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm, after=self._fence)
+        self._fence = None
 
     def _collect(self, stats: StepStats) -> None:
         """Wait for an in-flight CPU update (stall) and install any finished one into the model."""
-        if self._worker is not None and self._worker.busy:
-            t0 = time.perf_counter()
-            stats.cpu_step_ms = self._worker.wait()
-            stats.stall_ms += (time.perf_counter() - t0) * 1e3
-            self._pending_install = True
-        if self._pending_install:
-            src = self.host.upload if self.host.upload is not None else self.host.master
-            stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
-            # Whole column ranges were written: put the device-owned columns back.
-            self._device.write_params(self._params, self._selected, only=self._selectable)
-            if self._part is not None:  # each owner's columns to every rank (a collective)
-                stats.comm_bytes += share_installed(self._part, self.layout, self._params)
-            stats.installed = True
-            self._pending_install = False
+        self.pipeline.collect(stats)
+
+    def _drain(self) -> None:
+        """Wait for the hook path's queued accumulations (before anyone else reads the accumulator)."""
+        if self._stream is not None:
+            self._stream.drain()
+        if self._dev_acc is not None:
+            self._dev_acc.wait()
+
+    def _install(self, stats: StepStats) -> None:
+        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        src = self.host.upload if self.host.upload is not None else self.host.master
+        stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
+        # Whole column ranges were written: put the device-owned columns back.
+        self._device.write_params(self._params, self._selected, only=self._selectable)
+        if self._part is not None:  # each owner's columns to every rank (a collective)
+            stats.comm_bytes += share_installed(self._part, self.layout, self._params)
 
     def _selected_fraction(self) -> float:
         mats = self.layout.matrices
@@ -361,15 +449,47 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
-        from zfctl.offload.checkpoint import optimizer_state
-
-        return optimizer_state(self)
+        self._drain()
+        pipeline = self.pipeline.state_dict()
+        if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
+            pipeline["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
+        return pack_state(
+            names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
+            param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            partition=self._partition_info(), selected=self._selected, pipeline=pipeline,
+            device=self._device.state_dict(), host=self.host.state_dict() if self.host is not None else None,
+            scaler=self._scaler.state_dict() if self._scaler is not None else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio."""
-        from zfctl.offload.checkpoint import load_optimizer_state
+        check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
+                    topk_ratio=self.config.topk_ratio, partition=self._partition_info())
+        parts = unpack_state(state_dict)
+        self._drain()
+        if self._stream is not None:
+            self._stream.disarm()
+        for group, saved in zip(self.param_groups, parts["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.pipeline.load_state_dict(parts["pipeline"])
+        if self._dev_acc is not None:
+            self._dev_acc.buf.copy_(parts["pipeline"]["acc"])
+        self._selected = parts["selected"]
+        self._device.load_state_dict(parts["device"])
+        if self.host is not None:
+            self.host.load_state_dict(parts["host"])
+            self.host.device_owned.zero_()
+            for s in self._selectable:
+                if self._device.index[s.index] is not None:
+                    self.host.set_device_owned(s, self._device.index[s.index])
+            self._refresh_chunks()
+        if self._scaler is not None and parts["scaler"] is not None:
+            self._scaler.load_state_dict(parts["scaler"])
 
-        load_optimizer_state(self, state_dict)
+    def _partition_info(self) -> dict[str, Any]:
+        """Which slice of the host state this optimizer holds (one process: all of it)."""
+        if self._part is None:
+            return {"world_size": 1, "rank": 0}
+        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds)}
 
 
 class _Clock:
@@ -383,17 +503,18 @@ class _Clock:
         else:
             self.t0 = time.perf_counter()
 
-    def stop(self):
+    def stop(self, stats: StepStats) -> None:
+        """Set ``stats.device_opt_ms``: now on CPU, at ``stats.resolve()`` on CUDA (no sync here)."""
         if not self.cuda:
-            ms = (time.perf_counter() - self.t0) * 1e3
-            return lambda: ms
+            stats.device_opt_ms = (time.perf_counter() - self.t0) * 1e3
+            return
         self.end.record()
 
-        def read() -> float:
-            self.end.synchronize()  # sync point; with offload the step already waited past it
-            return self.start.elapsed_time(self.end)
+        def read(st: StepStats) -> None:
+            self.end.synchronize()  # a sync only if resolved before the device got here
+            st.device_opt_ms = self.start.elapsed_time(self.end)
 
-        return read
+        stats.defer(read)
 
 
 def _named_params(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:

@@ -128,6 +128,16 @@ def partition_layout(
     return local, Partition(process_group, rank, world_size, bounds, tuple(pieces))
 
 
+def average_one(grad: torch.Tensor, group: Any, world_size: int) -> int:
+    """All-reduce one gradient to the mean over ranks, in place (the gradient hooks' version of
+    ``average_gradients``: the same sum, then the same division, so each element gets the same
+    bits for 2 ranks; with more, the reduction order inside the collective may differ by
+    bucketing). Returns the bytes reduced."""
+    dist.all_reduce(grad, group=group)  # sum over ranks
+    grad.div_(world_size)
+    return grad.numel() * grad.element_size()
+
+
 def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -> int:
     """All-reduce every ``.grad`` to the mean over ranks, in flat buckets; returns bytes reduced.
 

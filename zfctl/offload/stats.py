@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +12,18 @@ class StepStats:
 
     Device compute (forward/backward) is measured by the training loop itself; everything here is
     the optimizer's share of the step.
+
+    Stall is every host wait inside ``step()`` after the device update was enqueued: the scalars'
+    D2H (norm, coefficient), gradient columns the step had to copy and accumulate itself, the
+    wait for the CPU worker, the host side of an install, and (hook path) the wait for gradient
+    chunks still in flight. While the host waits there, the device runs out of queued work, so
+    this is the time the device timeline waits on the host or on PCIe (an upper bound: the device
+    may still be finishing the update it was given). ``offload_ms`` is the gradient part of it.
+
+    Two numbers need the device's clock: ``device_opt_ms`` and (topk 1) ``grad_norm``. On CUDA
+    reading them at once would be a sync per step, so they are filled by :meth:`resolve`, which
+    the optimizer calls at the start of the next ``step()`` (one step late, the events have long
+    fired) and a caller may call after its own sync. On CPU they are filled at once.
     """
 
     step: int  # 0-based optimizer step this describes (skipped fp16 steps do not advance it)
@@ -20,9 +33,9 @@ class StepStats:
     skipped: bool = False  # fp16 overflow: nothing was updated, the loss scale was lowered
     installed: bool = False  # a finished CPU update was copied into the model params this step
     device_opt_ms: float = 0.0  # the device AdamW (selected columns + dense params)
-    stall_ms: float = 0.0  # time step() waited for the CPU worker
+    stall_ms: float = 0.0  # every host wait inside step() (see the class docstring)
     cpu_step_ms: float = 0.0  # duration of the CPU update that completed this step (0 if none)
-    offload_ms: float = 0.0  # D2H gradient streaming + host accumulation, host wall time
+    offload_ms: float = 0.0  # gradient D2H + host accumulation done or waited for inside step()
     d2h_bytes: int = 0  # device -> host bytes this step (gradients, migration, small scalars)
     h2d_bytes: int = 0  # host -> device bytes this step (installed params, migration)
     comm_bytes: int = 0  # data-parallel bytes this rank contributed/received (0 for one process)
@@ -31,3 +44,27 @@ class StepStats:
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step
     update_interval: int = 0  # length of the latest finished interval (U unless cut short before a
     # re-selection, or chosen by the auto rule); before the first boundary: U, or 0 for auto
+    # Where this step's host-path gradient went (chunks = column ranges, see offload/chunks.py).
+    # ``early``: left the device during backward (gradient hooks) before step() was entered;
+    # ``in_step``: copied by step() itself; ``accumulated_early``: added into the accumulator
+    # before step() was entered; ``accumulated_late``: added by the host thread after step()
+    # returned (the clip/scale coefficient was needed first). The rest was accumulated in step().
+    early_chunks: int = 0
+    early_bytes: int = 0
+    in_step_chunks: int = 0
+    in_step_bytes: int = 0
+    accumulated_early: int = 0
+    accumulated_late: int = 0
+    host_bytes: int = 0  # host memory bytes the gradient accumulation read + wrote for this step
+    _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
+
+    def defer(self, fill: Callable[[StepStats], None]) -> None:
+        """Queue ``fill(self)`` for :meth:`resolve` (a read of device timing/values)."""
+        self._late.append(fill)
+
+    def resolve(self) -> StepStats:
+        """Fill the values read from the device late (a sync only if the device is still behind)."""
+        late, self._late = self._late, []
+        for fill in late:
+            fill(self)
+        return self

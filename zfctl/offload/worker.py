@@ -12,8 +12,10 @@ count alone, when to wait and install.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,16 +62,24 @@ class CpuWorker:
                 beta1=update.beta1, beta2=update.beta2, eps=update.eps,
                 weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, out=h.upload,
             )
-        update.acc.zero_()  # ready for the interval after next; only device-free columns were written
+        # No zeroing: the first step of the interval after next overwrites acc (chunks.py, stream.py).
         return (time.perf_counter() - t0) * 1e3
 
-    def submit(self, update: CpuUpdate) -> None:
-        """Start ``update`` in the background. At most one update is ever in flight."""
+    def submit(self, update: CpuUpdate, after: Callable[[], Any] | None = None) -> None:
+        """Start ``update`` in the background; the worker first calls ``after`` (a wait for the
+        accumulation of the interval's last gradient: stream.py, device_acc.py). At most one
+        update is ever in flight."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
         if self._future is not None:
             raise RuntimeError("a CPU update is already in flight; wait() for it first")
-        self._future = self._pool.submit(self.run, update)
+
+        def run() -> float:
+            if after is not None:
+                after()  # worker thread: the accumulator is complete only after this
+            return self.run(update)
+
+        self._future = self._pool.submit(run)
 
     def wait(self) -> float:
         """Block until the in-flight update is done; its duration in ms (re-raises its error)."""

@@ -14,6 +14,14 @@ host    master+moments+accumulator 16 * P   fp32 master (4), exp_avg (4), exp_av
         in-flight accumulator 4 * P   overlap_step: the worker reads last interval's mean while
                                        the device accumulates the next one
         pinned rings      2 * ring_slots * ring_slot_mb MiB (D2H gradients, H2D params)
+        landing buffers   2 * w * P2   stream_grads with accumulate=host: the last backward's
+                                       gradient columns land here (pinned), two steps alternate
+device  gradient accumulator 4 * P2    accumulate=device: the interval's fp32 sum on the device
+
+``zenflow.accumulate: auto`` resolves here: ``device`` when the device total with the accumulator
+stays within ``AUTO_DEVICE_SHARE`` of the GPU's memory (the activation estimate is rough, so the
+margin is wider than the verdict's), else ``host``. The choice is on the estimate
+(``MemoryEstimate.accumulate``) and in a note, and the optimizer is built with it.
 
 With topk_ratio 1 nothing lives on the host; on a machine without CUDA both sides live in host
 RAM. Sizes are decimal GB (1e9 bytes), as GPU vendors and the ZenFlow paper quote them.
@@ -27,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from zfctl.plan.schema import RunPlan
 
 GB = 1e9
+AUTO_DEVICE_SHARE = 0.85
 _LLAMA_LIKE = {"llama", "mistral"}
 
 
@@ -70,6 +79,7 @@ class MemoryEstimate:
     fits: bool
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    accumulate: str = "host"  # zenflow.accumulate as resolved for this machine ("host" | "device")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,6 +173,9 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
         _fill(plan, size, items)
+    accumulate = "host"
+    if size is not None and float(plan.zenflow.topk_ratio) < 1.0:
+        accumulate = _place_accumulator(plan, size, items, notes, device_kind, machine)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     reasons = _verdict(device_kind, device_total, host_total, machine, plan.train.device)
@@ -176,7 +189,31 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         fits=size is not None and not reasons,
         reasons=reasons,
         notes=notes,
+        accumulate=accumulate,
     )
+
+
+def _place_accumulator(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str],
+                       device_kind: str, machine: Machine) -> str:
+    """Resolve zenflow.accumulate and add its memory: fp32 sum on the device, or landing buffers."""
+    z = plan.zenflow
+    nbytes = 4.0 * size.params_2d
+    choice = z.accumulate
+    if choice == "auto":
+        device_total = sum(i.bytes for i in items if i.where == "device")
+        fits = device_kind == "cuda" and machine.cuda and device_total + nbytes <= AUTO_DEVICE_SHARE * machine.gpu_mem
+        choice = "device" if fits else "host"
+    if choice == "device":
+        items.append(MemoryItem("device", "gradient accumulator", nbytes,
+                                "zenflow.accumulate=device: fp32 interval sum, 4 B per matrix element"))
+    elif z.stream_grads:
+        w = 4 if plan.train.precision == "fp32" else 2
+        items.append(MemoryItem("host", "gradient landing buffers", 2.0 * w * size.params_2d,
+                                "stream_grads: the last backward's gradient columns land here (pinned)"))
+    how = "" if z.accumulate != "auto" else " (auto)"
+    notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {nbytes / GB:.2f} GB "
+                 f"of device memory, {'used' if choice == 'device' else 'not used'}")
+    return choice
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem]) -> None:

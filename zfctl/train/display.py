@@ -3,11 +3,12 @@
 Only rank 0 draws (the others get :class:`NullDisplay`). The line is a view of the same record
 that goes to ``metrics.jsonl``, formatted by :func:`format_train_line`, e.g.::
 
-    step   40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 | sel 0.10 | host 1.2G
+    step   40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 (busy 93%) | sel 0.10 | host 1.2G
 
 ``step ms`` is the wall time of the whole optimizer step; ``fwd/bwd`` is device compute
-(forward + backward of all micro-batches), ``opt`` the device-side optimizer work, ``stall`` the
-time ``step()`` waited for the CPU worker; what remains is data loading and host overhead.
+(forward + backward of all micro-batches), ``opt`` the device-side optimizer work, ``stall`` every
+host wait inside ``step()`` (gradient D2H and accumulation, the CPU worker, installs); what remains
+is data loading and host overhead. ``busy`` = (fwd/bwd + opt) / step ms: the device's share.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def format_train_line(rec: dict[str, Any], total_steps: int) -> str:
     width = len(str(total_steps))
     split = (f"{rec['step_ms']:.0f} ms = fwd/bwd {rec['compute_ms']:.0f} + opt {rec['device_opt_ms']:.0f}"
              f" + stall {rec['stall_ms']:.0f}")
+    if rec.get("gpu_busy") is not None:
+        split += f" (busy {100 * rec['gpu_busy']:.0f}%)"
     n = rec.get("loss_steps", 1)  # the console shows the mean over the steps since its last line
     loss = f"loss {rec['loss']:.4f}" + (f" (avg {n})" if n > 1 else "")
     parts = [f"step {rec['step']:>{width}}/{total_steps}", loss,

@@ -182,11 +182,14 @@ def train(x: LoopInputs) -> LoopResult:
             #    averages the gradients over ranks in step() (see n_targets above).
             timer.start()
             step_loss = torch.zeros((), device=x.device)
-            for batch in batches:
+            prepare = getattr(opt, "prepare_backward", None)
+            for i, batch in enumerate(batches):
                 batch = _to_device(batch, x.device)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                use_cache=False).logits
                 micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
+                if prepare is not None:  # the last backward's gradients are final: they stream to
+                    prepare(final=i == len(batches) - 1)  # the host during it (offload/stream.py)
                 opt.scale_loss(micro_loss).backward()  # x loss scale under fp16, identity otherwise
                 step_loss += micro_loss.detach()
                 del logits, micro_loss  # free the activations' largest tensor before the next one
@@ -204,6 +207,8 @@ def train(x: LoopInputs) -> LoopResult:
             loss, step_tokens, votes = _all_reduce_sum(
                 [float(step_loss), float(n_tokens), float(stop.requested)], x.device, x.world_size)
             loss, step_tokens, stopping = loss / x.world_size, int(step_tokens), votes > 0
+            if hasattr(stats, "resolve"):  # StepStats' device timings: read after the sync above, free
+                stats.resolve()
             tokens_seen += step_tokens
             step_ms = (time.perf_counter() - t_step) * 1e3
 
@@ -214,6 +219,8 @@ def train(x: LoopInputs) -> LoopResult:
                        "tokens_per_s": step_tokens / max(step_ms, 1e-6) * 1e3,
                        "step_ms": step_ms, "compute_ms": timer.ms(),
                        "device_opt_ms": stats.device_opt_ms, "stall_ms": stats.stall_ms,
+                       # share of the step the device had work: fwd/bwd + device optimizer
+                       "gpu_busy": min(1.0, (timer.ms() + stats.device_opt_ms) / max(step_ms, 1e-6)),
                        "cpu_step_ms": stats.cpu_step_ms, "boundary": stats.boundary,
                        "selection": stats.selection, "warmup": stats.warmup,
                        "skipped": stats.skipped, "selected_fraction": stats.selected_fraction,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,8 +24,14 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
 
     t = plan.train
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    zen = plan.zenflow
+    if zen.accumulate == "auto" and params and params[0][1].device.type == "cuda":
+        from zfctl.plan.memory import estimate
+
+        # The plan's memory estimate decides (the same choice `zfctl plan` shows).
+        zen = replace(zen, accumulate=estimate(plan).accumulate)
     return ZenFlowOptimizer(
-        params, plan.zenflow, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+        params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
         process_group=process_group,
     )

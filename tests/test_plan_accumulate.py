@@ -1,0 +1,35 @@
+"""`zenflow.accumulate: auto` is resolved by the plan's memory estimate, which `zfctl plan` shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from zfctl.errors import ConfigError
+from zfctl.plan import resolve_plan
+from zfctl.plan.memory import GB, Machine, estimate
+
+P2 = 6.738e9 - (2 * 32 + 1) * 4096  # llama2-7b's 2-D weights
+
+
+def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
+    plan = resolve_plan("llama2-7b", "alpaca")
+    assert plan.zenflow.accumulate == "auto"
+    big = estimate(plan, Machine(512 * GB, True, "B200", 180 * GB))
+    assert big.accumulate == "device"
+    assert big.item("gradient accumulator") == pytest.approx(4 * P2)  # ~27 GB for a 7B
+    assert big.item("gradient landing buffers") == 0
+    assert any("zenflow.accumulate (auto): device" in n for n in big.notes)
+    small = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
+    assert small.accumulate == "host" and small.item("gradient accumulator") == 0
+    assert small.item("gradient landing buffers") == pytest.approx(2 * 2 * P2)  # bf16, two steps
+    cpu = estimate(plan, Machine(512 * GB, False))
+    assert cpu.accumulate == "host"
+
+
+def test_an_explicit_choice_is_kept_and_counted() -> None:
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.accumulate=device"])
+    est = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
+    assert est.accumulate == "device" and not est.fits  # the user asked for it: the verdict says no
+    assert est.item("gradient accumulator") == pytest.approx(4 * P2)
+    with pytest.raises(ConfigError, match="zenflow.accumulate"):
+        resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.accumulate=gpu"])

@@ -1,0 +1,102 @@
+"""``zenflow.accumulate: device``: the interval's gradient sum lives in fp32 on the device.
+
+Per step, the host-owned column ranges of every matrix are added into a flat fp32 device buffer
+laid out exactly like the host accumulator (column-major, ``layout``), one transpose-and-add per
+matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
+first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
+interval the whole sum crosses PCIe (fp32, 4 B per element, on a copy stream into the pinned host
+accumulator) and the CPU worker starts when that copy's event has fired. The host never touches a
+per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
+
+Cost: 4 B of device memory per matrix element this rank holds on the host side (the rows of
+device-owned columns included: the buffer keeps the host layout so one copy moves it, about
+``topk_ratio`` more than strictly needed). ``resolve`` picks this mode for ``accumulate: auto``
+when that fits.
+
+Rounding: the host path adds with one fma per element (the native kernel); here the first step
+is exact-then-one-rounding (``copy_`` then ``mul_``, like the fma into zero) and the later steps
+use ``addcmul_`` (torch's rounding, an fma on most GPUs). Same sum order, so the two modes agree
+bit for bit where both fuse, else to within an ulp per step (tests/test_offload_accumulate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zfctl.offload.layout import Layout, as_matrix
+
+# Device memory `auto` leaves free besides the accumulator (activations of the next micro-batches,
+# allocator fragmentation): the accumulator must fit in what is free beyond this share.
+AUTO_HEADROOM = 0.25
+
+
+def resolve(choice: str, device: torch.device, nbytes: int) -> str:
+    """``host`` or ``device`` for ``zenflow.accumulate`` (``auto``: device when it fits now).
+
+    The run plan resolves ``auto`` from its memory estimate before the optimizer is built
+    (``zfctl.plan.memory``); this is the library's own rule when used without a plan: the device
+    only on CUDA, and only if ``nbytes`` fit in the free memory minus ``AUTO_HEADROOM`` of the total.
+    """
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "host"
+    free, total = torch.cuda.mem_get_info(device)
+    return "device" if nbytes <= free - AUTO_HEADROOM * total else "host"
+
+
+class DeviceAccumulator:
+    """The fp32 interval sum of the host-owned columns, on the device."""
+
+    def __init__(self, layout: Layout, device: torch.device) -> None:
+        self.layout = layout
+        self.cuda = device.type == "cuda"
+        self.buf = torch.zeros(layout.host_numel, dtype=torch.float32, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._copied: Any = None  # the event of the last copy out; the next write waits for it
+        self.device = device
+
+    def add(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool) -> None:
+        """``buf (=|+=) coef * grad`` over every host slot's owned columns (compute stream, no sync)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)  # device-side wait only
+            self._copied = None
+        for slot in self.layout.host_slots:
+            view = self.buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0,
+                                                                                  slot.rows)
+            g = grads[slot.index]
+            if g is None:  # a missing gradient counts as zero
+                if first:
+                    view.zero_()
+                continue
+            gt = as_matrix(g, slot)[:, slot.host_c0 : slot.host_c1].t()
+            if first:
+                view.copy_(gt)  # exact widening to fp32 ...
+                if coef is not None:
+                    view.mul_(coef)  # ... then one rounding, as the fma into a zero accumulator
+            elif coef is not None:
+                view.addcmul_(gt, coef)
+            else:
+                view.add_(gt)
+
+    def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
+        """Start the PCIe D2H of the interval sum into ``dst`` (pinned host); returns the wait the
+        CPU worker must do first (None: already done, CPU)."""
+        if not self.cuda:
+            dst.copy_(self.buf)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's adds
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(self.buf, non_blocking=True)  # PCIe D2H: 4 B per element, once per interval
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self._copied = event
+        return event.synchronize  # worker thread: the host accumulator is complete after this
+
+    def wait(self) -> None:
+        """Host wait for a copy out still in flight (checkpoints)."""
+        if self._copied is not None:
+            self._copied.synchronize()

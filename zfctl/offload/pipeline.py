@@ -1,0 +1,149 @@
+"""The host path's state machine: one owner for the interval counters, the accumulators and the
+one-update-in-flight rule.
+
+Per optimizer step the optimizer asks three things of it: which accumulator to fill (``acc``),
+whether this step ends an interval (``close_step``), and, at a boundary, to hand the interval to
+the CPU worker (``submit``). Everything that decides *when* a result lands is here and depends on
+step counts only, never on thread timing:
+
+* synchronous (``overlap_step`` off, or a warm-up step): submit, wait, install at once;
+* overlapped: install the previous interval's result first (waiting if it is still running: the
+  only stall of this mode), then submit this interval and switch to the other accumulator. At
+  most one update is ever in flight, and the installed values are exactly one interval stale.
+
+``collect`` (a re-selection's drain, ``flush``) waits and installs now. ``settle`` (checkpoints)
+waits without installing: the result becomes *pending*, which the saved state records, and the
+next boundary after a resume installs it exactly where the uninterrupted run would.
+
+Without host columns (topk_ratio 1) only the step counter is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.host import HostState
+from zfctl.offload.stats import StepStats
+from zfctl.offload.worker import CpuUpdate, CpuWorker
+
+Install = Callable[[StepStats], None]
+
+
+class Pipeline:
+    """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
+
+    def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
+                 install: Install | None = None) -> None:
+        self.host = host
+        self.policy = policy
+        self.overlap = overlap
+        self._install = install
+        self.worker = CpuWorker(host) if host is not None else None
+        self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
+        self.interval_len = 0  # steps accumulated in the current interval
+        self.last_interval = 0 if policy.auto else policy.fixed
+        self.cur = 0  # which accumulator the main thread fills
+        self.pending_install = False  # a finished CPU update waits to be copied into the model
+
+    # -- per step -------------------------------------------------------------------------------
+    @property
+    def acc(self) -> torch.Tensor:
+        """The accumulator the main thread (or the gradient stream) fills this interval."""
+        return self.host.acc[self.cur]
+
+    @property
+    def busy(self) -> bool:
+        """True while a CPU update is in flight."""
+        return self.worker is not None and self.worker.busy
+
+    @property
+    def first_of_interval(self) -> bool:
+        """No gradient has been added to ``acc`` in this interval yet."""
+        return self.interval_len == 0
+
+    def close_step(self, force: bool) -> bool:
+        """Count one accumulated step; True when it ends the interval (``force``: it must)."""
+        self.interval_len += 1
+        return self.policy.is_boundary(self.interval_len, force)
+
+    def advance(self) -> None:
+        """One optimizer step done (not called for a skipped fp16 step)."""
+        self.t += 1
+
+    def end_interval(self) -> int:
+        """Close the interval's counters; returns its length (the mean's divisor)."""
+        n = self.interval_len
+        self.interval_len, self.last_interval = 0, n
+        self.policy.reset()
+        return n
+
+    def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
+               after: Callable[[], Any] | None = None) -> None:
+        """Hand one interval to the CPU worker; see the module docstring for the two modes.
+        ``after``: the accumulation still running into ``update.acc`` (hook path)."""
+        stats.boundary = True
+        if background:
+            self.collect(stats)  # install the previous interval's update (one interval stale) ...
+            self.worker.submit(update, after)  # ... then start this one in the background
+            self.cur = (self.cur + 1) % len(self.host.acc)
+        else:
+            self.worker.submit(update, after)
+            self.collect(stats)
+
+    def collect(self, stats: StepStats) -> None:
+        """Wait for an in-flight update (the caller counts the wait as stall) and install any result."""
+        self.settle(stats)
+        if self.pending_install:
+            self._install(stats)
+            stats.installed = True
+            self.pending_install = False
+
+    def settle(self, stats: StepStats | None = None) -> None:
+        """Wait for an in-flight update without installing it: its result becomes pending."""
+        if self.busy:
+            ms = self.worker.wait()
+            if stats is not None:
+                stats.cpu_step_ms = ms
+            self.pending_install = True
+
+    def close(self) -> None:
+        """Stop the worker (finishing its update, not installed). Idempotent."""
+        if self.worker is not None:
+            self.worker.close()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the policy, the unfinished interval's sum and a pending result (CPU copies).
+
+        An in-flight update is waited for first (a stall at checkpoint time only).
+        """
+        self.settle()
+        sd: dict[str, Any] = {
+            "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
+                         "cur": self.cur, "pending_install": self.pending_install},
+            "policy": self.policy.state_dict(),
+        }
+        if self.host is not None:
+            sd["acc"] = self.host.canonical_acc(self.acc, fresh=self.interval_len == 0)
+            if self.pending_install and self.host.upload is not None:
+                sd["upload"] = self.host.upload.clone()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.busy:
+            self.worker.wait()  # discard: everything it wrote is overwritten below
+        c = sd["counters"]
+        self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
+        self.pending_install = c["pending_install"]
+        self.policy.load_state_dict(sd["policy"])
+        if self.host is None:
+            return
+        self.cur = c["cur"] % len(self.host.acc)
+        for i, acc in enumerate(self.host.acc):
+            acc.copy_(sd["acc"]) if i == self.cur else acc.zero_()
+        if "upload" in sd and self.host.upload is not None:
+            self.host.upload.copy_(sd["upload"])

@@ -1,0 +1,234 @@
+"""Gradients leave during backward: post-accumulate-grad hooks, a copy stream, a host landing buffer
+and an accumulation thread.
+
+The last backward of an optimizer step (the loop says which: ``ZenFlowOptimizer.prepare_backward``)
+arms the stream. From then on, as soon as autograd has finished a matrix's ``.grad`` (its
+post-accumulate-grad hook), the hook
+
+1. (data parallel) averages that gradient over the ranks (one all-reduce per matrix, in the same
+   hook order on every rank; step() then averages only what no hook did);
+2. transposes each host-owned column range of it into column-major order on the compute stream
+   (a device temporary), and copies it on the copy stream into the *landing* buffer, the host
+   mirror of the accumulator's layout in the model dtype (PCIe D2H, 2 B per element for bf16);
+3. hands the chunk to the accumulation thread, if the gradient coefficient is known already.
+
+The coefficient (clip factor / fp16 loss scale) is known only once every gradient exists, so
+with clipping or fp16 the hooks only move bytes: the landing buffer keeps the step's raw
+gradient, and ``finish`` (inside step(), once the coefficient is on the host) queues ONE job on
+the accumulation thread that adds ``coef * landing`` into the accumulator, chunk by chunk, with
+the same native kernel, the same inputs and the same rounding as the step() path (``acc += coef *
+grad``, one fma per element). The result is therefore bit-identical to the step() path, and the
+host add runs while the device does the next forward. Without clipping and fp16 the
+coefficient is 1 and the thread adds each chunk as soon as its copy has landed, during backward.
+
+Buffers and owners (docs/design.md, "Threads and buffer ownership"):
+
+| buffer | written by | read by | released when |
+| --- | --- | --- | --- |
+| device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``) |
+| landing[w] (pinned) | copy stream | accumulation thread | that window's last job is done (``fences[w]``) |
+| the accumulator (``Pipeline.acc``) | accumulation thread, in job order | CPU worker at a boundary | the worker waits for the boundary step's fence |
+
+Two landing buffers alternate by window, so the hooks of step t+1 wait only for the jobs of
+step t-1 (normally long done); that wait, and waits for the bound on device temporaries in
+flight (``budget_bytes``), happen on the hook's thread and are reported as stall. Cost: host
+memory of 2 x (matrix elements) x (model itemsize), pinned on CUDA; device memory of at most
+``budget_bytes`` of temporaries.
+
+Without CUDA the same code runs synchronously: the hook copies straight into the landing buffer
+and, when the coefficient is known, accumulates at once (that is how CI tests the logic).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from zfctl.offload.chunks import Chunk
+from zfctl.offload.layout import as_matrix
+from zfctl.offload.stats import StepStats
+
+Accumulate = Callable[..., None]
+
+
+class GradStream:
+    """Moves the host-owned gradient columns to the host during the last backward of a step."""
+
+    def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
+                 device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
+                 average: Callable[[torch.Tensor], int] | None) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        pin = pin_memory and self.cuda
+        self.landing = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.fences: list[Future | None] = [None, None]  # the last job that reads landing[w]
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.budget_bytes = budget_bytes
+        self._accumulate = accumulate
+        self._average = average  # data parallel: all-reduce one gradient to the mean, in the hook
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
+        self._last_job: Future | None = None
+        self._w = 1  # the landing buffer of the current window (the first window takes 0)
+        self._handles = [params[s.index].register_post_accumulate_grad_hook(self._hook_for(s.index))
+                         for s in slots]
+        self.armed = False
+        self._reset_window()
+
+    # -- the window of one backward --------------------------------------------------------------
+    def _reset_window(self) -> None:
+        self.chunks: dict[int, list[Chunk]] = {}
+        self.acc: torch.Tensor | None = None
+        self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
+        self.first = False  # the interval's first step: write the accumulator, do not add
+        self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
+        self.averaged: set[int] = set()  # params the hooks already averaged over ranks
+        self.seen: set[int] = set()  # params whose final gradient this window has taken
+        self.inflight: deque[tuple[Any, int]] = deque()  # (event, temp bytes) for the budget
+        self.inflight_bytes = 0
+        self.jobs: list[Future] = []  # CUDA, coefficient known: one job per chunk
+        self.early_accumulated = 0  # chunks added in the hook (CPU, coefficient known)
+        self.comm_bytes = 0  # data parallel: bytes the hooks all-reduced
+        self.wait_ms = 0.0  # host waits on the hook thread (stall)
+        self.started = False
+
+    def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
+        """Stream the next backward's final gradients; ``coef`` known in advance, else None;
+        ``first``: the interval's first step (``acc`` is written, not added to)."""
+        self._reset_window()
+        for ch in chunks:
+            self.chunks.setdefault(ch.slot.index, []).append(ch)
+        self.acc, self.coef, self.first, self.armed = acc, coef, first, True
+
+    def disarm(self) -> None:
+        """The next backward is not the last of the step (or the hook path is off for it)."""
+        self.armed = False
+        self._reset_window()
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if self.armed:
+                self._on_grad(index, p)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, index: int, p: torch.Tensor) -> None:
+        if index in self.seen:  # a second backward in one window would add its gradient twice
+            raise RuntimeError("ZenFlowOptimizer.prepare_backward(final=True) announces ONE backward: call "
+                               "step() after it (earlier micro-batches take final=False)")
+        self.seen.add(index)
+        if not self.started:  # first hook of the window: landing[w] must be free again
+            self.started = True
+            self._w = 1 - self._w
+            fence = self.fences[self._w]
+            if fence is not None and not fence.done():
+                t0 = time.perf_counter()
+                fence.result()  # host wait: the accumulation of two steps ago still reads it
+                self.wait_ms += (time.perf_counter() - t0) * 1e3
+        if self._average is not None and index not in self.averaged:
+            self.comm_bytes += self._average(p.grad)  # a collective, in the same hook order on every rank
+            self.averaged.add(index)
+        gm = as_matrix(p.grad, self.chunks[index][0].slot) if index in self.chunks else None
+        landing = self.landing[self._w]
+        for ch in self.chunks.get(index, ()):
+            dst = landing[ch.off : ch.off + ch.numel]
+            if not self.cuda:
+                dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
+                self.landed.append((ch, None))
+                if self.coef is not None:
+                    self._add(ch, None, landing, self.acc, self.coef, self.first)
+                    self.early_accumulated += 1
+                continue
+            self._make_room(ch.numel * dst.element_size())
+            compute = torch.cuda.current_stream(self.device)
+            tmp = gm[:, ch.c0 : ch.c1].t().contiguous()  # compute stream: column-major chunk
+            self.copy_stream.wait_stream(compute)  # the gradient's producer has finished
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(tmp.view(-1), non_blocking=True)  # PCIe D2H of one chunk into pinned landing
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            tmp.record_stream(self.copy_stream)  # the temporary lives until its copy is done
+            self.inflight.append((event, tmp.numel() * tmp.element_size()))
+            self.inflight_bytes += self.inflight[-1][1]
+            self.landed.append((ch, event))
+            if self.coef is not None:  # the thread adds it as soon as the copy has landed
+                self._last_job = self._pool.submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
+                self.fences[self._w] = self._last_job
+                self.jobs.append(self._last_job)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Bound the device temporaries in flight: wait for the oldest copies (stall)."""
+        while self.inflight and self.inflight_bytes + nbytes > self.budget_bytes:
+            event, b = self.inflight.popleft()
+            if not event.query():
+                t0 = time.perf_counter()
+                event.synchronize()  # sync point: one earlier chunk's D2H
+                self.wait_ms += (time.perf_counter() - t0) * 1e3
+            self.inflight_bytes -= b
+
+    def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float,
+             first: bool) -> None:
+        if event is not None:
+            event.synchronize()  # accumulation thread: that chunk's D2H has landed
+        self._accumulate(acc[ch.off : ch.off + ch.numel], landing[ch.off : ch.off + ch.numel],
+                         scale=coef, runs=ch.runs, overwrite=first)
+
+    # -- inside step() -----------------------------------------------------------------------------
+    def finish(self, stats: StepStats, coef: float | None, itemsize: int) -> Future | None:
+        """Close the window: queue the late accumulation (``coef``: the step's coefficient), record
+        what left the device early, and return the fence the boundary's CPU update must wait for.
+        ``coef=None``: the step was skipped (fp16 overflow), the landed gradient is dropped."""
+        stats.early_chunks = len(self.landed)
+        stats.early_bytes = sum(ch.numel for ch, _ in self.landed) * itemsize
+        stats.stall_ms += self.wait_ms
+        stats.comm_bytes += self.comm_bytes
+        w = self._w
+        acc, first = self.acc, self.first
+        if first and coef is not None:  # matrices without a gradient this step: a zero sum
+            got = {id(ch) for ch, _ in self.landed}
+            missing = [ch for chs in self.chunks.values() for ch in chs if id(ch) not in got]
+            if missing:
+                def zero() -> None:
+                    for ch in missing:
+                        acc[ch.off : ch.off + ch.numel].zero_()
+
+                self._last_job = self._pool.submit(zero)  # the thread owns acc: keep its order
+        if self.coef is None and coef is not None and self.landed:
+            landed, landing = list(self.landed), self.landing[w]
+
+            def job() -> None:
+                for ch, event in landed:
+                    self._add(ch, event, landing, acc, coef, first)
+
+            self._last_job = self._pool.submit(job)
+            self.fences[w] = self._last_job
+            stats.accumulated_late = len(landed)
+        elif self.coef is not None:
+            # CPU: exact (added in the hook). CUDA: how many the thread had finished when step()
+            # got here, informative only (the rest finishes while the next forward runs).
+            stats.accumulated_early = self.early_accumulated + sum(f.done() for f in self.jobs)
+        self.armed = False
+        fence = self._last_job
+        self._reset_window()
+        return fence
+
+    def drain(self) -> None:
+        """Wait for every queued accumulation (checkpoints, loading, closing)."""
+        if self._last_job is not None:
+            self._last_job.result()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._pool is not None:
+            try:
+                self.drain()
+            finally:
+                self._pool.shutdown(wait=True)
+                self._pool = None
