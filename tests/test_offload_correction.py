@@ -41,9 +41,9 @@ def _updates(cfg: ZenFlowConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 2
     """(lr, weight_decay, grad_scale) of every CPU update submitted while training ``steps`` steps."""
     seen = []
 
-    def spy(self, update):
+    def spy(self, update, *args, **kwargs):
         seen.append((update.lr, update.weight_decay, update.grad_scale))
-        return _SUBMIT(self, update)
+        return _SUBMIT(self, update, *args, **kwargs)
 
     monkeypatch.setattr(CpuWorker, "submit", spy)
     model = tiny_net()
