@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU-marked tests are skipped on machines without CUDA."""
+"""Shared pytest setup: GPU-marked tests are skipped on machines without CUDA; the `isa` fixture."""
 
 from __future__ import annotations
 
@@ -16,3 +16,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+# Spelled out rather than read from zfctl._native, so that a missing native build fails only the
+# tests that need it, not the collection of the whole suite.
+ISAS = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    """Run a kernel test once per native code path: the paths this CPU has run, the others skip
+    with the reason (an AVX2-only EPYC skips avx512; an aarch64 host runs scalar only). The
+    default path is restored afterwards."""
+    from zfctl import _native as N
+
+    assert N.ALL_ISAS == ISAS, "tests/conftest.py ISAS is out of date with zfctl/_native.py"
+    reason = N.isa_missing_reason(request.param)
+    if reason:
+        pytest.skip(f"{request.param} path: {reason}")
+    before = N.isa()
+    N.set_isa(request.param)
+    yield request.param
+    N.set_isa(before)
