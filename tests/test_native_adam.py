@@ -27,7 +27,7 @@ def _state(n: int, seed: int) -> list[torch.Tensor]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(|b|, 1e-3): the issue's yardstick."""
+    """max |a - b| / max(|b|, 1e-3): the error relative to the largest reference value."""
     return ((a - b).abs().max() / b.abs().clamp_min(1e-3).max()).item()
 
 
