@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.zfctl-installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
 NATIVE_STAMP := $(VENV)/.zfctl-native
 
-.PHONY: setup native test demo bench lint clean
+.PHONY: setup native test test-fast demo bench lint clean
 
 # Native build and sanitizer targets (check-native) live next to the C sources.
 include native/native.mk
@@ -31,10 +31,17 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
 
 native: $(NATIVE_STAMP)
 
-# The suite, then the kernel tests again against an ASan/UBSan build (check-native, native/native.mk).
+# The full suite (what CI runs), then the kernel tests again against an ASan/UBSan build
+# (check-native) and the Python-free kernel driver on every ISA and on aarch64 under qemu
+# (check-arch; both in native/native.mk).
 test: setup
 	$(PY) -m pytest -q
 	$(MAKE) check-native
+	$(MAKE) check-arch
+
+# The edit loop: the suite without the tests marked slow (whole CLI runs, multi-process runs).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 demo: setup
 	$(VENV)/bin/zfctl finetune tiny-llama --data alpaca-sample --output runs/demo --force
@@ -46,4 +53,4 @@ lint: setup
 	$(VENV)/bin/ruff check zfctl tests scripts
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info zfctl/_zfnative* runs
+	rm -rf $(VENV) build dist *.egg-info zfctl/_zfnative* runs native/build-*

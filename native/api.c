@@ -4,9 +4,9 @@
  *
  * The run list's concatenated elements are cut into fixed tiles that threads claim (pool.c), never
  * one parallel region per run or per tensor: each region costs a wake-up and a join, which is
- * what collapses when there are hundreds of tensors (issue 3). Elementwise results do not depend
- * on who runs a tile (kernels.h), and the norm's reduction order is tied to fixed partitions of
- * the data, not to threads. Nothing is allocated: scratch lives on the stack.
+ * what collapses when there are hundreds of tensors (docs/design.md, section "Defaults and the
+ * numbers behind them"). Elementwise results do not depend on who runs a tile (kernels.h), and
+ * the norm's reduction order is tied to fixed partitions of the data, not to threads. Nothing is allocated: scratch lives on the stack.
  */
 #include <math.h>
 #include "kernels.h"

@@ -2,6 +2,7 @@
 
     .venv/bin/python native/build.py              # zfctl/_zfnative.*.so (what `make setup` runs)
     .venv/bin/python native/build.py --sanitize   # native/build-asan/_zfnative_asan.*.so (check-native)
+    .venv/bin/python native/build.py --cflags     # the release flags, for native/check-arch.sh
 
 cffi "API mode, out of line": cffi writes a C wrapper around the declarations in zfnative.h and
 compiles it with our sources into one CPython extension; calls release the GIL. For wheel builds,
@@ -25,14 +26,18 @@ NATIVE = Path(__file__).resolve().parent
 ROOT = NATIVE.parent
 SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c"]
 
-# -O3: vectorise the scalar reference loops too. -fno-math-errno: otherwise sqrtf must be able to
-# set errno, so GCC emits a call instead of sqrtps and the loop does not vectorise (2.5x slower).
+# -O3: vectorise the scalar reference loops too (on aarch64 they are the only path). -fno-math-errno:
+# otherwise sqrtf must be able to set errno, so GCC emits a call instead of sqrtps and the loop does
+# not vectorise (2.5x slower). -fno-trapping-math: lets GCC compute both sides of the fp16
+# conversions' selects (an FP add might "trap"), without which the fp16 loops keep their branches
+# and stay scalar; it changes no value, only which exception flags may be raised.
 # -ffp-contract=off: no fused multiply-adds except the explicit ones, which keeps the SIMD and
 # scalar paths bit-identical. No -ffast-math: it would reorder and break exactness vs torch.
-RELEASE_FLAGS = ["-std=c11", "-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra"]
+FP_FLAGS = ["-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+RELEASE_FLAGS = ["-std=c11", "-O3", *FP_FLAGS, "-Wall", "-Wextra"]
 # The sanitizer build keeps the same FP flags (same results) and aborts on the first report.
 SANITIZE_FLAGS = [
-    "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-math-errno", "-ffp-contract=off",
+    "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *FP_FLAGS,
     "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
 ]
 
@@ -111,9 +116,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sanitize", action="store_true", help="ASan/UBSan build for make check-native")
     parser.add_argument("--asan-runtime", action="store_true", help="print the ASan runtime library and exit")
+    parser.add_argument("--cflags", action="store_true",
+                        help="print the release compiler flags and exit (native/check-arch.sh builds with them)")
     args = parser.parse_args()
     if args.asan_runtime:
         print(asan_runtime())
+        return
+    if args.cflags:
+        print(" ".join(RELEASE_FLAGS))
         return
     try:
         path = build(sanitize=args.sanitize)

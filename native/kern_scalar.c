@@ -1,13 +1,24 @@
 /*
  * Scalar kernels: the reference every SIMD path is tested against bit for bit, and the path used
- * on CPUs without AVX2 (and on non-x86 machines). One element at a time, in exactly the order of
- * the vector code; fmaf() is a single instruction where the CPU has FMA and a correctly rounded
- * libm routine where it does not, so the results are the same either way.
+ * on CPUs without AVX2 and on every non-x86 machine (aarch64: Grace, Graviton). One element at a
+ * time, in exactly the order of the vector code; fmaf() is a single instruction where the CPU has
+ * FMA and a correctly rounded libm routine where it does not, so the results are the same either
+ * way.
+ *
+ * Written so that GCC -O3 vectorises it where FMA is part of the base ISA (aarch64: 4-wide NEON,
+ * checked by native/check-arch.sh): each dtype pair gets its own loop (the dtype tests leave the
+ * loop), the job's fields are copied into locals (a store through p could otherwise alias *j and
+ * force a reload every iteration), and p/m/v are restrict (the Python binding checks they are
+ * disjoint). grad and out stay plain pointers: out may be the gradient buffer itself, which GCC
+ * handles with a runtime overlap check. Vectorising changes no bits: each element still goes
+ * through the same correctly rounded operations, and lanes never mix.
  */
 #include <math.h>
 #include "kernels.h"
 
-static inline float load_one(const void *x, int64_t i, int dt)
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float load_one(const void *x, int64_t i, int dt)
 {
     if (dt == ZF_F32)
         return ((const float *)x)[i];
@@ -16,41 +27,82 @@ static inline float load_one(const void *x, int64_t i, int dt)
     return zf_f16_to_f32(((const uint16_t *)x)[i]);
 }
 
-static void adam_scalar(const zf_adam_job *j, int64_t off, int64_t n)
+INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int odt)
 {
+    float *restrict pp = j->p, *restrict mp = j->m, *restrict vp = j->v;
+    const void *gp = j->g;
+    uint16_t *op = j->out;
+    const int l2 = j->l2, small = j->lerp_small;
+    const float scale = j->scale, decay = j->decay, wd = j->wd, w = j->w, wm1 = j->wm1;
+    const float beta2 = j->beta2, omb2 = j->omb2, bc2s = j->bc2s, nstep = j->nstep, eps = j->eps;
     for (int64_t i = off; i < off + n; i++) {
-        float g = load_one(j->g, i, j->gdt) * j->scale;
-        float p = j->p[i] * j->decay;
-        if (j->l2)
-            g = fmaf(j->wd, p, g);
-        float d = g - j->m[i];
-        float m = j->lerp_small ? fmaf(j->w, d, j->m[i]) : fmaf(j->wm1, d, g);
-        float v = fmaf(j->omb2 * g, g, j->v[i] * j->beta2);
-        float denom = sqrtf(v) / j->bc2s + j->eps;
-        p = p + (j->nstep * m) / denom;
-        j->p[i] = p;
-        j->m[i] = m;
-        j->v[i] = v;
-        if (j->odt == ZF_BF16)
-            ((uint16_t *)j->out)[i] = zf_f32_to_bf16(p);
-        else if (j->odt == ZF_F16)
-            ((uint16_t *)j->out)[i] = zf_f32_to_f16(p);
+        float g = load_one(gp, i, gdt) * scale;
+        float p = pp[i] * decay;
+        if (l2)
+            g = fmaf(wd, p, g);
+        float d = g - mp[i];
+        float m = small ? fmaf(w, d, mp[i]) : fmaf(wm1, d, g);
+        float v = fmaf(omb2 * g, g, vp[i] * beta2);
+        float denom = sqrtf(v) / bc2s + eps;
+        p = p + (nstep * m) / denom;
+        pp[i] = p;
+        mp[i] = m;
+        vp[i] = v;
+        if (odt == ZF_BF16)
+            op[i] = zf_f32_to_bf16(p);
+        else if (odt == ZF_F16)
+            op[i] = zf_f32_to_f16(p);
     }
 }
 
-static void acc_scalar(float *acc, const void *g, int gdt, float scale, int64_t off, int64_t n)
+static void adam_scalar(const zf_adam_job *j, int64_t off, int64_t n)
+{
+#define CASE(G, O) \
+    case (G) * 4 + (O): adam_loop(j, off, n, G, O); break;
+    switch (j->gdt * 4 + j->odt) {
+        CASE(ZF_F32, ZF_NONE) CASE(ZF_F32, ZF_BF16) CASE(ZF_F32, ZF_F16)
+        CASE(ZF_BF16, ZF_NONE) CASE(ZF_BF16, ZF_BF16) CASE(ZF_BF16, ZF_F16)
+        CASE(ZF_F16, ZF_NONE) CASE(ZF_F16, ZF_BF16) CASE(ZF_F16, ZF_F16)
+    }
+#undef CASE
+}
+
+INLINE void acc_loop(float *acc, const void *g, int gdt, float scale, int64_t off, int64_t n)
 {
     for (int64_t i = off; i < off + n; i++)
         acc[i] = fmaf(load_one(g, i, gdt), scale, acc[i]);
 }
 
-static void sq_scalar(const void *x, int xdt, int64_t off, int64_t n, double lanes[ZF_BLOCK])
+static void acc_scalar(float *acc, const void *g, int gdt, float scale, int64_t off, int64_t n)
 {
+    if (gdt == ZF_F32)
+        acc_loop(acc, g, ZF_F32, scale, off, n);
+    else if (gdt == ZF_BF16)
+        acc_loop(acc, g, ZF_BF16, scale, off, n);
+    else
+        acc_loop(acc, g, ZF_F16, scale, off, n);
+}
+
+INLINE void sq_loop(const void *x, int xdt, int64_t off, int64_t n, double lanes[ZF_BLOCK])
+{
+    double a[ZF_BLOCK];
+    memcpy(a, lanes, sizeof a);
     for (int64_t i = off; i < off + n; i += ZF_BLOCK)
         for (int k = 0; k < ZF_BLOCK; k++) {
             double e = load_one(x, i + k, xdt);
-            lanes[k] += e * e;
+            a[k] += e * e;
         }
+    memcpy(lanes, a, sizeof a);
+}
+
+static void sq_scalar(const void *x, int xdt, int64_t off, int64_t n, double lanes[ZF_BLOCK])
+{
+    if (xdt == ZF_F32)
+        sq_loop(x, ZF_F32, off, n, lanes);
+    else if (xdt == ZF_BF16)
+        sq_loop(x, ZF_BF16, off, n, lanes);
+    else
+        sq_loop(x, ZF_F16, off, n, lanes);
 }
 
 const zf_kernels zf_kernels_scalar = {ZF_ISA_SCALAR, adam_scalar, acc_scalar, sq_scalar};

@@ -91,35 +91,36 @@ static inline float zf_bf16_to_f32(uint16_t h) { return zf_bits_f32((uint32_t)h 
 static inline uint16_t zf_f32_to_bf16(float f)
 {
     uint32_t u = zf_f32_bits(f);
-    if (f != f)
-        return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
+/* The fp16 conversions compute every case and select at the end, with no early return: branch-free
+ * code is what lets GCC vectorise the scalar kernels (kern_scalar.c) on machines with no SIMD path
+ * of their own. The extra arithmetic is free in loops that wait on memory. */
 static inline float zf_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (exp == 0x1F) /* inf / NaN, payload kept */
-        return zf_bits_f32(sign | 0x7F800000u | (man << 13));
-    if (exp) /* normal: rebias the exponent 15 -> 127 */
-        return zf_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
-    /* zero or subnormal: man * 2^-24 is exact in float */
-    return zf_bits_f32(sign | zf_f32_bits((float)man * 0x1p-24f));
+    uint32_t special = sign | 0x7F800000u | (man << 13);       /* inf / NaN, payload kept */
+    uint32_t normal = sign | ((exp + 112u) << 23) | (man << 13); /* rebias the exponent 15 -> 127 */
+    uint32_t small = sign | zf_f32_bits((float)man * 0x1p-24f); /* zero or subnormal: exact in float */
+    return zf_bits_f32(exp == 0x1F ? special : exp ? normal : small);
 }
 
 /* Same results as F16C's VCVTPS2PH with round-to-nearest-even, NaN payloads included. */
 static inline uint16_t zf_f32_to_f16(float f)
 {
     uint32_t u = zf_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) /* NaN: quiet it, keep sign and the top payload bits */
-        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x1FFu));
-    if (a >= 0x477FF000u) /* >= 65520 (max half + half an ulp) rounds to inf; inf stays inf */
-        return (uint16_t)(sign | 0x7C00u);
-    if (a >= 0x38800000u) /* normal half (>= 2^-14): RNE at bit 13, rebias 127 -> 15 */
-        return (uint16_t)(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+    /* NaN: quiet it, keep sign and the top payload bits */
+    uint32_t nan = sign | 0x7E00u | ((a >> 13) & 0x1FFu);
+    /* >= 65520 (max half + half an ulp) rounds to inf; inf stays inf */
+    uint32_t inf = sign | 0x7C00u;
+    /* normal half (>= 2^-14): RNE at bit 13, rebias 127 -> 15 */
+    uint32_t normal = sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13);
     /* Subnormal half or zero: adding 0.5 leaves a float whose ulp is 2^-24, so the FPU's own
      * round-to-nearest-even produces the half's mantissa in the low bits. */
-    return (uint16_t)(sign | (zf_f32_bits(zf_bits_f32(a) + 0.5f) - 0x3F000000u));
+    uint32_t small = sign | (zf_f32_bits(zf_bits_f32(a) + 0.5f) - 0x3F000000u);
+    return (uint16_t)(a > 0x7F800000u ? nan : a >= 0x477FF000u ? inf : a >= 0x38800000u ? normal : small);
 }
 
 #endif

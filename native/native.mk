@@ -6,11 +6,16 @@
 # LD_PRELOADed; leak checking is off because CPython and torch keep allocations until exit.
 # Every SIMD load and store is checked (all three ISA paths run: the tests force each one), and
 # the first report aborts the run. `make test` runs this target after pytest.
+#
+# check-arch: native/check-arch.sh, the kernels without Python: every ISA path of this machine
+# against the scalar one, then an aarch64 cross build run under qemu-user against the x86 scalar
+# results (it skips with one line when the cross compiler or qemu is missing). `make test` runs it
+# last.
 
 NATIVE_TESTS := tests/test_native_adam.py tests/test_native_kernels.py tests/test_native_api.py
 ASAN_STAMP := native/build-asan/.stamp
 
-.PHONY: check-native
+.PHONY: check-native check-arch
 
 $(ASAN_STAMP): $(STAMP) $(NATIVE_SRC)
 	$(PY) native/build.py --sanitize
@@ -23,3 +28,6 @@ check-native: $(ASAN_STAMP)
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	ZFCTL_NATIVE_VARIANT=asan \
 	$(PY) -m pytest -q -s -p no:cacheprovider $(NATIVE_TESTS)
+
+check-arch: $(STAMP)
+	PY=$(PY) native/check-arch.sh

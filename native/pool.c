@@ -6,7 +6,8 @@
  * on this 2-core machine (30M params, 2 threads, 400 calls per step, torch imported first, load
  * average 7-9 from other jobs): the same kernels under OpenMP took 2.9-3.2 s per step with the
  * default policy and 84-186 ms with OMP_WAIT_POLICY=PASSIVE set before python started; this
- * pool took 57-186 ms with no setting at all (scratch experiment, numbers in the issue-3 report).
+ * pool took 57-186 ms with no setting at all (a scratch experiment; the setting zfctl applies is in
+ * docs/design.md, section "Threads and buffer ownership").
  * And two Python threads calling in at once (the CPU worker's AdamW and the main thread's
  * gradient accumulation) would each start a full OpenMP team and oversubscribe the cores.
  * (torch's own intra-op threads still spin after torch CPU ops; only the process can stop that,

@@ -1,4 +1,12 @@
-"""The native AdamW against torch.optim, across ISA paths, dtypes, run lists and thread counts."""
+"""The native AdamW against torch.optim, across ISA paths, dtypes, run lists and thread counts.
+
+Two kinds of contract. Against torch.optim (the ground truth for the math) the results agree
+within a tolerance: how torch vectorises its own CPU AdamW, and so how it rounds, depends on the
+machine (an AVX-512 Xeon and an AVX2 EPYC give torch different bits), so no test may assert
+torch's bits. Where zfctl controls both sides the results are bit-identical: every SIMD path
+against the scalar reference, any thread count, any run split, a resumed run against a straight one.
+The `isa` fixture (tests/conftest.py) runs a test once per path this CPU has and skips the others.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +18,7 @@ from zfctl import _native as N
 HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 
 
-@pytest.fixture(params=N.available_isas())
-def isa(request):
-    """Run the test on each code path this CPU has; restore the default afterwards."""
-    before = N.isa()
-    N.set_isa(request.param)
-    yield request.param
-    N.set_isa(before)
+HP_SETS = [(True, 0.01, (0.9, 0.999)), (False, 0.01, (0.9, 0.999)), (True, 0.1, (0.3, 0.95)), (True, 0.0, (0.9, 0.999))]
 
 
 def _state(n: int, seed: int) -> list[torch.Tensor]:
@@ -25,14 +27,11 @@ def _state(n: int, seed: int) -> list[torch.Tensor]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(|b|, 1e-3): the issue's yardstick."""
+    """max |a - b| / max(|b|, 1e-3): the error relative to the largest reference value."""
     return ((a - b).abs().max() / b.abs().clamp_min(1e-3).max()).item()
 
 
-@pytest.mark.parametrize(
-    "adamw, wd, betas",
-    [(True, 0.01, (0.9, 0.999)), (False, 0.01, (0.9, 0.999)), (True, 0.1, (0.3, 0.95)), (True, 0.0, (0.9, 0.999))],
-)
+@pytest.mark.parametrize("adamw, wd, betas", HP_SETS)
 def test_matches_torch_over_200_steps(isa, adamw, wd, betas):
     # 4099 elements: a multiple-of-16 body plus a 3-element tail through the padded path.
     n, lr, eps = 4099, 1e-3, 1e-8
@@ -49,8 +48,43 @@ def test_matches_torch_over_200_steps(isa, adamw, wd, betas):
     assert _rel(p, ref.detach()) <= 1e-6
     assert ((m - st["exp_avg"]).abs().max() / st["exp_avg"].abs().max()).item() <= 1e-5
     assert ((v - st["exp_avg_sq"]).abs().max() / st["exp_avg_sq"].abs().max()).item() <= 1e-5
-    # Same FMA placement as torch's vector kernels: most elements agree to the bit.
-    assert (p == ref.detach()).float().mean().item() > 0.99
+    # No bit-level assert against torch: its vectorised AdamW rounds differently per CPU (measured
+    # bit agreement 98% on an AVX-512 Xeon, 94.5-98% on an AVX2 EPYC) while the error stays
+    # ~3e-8-6e-8, far inside the bounds above. Bit-identity is asserted where zfctl owns both
+    # sides: test_paths_threads_and_resume_bit_identical_over_200_steps.
+
+
+def _run_200(hp: tuple[bool, float, tuple[float, float]], split: int | None = None) -> list[torch.Tensor]:
+    """200 native steps of one hyperparameter set; with `split`, the state is cloned after that
+    step, as a checkpoint + resume would hand it over, and the rest runs on the copies."""
+    adamw, wd, betas = hp
+    n = 4099
+    p, m, v = _state(n, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 201):
+        g = torch.randn(n, generator=gen) * (0.1 + step % 7)
+        N.adamw_step(p, g, m, v, step=step, lr=1e-3, beta1=betas[0], beta2=betas[1], eps=1e-8,
+                     weight_decay=wd, adamw=adamw)
+        if step == split:
+            p, m, v = (t.clone() for t in (p, m, v))
+    return [p, m, v]
+
+
+@pytest.mark.parametrize("hp", HP_SETS)
+def test_paths_threads_and_resume_bit_identical_over_200_steps(hp):
+    """The long-run contract zfctl owns: every path this CPU has equals the scalar reference bit
+    for bit after 200 steps, and so does a run that is handed over (resumed) at step 100."""
+    before = N.isa()
+    try:
+        N.set_isa("scalar")
+        reference = _run_200(hp)
+        assert all(torch.equal(a, b) for a, b in zip(_run_200(hp, split=100), reference))
+        for name in N.available_isas():
+            N.set_isa(name)
+            for a, b in zip(_run_200(hp), reference):
+                assert torch.equal(a, b), name
+    finally:
+        N.set_isa(before)
 
 
 @pytest.mark.parametrize("gdt", [torch.bfloat16, torch.float16])
@@ -103,7 +137,7 @@ def test_isa_paths_bit_identical():
     runs = torch.tensor([[0, 1], [3, 17], [40, 1000], [1041, 2], [2000, 3003]])
     results = {}
     before = N.isa()
-    for name in N.available_isas():
+    for name in N.available_isas():  # scalar always; the SIMD paths this CPU has
         N.set_isa(name)
         p, m, v = _state(n, seed=6)
         out = torch.zeros(n, dtype=torch.float16)

@@ -1,5 +1,5 @@
-"""update_interval=auto (DESIGN.md 2.7): the rule fires exactly where its arithmetic says, the next
-step is the boundary, and auto_min_interval/auto_max_interval bound it."""
+"""update_interval=auto (docs/design.md, section "Algorithm"): the rule fires exactly where its
+arithmetic says, the next step is the boundary, and auto_min_interval/auto_max_interval bound it."""
 
 from __future__ import annotations
 

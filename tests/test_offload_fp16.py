@@ -31,8 +31,8 @@ def test_injected_inf_skips_both_paths_and_lowers_the_scale(overlap: bool) -> No
         for x, y in data[:5]:  # step 4: one step into the second interval, overlap has one in flight
             assert not fp16_step(model, opt, x, y).skipped
         params = snapshot(model)
-        # Only the accumulator the main thread fills: with overlap the worker may still be zeroing
-        # the other one (it owns that buffer until the next boundary, see offload/host.py).
+        # Only the accumulator the main thread fills: with overlap the in-flight CPU update owns the
+        # other one until the next boundary (zfctl/offload/host.py's table); reading it would race.
         acc = opt.pipeline.acc.clone()
         dev = opt._device.master.clone(), opt._device.exp_avg_sq.clone(), opt._device.steps.clone()
         host_steps = opt.host.steps.clone()

@@ -1,4 +1,4 @@
-"""The whole algorithm against a from-scratch, pure-torch statement of it (DESIGN.md section 2).
+"""The whole algorithm against a from-scratch, pure-torch statement of it (docs/design.md, "Algorithm").
 
 The reference keeps one fp32 master and one pair of moments per element and a step counter per
 column, and follows the rules literally: select the top-k columns by L1 at step 0; update dense

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from zfctl.errors import UserError
 
 _ISA_NAMES = ("scalar", "avx2", "avx512")
+ALL_ISAS: tuple[str, ...] = _ISA_NAMES
+"""Every code path the library knows, whether or not this CPU can run it (tests skip the rest)."""
 
 
 def _load():
@@ -195,6 +198,19 @@ def isa() -> str:
 def available_isas() -> list[str]:
     """The code paths this CPU (and this build) can run, best last."""
     return [name for code, name in enumerate(_ISA_NAMES) if lib.zf_isa_supported(code)]
+
+
+def isa_missing_reason(name: str) -> str | None:
+    """None when this CPU and build can run path `name`, else why not (for a test's skip line)."""
+    if name not in _ISA_NAMES:
+        return f"unknown path {name!r}"
+    if lib.zf_isa_supported(_ISA_NAMES.index(name)):
+        return None
+    machine = platform.machine()
+    if machine not in ("x86_64", "AMD64", "i386", "i686"):
+        return f"{name} is an x86 path and this CPU is {machine}"
+    needs = {"avx2": "avx2, fma and f16c", "avx512": "avx512f"}[name]
+    return f"this CPU lacks {needs} (see the flags in /proc/cpuinfo)"
 
 
 def set_isa(name: str) -> None:

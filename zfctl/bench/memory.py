@@ -1,8 +1,9 @@
 """Will a configuration fit? Rough byte counts decided before anything is allocated.
 
-The numbers follow DESIGN.md's state layout: every offloaded element costs the host an fp32
-master, two fp32 moments and an fp32 gradient accumulator (16 B); every element updated on the
-device costs the device the same master and moments (12 B). `off` puts all of them on the device.
+The numbers follow the state layout of docs/design.md, section "Defaults and the numbers behind
+them": every offloaded element costs the host an fp32 master, two fp32 moments and an fp32
+gradient accumulator (16 B); every element updated on the device costs the device the same
+master and moments (12 B). `off` puts all of them on the device.
 """
 
 from __future__ import annotations

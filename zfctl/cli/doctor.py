@@ -87,6 +87,19 @@ def check_cpu_isa() -> tuple[str, str]:
     return status, f"{model}: {' '.join(have) or 'no AVX2/AVX-512 (scalar CPU-Adam path)'}"
 
 
+def check_cpu_bf16() -> tuple[str, str]:
+    """Native bf16 decides what `train.precision: auto` picks on the CPU (zfctl/plan/precision.py)."""
+    import torch
+
+    from zfctl.plan.precision import cpu_native_bf16, read_cpu_info, resolve_precision
+
+    native, evidence = cpu_native_bf16(read_cpu_info())
+    auto = resolve_precision("auto", device="cpu").precision
+    capability = torch.backends.cpu.get_cpu_capability()
+    detail = f"{evidence}; torch CPU capability {capability}; train.precision auto on the CPU -> {auto}"
+    return ("ok" if native else "info"), detail
+
+
 def check_cores() -> tuple[str, str]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     status = "ok" if (usable or 0) >= 4 else "warn"
@@ -154,6 +167,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("CUDA", check_cuda),
     ("native CPU-Adam", check_native),
     ("CPU ISA", check_cpu_isa),
+    ("CPU bf16", check_cpu_bf16),
     ("cores", check_cores),
     ("host memory", check_memory),
     ("pinned memory", check_pinned),

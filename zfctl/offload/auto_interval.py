@@ -1,6 +1,6 @@
 """When does a CPU-update interval end? Fixed every U steps, or adaptively (``update_interval: auto``).
 
-The adaptive rule (DESIGN.md section 2.7). For every matrix that has both device and host columns
+The adaptive rule (docs/design.md, section "Algorithm"). For every matrix that has both device and host columns
 (``0 < k < cols``), after each step of the current interval:
 
 * deferred mass ``D`` = sum over the interval's steps of the L1 norm of its non-selected gradient

@@ -21,6 +21,7 @@ from zfctl.plan.coerce import suggest
 from zfctl.plan.deepspeed import from_deepspeed, looks_like_deepspeed
 from zfctl.plan.io import check_sections, plan_from_dict, read_mapping
 from zfctl.plan.overrides import apply_overrides, deep_merge
+from zfctl.plan.precision import resolve_for_this_machine
 from zfctl.plan.presets import find_preset, get_preset, list_presets
 from zfctl.plan.schema import RunPlan
 from zfctl.resources import presets_root
@@ -175,7 +176,8 @@ def resolve_plan(
     """Presets + config file + overrides -> a validated RunPlan (ConfigError/UserError on bad input).
 
     `flags` is a nested fragment from dedicated CLI options (applied last); `notes` collects
-    informational lines (DeepSpeed keys that were ignored) for the caller to print.
+    informational lines (DeepSpeed keys that were ignored, what `train.precision: auto` chose
+    and why) for the caller to print.
     """
     layers = [model_fragment(model), data_fragment(data), get_preset("zenflow", zenflow or "default").load()]
     if config is not None:
@@ -185,4 +187,10 @@ def resolve_plan(
         merged = deep_merge(merged, flags)
     plan = plan_from_dict(_default_output_dir(merged, model, data))
     check_paths(plan)
+    if plan.train.precision == "auto":
+        # Resolved here, once: plan.yaml and checkpoints store the concrete dtype (see precision.py).
+        choice = resolve_for_this_machine(plan.train.precision, plan.train.device)
+        plan.train.precision = choice.precision
+        if notes is not None:
+            notes.append(choice.reason)
     return plan

@@ -92,7 +92,11 @@ class TrainConfig:
     micro_batch_size: int = _f(4, "Sequences per micro-batch per process.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
     max_grad_norm: float | None = _f(1.0, "Clip gradients to this global L2 norm; null = no clipping.")
-    precision: Literal["bf16", "fp16", "fp32"] = _f("bf16", "Model weights and compute dtype.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
+        "auto",
+        "Model weights and compute dtype. 'auto' = bf16 on a GPU that supports it and on a CPU with "
+        "native bf16 (avx512_bf16/amx_bf16, aarch64 bf16), else fp32; resolved when the plan is made.",
+    )
     seed: int = _f(42, "Seed for init, data order and dropout.")
     eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
     eval_batches: int = _f(8, "Micro-batches per evaluation.")

@@ -73,6 +73,11 @@ def load_model(cfg: ModelConfig, *, precision: str, device: torch.device, seed: 
     the global RNG is left untouched (init runs under a forked RNG), so data order and dropout
     do not depend on whether the model was built or loaded.
     """
+    if precision == "auto":  # library callers; the CLI resolved it with the plan already
+        from zfctl.plan.precision import resolve_precision
+
+        precision = resolve_precision("auto", device=device.type, cuda_bf16=device.type == "cuda"
+                                      and torch.cuda.is_bf16_supported()).precision
     if precision not in DTYPES:
         raise ConfigError("train.precision", precision, f"use one of {', '.join(DTYPES)}")
     dtype = DTYPES[precision]
