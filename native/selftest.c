@@ -159,7 +159,9 @@ static void narrowing_cases(void)
     }
 }
 
-/* acc = 0 + 1*g for all 65536 patterns is the exact widening; then scaled accumulation. */
+/* acc = 0 + 1*g for all 65536 patterns is the exact widening (written, overwrite=1, over a
+ * non-zero buffer: its old contents must not matter); then scaled accumulation, the first call of
+ * each series writing (an interval's first gradient) and the rest adding. */
 static void accumulate_cases(void)
 {
     const int64_t n = 1 << 16;
@@ -168,7 +170,8 @@ static void accumulate_cases(void)
         all[i] = (uint16_t)i;
     for (int dt = ZF_BF16; dt <= ZF_F16; dt++) {
         float *acc = xmalloc(n * 4);
-        zf_accumulate(acc, all, dt, 1.0f, n, NULL, -1);
+        memset(acc, 0x7f, n * 4); /* garbage the overwrite must ignore */
+        zf_accumulate(acc, all, dt, 1.0f, n, NULL, -1, 1);
         printf("widen/%s-f32 %016llx\n", dname(dt), (unsigned long long)fnv(FNV0, acc, n * 4));
         free(acc);
     }
@@ -183,7 +186,7 @@ static void accumulate_cases(void)
         const float scales[] = {1.0f, 0.25f, -3.0f, 0.1f};
         for (int s = 0; s < 4; s++) {
             fill_grad(g, dt, m, 1.0f);
-            zf_accumulate(acc, g, dt, scales[s], m, s % 2 ? RUNS : NULL, s % 2 ? 5 : -1);
+            zf_accumulate(acc, g, dt, scales[s], m, s % 2 ? RUNS : NULL, s % 2 ? 5 : -1, s == 0);
         }
         printf("accumulate/%s %016llx\n", dname(dt), (unsigned long long)fnv(FNV0, acc, m * 4));
         free(acc), free(g);
