@@ -13,12 +13,14 @@ class StepStats:
     Device compute (forward/backward) is measured by the training loop itself; everything here is
     the optimizer's share of the step.
 
-    Stall is every host wait inside ``step()`` after the device update was enqueued: the scalars'
-    D2H (norm, coefficient), gradient columns the step had to copy and accumulate itself, the
+    Stall is every host wait inside ``step()`` after the device update was enqueued: gradient
+    columns the step had to copy and accumulate itself, the
     wait for the CPU worker, the host side of an install, and (hook path) the wait for gradient
     chunks still in flight. While the host waits there, the device runs out of queued work, so
     this is the time the device timeline waits on the host or on PCIe (an upper bound: the device
     may still be finishing the update it was given). ``offload_ms`` is the gradient part of it.
+    The wait for the step's few scalars (norm, coefficient) is not stall: the device update is
+    queued behind their D2H, so the device stays busy while the host waits for them.
 
     Two numbers need the device's clock: ``device_opt_ms`` and (topk 1) ``grad_norm``. On CUDA
     reading them at once would be a sync per step, so they are filled by :meth:`resolve`, which
