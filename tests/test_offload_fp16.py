@@ -33,6 +33,7 @@ def test_injected_inf_skips_both_paths_and_lowers_the_scale(overlap: bool) -> No
         params = snapshot(model)
         # Only the accumulator the main thread fills: with overlap the in-flight CPU update owns the
         # other one until the next boundary (zfctl/offload/host.py's table); reading it would race.
+        opt._drain()  # no accumulation job may still be writing it
         acc = opt.pipeline.acc.clone()
         dev = opt._device.master.clone(), opt._device.exp_avg_sq.clone(), opt._device.steps.clone()
         host_steps = opt.host.steps.clone()

@@ -104,6 +104,9 @@ def test_fp16_overflow_drops_the_streamed_gradient() -> None:
     data = batches(6, dtype=torch.float16)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3) as opt:
         run(model, opt, data[:4], hooks=True)
+        # Step 3's accumulation job may still be running on the accumulation thread, which owns
+        # acc until the job is done: drain it before taking the reference copy.
+        opt._drain()
         acc = opt.pipeline.acc.clone()
         x, y = data[4]
         opt.zero_grad(set_to_none=True)
