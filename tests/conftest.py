@@ -21,6 +21,11 @@ EDIT_LOOP_SLOW = {
     "tests/test_export.py::test_exported_logits_equal_trained_model",
     "tests/test_resume.py::test_k_steps_then_resume_max_steps_matches_straight",
     "tests/test_resume.py::test_changed_plan_is_refused_then_allowed",
+    "tests/test_offload_stream_dist.py::test_two_ranks_hook_path_equals_step_path",
+    "tests/test_offload_stream.py::test_auto_interval_and_stream_grads_off",
+    "tests/test_distributed.py::test_host_state_is_partitioned",
+    "tests/test_train_presets.py::test_off_and_zero_offload_agree",
+    "tests/test_checkpoint_trust.py::test_nan_step_stops_the_run_and_keep_last_keeps_the_good_checkpoints",
 }
 
 
