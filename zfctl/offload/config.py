@@ -87,6 +87,11 @@ class ZenFlowConfig:
     cpu_threads: int = _f(
         0, "Threads for the native CPU AdamW; 0 = all cores this process may use."
     )
+    accumulate_threads: int = _f(
+        0,
+        "Of cpu_threads, how many the gradient accumulation uses while a CPU update runs (the "
+        "update takes the rest); 0 = auto, ~10/38 of them by bytes moved per element.",
+    )
     ring_slots: int = _f(4, "Pinned slots in each transfer ring (D2H gradients, H2D params).")
     ring_slot_mb: float = _f(
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks."
@@ -130,7 +135,7 @@ class ZenFlowConfig:
             )
         if self.deferred_lr_scale not in ("off", "sqrt", "linear"):
             raise bad("deferred_lr_scale", "use one of off, sqrt, linear")
-        for name in ("full_warm_up_rounds", "cpu_threads"):
+        for name in ("full_warm_up_rounds", "cpu_threads", "accumulate_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")

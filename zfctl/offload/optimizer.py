@@ -82,6 +82,7 @@ from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
+from zfctl.offload.threads import capped, split_threads
 from zfctl.offload.worker import CpuUpdate
 
 
@@ -124,6 +125,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.host: HostState | None = None
         self._dev_acc: DeviceAccumulator | None = None
         self.accumulate = "host"  # resolved zenflow.accumulate (host when nothing is offloaded)
+        self.threads: tuple[int, int] | None = None  # (accumulation, update) native threads
         if self._host_slots:
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
@@ -132,9 +134,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
         self._fence = None  # the hook path's accumulation the next CPU update must wait for
         if self.pipeline.worker is not None:
-            self._accumulate = self.pipeline.worker.native.accumulate
+            native = self.pipeline.worker.native
             if config.cpu_threads:
-                self.pipeline.worker.native.set_num_threads(config.cpu_threads)
+                native.set_num_threads(config.cpu_threads)
+            # Accumulation and the in-flight update share the cores (threads.py); without overlap
+            # the update runs alone while step() waits, so it takes them all.
+            self.threads = split_threads(native.get_num_threads(), config.accumulate_threads)
+            self.pipeline.worker.threads = self.threads[1] if config.overlap_step else 0
+            self._accumulate = capped(native, self.threads[0])
             if config.stream_grads and self._dev_acc is None:
                 self._stream = self._make_stream()
         self._closed = False
