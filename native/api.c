@@ -121,7 +121,9 @@ static int64_t total_of(const int64_t *runs, int64_t nruns)
     return t;
 }
 
-static int threads_for(int64_t total) { return total < ZF_PARALLEL_MIN ? 1 : zf_get_num_threads(); }
+/* The calling thread's limit (zf_set_thread_role): the accumulation thread and the CPU update each
+ * use their share of the cores. Only timing depends on it; the bits do not (see the top). */
+static int threads_for(int64_t total) { return total < ZF_PARALLEL_MIN ? 1 : zf_thread_limit(); }
 
 /* The common shape of an elementwise call: the kernels, the runs, and a piece function. */
 typedef struct {

@@ -17,8 +17,9 @@
  * 50-100 us on this VM, which is why api.c keeps calls under 512K elements on the caller). A call's work is cut into tiles that participants claim from an atomic counter, the
  * caller included, and the caller waits only for workers that actually joined: if the OS does
  * not run a worker (a busy machine), the caller simply takes its tiles, instead of a static split
- * stalling on the missing thread. Only one call uses the pool at a time: a second concurrent
- * caller does not wait for it but runs its own tiles on its own thread. Kernels produce the same
+ * stalling on the missing thread. Only one call uses a pool at a time: a second concurrent
+ * caller of the same pool does not wait for it but runs its own tiles on its own thread. There
+ * are two pools (below), so the accumulation thread and the CPU update each get their share. Kernels produce the same
  * bits whichever thread runs a tile, so all of this changes timing only. Cost per call: one
  * broadcast, one join, one atomic add per tile.
  */
@@ -33,7 +34,13 @@
 
 #define ZF_MAX_THREADS 256
 
-static struct {
+/* Two pools: 0 serves every caller by default (the CPU update's AdamW, tests), 1 serves a thread
+ * that chose it with zf_set_thread_role (the gradient accumulation thread, stream.py). With one
+ * pool, whichever of the two callers came second ran on its own thread alone; with two, each
+ * gets the share of the cores zfctl gave it (docs/design.md, "Threads and buffer ownership"). */
+#define ZF_POOLS 2
+
+typedef struct {
     pthread_mutex_t mu;   /* guards everything below */
     pthread_cond_t wake;  /* gen moved on: a new task */
     pthread_cond_t done;  /* active reached 0 */
@@ -48,32 +55,41 @@ static struct {
     int open;   /* workers may still join the task */
     int active; /* workers inside fn */
     int64_t joins; /* workers that joined a task, ever (diagnostics) */
-} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0};
+} pool;
+
+#define POOL_INIT {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, \
+                   PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0}
+static pool g_pools[ZF_POOLS] = {POOL_INIT, POOL_INIT};
+
+/* The calling thread's pool and its cap on participants (0: zf_get_num_threads()). */
+static __thread int t_pool;
+static __thread int t_cap;
 
 static int g_nthreads; /* 0: not chosen yet, see zf_get_num_threads */
 
+/* arg = pool index * ZF_MAX_THREADS + worker id */
 static void *worker(void *arg)
 {
-    int id = (int)(intptr_t)arg;
-    pthread_mutex_lock(&P.mu);
-    uint64_t seen = P.start_gen[id];
+    int id = (int)((intptr_t)arg % ZF_MAX_THREADS);
+    pool *P = &g_pools[(intptr_t)arg / ZF_MAX_THREADS];
+    pthread_mutex_lock(&P->mu);
+    uint64_t seen = P->start_gen[id];
     for (;;) {
-        while (P.gen == seen)
-            pthread_cond_wait(&P.wake, &P.mu);
-        seen = P.gen;
-        if (!P.open || id >= P.nt) /* woke too late (the caller took every tile), or not needed */
+        while (P->gen == seen)
+            pthread_cond_wait(&P->wake, &P->mu);
+        seen = P->gen;
+        if (!P->open || id >= P->nt) /* woke too late (the caller took every tile), or not needed */
             continue;
-        P.active++;
-        P.joins++;
-        zf_task_fn fn = P.fn;
-        void *ctx = P.ctx;
-        zf_tiles *tiles = P.tiles;
-        pthread_mutex_unlock(&P.mu);
+        P->active++;
+        P->joins++;
+        zf_task_fn fn = P->fn;
+        void *ctx = P->ctx;
+        zf_tiles *tiles = P->tiles;
+        pthread_mutex_unlock(&P->mu);
         fn(ctx, tiles);
-        pthread_mutex_lock(&P.mu);
-        if (--P.active == 0)
-            pthread_cond_signal(&P.done);
+        pthread_mutex_lock(&P->mu);
+        if (--P->active == 0)
+            pthread_cond_signal(&P->done);
     }
     return NULL;
 }
@@ -82,31 +98,34 @@ static void *worker(void *arg)
  * fork; they do not normally call in, but must not deadlock if they do.) */
 static void reset_after_fork(void)
 {
-    pthread_mutex_init(&P.mu, NULL);
-    pthread_mutex_init(&P.busy, NULL);
-    pthread_cond_init(&P.wake, NULL);
-    pthread_cond_init(&P.done, NULL);
-    P.nworkers = 0;
-    P.gen = 0;
-    P.open = 0;
-    P.active = 0;
+    for (int i = 0; i < ZF_POOLS; i++) {
+        pool *P = &g_pools[i];
+        pthread_mutex_init(&P->mu, NULL);
+        pthread_mutex_init(&P->busy, NULL);
+        pthread_cond_init(&P->wake, NULL);
+        pthread_cond_init(&P->done, NULL);
+        P->nworkers = 0;
+        P->gen = 0;
+        P->open = 0;
+        P->active = 0;
+    }
 }
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void init_once(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-/* Called with P.mu held. Workers block all signals so that Ctrl-C reaches Python's thread. */
-static int spawn(int id)
+/* Called with P->mu held. Workers block all signals so that Ctrl-C reaches Python's thread. */
+static int spawn(pool *P, int id)
 {
     pthread_t t;
     pthread_attr_t attr;
     sigset_t all, old;
-    P.start_gen[id] = P.gen;
+    P->start_gen[id] = P->gen;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)id);
+    int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)((P - g_pools) * ZF_MAX_THREADS + id));
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return rc;
@@ -122,28 +141,29 @@ void zf_parallel(zf_task_fn fn, void *ctx, int64_t ntiles, int nt)
         nt = (int)ntiles;
     if (nt > ZF_MAX_THREADS)
         nt = ZF_MAX_THREADS;
-    if (nt > 1 && pthread_mutex_trylock(&P.busy) == 0) {
+    pool *P = &g_pools[t_pool];
+    if (nt > 1 && pthread_mutex_trylock(&P->busy) == 0) {
         pthread_once(&g_once, init_once);
-        pthread_mutex_lock(&P.mu);
-        while (P.nworkers < nt - 1 && spawn(P.nworkers + 1) == 0)
-            P.nworkers++;
-        P.fn = fn;
-        P.ctx = ctx;
-        P.tiles = &tiles;
-        P.nt = nt;
-        P.open = 1;
-        P.gen++;
-        pthread_cond_broadcast(&P.wake);
-        pthread_mutex_unlock(&P.mu);
+        pthread_mutex_lock(&P->mu);
+        while (P->nworkers < nt - 1 && spawn(P, P->nworkers + 1) == 0)
+            P->nworkers++;
+        P->fn = fn;
+        P->ctx = ctx;
+        P->tiles = &tiles;
+        P->nt = nt;
+        P->open = 1;
+        P->gen++;
+        pthread_cond_broadcast(&P->wake);
+        pthread_mutex_unlock(&P->mu);
         fn(ctx, &tiles);
         /* Every tile is claimed. Close the task, then wait only for workers that joined (they are
          * finishing their last tile), never for one the OS has not scheduled yet. */
-        pthread_mutex_lock(&P.mu);
-        P.open = 0;
-        while (P.active)
-            pthread_cond_wait(&P.done, &P.mu);
-        pthread_mutex_unlock(&P.mu);
-        pthread_mutex_unlock(&P.busy);
+        pthread_mutex_lock(&P->mu);
+        P->open = 0;
+        while (P->active)
+            pthread_cond_wait(&P->done, &P->mu);
+        pthread_mutex_unlock(&P->mu);
+        pthread_mutex_unlock(&P->busy);
         return;
     }
     fn(ctx, &tiles);
@@ -185,8 +205,28 @@ int zf_get_num_threads(void)
 
 int64_t zf_pool_joins(void)
 {
-    pthread_mutex_lock(&P.mu);
-    int64_t n = P.joins;
-    pthread_mutex_unlock(&P.mu);
+    int64_t n = 0;
+    for (int i = 0; i < ZF_POOLS; i++) {
+        pthread_mutex_lock(&g_pools[i].mu);
+        n += g_pools[i].joins;
+        pthread_mutex_unlock(&g_pools[i].mu);
+    }
     return n;
 }
+
+int zf_set_thread_role(int pool_index, int max_threads)
+{
+    if (pool_index < 0 || pool_index >= ZF_POOLS || max_threads < 0)
+        return -1;
+    t_pool = pool_index;
+    t_cap = max_threads > ZF_MAX_THREADS ? ZF_MAX_THREADS : max_threads;
+    return 0;
+}
+
+int zf_thread_limit(void)
+{
+    int n = zf_get_num_threads();
+    return t_cap && t_cap < n ? t_cap : n;
+}
+
+int zf_thread_pool(void) { return t_pool; }

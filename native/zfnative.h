@@ -48,6 +48,14 @@ int64_t zf_check_runs(const int64_t *runs, int64_t nruns, int64_t numel);
 
 void zf_set_num_threads(int n);
 int zf_get_num_threads(void);
+/* The calling thread's share: its calls run on pool pool_index (0 default, 1 a second pool) with
+ * at most max_threads participants (0: zf_get_num_threads()). Per thread, so the gradient
+ * accumulation thread and the CPU update thread do not take each other's cores. 0 on success,
+ * -1 for a bad argument. */
+int zf_set_thread_role(int pool_index, int max_threads);
+/* Participants the calling thread's calls may use: min(its cap, zf_get_num_threads()). */
+int zf_thread_limit(void);
+int zf_thread_pool(void);
 /* How many times a pool thread joined a call since the library loaded (diagnostics, tests). */
 int64_t zf_pool_joins(void);
 int zf_isa(void);

@@ -111,6 +111,69 @@ def test_concurrent_callers_get_correct_results():
     assert torch.equal(acc, ref_acc)
 
 
+def test_thread_role_is_per_thread_and_validated():
+    before = N.get_num_threads()
+    N.set_num_threads(4)
+    seen = {}
+
+    def other():
+        N.set_thread_role(1, 1)
+        seen["other"] = (N.thread_pool(), N.thread_limit())
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["other"] == (1, 1)
+    assert (N.thread_pool(), N.thread_limit()) == (0, 4)  # this thread is untouched
+    N.set_thread_role(0, 9)
+    assert N.thread_limit() == 4  # a cap above the pool's size changes nothing
+    N.set_thread_role(0, 0)
+    for bad in ((2, 0), (-1, 0), (0, -1), (0, 1.5)):
+        with pytest.raises(ValueError, match="set_thread_role"):
+            N.set_thread_role(*bad)
+    N.set_num_threads(before)
+
+
+@pytest.mark.parametrize("acc_role, adam_role", [((1, 1), (0, 1)), ((1, 2), (0, 3)), ((0, 1), (0, 0))])
+def test_two_pools_and_caps_give_the_same_bits(acc_role, adam_role):
+    """The accumulation thread on pool 1 and the update on pool 0, each capped, at once: the bits
+    are those of one thread alone (the reduction order depends on the run lists only)."""
+    n = 700_000
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(n, generator=gen).bfloat16()
+    runs = torch.tensor([[0, 300_000], [310_000, 390_000]], dtype=torch.int64)
+    p0 = torch.randn(n, generator=gen)
+    before = N.get_num_threads()
+    N.set_num_threads(1)
+    ref_p, ref_m, ref_v, ref_acc = p0.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 6):
+        N.adamw_step(ref_p, g, ref_m, ref_v, runs=runs, **{**HP, "step": step})
+        N.accumulate(ref_acc, g, scale=0.25, runs=runs)
+    ref_norm = N.sq_norm(ref_acc)
+    N.set_num_threads(4)
+    p, m, v, acc = p0.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    norms = []
+
+    def adam_worker():
+        N.set_thread_role(*adam_role)
+        for step in range(1, 6):
+            N.adamw_step(p, g, m, v, runs=runs, **{**HP, "step": step})
+
+    worker = threading.Thread(target=adam_worker)
+    worker.start()
+    N.set_thread_role(*acc_role)
+    try:
+        for _ in range(5):
+            N.accumulate(acc, g, scale=0.25, runs=runs)
+        norms.append(N.sq_norm(acc))
+    finally:
+        N.set_thread_role(0, 0)
+        worker.join()
+        N.set_num_threads(before)
+    assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
+    assert torch.equal(acc, ref_acc) and norms == [ref_norm]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_pool_survives_fork():
     """A forked child (e.g. a DataLoader worker) inherits no pool threads; it must not hang."""

@@ -185,6 +185,26 @@ def get_num_threads() -> int:
     return int(lib.zf_get_num_threads())
 
 
+def set_thread_role(pool: int, max_threads: int) -> None:
+    """For the calling thread only: run its calls on native pool ``pool`` (0 default, 1 second)
+    with at most ``max_threads`` threads (0: get_num_threads()). The bits do not depend on it."""
+    for name, v in (("pool", pool), ("max_threads", max_threads)):
+        if isinstance(v, bool) or int(v) != v or v < 0:
+            raise ValueError(f"set_thread_role: {name} must be an integer >= 0, got {v!r}")
+    if lib.zf_set_thread_role(int(pool), int(max_threads)) != 0:
+        raise ValueError(f"set_thread_role: pool must be 0 or 1, got {pool!r}")
+
+
+def thread_limit() -> int:
+    """Threads the calling thread's native calls may use: min(its cap, get_num_threads())."""
+    return int(lib.zf_thread_limit())
+
+
+def thread_pool() -> int:
+    """The native pool the calling thread's calls run on (0 or 1)."""
+    return int(lib.zf_thread_pool())
+
+
 def pool_joins() -> int:
     """How many times a pool thread has joined a call (diagnostics: proves the threads ran)."""
     return int(lib.zf_pool_joins())

@@ -151,3 +151,15 @@ def test_cuda_device_accumulation_matches_host(dtype) -> None:
     assert max_rel_err(dev, host) <= 1e-6
     assert [s.installed for s in hs] == [s.installed for s in ds]
     assert all(d.d2h_bytes < h.d2h_bytes for h, d in zip(hs, ds) if not d.boundary and not d.selection)
+
+
+def test_cuda_d2h_probe_sizes_the_inflight_budget() -> None:
+    from zfctl.offload.bandwidth import MAX_BYTES, MIN_BYTES, inflight_bytes
+
+    model = tiny_net().cuda()
+    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=2, stream_grads=True)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
+        assert opt.d2h_gbps is not None and opt.d2h_gbps > 0
+        want = min(inflight_bytes(opt.d2h_gbps), opt.layout.host_numel * opt._itemsize)
+        assert opt._stream.budget_bytes == want and want <= MAX_BYTES
+        assert MIN_BYTES <= inflight_bytes(opt.d2h_gbps)

@@ -32,6 +32,7 @@ from zfctl.bench.report import fmt_ms
 from zfctl.bench.runner import ConfigResult, release_memory, run_config
 from zfctl.bench.summary import add_speedups, summarize
 from zfctl.errors import UserError
+from zfctl.offload.bandwidth import measure_d2h_gbps
 from zfctl.offload.config import ZenFlowConfig
 
 
@@ -145,6 +146,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "trials": opts.trials,
         "seed": opts.seed,
         "native_isa": _native_isa(),
+        # The pinned D2H rate the optimizer sizes its in-flight gradient bytes from (None off CUDA).
+        "d2h_gbps": measure_d2h_gbps(device),
         "cpu_threads": opts.cpu_threads,
         "zenflow_base": asdict(opts.zenflow) if opts.zenflow is not None else None,
         "max_grad_norm": opts.max_grad_norm,
@@ -158,6 +161,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     console.print(
         f"[bold]zfctl bench[/]: {desc}, {n_params / 1e6:.2f}M params on {meta['device']}; "
         f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}"
+        + (f"; D2H {meta['d2h_gbps']:.1f} GB/s" if meta["d2h_gbps"] else "")
     )
     for s in skipped:
         console.print(f"  skipping {s['label']}: {s['reason']}")

@@ -58,6 +58,7 @@ from typing_extensions import Self
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
 from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
@@ -81,6 +82,7 @@ from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
+from zfctl.offload.threads import capped, split_threads
 from zfctl.offload.worker import CpuUpdate
 
 
@@ -123,16 +125,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.host: HostState | None = None
         self._dev_acc: DeviceAccumulator | None = None
         self.accumulate = "host"  # resolved zenflow.accumulate (host when nothing is offloaded)
+        self.threads: tuple[int, int] | None = None  # (accumulation, update) native threads
         if self._host_slots:
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
         self._stream: GradStream | None = None
+        self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
         self._fence = None  # the hook path's accumulation the next CPU update must wait for
         if self.pipeline.worker is not None:
-            self._accumulate = self.pipeline.worker.native.accumulate
+            native = self.pipeline.worker.native
             if config.cpu_threads:
-                self.pipeline.worker.native.set_num_threads(config.cpu_threads)
+                native.set_num_threads(config.cpu_threads)
+            # Accumulation and the in-flight update share the cores (threads.py); without overlap
+            # the update runs alone while step() waits, so it takes them all.
+            self.threads = split_threads(native.get_num_threads(), config.accumulate_threads)
+            self.pipeline.worker.threads = self.threads[1] if config.overlap_step else 0
+            self._accumulate = capped(native, self.threads[0])
             if config.stream_grads and self._dev_acc is None:
                 self._stream = self._make_stream()
         self._closed = False
@@ -169,11 +178,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _make_stream(self) -> GradStream:
         """The hook path (stream.py): a landing buffer pair and the accumulation thread."""
         dtype = self._params[self._host_slots[0].index].dtype
-        ring_bytes = self.config.ring_slots * self._d2h.slot_bytes
-        # Device temporaries in flight: 4x the ring (512 MiB by default: a few layers' matrices of
-        # a 1B model, drained in ~10 ms at 50 GB/s), so the hooks rarely wait; never more than
-        # the host-path gradient itself.
-        budget = min(4 * ring_bytes, self.layout.host_numel * self._itemsize)
+        # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
+        # here (bandwidth.py; a sync, at construction only), or zenflow.inflight_mb when set. Off
+        # CUDA there is no link to measure: 4x the ring, as before. Never more than the host-path
+        # gradient itself.
+        self.d2h_gbps = measure_d2h_gbps(self.device)
+        if self.config.inflight_mb:
+            budget = int(self.config.inflight_mb * 2**20)
+        elif self.d2h_gbps is not None:
+            budget = inflight_bytes(self.d2h_gbps)
+        else:
+            budget = 4 * self.config.ring_slots * self._d2h.slot_bytes
+        budget = min(budget, self.layout.host_numel * self._itemsize)
         average = None
         if self._part is not None:
             group, world = self.process_group, self.world_size
@@ -223,7 +239,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         t, group = self.pipeline.t, self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         warm = t < self._warmup
-        stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None)
+        stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None,
+                          d2h_gbps=self.d2h_gbps)
         streamed = self._stream is not None and self._stream.armed
         if self._part is not None:
             # 0. Data parallel: every rank continues with the same averaged gradient (a collective;

@@ -58,6 +58,7 @@ class StepStats:
     accumulated_early: int = 0
     accumulated_late: int = 0
     host_bytes: int = 0  # host memory bytes the gradient accumulation read + wrote for this step
+    d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only
     _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
 
     def defer(self, fill: Callable[[StepStats], None]) -> None:

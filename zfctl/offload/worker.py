@@ -46,6 +46,7 @@ class CpuWorker:
         self._host = host
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu")
         self._future: Future | None = None
+        self.threads = 0  # cap on the update's native threads (threads.py); 0 = all
 
     @property
     def busy(self) -> bool:
@@ -75,6 +76,7 @@ class CpuWorker:
             raise RuntimeError("a CPU update is already in flight; wait() for it first")
 
         def run() -> float:
+            self.native.set_thread_role(0, self.threads)  # this worker thread's share of the cores
             if after is not None:
                 after()  # worker thread: the accumulator is complete only after this
             return self.run(update)
