@@ -285,14 +285,16 @@ def last_size(root: Path) -> int:
     return sum(int(v) for v in info.meta["files"].values()) if info else 0
 
 
-def check_run_space(out: Path, estimate: int, *, reclaim: bool = False) -> None:
+def check_run_space(out: Path, estimate: int, *, reclaim: bool = False, clean: bool = True) -> None:
     """Before a run: clean a killed process's ``.tmp-*`` folders, refuse if one checkpoint cannot fit.
 
     The size is the newest checkpoint's (a resumed run) or ``estimate``. ``reclaim`` (``--force``
-    over an old run folder): the checkpoints about to be deleted count as free.
+    over an old run folder): the checkpoints about to be deleted count as free. ``clean`` only
+    under the run folder's lock: without it a ``.tmp-*`` may be a live run's save in progress.
     """
     root = Path(out) / CHECKPOINTS
-    clean_stale(root)
+    if clean:
+        clean_stale(root)
     needed = last_size(root) or estimate
     if reclaim and root.is_dir():
         needed -= sum(f.stat().st_size for f in root.rglob("*") if f.is_file())

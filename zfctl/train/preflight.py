@@ -20,6 +20,7 @@ from zfctl.plan.schema import RunPlan
 from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM, check_run_space
 from zfctl.train.data_source import resolve
 from zfctl.train.data_templates import render
+from zfctl.train.lock import check_free
 from zfctl.train.rundir import check_output_dir
 
 _JSON_SNIFF_LIMIT = 64 << 20  # a .json list must be parsed whole: only peek into small ones
@@ -49,10 +50,14 @@ def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
     if output:
         out = Path(plan.checkpoint.output_dir)
         check_output_dir(out, force)
+        # A live run in the folder is refused here, before anything else looks inside it.
+        check_free(out)
         size = model_size(plan)  # from the config: no model is built (None for hub models)
         if size is not None:
             weight_bytes = 4 if plan.train.precision == "fp32" else 2
-            check_run_space(out, size.params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM), reclaim=force)
+            # No cleaning here: this process holds no lock yet (the session cleans under it).
+            check_run_space(out, size.params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM), reclaim=force,
+                            clean=False)
     if plan.data.source == "hub":
         return
     source = resolve(plan.data)
