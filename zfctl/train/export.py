@@ -57,7 +57,7 @@ def check_hub(repo_id: str) -> str:
 
 def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> torch.nn.Module:
     """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
-    from zfctl.train.model import load_model
+    from zfctl.train.models.load import load_model
     from zfctl.train.optim import build_optimizer
 
     model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
@@ -121,7 +121,7 @@ def check_export_dest(output: Path, force: bool) -> None:
 
 def _export(info: ck.CheckpointInfo, output: Path, *, token: str | None, push_to_hub: str | None) -> Path:
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
-    from zfctl.train.model import load_tokenizer
+    from zfctl.train.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(plan.model)
     model = _final_weights(info, plan)

@@ -31,12 +31,11 @@ import torch.nn.functional as F
 
 from zfctl.errors import RunFailed
 from zfctl.train.checkpoint import CHECKPOINTS, step_name
+from zfctl.train.data.sampler import ResumableSampler
+from zfctl.train.data.templates import IGNORE_INDEX
 from zfctl.train.display import Display, format_eval_line, format_train_line
 from zfctl.train.metrics import MetricsWriter, StepTimer, memory_stats
-from zfctl.train.sampler import ResumableSampler
 from zfctl.train.signals import StopSignals, interrupted
-
-IGNORE_INDEX = -100
 
 
 @dataclass

