@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import typer
@@ -19,13 +20,16 @@ from typer.core import TyperGroup
 
 from zfctl.errors import UserError
 
+if TYPE_CHECKING:  # the click that Typer's classes are typed against (vendored in recent Typer)
+    from typer._click.core import Context as ClickContext
+
 # The parser's error class: recent Typer vendors click as typer._click, older Typer uses the
 # click package; catch whichever this install raises.
 try:
     from typer._click.exceptions import UsageError as _VendoredUsageError
 except ImportError:
-    _VendoredUsageError = click.UsageError
-USAGE_ERRORS = tuple({click.UsageError, _VendoredUsageError})
+    _VendoredUsageError = click.UsageError  # type: ignore[misc,assignment]
+USAGE_ERRORS: tuple[type[Exception], ...] = tuple({click.UsageError, _VendoredUsageError})
 
 console = Console()
 err_console = Console(stderr=True)
@@ -45,7 +49,8 @@ def usage_error_line(e: Exception) -> None:
     """A parser error (bad flag value, missing path, unknown option) as one `error:` line."""
     ctx = getattr(e, "ctx", None)
     cmd = ctx.command_path if ctx is not None else "zfctl"
-    error_line(f"{e.format_message().rstrip('.')}; see `{cmd} --help`")
+    message = e.format_message() if isinstance(e, (click.UsageError, _VendoredUsageError)) else str(e)
+    error_line(f"{message.rstrip('.')}; see `{cmd} --help`")
 
 
 class ZfctlGroup(TyperGroup):
@@ -56,14 +61,15 @@ class ZfctlGroup(TyperGroup):
     otherwise draw them as a framed box.
     """
 
-    def make_context(self, *args, **kwargs) -> click.Context:
+    def make_context(self, info_name: str | None, args: list[str], parent: ClickContext | None = None,
+                     **extra: Any) -> ClickContext:
         try:
-            return super().make_context(*args, **kwargs)
+            return super().make_context(info_name, args, parent, **extra)
         except USAGE_ERRORS as e:
             usage_error_line(e)
             raise typer.Exit(code=2) from None
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: ClickContext) -> Any:
         try:
             return super().invoke(ctx)
         except UserError as e:

@@ -32,7 +32,7 @@ from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import RunLock, acquire
 from zfctl.train.loop import LoopInputs, train
 from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
-from zfctl.train.optim import build_optimizer
+from zfctl.train.optim import TrainingOptimizer, build_optimizer
 from zfctl.train.rundir import check_output_dir, clear_run_dir, plan_differences
 from zfctl.train.schedule import build_scheduler, restore_scheduler
 from zfctl.writable import check_writable
@@ -212,7 +212,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
 
 
-def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int) -> None:
+def _restore_optimizer(optimizer: TrainingOptimizer, ckpt: ck.CheckpointInfo, rank: int) -> None:
     rank_file = ck.optimizer_file(rank)  # this rank's slice of the host state + the replicated part
     try:
         optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))

@@ -16,6 +16,7 @@ import random
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,8 +44,8 @@ class DataStats:
 class PreparedData:
     """Tokenised train/eval sequences and the collate function that batches them."""
 
-    train: object  # datasets.Dataset: {"input_ids": list[int], "labels": list[int]} rows
-    eval: object | None  # same, or None when nothing is held out
+    train: Any  # datasets.Dataset: {"input_ids": list[int], "labels": list[int]} rows
+    eval: Any | None  # same, or None when nothing is held out
     pad_id: int
     stats: DataStats
     name: str = ""
