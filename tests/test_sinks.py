@@ -2,8 +2,8 @@
 
 Each test reads back what the sink wrote (TensorBoard's own EventAccumulator; the W&B offline
 run's record log, parsed into wandb's own protobuf records) and compares it with
-``metrics.jsonl``, the record of truth. W&B runs with ``WANDB_MODE=offline`` and its config/cache folders under tmp_path: no
-network, nothing written to the home folder.
+``metrics.jsonl``, the record of truth. W&B runs with ``WANDB_MODE=offline`` and its
+config/cache folders under tmp_path: no network, nothing written to the home folder.
 """
 
 from __future__ import annotations

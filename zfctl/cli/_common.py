@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
@@ -125,27 +125,48 @@ def dumps_json(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str)
 
 
-# Options shared by `finetune` and `plan` (same names, same help).
-MODEL_ARG = typer.Argument(
-    ..., metavar="MODEL", help="Model preset (zfctl presets ls), hub id org/name, or local HF folder."
-)
-DATA_OPT = typer.Option(
-    ..., "--data", "-d", help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id."
-)
-ZENFLOW_OPT = typer.Option(
-    None, "--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."
-)
-CONFIG_OPT = typer.Option(
-    None, "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
-)
-SET_OPT = typer.Option(
-    None,
-    "--set",
-    "-s",
-    metavar="KEY=VALUE",
-    help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
-)
-OUTPUT_OPT = typer.Option(None, "--output", "-o", help="Run folder (checkpoint.output_dir).")
-MAX_STEPS_OPT = typer.Option(
-    None, "--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps)."
-)
+# Options shared by `finetune` and `plan` (same names, same help). Every verb declares its
+# parameters as `name: Annotated[type, typer.Option(...)] = default`: the type and the flag
+# together, the default where Python puts defaults.
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL", help="Model preset (zfctl presets ls), hub id org/name, or local HF folder."
+    ),
+]
+DataOpt = Annotated[
+    str,
+    typer.Option(
+        "--data", "-d", help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id."
+    ),
+]
+ZenflowOpt = Annotated[
+    str | None,
+    typer.Option("--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
+    ),
+]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Run folder (checkpoint.output_dir).")]
+MaxStepsOpt = Annotated[
+    int | None, typer.Option("--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps).")
+]
+CkptDirArg = Annotated[
+    Path,
+    typer.Argument(
+        exists=True, metavar="CKPT_DIR", help="A checkpoint folder, or a run folder (its newest checkpoint)."
+    ),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty output folder.")]
