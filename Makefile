@@ -49,8 +49,10 @@ demo: setup
 bench: setup
 	$(VENV)/bin/zfctl bench --topk 0.1,0.2 --interval 2,4
 
+# ruff on everything; mypy on the library (zfctl/, settings in pyproject.toml [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check zfctl tests scripts
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info zfctl/_zfnative* runs native/build-*

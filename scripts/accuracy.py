@@ -51,7 +51,7 @@ import transformers
 
 from zfctl.plan import resolve_plan
 from zfctl.resources import presets_root
-from zfctl.train.data_templates import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, CLASSIFICATION_PROMPT
+from zfctl.train.data.templates import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, CLASSIFICATION_PROMPT
 
 DEFAULT_VARIANTS = ["adamw=off", "paper=paper", "default=default"]
 TASKS = ("instruct", "text", "sst2")
@@ -197,7 +197,7 @@ def sst2_accuracy(run_dir: Path, export_dir: Path) -> float:
     """Accuracy on sst2-sample's validation split: the label word with the higher log-likelihood."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zfctl.train.data_templates import Rendered, tokenize
+    from zfctl.train.data.templates import Rendered, tokenize
     from zfctl.train.export import export  # the function (the package attribute can be the module)
 
     export(run_dir, export_dir, force=True)  # the final weights: in-flight CPU update installed

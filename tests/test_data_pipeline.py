@@ -10,9 +10,9 @@ import pytest
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import DataConfig, ModelConfig
-from zfctl.train import model_hub
-from zfctl.train.data import format_debug_samples, prepare_data
-from zfctl.train.model import load_tokenizer
+from zfctl.train.data.prepare import format_debug_samples, prepare_data
+from zfctl.train.models import hub as model_hub
+from zfctl.train.models.load import load_tokenizer
 
 IGNORE = -100
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from zfctl.errors import UserError
 from zfctl.plan.resolve import resolve_plan
 from zfctl.train import export, loop, run, session
-from zfctl.train.data import prepare_data
-from zfctl.train.model import load_tokenizer
+from zfctl.train.data.prepare import prepare_data
+from zfctl.train.models.load import load_tokenizer
 
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",

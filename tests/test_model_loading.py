@@ -13,8 +13,8 @@ import torch
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import ModelConfig
-from zfctl.train import model_hub
-from zfctl.train.model import build_from_config, load_model, load_tokenizer
+from zfctl.train.models import hub as model_hub
+from zfctl.train.models.load import build_from_config, load_model, load_tokenizer
 
 # The contract's tiny-llama (contracts.md section 5).
 TINY = {

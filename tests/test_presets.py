@@ -162,7 +162,8 @@ def test_wheel_ships_presets_and_native_and_finds_them(tmp_path: Path) -> None:
     code = (
         "from zfctl.resources import presets_root; from zfctl.plan.presets import list_presets; "
         "import zfctl._native as n; "
-        f"print(presets_root()); print(len(list_presets('model'))); print(n.__file__.startswith({str(site)!r}))"
+        "print(presets_root()); print(len(list_presets('model'))); "
+        f"print(n.__file__.startswith({str(site)!r}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zfctl.train.data.sampler import ResumableSampler
 from zfctl.train.display import NullDisplay, format_train_line
 from zfctl.train.loop import LoopInputs, evaluate, lm_loss_sum, train
 from zfctl.train.metrics import MetricsWriter, read_metrics
-from zfctl.train.sampler import ResumableSampler
 from zfctl.train.schedule import build_scheduler
 from zfctl.train.signals import Interrupted
 

@@ -8,7 +8,7 @@ from itertools import chain
 import pytest
 import torch
 
-from zfctl.train.sampler import ResumableSampler, SamplerPosition
+from zfctl.train.data.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.schedule import build_scheduler, lr_multiplier, restore_scheduler
 
 

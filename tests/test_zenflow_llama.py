@@ -17,8 +17,8 @@ import torch
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.plan import resolve_plan
-from zfctl.train.data import prepare_data
-from zfctl.train.model import load_model, load_tokenizer
+from zfctl.train.data.prepare import prepare_data
+from zfctl.train.models.load import load_model, load_tokenizer
 
 STEPS, BATCH, TAIL = 200, 4, 20
 OVERRIDES = ["data.max_length=64", f"train.micro_batch_size={BATCH}"]

@@ -36,11 +36,14 @@ def _load():
         if not found:
             raise UserError("ZFCTL_NATIVE_VARIANT=asan but the sanitizer build is missing: run `make check-native`")
         spec = importlib.util.spec_from_file_location("_zfnative_asan", found[0])
+        if spec is None or spec.loader is None:
+            raise UserError(f"ZFCTL_NATIVE_VARIANT=asan: {found[0]} is not a loadable module; "
+                            "run `make check-native`")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.ffi, module.lib
     try:
-        from zfctl import _zfnative
+        from zfctl import _zfnative  # type: ignore[attr-defined]  # built by native/build.py, untyped
     except ImportError as exc:
         raise UserError(
             "zfctl's native CPU-Adam is not built: run `make setup` (it needs a C compiler such as gcc) "

@@ -44,13 +44,13 @@ def check_writable(dest: Path, flag: str, fix: str = "choose another location",
     when it is a file inside ``dest``.
     """
     folder = nearest_existing(Path(dest))
-    dest = shown if shown is not None else dest
+    named = shown if shown is not None else dest  # the path as the user typed it
     if not folder.is_dir():
-        raise UserError(f"{flag} {dest}: {folder} is a file, not a folder; {fix}")
+        raise UserError(f"{flag} {named}: {folder} is a file, not a folder; {fix}")
     try:
         fd, probe = tempfile.mkstemp(prefix=".zfctl-probe-", dir=folder)
     except OSError as e:
         e.filename, e.filename2 = str(folder), None  # the folder, not the random probe name
-        raise UserError(f"{flag} {dest}: cannot create files in {os_error_line(e)}; {fix}") from None
+        raise UserError(f"{flag} {named}: cannot create files in {os_error_line(e)}; {fix}") from None
     os.close(fd)
     os.unlink(probe)

@@ -93,7 +93,7 @@ def parse_intervals(text: str) -> list[Interval]:
     return list(dict.fromkeys(out))
 
 
-def parse_switch(flag: str, text: str, negated: bool) -> list[bool]:
+def parse_switch(flag: str, text: str | None, negated: bool) -> list[bool]:
     """`--overlap on,off` -> [True, False]; `--no-overlap` (negated) -> [False]."""
     if negated:
         if text is not None:

@@ -122,7 +122,7 @@ class PresetFactory:
     def __init__(
         self, model_cfg: Any, *, dtype: str, device: torch.device, seed: int, seq_len: int, batch: int
     ) -> None:
-        from zfctl.train.model import load_model  # the training layer owns model construction
+        from zfctl.train.models.load import load_model  # the training layer owns model construction
 
         cfg = arch_model_config(model_cfg, seq_len=seq_len)
         self.template = load_model(cfg, precision=dtype, device=torch.device("cpu"), seed=seed)

@@ -7,6 +7,8 @@ fast and work before the training pieces are built.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from zfctl.cli import bench, doctor, export, finetune, plan, presets, resume
@@ -34,9 +36,10 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the zfctl version and exit."
-    ),
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the zfctl version and exit."),
+    ] = False,
 ) -> None:
     """Fine-tune LLMs with stall-free CPU optimizer offload (ZenFlow, arXiv 2505.12242)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
@@ -19,13 +20,16 @@ from typer.core import TyperGroup
 
 from zfctl.errors import UserError
 
+if TYPE_CHECKING:  # the click that Typer's classes are typed against (vendored in recent Typer)
+    from typer._click.core import Context as ClickContext
+
 # The parser's error class: recent Typer vendors click as typer._click, older Typer uses the
 # click package; catch whichever this install raises.
 try:
     from typer._click.exceptions import UsageError as _VendoredUsageError
 except ImportError:
-    _VendoredUsageError = click.UsageError
-USAGE_ERRORS = tuple({click.UsageError, _VendoredUsageError})
+    _VendoredUsageError = click.UsageError  # type: ignore[misc,assignment]
+USAGE_ERRORS: tuple[type[Exception], ...] = tuple({click.UsageError, _VendoredUsageError})
 
 console = Console()
 err_console = Console(stderr=True)
@@ -50,7 +54,8 @@ def usage_error_line(e: Exception) -> None:
     """A parser error (bad flag value, missing path, unknown option) as one `error:` line."""
     ctx = getattr(e, "ctx", None)
     cmd = ctx.command_path if ctx is not None else "zfctl"
-    error_line(f"{e.format_message().rstrip('.')}; see `{cmd} --help`")
+    message = e.format_message() if isinstance(e, (click.UsageError, _VendoredUsageError)) else str(e)
+    error_line(f"{message.rstrip('.')}; see `{cmd} --help`")
 
 
 class ZfctlGroup(TyperGroup):
@@ -61,14 +66,15 @@ class ZfctlGroup(TyperGroup):
     otherwise draw them as a framed box.
     """
 
-    def make_context(self, *args, **kwargs) -> click.Context:
+    def make_context(self, info_name: str | None, args: list[str], parent: ClickContext | None = None,
+                     **extra: Any) -> ClickContext:
         try:
-            return super().make_context(*args, **kwargs)
+            return super().make_context(info_name, args, parent, **extra)
         except USAGE_ERRORS as e:
             usage_error_line(e)
             raise typer.Exit(code=2) from None
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: ClickContext) -> Any:
         try:
             return super().invoke(ctx)
         except UserError as e:
@@ -124,27 +130,48 @@ def dumps_json(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str)
 
 
-# Options shared by `finetune` and `plan` (same names, same help).
-MODEL_ARG = typer.Argument(
-    ..., metavar="MODEL", help="Model preset (zfctl presets ls), hub id org/name, or local HF folder."
-)
-DATA_OPT = typer.Option(
-    ..., "--data", "-d", help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id."
-)
-ZENFLOW_OPT = typer.Option(
-    None, "--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."
-)
-CONFIG_OPT = typer.Option(
-    None, "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
-)
-SET_OPT = typer.Option(
-    None,
-    "--set",
-    "-s",
-    metavar="KEY=VALUE",
-    help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
-)
-OUTPUT_OPT = typer.Option(None, "--output", "-o", help="Run folder (checkpoint.output_dir).")
-MAX_STEPS_OPT = typer.Option(
-    None, "--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps)."
-)
+# Options shared by `finetune` and `plan` (same names, same help). Every verb declares its
+# parameters as `name: Annotated[type, typer.Option(...)] = default`: the type and the flag
+# together, the default where Python puts defaults.
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL", help="Model preset (zfctl presets ls), hub id org/name, or local HF folder."
+    ),
+]
+DataOpt = Annotated[
+    str,
+    typer.Option(
+        "--data", "-d", help="Data preset, local .json/.jsonl/.csv/.parquet file, or hub dataset id."
+    ),
+]
+ZenflowOpt = Annotated[
+    str | None,
+    typer.Option("--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
+    ),
+]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Run folder (checkpoint.output_dir).")]
+MaxStepsOpt = Annotated[
+    int | None, typer.Option("--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps).")
+]
+CkptDirArg = Annotated[
+    Path,
+    typer.Argument(
+        exists=True, metavar="CKPT_DIR", help="A checkpoint folder, or a run folder (its newest checkpoint)."
+    ),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty output folder.")]

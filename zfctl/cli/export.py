@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import console
+from zfctl.cli._common import CkptDirArg, ForceOpt, console
 from zfctl.errors import UserError
 
 
 def export(
-    ckpt_dir: Path = typer.Argument(
-        ...,
-        exists=True,
-        metavar="CKPT_DIR",
-        help="A checkpoint folder, or a run folder (its newest checkpoint).",
-    ),
-    output: Path = typer.Option(..., "--output", "-o", help="Folder to write (model + tokenizer)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
-    push_to_hub: str | None = typer.Option(
-        None,
-        "--push-to-hub",
-        metavar="REPO",
-        help="Also upload to this hub repo (needs network and a token).",
-    ),
+    ckpt_dir: CkptDirArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (model + tokenizer).")],
+    force: ForceOpt = False,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(
+            "--push-to-hub", metavar="REPO", help="Also upload to this hub repo (needs network and a token)."
+        ),
+    ] = None,
 ) -> None:
     """Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads."""
     try:

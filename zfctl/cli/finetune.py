@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from zfctl.cli._common import (
-    CONFIG_OPT,
-    DATA_OPT,
-    MAX_STEPS_OPT,
-    MODEL_ARG,
-    OUTPUT_OPT,
-    SET_OPT,
-    ZENFLOW_OPT,
+    ConfigOpt,
+    DataOpt,
+    ForceOpt,
+    MaxStepsOpt,
+    ModelArg,
+    OutputOpt,
+    SetOpt,
+    ZenflowOpt,
     console,
     plan_flags,
     resolve_from_cli,
@@ -25,24 +26,29 @@ from zfctl.errors import UserError
 
 
 def finetune(
-    model: str = MODEL_ARG,
-    data: str = DATA_OPT,
-    zenflow: str | None = ZENFLOW_OPT,
-    config: Path | None = CONFIG_OPT,
-    set_: list[str] | None = SET_OPT,
-    output: Path | None = OUTPUT_OPT,
-    max_steps: int | None = MAX_STEPS_OPT,
-    force: bool = typer.Option(False, "--force", help="Replace an existing, non-empty output folder."),
-    debug_data: bool = typer.Option(
-        False, "--debug-data", help="Print a few decoded training samples with their label masks and exit."
-    ),
-    nproc: int | None = typer.Option(
-        None,
-        "--nproc",
-        min=1,
-        help="Processes on this node: >1 relaunches under torchrun (standalone rendezvous). "
-        "Under your own torchrun (multi-node, slurm) leave it out.",
-    ),
+    model: ModelArg,
+    data: DataOpt,
+    zenflow: ZenflowOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    output: OutputOpt = None,
+    max_steps: MaxStepsOpt = None,
+    force: ForceOpt = False,
+    debug_data: Annotated[
+        bool,
+        typer.Option(
+            "--debug-data", help="Print a few decoded training samples with their label masks and exit."
+        ),
+    ] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Processes on this node: >1 relaunches under torchrun (standalone rendezvous). "
+            "Under your own torchrun (multi-node, slurm) leave it out.",
+        ),
+    ] = None,
 ) -> None:
     """Fine-tune MODEL on DATA with ZenFlow CPU-offloaded AdamW.
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from zfctl.cli._common import (
-    CONFIG_OPT,
-    DATA_OPT,
-    MAX_STEPS_OPT,
-    MODEL_ARG,
-    OUTPUT_OPT,
-    SET_OPT,
-    ZENFLOW_OPT,
+    ConfigOpt,
+    DataOpt,
+    MaxStepsOpt,
+    ModelArg,
+    OutputOpt,
+    SetOpt,
+    ZenflowOpt,
     console,
     dumps_json,
     plan_flags,
@@ -22,14 +22,16 @@ from zfctl.cli._common import (
 
 
 def plan(
-    model: str = MODEL_ARG,
-    data: str = DATA_OPT,
-    zenflow: str | None = ZENFLOW_OPT,
-    config: Path | None = CONFIG_OPT,
-    set_: list[str] | None = SET_OPT,
-    output: Path | None = OUTPUT_OPT,
-    max_steps: int | None = MAX_STEPS_OPT,
-    as_json: bool = typer.Option(False, "--json", help="Print {plan, memory, notes} as JSON instead."),
+    model: ModelArg,
+    data: DataOpt,
+    zenflow: ZenflowOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    output: OutputOpt = None,
+    max_steps: MaxStepsOpt = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print {plan, memory, notes} as JSON instead.")
+    ] = False,
 ) -> None:
     """Resolve the run plan, print it with a memory estimate for this machine, and exit.
 

@@ -6,6 +6,7 @@ import os
 import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.syntax import Syntax
@@ -54,9 +55,12 @@ def _section_keys(section: str) -> Table:
 
 @app.command("show")
 def show(
-    name: str = typer.Argument(
-        ..., metavar="NAME", help="A preset name, or a section (model, data, train, zenflow, ...)."
-    ),
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME", help="A preset name, or a section (model, data, train, zenflow, ...)."
+        ),
+    ],
 ) -> None:
     """Show a preset file with the meaning of each key it sets, or every key of a section."""
     from zfctl.plan.coerce import suggest
@@ -81,15 +85,19 @@ def show(
 
 @app.command("cp")
 def cp(
-    name: str = typer.Argument(..., metavar="NAME", help="Preset to copy."),
-    dest: str = typer.Argument(
-        ...,
-        metavar="DEST",
-        help="File or folder to copy it to (edit it, then use --config); a name ending in / is a "
-        "folder, created if missing.",
-    ),
-    kind: str | None = typer.Option(None, "--kind", help="model, data or zenflow, if NAME is ambiguous."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Preset to copy.")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            metavar="DEST",
+            help="File or folder to copy it to (edit it, then use --config); a name ending in / is a "
+            "folder, created if missing.",
+        ),
+    ],
+    kind: Annotated[
+        str | None, typer.Option("--kind", help="model, data or zenflow, if NAME is ambiguous.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
 ) -> None:
     """Copy a preset file (comments included) to DEST as a starting point for --config."""
     from zfctl.plan.coerce import suggest

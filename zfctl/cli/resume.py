@@ -4,40 +4,43 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import console
+from zfctl.cli._common import CkptDirArg, console
 from zfctl.errors import UserError
 
 
 def resume(
-    ckpt_dir: Path = typer.Argument(
-        ...,
-        exists=True,
-        metavar="CKPT_DIR",
-        help="A checkpoint folder, or a run folder (its newest checkpoint).",
-    ),
-    max_steps: int | None = typer.Option(
-        None, "--max-steps", min=1, help="Train until this total step count (default: the plan's)."
-    ),
-    allow_changes: bool = typer.Option(
-        False,
-        "--allow-changes",
-        help="Accept a plan that differs from the checkpoint's (never the world size).",
-    ),
-    latest_good: bool = typer.Option(
-        False,
-        "--latest-good",
-        help="From a run folder, resume the newest checkpoint whose files match their digests "
-        "(skips damaged newer ones).",
-    ),
-    nproc: int | None = typer.Option(
-        None,
-        "--nproc",
-        min=1,
-        help="Processes on this node; default: the checkpoint's world size (>1 relaunches under torchrun).",
-    ),
+    ckpt_dir: CkptDirArg,
+    max_steps: Annotated[
+        int | None,
+        typer.Option("--max-steps", min=1, help="Train until this total step count (default: the plan's)."),
+    ] = None,
+    allow_changes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-changes", help="Accept a plan that differs from the checkpoint's (never the world size)."
+        ),
+    ] = False,
+    latest_good: Annotated[
+        bool,
+        typer.Option(
+            "--latest-good",
+            help="From a run folder, resume the newest checkpoint whose files match their digests "
+            "(skips damaged newer ones).",
+        ),
+    ] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Processes on this node; default: the checkpoint's world size "
+            "(>1 relaunches under torchrun).",
+        ),
+    ] = None,
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.plan.render import print_plan

@@ -15,6 +15,7 @@ import json
 import re
 from functools import reduce
 from pathlib import Path
+from typing import Any
 
 from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
@@ -69,7 +70,7 @@ def _sniff_template(path: Path) -> dict:
     try:
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as fh:
-                first = next((json.loads(line) for line in fh if line.strip()), {})
+                first: Any = next((json.loads(line) for line in fh if line.strip()), {})
         elif path.suffix == ".json" and path.stat().st_size < 64 << 20:
             loaded = json.loads(path.read_text(encoding="utf-8"))
             first = loaded[0] if isinstance(loaded, list) and loaded else {}
@@ -152,14 +153,14 @@ def _default_output_dir(merged: dict, model: str, data: str) -> dict:
 def check_paths(plan: RunPlan) -> None:
     """Filesystem checks for what the plan will read: fail now rather than after model load."""
     d = plan.data
-    if d.source == "local" and not Path(d.path).expanduser().exists():
+    if d.source == "local" and not Path(d.path or "").expanduser().exists():
         raise ConfigError("data.path", d.path, "file not found; give an existing local data file")
     if d.source == "sample" and not (presets_root() / "samples" / str(d.path)).is_dir():
         raise ConfigError(
             "data.path", d.path, f"no shipped sample of that name under {presets_root() / 'samples'}"
         )
     m = plan.model
-    if m.source == "local" and not (Path(m.hub_id).expanduser() / "config.json").is_file():
+    if m.source == "local" and not (Path(m.hub_id or "").expanduser() / "config.json").is_file():
         raise ConfigError("model.hub_id", m.hub_id, "no config.json there; give a save_pretrained folder")
 
 

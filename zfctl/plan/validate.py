@@ -126,7 +126,7 @@ def check_data(d: DataConfig) -> None:
     if d.template == "classification":
         names = d.label_names
         _need(
-            bool(names) and len(names) >= 2 and all(isinstance(n, str) and n for n in names),
+            names is not None and len(names) >= 2 and all(isinstance(n, str) and n for n in names),
             "data.label_names",
             names,
             "template classification needs >= 2 label words, e.g. [negative, positive]",

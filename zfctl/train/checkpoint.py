@@ -132,7 +132,7 @@ def capture_rng() -> dict[str, Any]:
         # Stored as plain tensors and numbers, not numpy objects, so that the file loads with
         # torch.load(weights_only=True) like every other checkpoint file.
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     except ImportError:  # numpy is optional for zfctl itself
         pass
@@ -496,13 +496,13 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
         why = f"{pointer} names {target.name}, which does not exist or has no {META}"
     # No usable pointer (killed between the rename and the pointer update, or edited by hand):
     # fall back to the newest folder that validates.
-    info = _newest_listed(root)
-    if info is None:
+    newest = _newest_listed(root)
+    if newest is None:
         raise UserError(f"no readable checkpoint under {path}; give a run folder with checkpoints/ or a "
                         "checkpoints/step-XXXXXX folder")
     if notes is not None:
-        notes.append(f"{why}; falling back to the newest readable checkpoint, {info.path.name}")
-    return info
+        notes.append(f"{why}; falling back to the newest readable checkpoint, {newest.path.name}")
+    return newest
 
 
 def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:

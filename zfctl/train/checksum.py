@@ -22,7 +22,7 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import xxhash
@@ -86,7 +86,8 @@ def write_hashed(path: Path, fill: Callable[[HashingWriter], None]) -> str:
 
 def save_torch_hashed(obj: Any, path: Path) -> str:
     """``torch.save(obj)`` to ``path``; returns the file's digest."""
-    return write_hashed(path, lambda w: torch.save(obj, w))
+    # HashingWriter has the write/flush that torch.save uses; typed as the file object it stands for
+    return write_hashed(path, lambda w: torch.save(obj, cast(BinaryIO, w)))
 
 
 def save_model_hashed(model: torch.nn.Module, path: Path, metadata: dict[str, str]) -> str:

@@ -20,6 +20,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -81,7 +82,7 @@ class RichDisplay:
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console()
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def start(self, total_steps: int, start_step: int) -> None:
         self._progress = Progress(
@@ -93,7 +94,7 @@ class RichDisplay:
         self._progress.start()
 
     def advance(self, step: int, loss: float | None) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=step,
                                   loss="" if loss is None else f"loss {loss:.4f}")
 

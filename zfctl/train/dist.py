@@ -179,10 +179,10 @@ def prepare_launch(plan: RunPlan, *, force: bool) -> None:
     The data is prepared into the cache here (the ranks then load it in milliseconds); the output
     folder is only checked: rank 0 creates it once every rank has proven its inputs good.
     """
+    from zfctl.train.inputs import load_inputs
     from zfctl.train.lock import check_free
     from zfctl.train.metrics import require_sinks
     from zfctl.train.rundir import check_output_dir
-    from zfctl.train.session import load_inputs
     from zfctl.writable import check_writable
 
     out = Path(plan.checkpoint.output_dir)
@@ -190,4 +190,4 @@ def prepare_launch(plan: RunPlan, *, force: bool) -> None:
     check_free(out)  # a live run there: refuse now (rank 0 takes the lock itself)
     check_writable(out, "--output")
     require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    load_inputs(plan)
+    load_inputs(plan, rank=dist_env().rank)

@@ -15,6 +15,7 @@ import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from rich.console import Console
@@ -25,6 +26,9 @@ from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.lock import held
 from zfctl.writable import check_writable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Written into every export; --force replaces only folders that hold it.
 EXPORT_MARKER = "zfctl-export.json"
@@ -55,9 +59,9 @@ def check_hub(repo_id: str) -> str:
     return token
 
 
-def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> torch.nn.Module:
+def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
     """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
-    from zfctl.train.model import load_model
+    from zfctl.train.models.load import load_model
     from zfctl.train.optim import build_optimizer
 
     model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
@@ -72,7 +76,7 @@ def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> torch.nn.Module:
         opt.flush()
     finally:
         opt.close()
-    return model
+    return cast("PreTrainedModel", model)  # load_model builds transformers causal LMs only
 
 
 def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: str | None = None) -> Path:
@@ -121,7 +125,7 @@ def check_export_dest(output: Path, force: bool) -> None:
 
 def _export(info: ck.CheckpointInfo, output: Path, *, token: str | None, push_to_hub: str | None) -> Path:
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
-    from zfctl.train.model import load_tokenizer
+    from zfctl.train.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(plan.model)
     model = _final_weights(info, plan)

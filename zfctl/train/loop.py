@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 from zfctl.errors import RunFailed
 from zfctl.train.checkpoint import CHECKPOINTS, step_name
+from zfctl.train.data.sampler import ResumableSampler
+from zfctl.train.data.templates import IGNORE_INDEX
 from zfctl.train.display import Display, format_eval_line, format_train_line
 from zfctl.train.metrics import MetricsWriter, StepTimer, memory_stats
-from zfctl.train.sampler import ResumableSampler
+from zfctl.train.optim import TrainingOptimizer
 from zfctl.train.signals import StopSignals, interrupted
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -44,7 +44,7 @@ class LoopInputs:
     """Everything the loop touches, already built and (on resume) restored."""
 
     model: torch.nn.Module
-    optimizer: Any  # ZenFlowOptimizer: torch.optim.Optimizer + scale_loss/flush/StepStats
+    optimizer: TrainingOptimizer  # zfctl/train/optim.py: the seam to the ZenFlow engine
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: ResumableSampler
     train_data: Sequence[dict]
@@ -167,7 +167,7 @@ def train(x: LoopInputs) -> LoopResult:
             #    how the step is cut into micro-batches). Host-only work, no device sync.
             batches = [x.collate([x.train_data[i] for i in x.sampler.next_indices()])
                        for _ in range(x.grad_accum)]
-            n_targets = max(1, sum(_targets(b) for b in batches))
+            n_targets: float = max(1, sum(_targets(b) for b in batches))
             if x.world_size > 1:
                 # Divide by the global target count / world_size, not by this rank's: after the
                 # optimizer averages gradients over ranks, every token then weighs the same

@@ -20,6 +20,8 @@ import torch
 from zfctl.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # event files, under the run folder
+WANDB_DIR = "wandb"  # made by wandb.init(dir=run folder) itself; named here for --force
 
 
 class Sink(Protocol):
@@ -125,11 +127,15 @@ def require_sinks(*, wandb: bool, tensorboard: bool) -> None:
     import importlib.util
 
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("logging.tensorboard=true needs TensorBoard: pip install tensorboard "
-                        "(or set logging.tensorboard=false)")
+        raise _missing("tensorboard")
     if wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError("logging.wandb=true needs Weights & Biases: pip install wandb "
-                        "(or set logging.wandb=false)")
+        raise _missing("wandb")
+
+
+def _missing(sink: str) -> UserError:
+    """The one line for a sink whose package is not installed: what to install, or how to turn it off."""
+    what = {"tensorboard": "TensorBoard", "wandb": "Weights & Biases"}[sink]
+    return UserError(f"logging.{sink}=true needs {what}: pip install {sink} (or set logging.{sink}=false)")
 
 
 def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: Path,
@@ -138,16 +144,14 @@ def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: 
     sinks: list[Sink] = []
     if tensorboard:
         try:
-            sinks.append(_TensorBoardSink(Path(run_dir) / "tensorboard"))
+            sinks.append(_TensorBoardSink(Path(run_dir) / TENSORBOARD_DIR))
         except ImportError:
-            raise UserError("logging.tensorboard=true needs TensorBoard: pip install tensorboard "
-                            "(or set logging.tensorboard=false)") from None
+            raise _missing("tensorboard") from None
     if wandb:
         try:
             sinks.append(_WandbSink(wandb_project, Path(run_dir), config))
         except ImportError:
-            raise UserError("logging.wandb=true needs Weights & Biases: pip install wandb "
-                            "(or set logging.wandb=false)") from None
+            raise _missing("wandb") from None
     return sinks
 
 

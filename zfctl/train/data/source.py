@@ -18,7 +18,7 @@ from pathlib import Path
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import DataConfig
 from zfctl.resources import presets_root
-from zfctl.train import model_hub
+from zfctl.train.models import hub as model_hub
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 LOCAL_DATA = "the shipped samples (alpaca-sample, sst2-sample) or a local .json/.jsonl/.csv/.parquet file"
@@ -56,8 +56,10 @@ class DataSource:
     def read(self, which: str) -> RawSplit:
         """Load the 'train' or 'eval' split."""
         target = self.train if which == "train" else self.eval
+        assert target is not None, "read('eval') only when an eval split is named"
         if self.kind == "files":
             return read_file(Path(target))
+        assert self.repo is not None, "a hub source always names its repo"
         return read_hub(self.repo, self.subset, target)
 
 
@@ -83,7 +85,7 @@ def resolve(cfg: DataConfig) -> DataSource:
         val = (
             _split_file(path, cfg.validation_split, "data.validation_split") if cfg.validation_split else None
         )
-        return DataSource("files", str(train), val and str(val))
+        return DataSource("files", str(train), None if val is None else str(val))
     _check_suffix(path, "data.path")
     val = None
     if cfg.validation_split:  # for a single file: a second file, or a sibling named after the split
@@ -99,7 +101,7 @@ def resolve(cfg: DataConfig) -> DataSource:
                 "null to hold out data.validation_fraction of the training records",
             )
         _check_suffix(val, "data.validation_split")
-    return DataSource("files", str(path), val and str(val))
+    return DataSource("files", str(path), None if val is None else str(val))
 
 
 def _split_file(folder: Path, split: str, key: str) -> Path:

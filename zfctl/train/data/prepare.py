@@ -5,8 +5,8 @@ cache entry and memory-map it). Its result holds the train and eval sequences as
 `datasets.Dataset`s with ``input_ids`` and ``labels`` columns (labels are -100 where no loss is
 taken) and a ``collate`` that right-pads a micro-batch.
 
-    source (data_source) -> slice [start_idx, end_idx) -> hold out eval -> template + tokenise
-    (data_templates) -> truncate to max_length, or pack into max_length blocks -> cache (data_cache)
+    source (.source) -> slice [start_idx, end_idx) -> hold out eval -> template + tokenise
+    (.templates) -> truncate to max_length, or pack into max_length blocks -> cache (.cache)
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import random
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from zfctl.errors import ConfigError
 from zfctl.plan.schema import DataConfig
-from zfctl.train import data_cache, data_source
-from zfctl.train.data_templates import IGNORE_INDEX, TEMPLATE_VERSION, pack, render, tokenize, truncate
+from zfctl.train.data import cache as data_cache
+from zfctl.train.data import source as data_source
+from zfctl.train.data.templates import IGNORE_INDEX, TEMPLATE_VERSION, pack, render, tokenize, truncate
 
 
 @dataclass
@@ -42,8 +44,8 @@ class DataStats:
 class PreparedData:
     """Tokenised train/eval sequences and the collate function that batches them."""
 
-    train: object  # datasets.Dataset: {"input_ids": list[int], "labels": list[int]} rows
-    eval: object | None  # same, or None when nothing is held out
+    train: Any  # datasets.Dataset: {"input_ids": list[int], "labels": list[int]} rows
+    eval: Any | None  # same, or None when nothing is held out
     pad_id: int
     stats: DataStats
     name: str = ""
