@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from zfctl.plan.schema import RunPlan
 
@@ -79,7 +80,7 @@ class MemoryEstimate:
     fits: bool
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    accumulate: str = "host"  # zenflow.accumulate as resolved for this machine ("host" | "device")
+    accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for this machine ("host" | "device")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,7 +174,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
         _fill(plan, size, items)
-    accumulate = "host"
+    accumulate: Literal["host", "device"] = "host"
     if size is not None and float(plan.zenflow.topk_ratio) < 1.0:
         accumulate = _place_accumulator(plan, size, items, notes, device_kind, machine)
     device_total = sum(i.bytes for i in items if i.where == "device")
@@ -194,7 +195,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
 
 
 def _place_accumulator(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str],
-                       device_kind: str, machine: Machine) -> str:
+                       device_kind: str, machine: Machine) -> Literal["host", "device"]:
     """Resolve zenflow.accumulate and add its memory: fp32 sum on the device, or landing buffers."""
     z = plan.zenflow
     nbytes = 4.0 * size.params_2d

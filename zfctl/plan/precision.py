@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
+from typing import Literal, cast
 
 # /proc/cpuinfo flag names (x86 "flags", aarch64 "Features") that mean native bf16 arithmetic.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -34,11 +35,14 @@ class CpuInfo:
     flags: frozenset[str] | None  # None: unknown (no /proc/cpuinfo)
 
 
+Precision = Literal["bf16", "fp16", "fp32"]  # what `auto` resolves to (or a concrete choice)
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The precision `auto` resolved to, and the one-line reason shown by `zfctl plan`."""
 
-    precision: str
+    precision: Precision
     reason: str
 
 
@@ -79,7 +83,7 @@ def resolve_precision(requested: str, *, device: str, cuda_bf16: bool | None = N
     GPU supports it), else fp32; on the CPU, bf16 when `cpu` has native bf16, else fp32.
     """
     if requested != "auto":
-        return PrecisionChoice(requested, f"train.precision={requested} as configured")
+        return PrecisionChoice(cast(Precision, requested), f"train.precision={requested} as configured")
     if device == "cuda":
         gpu = cuda_name or "the CUDA device"
         if cuda_bf16:

@@ -182,14 +182,14 @@ def train(x: LoopInputs) -> LoopResult:
             #    averages the gradients over ranks in step() (see n_targets above).
             timer.start()
             step_loss = torch.zeros((), device=x.device)
-            prepare = getattr(opt, "prepare_backward", None)
             for i, batch in enumerate(batches):
                 batch = _to_device(batch, x.device)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                use_cache=False).logits
                 micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
-                if prepare is not None:  # the last backward's gradients are final: they stream to
-                    prepare(final=i == len(batches) - 1)  # the host during it (offload/stream.py)
+                # The last backward's gradients are final: they stream to the host during it
+                # (zfctl/offload/stream.py), overlapped with the rest of the backward pass.
+                opt.prepare_backward(final=i == len(batches) - 1)
                 opt.scale_loss(micro_loss).backward()  # x loss scale under fp16, identity otherwise
                 step_loss += micro_loss.detach()
                 del logits, micro_loss  # free the activations' largest tensor before the next one

@@ -29,6 +29,11 @@ class TrainingOptimizer(Protocol):
         """``loss`` times the fp16 loss scale (identity in bf16/fp32); call ``backward`` on this."""
         ...
 
+    def prepare_backward(self, *, final: bool) -> None:
+        """Say whether the next backward is the last of the step's micro-batches: its gradients
+        are final, so they stream to the host during that backward (zfctl/offload/stream.py)."""
+        ...
+
     def step(self) -> StepStats:
         """One optimizer step over the accumulated gradients; what it cost and did."""
         ...
