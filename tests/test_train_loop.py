@@ -31,6 +31,9 @@ class AdamWBehindInterface(torch.optim.AdamW):
     def scale_loss(self, loss):
         return loss
 
+    def prepare_backward(self, *, final):
+        pass  # no gradient streaming: step() reads the .grad fields
+
     def step(self):
         super().step()
         return SimpleNamespace(device_opt_ms=0.0, stall_ms=0.0, cpu_step_ms=0.0, boundary=False,
