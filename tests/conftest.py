@@ -26,6 +26,10 @@ EDIT_LOOP_SLOW = {
     "tests/test_distributed.py::test_host_state_is_partitioned",
     "tests/test_train_presets.py::test_off_and_zero_offload_agree",
     "tests/test_checkpoint_trust.py::test_nan_step_stops_the_run_and_keep_last_keeps_the_good_checkpoints",
+    "tests/test_sinks.py::test_wandb_offline_run_folder_holds_the_metrics",
+    "tests/test_sinks.py::test_tensorboard_events_hold_the_metrics",
+    "tests/test_sinks.py::test_missing_sink_package_is_one_line_with_the_install_command",
+    "tests/test_distributed.py::test_two_rank_resume_is_exact",
 }
 
 
