@@ -76,7 +76,8 @@ def _copy(trained: Path, tmp_path: Path) -> Path:
 
 
 def _garble(path: Path) -> None:
-    """Overwrite bytes in the middle of ``path``: same size, header intact (the issue's case)."""
+    """Overwrite bytes in the middle of ``path``: same size, header intact (a disk or copy error
+    that a size check misses)."""
     size = path.stat().st_size
     n = min(4096, max(1, size // 4))
     with open(path, "r+b") as f:

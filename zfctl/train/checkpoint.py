@@ -431,10 +431,11 @@ def damaged_files(info: CheckpointInfo, names: list[str] | None = None) -> list[
     return bad
 
 
-def nearest_intact(root: Path, before: int) -> CheckpointInfo | None:
-    """The newest checkpoint under ``root`` older than step ``before`` whose every file verifies."""
+def nearest_intact(root: Path, before: int | None = None) -> CheckpointInfo | None:
+    """The newest checkpoint under ``root`` (older than step ``before``, if given) whose every file
+    verifies."""
     for step, p in sorted(_step_dirs(root), reverse=True):
-        if step >= before:
+        if before is not None and step >= before:
             continue
         try:
             info = read_checkpoint(p)
@@ -478,13 +479,9 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
         return read_checkpoint(path)
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     if latest_good:
-        for _, p in sorted(_step_dirs(root), reverse=True):
-            try:
-                info = read_checkpoint(p)
-            except UserError:
-                continue
-            if not damaged_files(info):
-                return info
+        good = nearest_intact(root)
+        if good is not None:
+            return good
         raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); "
                         "start a new run")
     pointer = root / LATEST
