@@ -141,6 +141,7 @@ def test_bytes_match_the_layout(grid):
             assert rec["h2d_bytes"] == (MATRIX_BYTES if rec["update"] else 0)
         assert r["h2d_bytes_per_step"] == MATRIX_BYTES / interval
     assert off["d2h_bytes_per_step"] == 0 and off["h2d_bytes_per_step"] == 0
+    assert all(r["comm_bytes_per_step"] == 0 for r in doc["results"])  # one process: no group traffic
     param_bytes = doc["meta"]["param_bytes"]
     assert zo["traffic_x_model"] == pytest.approx((zo["d2h_bytes_per_step"] + MATRIX_BYTES) / param_bytes)
 

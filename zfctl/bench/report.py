@@ -145,6 +145,7 @@ CSV_COLUMNS = [
     "host_bytes_per_param_interval",
     "d2h_bytes_per_step",
     "h2d_bytes_per_step",
+    "comm_bytes_per_step",
     "traffic_x_model",
     "speedup_vs_zero_offload",
     "wall_ms_per_step",

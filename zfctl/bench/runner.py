@@ -41,6 +41,7 @@ class StepRecord:
     h2d_bytes: int
     skipped: bool  # fp16 overflow: the step did no update
     host_bytes: int = 0  # StepStats.host_bytes: host memory the gradient accumulation touched
+    comm_bytes: int = 0  # StepStats.comm_bytes: data-parallel bytes sent (0: the bench is one process)
 
     @property
     def busy_ms(self) -> float:
@@ -132,6 +133,7 @@ def run_trial(
                 h2d_bytes=int(st.h2d_bytes),
                 skipped=bool(st.skipped),
                 host_bytes=int(st.host_bytes),
+                comm_bytes=int(st.comm_bytes),
             )
         )
     return TrialResult(records, wall_ms, float(losses[0]), float(losses[-1]))

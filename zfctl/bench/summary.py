@@ -91,6 +91,9 @@ def summarize(
         ),
         "d2h_bytes_per_step": d2h.mean,
         "h2d_bytes_per_step": h2d.mean,
+        # Data-parallel bytes sent per step (StepStats.comm_bytes): 0 in this one-process bench;
+        # the field keeps rows comparable with a --nproc run's metrics.jsonl.
+        "comm_bytes_per_step": agg(r.comm_bytes for r in recs).mean,
         "traffic_x_model": _ratio((d2h.mean or 0) + (h2d.mean or 0), param_bytes),
         "wall_ms_per_step": statistics.fmean(t.window_wall_ms / len(t.records) for t in res.trials),
         "trial_overall_ms": [statistics.fmean(r.step_ms for r in t.records) for t in res.trials],

@@ -390,12 +390,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
             new = top_columns(scores, slot.k)
             host = self.host.column_state(slot)
+            owned: list[OwnedRows] = []
             if self._part is not None:  # this rank holds only some rows: owners supply the rest
-                host = ColumnState(*(OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device)
-                                     for h in host))
+                owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device) for h in host]
+                host = ColumnState(*owned)
             d2h, h2d = migrate(self._device.column_state(slot), host, self._device.index[slot.index], new)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
+            stats.comm_bytes += sum(o.sent for o in owned)
             self._device.index[slot.index] = new
             self.host.set_device_owned(slot, new)
         self._selected = True

@@ -44,6 +44,27 @@ from zfctl.offload.layout import Layout, as_matrix
 BUCKET_BYTES = 64 * 2**20
 
 
+# Bytes *sent by one rank* for each collective the engine issues (StepStats.comm_bytes), in the
+# ring model of NCCL and gloo's large-message algorithms, for a message of ``nbytes`` on ``W``
+# ranks. Counted from what is issued, not measured on the wire: the number every rank would see
+# on a ring, independent of the backend's actual algorithm choice for small messages.
+def all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Ring all-reduce: a reduce-scatter then an all-gather, ``2 (W-1)/W * n``."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def reduce_scatter_bytes(nbytes: int, kept: int) -> int:
+    """Reduce-scatter of ``nbytes`` in all, ``kept`` of them ending on this rank: every segment
+    but one's own leaves once, ``n - kept`` (``(W-1)/W * n`` for equal segments)."""
+    return nbytes - kept
+
+
+def broadcast_bytes(nbytes: int, world_size: int) -> int:
+    """Pipelined (chain) broadcast: ``W-1`` of the ``W`` ranks forward the whole message, counted
+    as the per-rank mean ``(W-1)/W * n``, so one broadcast per owner adds up to one all-gather."""
+    return (world_size - 1) * nbytes // world_size
+
+
 @dataclass(frozen=True)
 class Piece:
     """Columns ``[c0, c1)`` of slot ``index`` are owned by rank ``owner`` (group rank)."""
@@ -132,14 +153,14 @@ def average_one(grad: torch.Tensor, group: Any, world_size: int) -> int:
     """All-reduce one gradient to the mean over ranks, in place (the gradient hooks' version of
     ``average_gradients``: the same sum, then the same division, so each element gets the same
     bits for 2 ranks; with more, the reduction order inside the collective may differ by
-    bucketing). Returns the bytes reduced."""
+    bucketing). Returns the bytes this rank sent (``all_reduce_bytes``)."""
     dist.all_reduce(grad, group=group)  # sum over ranks
     grad.div_(world_size)
-    return grad.numel() * grad.element_size()
+    return all_reduce_bytes(grad.numel() * grad.element_size(), world_size)
 
 
 def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -> int:
-    """All-reduce every ``.grad`` to the mean over ranks, in flat buckets; returns bytes reduced.
+    """All-reduce every ``.grad`` to the mean over ranks, in flat buckets; returns bytes sent.
 
     A missing gradient becomes zeros first (the optimizer steps it as zero anyway), so every rank
     contributes the same tensors in the same order. One flat copy per bucket (at most
@@ -150,7 +171,7 @@ def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -
             p.grad = torch.zeros_like(p)
     total, bucket, size = 0, [], 0
 
-    def flush() -> None:
+    def flush() -> int:
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)  # sum over ranks
         flat.div_(world_size)
@@ -158,28 +179,29 @@ def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -
         for g in bucket:
             g.view(-1).copy_(flat[o : o + g.numel()])
             o += g.numel()
+        return all_reduce_bytes(flat.numel() * flat.element_size(), world_size)
 
     for p in params:
         g = p.grad
         if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > BUCKET_BYTES):
-            flush()
+            total += flush()
             bucket, size = [], 0
         bucket.append(g)
         size += g.numel() * g.element_size()
-        total += g.numel() * g.element_size()
     if bucket:
-        flush()
+        total += flush()
     return total
 
 
 def share_installed(part: Partition, layout: Layout, params: list[torch.Tensor]) -> int:
-    """Broadcast each owner's freshly installed columns to every rank; returns bytes received.
+    """Broadcast each owner's freshly installed columns to every rank; returns bytes sent
+    (``broadcast_bytes`` of every piece: the same count on every rank).
 
     The owner's params already hold its CPU update (and the device-owned columns restored from
     the device master, which every rank has identically), so the whole owned range is sent as is.
     One broadcast per (matrix, owner) piece, in the same order on every rank.
     """
-    received = 0
+    sent = 0
     for pc in part.pieces:
         slot = layout.slots[pc.index]
         cols = as_matrix(params[pc.index].data, slot)[:, pc.c0 : pc.c1]
@@ -187,8 +209,8 @@ def share_installed(part: Partition, layout: Layout, params: list[torch.Tensor])
         dist.broadcast(buf, src=part.owner_rank(pc.owner), group=part.group)
         if pc.owner != part.rank:
             cols.copy_(buf)
-            received += buf.numel() * buf.element_size()
-    return received
+        sent += broadcast_bytes(buf.numel() * buf.element_size(), part.world_size)
+    return sent
 
 
 class OwnedRows:
@@ -198,10 +220,12 @@ class OwnedRows:
     other columns are dropped (their owner writes them), and reads are summed over the group with
     zeros in the rows a rank does not own (x + 0 is exact), so every rank receives the owner's
     bytes: one all-reduce per state tensor, at selections only, on the device (where the rows go).
+    ``sent`` counts this rank's bytes of those all-reduces (``all_reduce_bytes``).
     """
 
     def __init__(self, rows: torch.Tensor, c0: int, c1: int, group: Any, device: torch.device) -> None:
         self.rows, self.c0, self.c1, self.group, self.device = rows, c0, c1, group, device
+        self.sent = 0
 
     def _mine(self, cols: torch.Tensor) -> torch.Tensor:
         return (cols >= self.c0) & (cols < self.c1)
@@ -218,4 +242,5 @@ class OwnedRows:
         out[mine] = self.rows.index_select(0, cols[mine] - self.c0)
         out = out.to(self.device)  # PCIe H2D; NCCL reduces device tensors only
         dist.all_reduce(out, group=self.group)
+        self.sent += all_reduce_bytes(out.numel() * out.element_size(), dist.get_world_size(self.group))
         return out

@@ -40,7 +40,9 @@ class StepStats:
     offload_ms: float = 0.0  # gradient D2H + host accumulation done or waited for inside step()
     d2h_bytes: int = 0  # device -> host bytes this step (gradients, migration, small scalars)
     h2d_bytes: int = 0  # host -> device bytes this step (installed params, migration)
-    comm_bytes: int = 0  # data-parallel bytes this rank contributed/received (0 for one process)
+    # Data-parallel bytes this rank sent this step (0 for one process): gradient exchange, score
+    # and state exchange at a selection, install broadcasts; ring-model counts (partition.py).
+    comm_bytes: int = 0
     selected_fraction: float = 0.0  # share of matrix elements in device-owned columns
     grad_norm: float | None = None  # global L2 norm of the (unscaled) gradients, if computed
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step

@@ -92,7 +92,7 @@ class GradStream:
         self.inflight_bytes = 0
         self.jobs: list[Future] = []  # CUDA, coefficient known: one job per chunk
         self.early_accumulated = 0  # chunks added in the hook (CPU, coefficient known)
-        self.comm_bytes = 0  # data parallel: bytes the hooks all-reduced
+        self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' all-reduces
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
 

@@ -228,7 +228,7 @@ def train(x: LoopInputs) -> LoopResult:
                        "update_interval": stats.update_interval, "d2h_bytes": stats.d2h_bytes,
                        "h2d_bytes": stats.h2d_bytes, "epoch": x.sampler.position.epoch,
                        **memory_stats(x.device)}
-                if x.world_size > 1:  # rank 0's data-parallel traffic (gradients, installed columns)
+                if x.world_size > 1:  # bytes rank 0 sent to the group (StepStats.comm_bytes)
                     rec["comm_bytes"] = getattr(stats, "comm_bytes", 0)
                 x.metrics.log(rec)
                 window.append(loss)
