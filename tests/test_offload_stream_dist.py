@@ -1,8 +1,9 @@
 """The hook path with data parallelism: 2 ranks on gloo, gradient accumulation over 2 micro-batches.
 
 Each rank trains the same run twice, once moving gradients in step() and once during the last
-backward (the hooks average each matrix over the ranks before copying it); both must give the
-same parameters bit for bit, and the hook run must really have streamed.
+backward (the hooks exchange each matrix over the ranks before copying it,
+zfctl/offload/exchange.py); both must give the same parameters bit for bit and send the same
+bytes, and the hook run must really have streamed.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ def _model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(24, 8))
 
 
-def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int]]:
+def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int], list[int]]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(STEPS, BATCH, 16, generator=g), torch.randn(STEPS, BATCH, 8, generator=g)
     cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=3, overlap_step=True, cpu_threads=1, pin_memory=False)
     model, per = _model(), BATCH // world
-    early = []
+    early, sent = [], []
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5,
                           process_group=dist.group.WORLD) as opt:
         for t in range(STEPS):
@@ -42,10 +43,12 @@ def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int]]:
                 if hooks:
                     opt.prepare_backward(final=i == MICRO - 1)
                 (F.mse_loss(model(xm), ym) / MICRO).backward()
-            early.append(opt.step().early_chunks)
+            st = opt.step()
+            early.append(st.early_chunks)
+            sent.append(st.comm_bytes)
             opt.zero_grad(set_to_none=True)
         opt.flush()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, early
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, early, sent
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -74,6 +77,7 @@ def test_two_ranks_hook_path_equals_step_path(tmp_path) -> None:
             pytest.fail("the two ranks did not finish within 240 s")
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        (ref, ref_early), (got, early) = res["step"], res["hooks"]
+        (ref, ref_early, ref_sent), (got, early, sent) = res["step"], res["hooks"]
         assert all(torch.equal(ref[k], got[k]) for k in ref), rank
+        assert sent == ref_sent and min(sent) > 0, (ref_sent, sent)
         assert sum(ref_early) == 0 and sum(e > 0 for e in early) >= STEPS - 3  # selections: step() path

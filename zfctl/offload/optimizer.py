@@ -41,8 +41,9 @@ Choices the algorithm leaves open, made here:
 * One parameter group (lr, betas, eps, weight_decay); an LR scheduler drives ``param_groups[0]``.
 * A skipped fp16 step does not count as a step: counters, intervals and selection do not move.
 * ``process_group`` (more than one rank): ``step()`` first averages the ``.grad``s over the group
-  (do not wrap the model in DDP as well), the device half of the state is replicated and the
-  host half partitioned by column ranges; see ``partition`` for the scheme and its traffic.
+  where they are read (do not wrap the model in DDP as well): the replicated ones on every rank,
+  each host column on its owner only (``exchange``); the device half of the state is replicated
+  and the host half partitioned by column ranges; see ``partition`` for the scheme and its traffic.
 """
 
 from __future__ import annotations
@@ -65,17 +66,10 @@ from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.correction import corrected_hyperparams
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.device_adam import DeviceAdam
+from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
-from zfctl.offload.partition import (
-    OwnedRows,
-    Partition,
-    average_gradients,
-    average_one,
-    group_info,
-    partition_layout,
-    share_installed,
-)
+from zfctl.offload.partition import OwnedRows, Partition, group_info, partition_layout
 from zfctl.offload.pipeline import Pipeline
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
@@ -122,6 +116,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._policy = IntervalPolicy(config.update_interval, auto_ratio=config.auto_ratio,
                                       min_interval=config.auto_min_interval,
                                       max_interval=config.auto_max_interval)
+        self._exchange: GradExchange | None = None
+        if self._part is not None:  # who receives which gradient columns (exchange.py)
+            self._exchange = GradExchange(self._part, self.layout, self._params, self._device.index, self.device,
+                                          norm=self._needs_norm, masses=self._policy.auto)
         self.host: HostState | None = None
         self._dev_acc: DeviceAccumulator | None = None
         self.accumulate = "host"  # resolved zenflow.accumulate (host when nothing is offloaded)
@@ -190,16 +188,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         else:
             budget = 4 * self.config.ring_slots * self._d2h.slot_bytes
         budget = min(budget, self.layout.host_numel * self._itemsize)
-        average = None
-        if self._part is not None:
-            group, world = self.process_group, self.world_size
-
-            def average(g: torch.Tensor) -> int:
-                return average_one(g, group, world)
-
         return GradStream(self._params, self._host_slots, numel=self.layout.host_numel, dtype=dtype,
                           device=self.device, pin_memory=self.config.pin_memory, budget_bytes=max(budget, 1),
-                          accumulate=self._accumulate, average=average)
+                          accumulate=self._accumulate,
+                          exchange=self._exchange.exchange_one if self._exchange is not None else None)
 
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
@@ -242,16 +234,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None,
                           d2h_gbps=self.d2h_gbps)
         streamed = self._stream is not None and self._stream.armed
-        if self._part is not None:
-            # 0. Data parallel: every rank continues with the same averaged gradient (a collective;
-            #    the gradient hooks already averaged the matrices they streamed).
-            done = self._stream.averaged if streamed else set()
-            rest = [p for i, p in enumerate(self._params) if i not in done]
-            stats.comm_bytes += average_gradients(rest, self.process_group, self.world_size)
+        sq: torch.Tensor | None = None
+        totals: list[torch.Tensor] | None = None
+        if self._exchange is not None:
+            # 0. Data parallel: the replicated gradients all-reduced, each host column reduced to
+            #    its owner only (collectives; the gradient hooks already exchanged the matrices
+            #    they streamed). The norm and the auto-interval masses need the owners' partials.
+            done = self._stream.exchanged if self._stream is not None and streamed else set()
+            want_masses = self._policy.auto and self._selected and not warm
+            red = self._exchange.reduce(done, masses=want_masses)
+            stats.comm_bytes += red.sent
+            sq = red.sq
+            if red.host_mass is not None:
+                totals = self._mass_totals(red.host_mass)
         grads = [p.grad for p in self._params]
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
-        norm, coef = self._coefficient(grads)
+        norm, coef = self._coefficient(grads, sq)
         if self._scaler is not None and not bool(torch.isfinite(norm).item()):
             self._scaler.update(overflow=True)
             if streamed:
@@ -264,12 +263,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self._selection_due(t):
             c = time.perf_counter()
             self._collect(stats)
-            self._select(grads, stats)
+            totals = self._select(grads, stats)
             stats.selection = True
             stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
 
         # Host scalars start their D2H now, ordered before the device update below.
-        scalars = self._start_scalars(norm, coef, grads, warm) if self.host is not None else None
+        scalars = self._start_scalars(norm, coef, grads, warm, totals) if self.host is not None else None
 
         # 3. Device AdamW on the dense params and selected columns.
         t0 = _Clock(self.device)
@@ -360,15 +359,25 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- step phases --------------------------------------------------------------------------
-    def _coefficient(self, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(global grad norm, coefficient) as 0-dim fp32 device tensors; (None, None) if not needed."""
-        if self.max_grad_norm is None and self._scaler is None:
+    @property
+    def _needs_norm(self) -> bool:
+        """The step needs the global gradient norm (clipping, or the fp16 overflow check)."""
+        return self.max_grad_norm is not None or self._scaler is not None
+
+    def _coefficient(self, grads: list[torch.Tensor | None],
+                     sq: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(global grad norm, coefficient) as 0-dim fp32 device tensors; (None, None) if not needed.
+        ``sq``: the global sum of squares, when the data-parallel exchange assembled it."""
+        if not self._needs_norm:
             return None, None
         present = [g for g in grads if g is not None]
-        if not present:
+        if sq is None and not present:
             zero = torch.zeros((), device=self.device)
             return zero, zero + 1.0
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2.0, dtype=torch.float32)))
+        if sq is not None:
+            norm = sq.sqrt()
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2.0, dtype=torch.float32)))
         coef = torch.ones((), device=self.device)
         if self._scaler is not None:
             norm = norm / self._scaler.scale  # the unscaled norm
@@ -383,11 +392,24 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             return False
         return t == self._warmup or (self._period is not None and (t - self._warmup) % self._period == 0)
 
-    def _select(self, grads: list[torch.Tensor | None], stats: StepStats) -> None:
-        """Top-k columns per matrix from this step's gradient; state follows the columns."""
-        for slot in self._selectable:
+    def _select(self, grads: list[torch.Tensor | None], stats: StepStats) -> list[torch.Tensor] | None:
+        """Top-k columns per matrix from this step's gradient; state follows the columns.
+
+        Data parallel: the scores come from every owner (one all-reduce), and the gradients of
+        the entering columns from their owners; returns each matrix's total L1 mass then (the
+        auto interval's input: no rank holds the whole gradient), else None.
+        """
+        old = list(self._device.index)
+        shared = None
+        if self._exchange is not None:
+            shared, sent = self._exchange.scores()
+            stats.comm_bytes += sent
+        for i, slot in enumerate(self._selectable):
             g = grads[slot.index]
-            scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
+            if shared is not None:
+                scores = shared[i]
+            else:
+                scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
             new = top_columns(scores, slot.k)
             host = self.host.column_state(slot)
             owned: list[OwnedRows] = []
@@ -402,20 +424,35 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.host.set_device_owned(slot, new)
         self._selected = True
         self._refresh_chunks()
+        if self._exchange is None or shared is None:
+            return None
+        stats.comm_bytes += self._exchange.share_entering(old)
+        return [s.sum() for s in shared]
+
+    def _mass_totals(self, host_mass: torch.Tensor) -> list[torch.Tensor]:
+        """Data parallel: each selectable matrix's total gradient L1 mass, the selected columns'
+        (replicated) plus the owners' all-reduced host-path mass."""
+        totals = []
+        for i, slot in enumerate(self._selectable):
+            g, idx = self._params[slot.index].grad, self._device.index[slot.index]
+            assert g is not None and idx is not None  # the exchange filled .grad; masses follow a selection
+            totals.append(column_l1(as_matrix(g, slot).index_select(1, idx)).sum() + host_mass[i])
+        return totals
 
     def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None,
-                       grads: list[torch.Tensor | None], warm: bool):
-        """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix]."""
+                       grads: list[torch.Tensor | None], warm: bool, totals: list[torch.Tensor] | None):
+        """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix]; ``totals``:
+        the total masses when only the exchange knows them (data parallel)."""
         one = torch.ones((), device=self.device)
         parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
         if self._policy.auto and self._selected and not warm:
-            for slot in self._selectable:
+            for i, slot in enumerate(self._selectable):
                 g = grads[slot.index]
                 if g is None:
                     parts += [one * 0, one * 0]
                     continue
                 l1 = column_l1(as_matrix(g, slot))
-                parts += [l1[self._device.index[slot.index]].sum(), l1.sum()]
+                parts += [l1[self._device.index[slot.index]].sum(), l1.sum() if totals is None else totals[i]]
         return self._d2h.fetch(torch.stack(parts))
 
     def _observe(self, masses: list[float], coef: float) -> None:
@@ -456,8 +493,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
         # Whole column ranges were written: put the device-owned columns back.
         self._device.write_params(self._params, self._selected, only=self._selectable)
-        if self._part is not None:  # each owner's columns to every rank (a collective)
-            stats.comm_bytes += share_installed(self._part, self.layout, self._params)
+        if self._exchange is not None:  # each owner's columns to every rank (collectives)
+            stats.comm_bytes += self._exchange.share_installed()
 
     def _selected_fraction(self) -> float:
         mats = self.layout.matrices

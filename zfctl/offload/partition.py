@@ -1,4 +1,4 @@
-"""Data-parallel ZenFlow: gradient averaging and host state partitioned across ranks by columns.
+"""Data-parallel ZenFlow: host state partitioned across ranks by columns, and the traffic model.
 
 With a process group of ``W`` ranks, every rank keeps the *device* half of the state in full
 (dense params and the selected columns: identical on every rank, because every rank steps them
@@ -9,24 +9,25 @@ of its range only, accumulates only those columns, and its CPU worker updates on
 matrix may straddle two ranks; a column never does.
 
 Communication per optimizer step (``N`` = elements of all params, ``H`` = elements of the
-matrices, ``b`` = bytes per gradient/param element, ring algorithms, bytes sent per rank):
+matrices, ``r`` = topk_ratio, ``b`` = bytes per gradient/param element; bytes sent per rank in
+the ring model below, which is what ``StepStats.comm_bytes`` counts). The gradient exchange
+itself is ``exchange.GradExchange``:
 
-* gradients: one all-reduce of the whole gradient, ``2 (W-1)/W * N * b``, the same as DDP.
-  Every rank then holds the averaged gradient, so the grad norm, the column scores of a
-  selection and the auto-interval masses are computed locally and are identical on all ranks:
-  no extra collective, and selection is deterministic by construction.
+* gradients: the replicated elements (dense params and the selected columns, ``~r H + (N-H)``)
+  all-reduced, ``2 (W-1)/W`` of their bytes; the host-path columns reduce-scattered to their
+  owners, ``(W-1)/W * (1-r) H * b``; one all-reduce of a few floats (the owners' partial sums
+  of squares for the clip norm, and with the auto interval their L1 mass per matrix). At
+  ``r = 0.1``, ``W = 2``: ``~0.55 N b`` instead of a full all-reduce's ``N b``.
 * at a CPU-update install (every ``update_interval`` steps): each owner broadcasts its updated
-  columns in the model dtype, ``(W-1)/W * H * b`` received per rank, i.e. one all-gather of the
-  matrices, amortised over the interval (``/U`` per step).
-* at a selection: the state (master, two moments, counter: 12 B + 4 B per column) of the
-  *entering* columns is summed from their owners (zeros elsewhere), ``~2 * k_new * rows * 12 B``.
+  non-selected columns in the model dtype, ``(W-1)/W * (1-r) H * b`` per rank, i.e. one
+  all-gather of them, amortised over the interval (``/U`` per step).
+* at a selection: the per-column L1 scores (4 B per column of each selectable matrix) and the
+  entering columns' gradients (their owners' values, zeros elsewhere) all-reduced; the state
+  (master, two moments, counter: 12 B + 4 B per column) of the entering columns summed from
+  their owners the same way (``OwnedRows``), ``~2 (W-1)/W * k_new * rows * 16 B``.
 
 A full all-reduce of gradients plus replicated host state (what DDP + a per-rank CPU optimizer
-would do) costs the same gradient traffic but ``W`` times the host memory and CPU AdamW work.
-Not done yet (documented trade-off): a reduce-scatter of the host-path columns to their owners
-(``(W-1)/W * (1-r) H * b``) plus an all-reduce of only the device-path elements and an all-gather
-of per-column L1 scores at selections would cut gradient traffic about in half at ``r = 0.1``;
-it needs the clip norm assembled from per-owner partial sums before any accumulation.
+would do) costs more gradient traffic and ``W`` times the host memory and CPU AdamW work.
 """
 
 from __future__ import annotations
@@ -37,17 +38,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.layout import Layout
 
-# Gradients are averaged in buckets of at most this many bytes: one flat copy per bucket is the
-# transient memory the all-reduce costs (and one collective per bucket its latency).
+# Collectives move flat buckets of at most this many bytes (all-reduces), or rounds of at most
+# this many bytes over all owners (the reduce-scatter and the install broadcasts, exchange.py):
+# one flat copy per bucket is the transient memory they cost, one collective per bucket the latency.
 BUCKET_BYTES = 64 * 2**20
 
 
-# Bytes *sent by one rank* for each collective the engine issues (StepStats.comm_bytes), in the
-# ring model of NCCL and gloo's large-message algorithms, for a message of ``nbytes`` on ``W``
-# ranks. Counted from what is issued, not measured on the wire: the number every rank would see
-# on a ring, independent of the backend's actual algorithm choice for small messages.
+# Bytes *sent by one rank* for each collective the engine issues (StepStats.comm_bytes), for a
+# message of ``nbytes`` on ``W`` ranks, in the ring model: what a ring algorithm sends per rank.
+# Counted from what is issued, not measured on the wire, so the number does not depend on which
+# algorithm the backend picks for a given message size.
 def all_reduce_bytes(nbytes: int, world_size: int) -> int:
     """Ring all-reduce: a reduce-scatter then an all-gather, ``2 (W-1)/W * n``."""
     return 2 * (world_size - 1) * nbytes // world_size
@@ -149,68 +151,37 @@ def partition_layout(
     return local, Partition(process_group, rank, world_size, bounds, tuple(pieces))
 
 
-def average_one(grad: torch.Tensor, group: Any, world_size: int) -> int:
-    """All-reduce one gradient to the mean over ranks, in place (the gradient hooks' version of
-    ``average_gradients``: the same sum, then the same division, so each element gets the same
-    bits for 2 ranks; with more, the reduction order inside the collective may differ by
-    bucketing). Returns the bytes this rank sent (``all_reduce_bytes``)."""
-    dist.all_reduce(grad, group=group)  # sum over ranks
-    grad.div_(world_size)
-    return all_reduce_bytes(grad.numel() * grad.element_size(), world_size)
+def all_reduce_buckets(tensors: list[torch.Tensor], group: Any, world_size: int, *, divide: bool) -> int:
+    """Sum contiguous ``tensors`` over the group in place (``divide``: then divide by the world
+    size, the mean), in flat buckets of at most ``BUCKET_BYTES``; returns the bytes this rank sent.
 
-
-def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -> int:
-    """All-reduce every ``.grad`` to the mean over ranks, in flat buckets; returns bytes sent.
-
-    A missing gradient becomes zeros first (the optimizer steps it as zero anyway), so every rank
-    contributes the same tensors in the same order. One flat copy per bucket (at most
-    ``BUCKET_BYTES``) in, one out: two extra passes over the gradient, next to the network time.
+    Every rank must pass the same shapes in the same order. One flat copy per bucket in, one out:
+    two extra passes over the data, next to the network time; one collective per bucket, not per
+    tensor.
     """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    total, bucket, size = 0, [], 0
+    total, size = 0, 0
+    bucket: list[torch.Tensor] = []
 
     def flush() -> int:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat = torch.cat([t.reshape(-1) for t in bucket])
         dist.all_reduce(flat, group=group)  # sum over ranks
-        flat.div_(world_size)
+        if divide:
+            flat.div_(world_size)
         o = 0
-        for g in bucket:
-            g.view(-1).copy_(flat[o : o + g.numel()])
-            o += g.numel()
+        for t in bucket:
+            t.view(-1).copy_(flat[o : o + t.numel()])
+            o += t.numel()
         return all_reduce_bytes(flat.numel() * flat.element_size(), world_size)
 
-    for p in params:
-        g = p.grad
-        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > BUCKET_BYTES):
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() * t.element_size() > BUCKET_BYTES):
             total += flush()
             bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
+        bucket.append(t)
+        size += t.numel() * t.element_size()
     if bucket:
         total += flush()
     return total
-
-
-def share_installed(part: Partition, layout: Layout, params: list[torch.Tensor]) -> int:
-    """Broadcast each owner's freshly installed columns to every rank; returns bytes sent
-    (``broadcast_bytes`` of every piece: the same count on every rank).
-
-    The owner's params already hold its CPU update (and the device-owned columns restored from
-    the device master, which every rank has identically), so the whole owned range is sent as is.
-    One broadcast per (matrix, owner) piece, in the same order on every rank.
-    """
-    sent = 0
-    for pc in part.pieces:
-        slot = layout.slots[pc.index]
-        cols = as_matrix(params[pc.index].data, slot)[:, pc.c0 : pc.c1]
-        buf = cols.contiguous()  # a strided column range -> one contiguous message
-        dist.broadcast(buf, src=part.owner_rank(pc.owner), group=part.group)
-        if pc.owner != part.rank:
-            cols.copy_(buf)
-        sent += broadcast_bytes(buf.numel() * buf.element_size(), part.world_size)
-    return sent
 
 
 class OwnedRows:

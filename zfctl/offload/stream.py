@@ -5,8 +5,9 @@ The last backward of an optimizer step (the loop says which: ``ZenFlowOptimizer.
 arms the stream. From then on, as soon as autograd has finished a matrix's ``.grad`` (its
 post-accumulate-grad hook), the hook
 
-1. (data parallel) averages that gradient over the ranks (one all-reduce per matrix, in the same
-   hook order on every rank; step() then averages only what no hook did);
+1. (data parallel) exchanges that gradient over the ranks (``GradExchange.exchange_one``: its
+   selected columns all-reduced, its host columns reduce-scattered to their owners, in the same
+   hook order on every rank; step() then exchanges only what no hook did);
 2. transposes each host-owned column range of it into column-major order on the compute stream
    (a device temporary), and copies it on the copy stream into the *landing* buffer, the host
    mirror of the accumulator's layout in the model dtype (PCIe D2H, 2 B per element for bf16);
@@ -61,7 +62,7 @@ class GradStream:
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
-                 average: Callable[[torch.Tensor], int] | None) -> None:
+                 exchange: Callable[[int], int] | None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         pin = pin_memory and self.cuda
@@ -70,7 +71,7 @@ class GradStream:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.budget_bytes = budget_bytes
         self._accumulate = accumulate
-        self._average = average  # data parallel: all-reduce one gradient to the mean, in the hook
+        self._exchange = exchange  # data parallel: exchange.GradExchange.exchange_one, in the hook
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
         self._last_job: Future | None = None
         self._w = 1  # the landing buffer of the current window (the first window takes 0)
@@ -86,13 +87,13 @@ class GradStream:
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
         self.first = False  # the interval's first step: write the accumulator, do not add
         self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
-        self.averaged: set[int] = set()  # params the hooks already averaged over ranks
+        self.exchanged: set[int] = set()  # params the hooks already exchanged over ranks
         self.seen: set[int] = set()  # params whose final gradient this window has taken
         self.inflight: deque[tuple[Any, int]] = deque()  # (event, temp bytes) for the budget
         self.inflight_bytes = 0
         self.jobs: list[Future] = []  # CUDA, coefficient known: one job per chunk
         self.early_accumulated = 0  # chunks added in the hook (CPU, coefficient known)
-        self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' all-reduces
+        self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' collectives
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
 
@@ -130,9 +131,9 @@ class GradStream:
                 t0 = time.perf_counter()
                 fence.result()  # host wait: the accumulation of two steps ago still reads it
                 self.wait_ms += (time.perf_counter() - t0) * 1e3
-        if self._average is not None and index not in self.averaged:
-            self.comm_bytes += self._average(p.grad)  # a collective, in the same hook order on every rank
-            self.averaged.add(index)
+        if self._exchange is not None and index not in self.exchanged:
+            self.comm_bytes += self._exchange(index)  # collectives, in the same hook order on every rank
+            self.exchanged.add(index)
         gm = as_matrix(p.grad, self.chunks[index][0].slot) if index in self.chunks else None
         landing = self.landing[self._w]
         for ch in self.chunks.get(index, ()):

@@ -1,0 +1,301 @@
+"""Data-parallel gradient exchange: host columns reduced to their owner only, the rest all-reduced.
+
+Every gradient element has exactly one consumer set, and the exchange sends it only there:
+
+* *replicated* elements (dense params, matrices the device owns whole, and the selected columns
+  of the other matrices) are stepped by the device AdamW on every rank: one bucketed all-reduce,
+  then division by ``W`` (the mean), ``2 (W-1)/W`` of their bytes per rank;
+* *host-path* columns (a matrix's non-selected columns) are accumulated and CPU-updated by one
+  owner (``partition``): they are reduce-scattered, each owner receiving the sum of its own
+  columns only, then divided by ``W``; ``(W-1)/W`` of their bytes per rank.
+
+The host-path columns of each owner are cut into rounds (``plan_rounds``) of at most
+``BUCKET_BYTES / W`` per owner, and each round is one ``reduce_scatter`` (segments may be
+uneven: gloo and NCCL take a list). After the exchange ``.grad`` holds the mean over ranks in
+every column this rank reads (replicated ones and its owned range); the other host columns still
+hold this rank's own, unreduced gradient, which nothing reads.
+
+What used to follow for free from a full all-reduce now takes small collectives:
+
+* the clip norm: the replicated part's sum of squares is computed identically on every rank; each
+  owner adds the squares of its received columns, and one all-reduce of that partial (with, for
+  the auto interval, the host columns' L1 mass per matrix) makes the global sum, the same on
+  every rank;
+* at a selection: the per-column L1 scores, each owner filling its own range and zeros elsewhere,
+  all-reduced as one vector (x + 0 is exact, so every rank ranks the same numbers); then the
+  gradients of the entering columns, which only their owner had, the same way;
+* at an install: each owner broadcasts its non-selected columns (the selected ones every rank
+  restores from its own device master), round by round.
+
+Sum then divide, as the full all-reduce did: with 2 ranks every averaged element has the bits of
+``g0/2 + g1/2``, i.e. of one process accumulating the two halves. Only the norm's summation order
+differs (partials per owner), by rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.partition import (
+    BUCKET_BYTES,
+    Partition,
+    all_reduce_buckets,
+    all_reduce_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+)
+from zfctl.offload.selection import column_l1
+
+
+@dataclass(frozen=True)
+class Cols:
+    """Columns ``ids`` (sorted int64, on the device) of one matrix: a unit of a round."""
+
+    slot: ParamSlot
+    ids: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.slot.rows * int(self.ids.numel())
+
+
+Rounds = list[list[list[Cols]]]  # rounds[r][owner]: the columns owner receives in round r
+
+
+def plan_rounds(part: Partition, layout: Layout, index: list[torch.Tensor | None], itemsize: int,
+                device: torch.device) -> Rounds:
+    """Each owner's non-selected host columns (``index``: selected column ids per slot, None: no
+    selection), in slot order, cut into rounds of at most ``BUCKET_BYTES / W`` bytes per owner."""
+    cap = max(1, BUCKET_BYTES // part.world_size // itemsize)  # elements per owner per round
+    chunks: list[list[list[Cols]]] = [[[]] for _ in range(part.world_size)]
+    sizes = [0] * part.world_size
+    for pc in part.pieces:
+        slot = layout.slots[pc.index]
+        ids = torch.arange(pc.c0, pc.c1)
+        sel = index[pc.index]
+        if sel is not None:
+            ids = ids[~torch.isin(ids, sel.to("cpu"))]
+        per = max(1, cap // slot.rows)  # whole columns per unit
+        for a in range(0, len(ids), per):
+            unit = Cols(slot, ids[a : a + per].to(device))
+            if sizes[pc.owner] and sizes[pc.owner] + unit.numel > cap:
+                chunks[pc.owner].append([])
+                sizes[pc.owner] = 0
+            chunks[pc.owner][-1].append(unit)
+            sizes[pc.owner] += unit.numel
+    n = max(len(c) for c in chunks)
+    return [[c[r] if r < len(c) else [] for c in chunks] for r in range(n)]
+
+
+@dataclass
+class Reduced:
+    """What ``GradExchange.reduce`` leaves besides the averaged gradients."""
+
+    sent: int  # bytes this rank sent (ring model, partition.py)
+    sq: torch.Tensor | None  # global sum of squares of the averaged gradient (0-dim fp32), if asked
+    host_mass: torch.Tensor | None  # per selectable matrix: L1 of its host-path columns, all owners
+
+
+class GradExchange:
+    """The collectives of one data-parallel optimizer (``Partition``) over its parameters.
+
+    ``norm``: every step needs the global gradient norm (clipping, fp16); ``masses``: the auto
+    interval may need each selectable matrix's host-path L1 mass. Both are gathered per matrix as
+    its gradient is exchanged (``rep_sq``, ``host_sq``, ``mass``: one entry per slot, assigned
+    when that slot is exchanged, by the hooks or by ``reduce``) and summed in slot order, so the
+    hook path and the step() path give the same bits.
+    """
+
+    def __init__(self, part: Partition, layout: Layout, params: list[torch.Tensor],
+                 index: list[torch.Tensor | None], device: torch.device, *, norm: bool, masses: bool) -> None:
+        self.part, self.layout, self.params, self.device = part, layout, params, device
+        self.index = index  # DeviceAdam.index, updated in place by selections and checkpoint loads
+        self.norm, self.masses = norm, masses
+        self.selectable = [s for s in layout.slots if s.selects]
+        self._pos = {s.index: i for i, s in enumerate(self.selectable)}
+        host = layout.host_slots
+        self.itemsize = params[host[0].index].element_size() if host else 4
+        self._planned_for: list[torch.Tensor | None] | None = None
+        self._rounds: Rounds = []
+        n = len(layout.slots)
+        self.rep_sq = torch.zeros(n, device=device)  # replicated elements' sum of squares per slot
+        self.host_sq = torch.zeros(n, device=device)  # this owner's host columns' sum of squares per slot
+        self.mass = torch.zeros(len(self.selectable), device=device)  # this owner's host L1 per matrix
+
+    @property
+    def rounds(self) -> Rounds:
+        """The rounds for the current selection (re-planned when ``index`` changed: cheap host
+        work, at selections and loads only)."""
+        if self._planned_for is None or any(a is not b for a, b in zip(self._planned_for, self.index)):
+            self._planned_for = list(self.index)
+            self._rounds = plan_rounds(self.part, self.layout, self.index, self.itemsize, self.device)
+        return self._rounds
+
+    def _grad(self, index: int) -> torch.Tensor:
+        g = self.params[index].grad
+        assert g is not None, "reduce() and exchange_one() give a missing gradient zeros first"
+        return g
+
+    # -- every step ---------------------------------------------------------------------------------
+    def exchange_one(self, index: int) -> int:
+        """The hook path (stream.py): exchange one matrix's final gradient inside its hook, the
+        same collectives ``reduce`` issues for it, in autograd's order (the same on every rank).
+        Returns bytes sent."""
+        slot = self.layout.slots[index]
+        if self.params[index].grad is None:
+            self.params[index].grad = torch.zeros_like(self.params[index])
+        sent = self._replicated([slot])
+        self.host_sq[index] = 0.0
+        if index in self._pos:
+            self.mass[self._pos[index]] = 0.0
+        for rnd in self.rounds:
+            units = [[u for u in owner if u.slot.index == index] for owner in rnd]
+            if any(units):
+                sent += self._reduce_round(units)
+        return sent
+
+    def reduce(self, done: set[int], *, masses: bool) -> Reduced:
+        """Average this step's gradients to where they are read (see the module docstring).
+
+        ``done``: params the gradient hooks already exchanged (``exchange_one``). With ``norm``
+        (construction) or ``masses`` (this step), one small all-reduce more assembles the global
+        sum of squares / the host-path L1 mass per selectable matrix.
+        """
+        for p in self.params:  # a missing gradient is stepped as zeros: every rank sends the same shapes
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        todo = [s for s in self.layout.slots if s.index not in done]
+        sent = self._replicated(todo)
+        for s in todo:
+            self.host_sq[s.index] = 0.0
+            if s.index in self._pos:
+                self.mass[self._pos[s.index]] = 0.0
+        for rnd in self.rounds:
+            units = [[u for u in owner if u.slot.index not in done] for owner in rnd]
+            if any(units):
+                sent += self._reduce_round(units)
+        if not (self.norm or masses):
+            return Reduced(sent, None, None)
+        partial = torch.cat([self.host_sq.sum().view(1), self.mass if masses else self.mass[:0]])
+        dist.all_reduce(partial, group=self.part.group)  # every owner's partials: the same sum on all ranks
+        sent += all_reduce_bytes(partial.numel() * partial.element_size(), self.part.world_size)
+        sq = partial[0] + self.rep_sq.sum() if self.norm else None
+        return Reduced(sent, sq, partial[1:] if masses else None)
+
+    def _replicated(self, slots: list[ParamSlot]) -> int:
+        """All-reduce (mean) the replicated elements of ``slots``: whole fixed params, selected
+        columns (gathered, then written back) of the others; bucketed. Returns bytes sent."""
+        items: list[tuple[ParamSlot, torch.Tensor, torch.Tensor | None]] = []  # (slot, data, columns)
+        for s in slots:
+            g, idx = self._grad(s.index), self.index[s.index]
+            if s.fixed:
+                items.append((s, g, None))
+            elif idx is not None:  # selected columns, gathered (a device copy)
+                items.append((s, as_matrix(g, s).index_select(1, idx), idx))
+        sent = all_reduce_buckets([t for _, t, _ in items], self.part.group, self.part.world_size, divide=True)
+        for s, t, idx in items:
+            if idx is not None:
+                as_matrix(self._grad(s.index), s).index_copy_(1, idx, t)
+        if self.norm and items:
+            norms = torch._foreach_norm([t for _, t, _ in items], 2.0, dtype=torch.float32)
+            for (s, _, _), n in zip(items, norms):
+                self.rep_sq[s.index] = n.square()  # a device copy per slot, no sync
+        for s in slots:
+            if not s.fixed and self.index[s.index] is None:
+                self.rep_sq[s.index] = 0.0
+        return sent
+
+    def _reduce_round(self, units: list[list[Cols]]) -> int:
+        """One reduce-scatter: owner r receives the sum of everyone's ``units[r]`` columns, divides
+        by W, writes them back into ``.grad`` and notes their squares and L1. Returns bytes sent."""
+        grads = [self._grad(i) for i in range(len(self.params))]
+        me, world = self.part.rank, self.part.world_size
+        dtype = grads[next(u for owner in units for u in owner).slot.index].dtype
+        send = [_gather(grads, owner, dtype, self.device) for owner in units]
+        out = torch.empty_like(send[me])
+        dist.reduce_scatter(out, send, group=self.part.group)  # sum over ranks, own segment only
+        out.div_(world)
+        o = 0
+        for u in units[me]:
+            part = out[o : o + u.numel]
+            as_matrix(grads[u.slot.index], u.slot).index_copy_(1, u.ids, part.view(u.slot.rows, -1))
+            if self.norm:
+                self.host_sq[u.slot.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+            if self.masses and u.slot.index in self._pos:
+                self.mass[self._pos[u.slot.index]] += torch.linalg.vector_norm(part, ord=1, dtype=torch.float32)
+            o += u.numel
+        total = sum(t.numel() for t in send) * out.element_size()
+        return reduce_scatter_bytes(total, out.numel() * out.element_size())
+
+    # -- selections ---------------------------------------------------------------------------------
+    def scores(self) -> tuple[list[torch.Tensor], int]:
+        """Per-column L1 of every selectable matrix's averaged gradient, identical on every rank
+        (each rank scores its own column range, zeros elsewhere, one all-reduce); bytes sent."""
+        sizes = [s.cols for s in self.selectable]
+        flat = torch.zeros(sum(sizes), device=self.device)
+        o = 0
+        for s in self.selectable:
+            if s.host_c1 > s.host_c0:
+                g = as_matrix(self._grad(s.index), s)[:, s.host_c0 : s.host_c1]
+                flat[o + s.host_c0 : o + s.host_c1] = column_l1(g)
+            o += s.cols
+        dist.all_reduce(flat, group=self.part.group)  # x + 0: exact
+        return list(flat.split(sizes)), all_reduce_bytes(flat.numel() * 4, self.part.world_size)
+
+    def share_entering(self, old: list[torch.Tensor | None]) -> int:
+        """After a selection (``old``: the previous ``index``): every rank gets the averaged
+        gradient of the columns that just entered the device, which only their owner holds (the
+        owner sends them, the others zeros, one bucketed all-reduce); returns bytes sent."""
+        picked = []
+        for s in self.selectable:
+            new = self.index[s.index]
+            if new is None:
+                continue
+            prev = old[s.index]
+            ids = new if prev is None else new[~torch.isin(new, prev)]
+            if ids.numel() == 0:
+                continue
+            mine = (ids >= s.host_c0) & (ids < s.host_c1)
+            t = as_matrix(self._grad(s.index), s).index_select(1, ids)
+            picked.append((s, ids, t.masked_fill_(~mine, 0)))  # fill, not multiply: garbage may be inf
+        sent = all_reduce_buckets([t for _, _, t in picked], self.part.group, self.part.world_size, divide=False)
+        for s, ids, t in picked:
+            as_matrix(self._grad(s.index), s).index_copy_(1, ids, t)
+        return sent
+
+    # -- installs -----------------------------------------------------------------------------------
+    def share_installed(self) -> int:
+        """Each owner broadcasts its freshly installed non-selected columns (model dtype), round by
+        round, one broadcast per (round, owner); returns bytes sent (the same count on every rank).
+        The selected columns every rank has already restored from its own device master."""
+        me, sent = self.part.rank, 0
+        for rnd in self.rounds:
+            for owner, units in enumerate(rnd):
+                if not units:
+                    continue
+                dtype = self.params[units[0].slot.index].dtype
+                if owner == me:
+                    buf = _gather([p.data for p in self.params], units, dtype, self.device)
+                else:
+                    buf = torch.empty(sum(u.numel for u in units), dtype=dtype, device=self.device)
+                dist.broadcast(buf, src=self.part.owner_rank(owner), group=self.part.group)
+                if owner != me:
+                    o = 0
+                    for u in units:
+                        pm = as_matrix(self.params[u.slot.index].data, u.slot)
+                        pm.index_copy_(1, u.ids, buf[o : o + u.numel].view(u.slot.rows, -1))
+                        o += u.numel
+                sent += broadcast_bytes(buf.numel() * buf.element_size(), self.part.world_size)
+        return sent
+
+
+def _gather(tensors: list[Any], units: list[Cols], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The columns of ``units`` as one flat buffer, each unit ``[rows, n]`` row-major."""
+    if not units:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([as_matrix(tensors[u.slot.index], u.slot).index_select(1, u.ids).reshape(-1) for u in units])
