@@ -1,4 +1,4 @@
-"""The hook path with data parallelism: 2 ranks on gloo, gradient accumulation over 2 micro-batches.
+"""The hook path with data parallelism: 2 ranks on gloo, gradient accumulation over 1 or 2 micro-batches.
 
 Each rank trains the same run twice, once moving gradients in step() and once during the last
 backward (the hooks exchange each matrix over the ranks before copying it,
@@ -39,10 +39,13 @@ def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int], list[in
                           process_group=dist.group.WORLD) as opt:
         for t in range(STEPS):
             xs, ys = x[t, rank * per : (rank + 1) * per], y[t, rank * per : (rank + 1) * per]
-            for i, (xm, ym) in enumerate(zip(xs.chunk(MICRO), ys.chunk(MICRO))):
+            # Every third step one micro-batch: the hooks then run while later params have no
+            # .grad yet (set_to_none), as in a run without accumulation.
+            micro = 1 if t % 3 == 0 else MICRO
+            for i, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
                 if hooks:
-                    opt.prepare_backward(final=i == MICRO - 1)
-                (F.mse_loss(model(xm), ym) / MICRO).backward()
+                    opt.prepare_backward(final=i == micro - 1)
+                (F.mse_loss(model(xm), ym) / micro).backward()
             st = opt.step()
             early.append(st.early_chunks)
             sent.append(st.comm_bytes)

@@ -34,8 +34,8 @@ differs (partials per owner), by rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -213,17 +213,16 @@ class GradExchange:
     def _reduce_round(self, units: list[list[Cols]]) -> int:
         """One reduce-scatter: owner r receives the sum of everyone's ``units[r]`` columns, divides
         by W, writes them back into ``.grad`` and notes their squares and L1. Returns bytes sent."""
-        grads = [self._grad(i) for i in range(len(self.params))]
         me, world = self.part.rank, self.part.world_size
-        dtype = grads[next(u for owner in units for u in owner).slot.index].dtype
-        send = [_gather(grads, owner, dtype, self.device) for owner in units]
+        dtype = self._grad(next(u for owner in units for u in owner).slot.index).dtype
+        send = [_gather(self._grad, owner, dtype, self.device) for owner in units]
         out = torch.empty_like(send[me])
         dist.reduce_scatter(out, send, group=self.part.group)  # sum over ranks, own segment only
         out.div_(world)
         o = 0
         for u in units[me]:
             part = out[o : o + u.numel]
-            as_matrix(grads[u.slot.index], u.slot).index_copy_(1, u.ids, part.view(u.slot.rows, -1))
+            as_matrix(self._grad(u.slot.index), u.slot).index_copy_(1, u.ids, part.view(u.slot.rows, -1))
             if self.norm:
                 self.host_sq[u.slot.index] += torch.linalg.vector_norm(part, dtype=torch.float32).square()
             if self.masses and u.slot.index in self._pos:
@@ -280,7 +279,7 @@ class GradExchange:
                     continue
                 dtype = self.params[units[0].slot.index].dtype
                 if owner == me:
-                    buf = _gather([p.data for p in self.params], units, dtype, self.device)
+                    buf = _gather(lambda i: self.params[i].data, units, dtype, self.device)
                 else:
                     buf = torch.empty(sum(u.numel for u in units), dtype=dtype, device=self.device)
                 dist.broadcast(buf, src=self.part.owner_rank(owner), group=self.part.group)
@@ -294,8 +293,10 @@ class GradExchange:
         return sent
 
 
-def _gather(tensors: list[Any], units: list[Cols], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The columns of ``units`` as one flat buffer, each unit ``[rows, n]`` row-major."""
+def _gather(tensor: Callable[[int], torch.Tensor], units: list[Cols], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """The columns of ``units`` (of ``tensor(slot index)``) as one flat buffer, each unit
+    ``[rows, n]`` row-major (a device gather per unit)."""
     if not units:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([as_matrix(tensors[u.slot.index], u.slot).index_select(1, u.ids).reshape(-1) for u in units])
+    return torch.cat([as_matrix(tensor(u.slot.index), u.slot).index_select(1, u.ids).reshape(-1) for u in units])
