@@ -145,11 +145,8 @@ class GradExchange:
     def exchange_one(self, index: int) -> int:
         """The hook path (stream.py): exchange one matrix's final gradient inside its hook, the
         same collectives ``reduce`` issues for it, in autograd's order (the same on every rank).
-        Returns bytes sent."""
-        slot = self.layout.slots[index]
-        if self.params[index].grad is None:
-            self.params[index].grad = torch.zeros_like(self.params[index])
-        sent = self._replicated([slot])
+        Returns bytes sent. (A post-accumulate-grad hook always has the param's ``.grad``.)"""
+        sent = self._replicated([self.layout.slots[index]])
         self.host_sq[index] = 0.0
         if index in self._pos:
             self.mass[self._pos[index]] = 0.0
