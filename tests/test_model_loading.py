@@ -13,6 +13,7 @@ import torch
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import ModelConfig
+from zfctl.train.models import gguf as model_gguf
 from zfctl.train.models import hub as model_hub
 from zfctl.train.models.load import build_from_config, load_model, load_tokenizer
 
@@ -230,6 +231,10 @@ def test_smollm2_from_gguf_package_is_a_plain_llama(tmp_path, monkeypatch):
     ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1] :])  # the pretrained weights survived conversion
-    t0 = time.monotonic()
-    load_model(cfg, precision="bf16", device=CPU, seed=0)
-    assert time.monotonic() - t0 < 10  # cached safetensors, not a second dequantisation
+    # A second load reads the cached safetensors folder: it must not dequantise the GGUF again.
+    def no_second_conversion(*args):
+        raise AssertionError("the GGUF was converted again although the cached folder exists")
+
+    monkeypatch.setattr(model_gguf, "_convert", no_second_conversion)
+    again = load_model(cfg, precision="bf16", device=CPU, seed=0)
+    assert torch.equal(again.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"].bfloat16())
