@@ -30,6 +30,8 @@ EDIT_LOOP_SLOW = {
     "tests/test_sinks.py::test_tensorboard_events_hold_the_metrics",
     "tests/test_sinks.py::test_missing_sink_package_is_one_line_with_the_install_command",
     "tests/test_distributed.py::test_two_rank_resume_is_exact",
+    "tests/test_failures.py::test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error",
+    "tests/test_failures.py::test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints",
 }
 
 

@@ -199,3 +199,18 @@ def test_errors_name_the_rank_only_when_distributed():
     assert rank_error(e, DistEnv()) is e
     named = rank_error(e, DistEnv(rank=3, world_size=4, local_rank=1))
     assert isinstance(named, UserError) and str(named) == "rank 3: data.path: no such file"
+
+
+def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback():
+    from zfctl.errors import RunFailed
+    from zfctl.train.dist import DistEnv, rank_error
+
+    env = DistEnv(rank=0, world_size=2)
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10676.\nGLHF")
+    out = rank_error(gone, env)
+    assert isinstance(out, RunFailed) and out.exit_code == 1
+    assert str(out).startswith("rank 0: stopped because another process of this job ended") and "\n" not in str(out)
+    assert "Connection closed by peer" in str(out)
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert rank_error(bug, env) is bug
+    assert rank_error(gone, DistEnv()) is gone  # one process: there is no peer to lose

@@ -73,8 +73,11 @@ def resume(
             on_plan=lambda plan: print_plan(plan, console),
             latest_good=latest_good,
         )
-    except UserError as e:
-        raise rank_error(e, env) from None
+    except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
+        named = rank_error(e, env)
+        if named is e:
+            raise
+        raise named from None
     if env.is_main:
         console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
 
