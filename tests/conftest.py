@@ -33,7 +33,6 @@ EDIT_LOOP_SLOW = {
     "tests/test_distributed.py::test_two_rank_state_continues_on_one_rank",
     "tests/test_distributed.py::test_one_rank_state_continues_on_two_ranks",
     "tests/test_distributed.py::test_uncovered_columns_and_old_format_from_another_rank_are_refused",
-    "tests/test_distributed_cli.py::test_checkpoint_reshards_between_two_ranks_and_one",
     "tests/test_failures.py::test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error",
     "tests/test_failures.py::test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints",
 }
