@@ -40,7 +40,7 @@ from zfctl.train.optim import TrainingOptimizer
 from zfctl.train.signals import StopSignals, interrupted
 
 # Test hook: "RANK:STEP" makes rank RANK raise RunFailed during optimizer step STEP, after its
-# backward and before the optimizer's gradient exchange (where its peers then wait), so tests can
+# backward and before optimizer.step()'s collectives (where its peers then wait), so tests can
 # check that one failing rank ends the whole job (tests/test_failures.py).
 FAIL_ENV = "ZFCTL_TEST_FAIL_STEP"
 

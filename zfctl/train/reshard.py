@@ -79,7 +79,8 @@ def load_optimizer_state(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, 
         if saved == world:  # the same cut: this rank's own file (verified by the caller)
             optimizer.load_state_dict(ck.load_torch(info, base))
             return
-        ck.verify_checkpoint(info, [base])
+        if base != ck.optimizer_file(rank):  # the caller verified this rank's own file only
+            ck.verify_checkpoint(info, [base])
         state = ck.load_torch(info, base)
         ranges = (state.get("partition") or {}).get("ranges")
         if state.get("format") == FORMAT_V1 or ranges is None:
