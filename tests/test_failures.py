@@ -1,7 +1,8 @@
 """One failing rank ends the whole job: 2 gloo ranks through the real ``--nproc 2`` launcher.
 
 A rank that raises mid-step (the loop's test hook, zfctl/train/loop.py ``FAIL_ENV``) and a rank
-that is SIGKILLed mid-run must each end every process of the job within seconds, with a non-zero
+that is SIGKILLed mid-run must each end every process of the job within seconds (30 s allowed on a
+loaded box; the job's start-up, most of each test, is not counted), with a non-zero
 exit, the failing rank's own one-line error (or torchrun naming the killed rank), no traceback
 from the survivor blocked in a collective, and no half-written checkpoint counted as one.
 Polls for conditions, never fixed sleeps: the machine may be a loaded 2-core box.
@@ -51,7 +52,7 @@ class Job:
     def out(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, cond: Callable[[], bool], what: str, timeout: float = 50) -> None:
+    def wait_for(self, cond: Callable[[], bool], what: str, timeout: float = 150) -> None:
         t0 = time.monotonic()
         while not cond():
             assert self.p.poll() is None, f"ended early (rc {self.p.returncode}) waiting for {what}:\n{self.out}"
@@ -123,7 +124,12 @@ def test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error(tmp_pat
     job = Job(run, env={FAIL_ENV: "1:3"})
     job.wait_for(lambda: len(rank_pids(job)) == 2, "both ranks")
     ranks = rank_pids(job)
-    rc = job.finish(timeout=50)
+    t0 = time.monotonic()
+    while "failure injected" not in job.out and job.p.poll() is None and time.monotonic() - t0 < 150:
+        time.sleep(0.05)
+    t0 = time.monotonic()  # the failing rank has printed its error: from here the job must end
+    rc = job.finish(timeout=30)
+    print(f"job ended {time.monotonic() - t0:.1f} s after the failing rank's error")  # pytest -s
     log = job.out
     assert rc == 1, log
     assert "Traceback" not in log and "ChildFailedError" not in log, log
@@ -139,13 +145,14 @@ def test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error(tmp_pat
 def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints(tmp_path):
     run = tmp_path / "run"
     job = Job(run)
-    job.wait_for(lambda: len(metric_steps(run)) >= 2 and len(rank_pids(job)) == 2, "two steps on both ranks")
+    job.wait_for(lambda: (run / "checkpoints/latest").exists() and len(rank_pids(job)) == 2,
+                 "a first checkpoint, both ranks training")
     ranks = rank_pids(job)
     os.kill(ranks[1], signal.SIGKILL)  # wherever it is: computing, in a collective, mid-checkpoint
     t0 = time.monotonic()
-    rc = job.finish(timeout=40)
+    rc = job.finish(timeout=30)
+    print(f"job ended {time.monotonic() - t0:.1f} s after the SIGKILL")  # pytest -s
     log = job.out
-    assert time.monotonic() - t0 < 30, log
     assert rc == 137, log  # 128 + SIGKILL: the killed rank's code, not the survivor's
     assert "Traceback" not in log and "ChildFailedError" not in log, log
     assert "error: rank 1 exited with code 137" in log, log
