@@ -77,6 +77,7 @@ from zfctl.offload.partition import (
     share_installed,
 )
 from zfctl.offload.pipeline import Pipeline
+from zfctl.offload.reshard import gather_host, owned_ranges, split_host
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
@@ -477,36 +478,57 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
+        """Everything needed to continue bit-identically (an in-flight update is waited for first).
+
+        The host state is saved as pieces keyed by parameter name and column range (reshard.py):
+        a process of any world size can load the pieces that cover its columns."""
         self._drain()
         pipeline = self.pipeline.state_dict()
-        if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
-            assert self.host is not None  # a device accumulator exists only next to the host state
-            pipeline["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
+        host = None
+        if self.host is not None:
+            flat = {**self.host.state_dict(), "acc": pipeline.pop("acc")}
+            if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
+                flat["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
+            if "upload" in pipeline:
+                flat["upload"] = pipeline.pop("upload")
+            host = split_host(self.layout, flat)
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             partition=self._partition_info(), selected=self._selected, pipeline=pipeline,
-            device=self._device.state_dict(), host=self.host.state_dict() if self.host is not None else None,
+            device=self._device.state_dict(), host=host,
             scaler=self._scaler.state_dict() if self._scaler is not None else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio."""
+        """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio.
+
+        Data parallel: the host pieces given must cover this rank's columns; they may come from
+        any world size (a resharding resume merges the pieces of the saved ranks it needs)."""
         check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
                     topk_ratio=self.config.topk_ratio, partition=self._partition_info())
         parts = unpack_state(state_dict)
+        flat: dict[str, torch.Tensor] | None = None
+        if self.host is not None:  # assembled before anything is overwritten: a gap raises here
+            host = parts["host"]
+            flat = dict(host) if isinstance(host, dict) else gather_host(self.layout, host)  # format 1: flat
         self._drain()
         if self._stream is not None:
             self._stream.disarm()
         for group, saved in zip(self.param_groups, parts["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        self.pipeline.load_state_dict(parts["pipeline"])
+        pipeline = parts["pipeline"]
+        if flat is not None:
+            pipeline["acc"] = flat.pop("acc")
+            if "upload" in flat:
+                pipeline["upload"] = flat.pop("upload")
+        self.pipeline.load_state_dict(pipeline)
         if self._dev_acc is not None:
-            self._dev_acc.buf.copy_(parts["pipeline"]["acc"])
+            self._dev_acc.buf.copy_(pipeline["acc"])
         self._selected = parts["selected"]
         self._device.load_state_dict(parts["device"])
         if self.host is not None:
-            self.host.load_state_dict(parts["host"])
+            assert flat is not None  # assembled above whenever there is host state
+            self.host.load_state_dict(flat)
             self.host.device_owned.zero_()
             for s in self._selectable:
                 if (index := self._device.index[s.index]) is not None:
@@ -515,11 +537,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self._scaler is not None and parts["scaler"] is not None:
             self._scaler.load_state_dict(parts["scaler"])
 
+    def host_ranges(self) -> list[tuple[str, int, int]]:
+        """(name, c0, c1) of the host column ranges this optimizer holds: what a resharding
+        resume must find in the saved pieces (reshard.py)."""
+        return owned_ranges(self.layout)
+
     def _partition_info(self) -> dict[str, Any]:
-        """Which slice of the host state this optimizer holds (one process: all of it)."""
+        """Which share of the host state this optimizer holds (one process: all of it), and
+        ``ranges``: every rank's pieces as [name, owner, c0, c1] (identical on every rank)."""
         if self._part is None:
-            return {"world_size": 1, "rank": 0}
-        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds)}
+            return {"world_size": 1, "rank": 0,
+                    "ranges": [[s.name, 0, 0, s.cols] for s in self.layout.host_slots]}
+        names = [s.name for s in self.layout.slots]
+        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds),
+                "ranges": [[names[pc.index], pc.owner, pc.c0, pc.c1] for pc in self._part.pieces]}
 
 
 class _Clock:

@@ -19,6 +19,7 @@ in-flight CPU update into the weights) and the final evaluation of the finished 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ from zfctl.train.display import Display, format_eval_line, format_train_line
 from zfctl.train.metrics import MetricsWriter, StepTimer, memory_stats
 from zfctl.train.optim import TrainingOptimizer
 from zfctl.train.signals import StopSignals, interrupted
+
+# Test hook: "RANK:STEP" makes rank RANK raise RunFailed during optimizer step STEP, after its
+# backward and before optimizer.step()'s collectives (where its peers then wait), so tests can
+# check that one failing rank ends the whole job (tests/test_failures.py).
+FAIL_ENV = "ZFCTL_TEST_FAIL_STEP"
 
 
 @dataclass
@@ -194,6 +200,7 @@ def train(x: LoopInputs) -> LoopResult:
                 step_loss += micro_loss.detach()
                 del logits, micro_loss  # free the activations' largest tensor before the next one
             timer.stop()
+            _fail_hook(x.rank, step + 1)
 
             # -- optimizer: ZenFlow updates the selected columns on the device and hands the
             #    rest to its CPU worker; stats say how long it waited for that worker.
@@ -276,6 +283,12 @@ def train(x: LoopInputs) -> LoopResult:
     x.display.close()
     return LoopResult(steps=step, final_train_loss=loss, final_eval_loss=eval_loss,
                       last_checkpoint=last_ckpt)
+
+
+def _fail_hook(rank: int, step: int) -> None:
+    spec = os.environ.get(FAIL_ENV)
+    if spec and spec.split(":") == [str(rank), str(step)]:
+        raise RunFailed(f"step {step}: failure injected by {FAIL_ENV}={spec} (a test hook)")
 
 
 def _finite(value: float | None) -> bool:

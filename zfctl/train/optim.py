@@ -52,7 +52,15 @@ class TrainingOptimizer(Protocol):
         """Everything needed to continue bit-identically (this rank's share of the host state)."""
         ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state_dict; its host pieces may come from any world size (they must cover
+        ``host_ranges()``)."""
+        ...
+
+    def host_ranges(self) -> list[tuple[str, int, int]]:
+        """(parameter name, c0, c1) of the host column ranges this rank holds: which pieces of a
+        saved state a resume on another world size must read (zfctl/train/reshard.py)."""
+        ...
 
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: int,

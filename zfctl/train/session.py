@@ -32,7 +32,8 @@ from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import RunLock, acquire
 from zfctl.train.loop import LoopInputs, train
 from zfctl.train.metrics import MetricsWriter, build_sinks, require_sinks
-from zfctl.train.optim import TrainingOptimizer, build_optimizer
+from zfctl.train.optim import build_optimizer
+from zfctl.train.reshard import as_saved_world, fit_world_size, load_optimizer_state
 from zfctl.train.rundir import check_output_dir, clear_run_dir, plan_differences
 from zfctl.train.schedule import build_scheduler, restore_scheduler
 from zfctl.writable import check_writable
@@ -149,7 +150,7 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
             scheduler = build_scheduler(optimizer, t.schedule, warmup_steps=t.warmup_steps, total_steps=total)
             start_step = 0
             if ckpt is not None:
-                _restore_optimizer(optimizer, ckpt, env.rank)
+                load_optimizer_state(optimizer, ckpt, env.rank, env.world_size)  # re-cut if W changed
                 restore_scheduler(scheduler, trainer_state["scheduler"])
                 start_step = int(trainer_state["step"])
                 rng = ckpt.path / ck.rng_file(env.rank)
@@ -212,15 +213,6 @@ def _train(plan: RunPlan, *, prepared: Any, env: DistEnv, device: torch.device, 
                      final_eval_loss=result.final_eval_loss, last_checkpoint=last)
 
 
-def _restore_optimizer(optimizer: TrainingOptimizer, ckpt: ck.CheckpointInfo, rank: int) -> None:
-    rank_file = ck.optimizer_file(rank)  # this rank's slice of the host state + the replicated part
-    try:
-        optimizer.load_state_dict(ck.load_torch(ckpt, rank_file))
-    except ValueError as e:  # the state does not fit this model/plan (e.g. a changed topk_ratio)
-        raise UserError(f"checkpoint {ckpt.path}: its optimizer state does not fit this plan ({e}); "
-                        "undo the change or start a new run") from None
-
-
 def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunResult:
     """Fine-tune as ``plan`` says; write checkpoints and metrics under its output folder.
 
@@ -259,7 +251,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
-    world size is always refused: the optimizer state is partitioned per rank. ``max_steps``
+    world size re-cuts the optimizer state and keeps the global batch by changing the gradient
+    accumulation, or is refused when it cannot (``zfctl.train.reshard``). ``max_steps``
     moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     Every file this process reads is checked against its digest first (one read each); a damaged
@@ -294,21 +287,17 @@ def _resume(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, lock: _FolderL
     problems = []
     edited = run_dir / ck.PLAN_FILE
     if edited.is_file():
-        current = load_plan_yaml(edited)
+        current = as_saved_world(load_plan_yaml(edited), plan)  # an earlier resume's nproc is no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current
         problems += diffs
-    if env.world_size != info.world_size:
-        # Not waivable by --allow-changes: each rank's optimizer file holds only its slice of the
-        # host state (partitioned by columns), and re-cutting the slices is not implemented.
-        raise UserError(f"cannot resume {info.path}: world size: {info.world_size} -> {env.world_size}; each "
-                        "process's optimizer state holds only its share of the host state (resharding is "
-                        f"not supported, and --allow-changes cannot waive it): resume with --nproc "
-                        f"{info.world_size}")
+    plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/reshard.py
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
+    if resharded and env.rank == 0:
+        _note(resharded)
     if info.version != __version__ and env.rank == 0:
         Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
                                    f"{__version__}")
