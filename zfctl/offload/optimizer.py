@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -79,7 +79,7 @@ from zfctl.offload.partition import (
 from zfctl.offload.pipeline import Pipeline
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
-from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
+from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
 from zfctl.offload.threads import capped, split_threads
@@ -132,7 +132,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
         self._stream: GradStream | None = None
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
-        self._fence = None  # the hook path's accumulation the next CPU update must wait for
+        # The hook path's accumulation the next CPU update must wait for.
+        self._fence: Callable[[], Any] | None = None
         if self.pipeline.worker is not None:
             native = self.pipeline.worker.native
             if config.cpu_threads:
@@ -203,6 +204,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
+        assert self.host is not None  # only the host path has chunks
         self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
         # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
         self._host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self._chunks)
@@ -241,21 +243,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None,
                           d2h_gbps=self.d2h_gbps)
-        streamed = self._stream is not None and self._stream.armed
+        # The armed gradient stream when the hooks moved this step's gradients, else None.
+        streamed = self._stream if self._stream is not None and self._stream.armed else None
         if self._part is not None:
             # 0. Data parallel: every rank continues with the same averaged gradient (a collective;
             #    the gradient hooks already averaged the matrices they streamed).
-            done = self._stream.averaged if streamed else set()
+            done = streamed.averaged if streamed else set()
             rest = [p for i, p in enumerate(self._params) if i not in done]
             stats.comm_bytes += average_gradients(rest, self.process_group, self.world_size)
         grads = [p.grad for p in self._params]
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
         norm, coef = self._coefficient(grads)
-        if self._scaler is not None and not bool(torch.isfinite(norm).item()):
+        # (norm is None only without a loss scaler and clipping, see _coefficient)
+        if self._scaler is not None and norm is not None and not bool(torch.isfinite(norm).item()):
             self._scaler.update(overflow=True)
             if streamed:
-                self._stream.finish(stats, None, self._itemsize)  # drop what the hooks moved
+                streamed.finish(stats, None, self._itemsize)  # drop what the hooks moved
             stats.skipped, stats.grad_norm = True, math.inf
             self.last_stats = stats
             return stats
@@ -284,6 +288,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         host_norm = None
         if self.host is not None:
             # 4. The rest of the gradient goes to the host and is accumulated in fp32.
+            assert scalars is not None  # started above: there are host columns
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
             # Not stall: the device update is queued behind the scalars, the device keeps busy.
@@ -296,7 +301,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 # Host memory per element: read the gradient, write acc (and read it after the first).
                 stats.host_bytes += self._host_elems * (self._itemsize + (4 if first else 8))
                 if streamed:  # the hooks moved it during backward; the host thread adds it
-                    fence = self._stream.finish(stats, host_coef, self._itemsize)
+                    fence = streamed.finish(stats, host_coef, self._itemsize)
                     self._fence = fence.result if fence is not None else None
                     stats.d2h_bytes += stats.early_bytes
                 else:
@@ -321,7 +326,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if host_norm is not None:
             stats.grad_norm = host_norm
         elif norm is not None:  # topk 1: nothing synced yet; read the norm one step late on CUDA
-            stats.defer(lambda st, norm=norm: setattr(st, "grad_norm", float(norm.item())))
+            def read_norm(st: StepStats, norm: torch.Tensor = norm) -> None:
+                st.grad_norm = float(norm.item())
+
+            stats.defer(read_norm)
             if self.device.type != "cuda":
                 stats.resolve()
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
@@ -385,14 +393,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _select(self, grads: list[torch.Tensor | None], stats: StepStats) -> None:
         """Top-k columns per matrix from this step's gradient; state follows the columns."""
+        assert self.host is not None  # a selectable matrix has host columns
         for slot in self._selectable:
             g = grads[slot.index]
             scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
             new = top_columns(scores, slot.k)
-            host = self.host.column_state(slot)
+            own = self.host.column_state(slot)
+            host: Sequence[HostRows] = own
             if self._part is not None:  # this rank holds only some rows: owners supply the rest
-                host = ColumnState(*(OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device)
-                                     for h in host))
+                host = tuple(OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device)
+                             for h in own)
             d2h, h2d = migrate(self._device.column_state(slot), host, self._device.index[slot.index], new)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
@@ -402,7 +412,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._refresh_chunks()
 
     def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None,
-                       grads: list[torch.Tensor | None], warm: bool):
+                       grads: list[torch.Tensor | None], warm: bool) -> Callable[[], torch.Tensor]:
         """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix]."""
         one = torch.ones((), device=self.device)
         parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
@@ -425,6 +435,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
                   eps: float, wd: float) -> None:
         """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
+        assert self.host is not None  # only the host path has intervals
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
@@ -450,6 +461,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
+        assert self.host is not None  # only the host path has updates to install
         src = self.host.upload if self.host.upload is not None else self.host.master
         stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
         # Whole column ranges were written: put the device-owned columns back.
@@ -469,6 +481,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._drain()
         pipeline = self.pipeline.state_dict()
         if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
+            assert self.host is not None  # a device accumulator exists only next to the host state
             pipeline["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
@@ -496,8 +509,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.host.load_state_dict(parts["host"])
             self.host.device_owned.zero_()
             for s in self._selectable:
-                if self._device.index[s.index] is not None:
-                    self.host.set_device_owned(s, self._device.index[s.index])
+                if (index := self._device.index[s.index]) is not None:
+                    self.host.set_device_owned(s, index)
             self._refresh_chunks()
         if self._scaler is not None and parts["scaler"] is not None:
             self._scaler.load_state_dict(parts["scaler"])

@@ -148,7 +148,8 @@ def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    total, bucket, size = 0, [], 0
+    total, size = 0, 0
+    bucket: list[torch.Tensor] = []
 
     def flush() -> None:
         flat = torch.cat([g.reshape(-1) for g in bucket])
@@ -161,6 +162,7 @@ def average_gradients(params: list[torch.Tensor], group: Any, world_size: int) -
 
     for p in params:
         g = p.grad
+        assert g is not None  # a missing gradient became zeros above
         if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > BUCKET_BYTES):
             flush()
             bucket, size = [], 0
