@@ -2,7 +2,8 @@
 
 :class:`TrainingOptimizer` is the whole contract between ``zfctl/train`` and the ZenFlow engine
 in ``zfctl/offload``: the loop, the checkpoints and the run lifecycle use nothing else. mypy
-(``make lint``) checks that ``ZenFlowOptimizer`` satisfies it where ``session`` hands it over.
+(``make lint``) checks that ``ZenFlowOptimizer`` satisfies it where ``FinetuneRecipe.setup``
+(zfctl/train/recipe.py) stores it.
 """
 
 from __future__ import annotations
