@@ -30,6 +30,11 @@ EDIT_LOOP_SLOW = {
     "tests/test_sinks.py::test_tensorboard_events_hold_the_metrics",
     "tests/test_sinks.py::test_missing_sink_package_is_one_line_with_the_install_command",
     "tests/test_distributed.py::test_two_rank_resume_is_exact",
+    "tests/test_distributed.py::test_two_rank_state_continues_on_one_rank",
+    "tests/test_distributed.py::test_one_rank_state_continues_on_two_ranks",
+    "tests/test_distributed.py::test_uncovered_columns_and_old_format_from_another_rank_are_refused",
+    "tests/test_failures.py::test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error",
+    "tests/test_failures.py::test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints",
 }
 
 

@@ -1,4 +1,5 @@
 """Data-parallel ZenFlow on CPU with gloo: 2 ranks == 1 rank, host state halved, exact resume,
+state saved on 2 ranks continued on 1 (and the reverse): host state is keyed by name and range,
 and the bytes each rank sends.
 
 Two processes (torch.multiprocessing.spawn, loopback rendezvous on a free port) each train a
@@ -23,6 +24,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.checkpoint import FORMAT_V1
+from zfctl.offload.reshard import merge_states
 
 STEPS, BATCH = 20, 8
 CASES = {
@@ -110,17 +113,27 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None) -> tuple[dict, 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, host, steps
 
 
-def _resumed(case: str, rank: int, world: int, group, at: int) -> dict:
-    """``at`` steps, state_dicts (mid-interval, update in flight), a fresh model+optimizer, the rest."""
+def _resumed(case: str, rank: int, world: int, group, at: int, out: Path | None = None) -> dict:
+    """``at`` steps, state_dicts (mid-interval, update in flight), a fresh model+optimizer, the rest.
+    ``out``: also save this rank's state there (``state-rank{rank}.pt``) for a resume elsewhere."""
     model = _model()
     with _optimizer(model, case, group) as opt:
         _steps(model, opt, rank, world, 0, at)
         msd = {k: v.clone() for k, v in model.state_dict().items()}
         osd = opt.state_dict()
+        assert opt.pipeline.pending_install or opt.pipeline.interval_len > 0  # an interval is open
+    if out is not None:
+        torch.save({"model": msd, "opt": osd}, out / f"state-rank{rank}.pt")
+    return _continue(case, rank, world, group, msd, [osd], at)
+
+
+def _continue(case: str, rank: int, world: int, group, msd: dict, saved: list[dict], at: int) -> dict:
+    """A fresh model+optimizer loaded from ``msd`` and the saved ranks' optimizer states (any
+    world size: each rank takes the pieces it needs), trained from step ``at`` to the end."""
     model = _model()
     model.load_state_dict(msd)
     with _optimizer(model, case, group) as opt:
-        opt.load_state_dict(osd)
+        opt.load_state_dict(merge_states(saved, opt.host_ranges()))
         _steps(model, opt, rank, world, at, STEPS)
         opt.flush()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -147,21 +160,29 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         # with an empty segment for one owner (every bucket size must give the same numbers).
         with _buckets(1024):
             res["small-buckets"] = _train("zenflow", rank, world, dist.group.WORLD)
-        res["resumed"] = _resumed("zenflow", rank, world, dist.group.WORLD, at=10)
-        # A slice cannot be loaded by another rank (or world size): refused, naming both.
+        res["resumed"] = _resumed("zenflow", rank, world, dist.group.WORLD, at=10, out=Path(out))
+        # A one-process state at step 10, continued on 2 ranks (each takes its columns).
+        one = torch.load(Path(out) / "one.pt", weights_only=True)
+        res["from_one"] = _continue("zenflow", rank, world, dist.group.WORLD, one["model"], [one["opt"]], 10)
         model = _model()
         with _optimizer(model, "zenflow", dist.group.WORLD) as opt:
             _steps(model, opt, rank, world, 0, 2)
             sd = opt.state_dict()
-            sd["partition"] = {**sd["partition"], "rank": 1 - rank}
-            try:
-                opt.load_state_dict(sd)
-                res["refused"] = ""
-            except ValueError as e:
-                res["refused"] = str(e)
+            # Pieces that miss this rank's columns: refused, naming the matrix and the ranges.
+            res["gap"] = _refusal(opt, {**sd, "host": sd["host"][1:]})
+            # The flat per-rank format of older versions cannot be re-cut: refused, naming both ranks.
+            res["refused"] = _refusal(opt, {**sd, "format": FORMAT_V1, "partition": {**sd["partition"], "rank": 1 - rank}})
         torch.save(res, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _refusal(opt: ZenFlowOptimizer, sd: dict) -> str:
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def _free_port() -> int:
@@ -173,6 +194,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dist")
+    model = _model()  # the one-process state the ranks continue from (test_one_rank_state_continues_on_two)
+    with _optimizer(model, "zenflow", None) as opt:
+        _steps(model, opt, 0, 1, 0, 10)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / "one.pt")
     ctx = mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=False)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=1):
@@ -180,7 +205,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
             for p in ctx.processes:
                 p.kill()
             pytest.fail("2-rank training did not finish in 240 s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "dir": out} for r in range(2)]
 
 
 def _rel_err(a: dict, b: dict) -> float:
@@ -275,10 +300,30 @@ def test_two_rank_resume_is_exact(two_ranks):
             assert torch.equal(straight[k], resumed[k]), (r, k)
 
 
-def test_other_ranks_slice_is_refused(two_ranks):
+def test_two_rank_state_continues_on_one_rank(two_ranks):
+    """Saved mid-interval on 2 ranks (update in flight), resumed on 1: each piece of host state is
+    found by name and column range; the rest of the run matches the uninterrupted 2-rank run."""
+    saved = [torch.load(two_ranks[0]["dir"] / f"state-rank{r}.pt", weights_only=True) for r in range(2)]
+    ranges = [[(p["name"], p["c0"], p["c1"]) for p in s["opt"]["host"]] for s in saved]
+    assert ranges[0] and ranges[1] and not set(ranges[0]) & set(ranges[1])  # two halves, keyed by name
+    resumed = _continue("zenflow", 0, 1, None, saved[0]["model"], [s["opt"] for s in saved], 10)
+    assert _rel_err(resumed, two_ranks[0]["zenflow"][0]) <= 1e-5
+
+
+def test_one_rank_state_continues_on_two_ranks(two_ranks):
+    ref = _train("zenflow")[0]
     for r in range(2):
+        assert _rel_err(two_ranks[r]["from_one"], ref) <= 1e-5, r
+        for k in ref:  # both ranks hold the same replica
+            assert torch.equal(two_ranks[r]["from_one"][k], two_ranks[0]["from_one"][k]), k
+
+
+def test_uncovered_columns_and_old_format_from_another_rank_are_refused(two_ranks):
+    for r in range(2):
+        assert "optimizer state lacks columns of" in two_ranks[r]["gap"] and "this process holds" in two_ranks[r]["gap"]
         msg = two_ranks[r]["refused"]
         assert f"rank {1 - r}'s slice" in msg and f"this is rank {r} of 2" in msg, msg
+        assert "resume with 2 process(es)" in msg, msg
 
 
 def test_worker_argv_keeps_nproc_away_from_torchrun():
@@ -301,3 +346,18 @@ def test_errors_name_the_rank_only_when_distributed():
     assert rank_error(e, DistEnv()) is e
     named = rank_error(e, DistEnv(rank=3, world_size=4, local_rank=1))
     assert isinstance(named, UserError) and str(named) == "rank 3: data.path: no such file"
+
+
+def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback():
+    from zfctl.errors import RunFailed
+    from zfctl.train.dist import DistEnv, rank_error
+
+    env = DistEnv(rank=0, world_size=2)
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10676.\nGLHF")
+    out = rank_error(gone, env)
+    assert isinstance(out, RunFailed) and out.exit_code == 1
+    assert str(out).startswith("rank 0: stopped because another process of this job ended") and "\n" not in str(out)
+    assert "Connection closed by peer" in str(out)
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert rank_error(bug, env) is bug
+    assert rank_error(gone, DistEnv()) is gone  # one process: there is no peer to lose

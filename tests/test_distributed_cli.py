@@ -1,4 +1,5 @@
-"""The real CLI with ``--nproc 2`` (torchrun, gloo on CPU): same losses as one process, exact resume.
+"""The real CLI with ``--nproc 2`` (torchrun, gloo on CPU): same losses as one process, exact resume,
+and checkpoints that resume on another number of processes.
 
 One process with micro_batch_size 4 and two with 2 see the same global batches (the sampler hands
 rank r the r-th half of each global batch), and the loop normalises by the global token count,
@@ -9,6 +10,7 @@ a ZenFlow interval, CPU update in flight) rewrites the same losses and weights b
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +84,58 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
     assert losses(two) == before
     after = load_file(two / final)  # tensors, not file bytes: the header's metadata order varies
     assert after.keys() == weights.keys() and all(torch.equal(after[k], weights[k]) for k in weights)
+
+
+# Steps 1..14, a checkpoint every 4: step 4 is one step into the interval that began after the
+# boundary of step 3, whose CPU update (overlap on) is still in flight; re-selection at step 9.
+RESHARD = ["train.max_steps=14", "checkpoint.every=4", "checkpoint.keep_last=4", "zenflow.update_interval=3", "zenflow.select_interval=8"]
+
+
+def finetune_accum(out: Path, nproc: int, accum: int) -> str:
+    sets = [a for s in [*TINY, *RESHARD, "train.micro_batch_size=2", f"train.gradient_accumulation_steps={accum}"]
+            for a in ("--set", s)]
+    return zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out),
+                 "--nproc", str(nproc), *sets)
+
+
+def resume_copy(run: Path, into: Path, nproc: int) -> str:
+    """Resume a copy of ``run`` from its step-4 checkpoint with ``nproc`` processes."""
+    shutil.copytree(run, into)
+    return zfctl("resume", str(into / "checkpoints/step-000004"), "--nproc", str(nproc))
+
+
+def assert_close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
+    assert len(a) == len(b), (a, b)
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst <= tol, (worst, a, b)
+    print(f"worst relative loss difference {worst:.2e} over {len(a)} steps")  # shown by pytest -s
+    return worst
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_between_two_ranks_and_one(tmp_path):
+    """Saved on 2 ranks, resumed on 1 (and the reverse), mid-interval with an update in flight:
+    the accumulation doubles (halves) to keep the global batch of 4, every rank finds its host
+    columns by name and range, and the 10 steps after the checkpoint match the uninterrupted
+    2-rank run within 1e-5."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    finetune_accum(two, nproc=2, accum=1)
+    finetune_accum(one, nproc=1, accum=2)
+    straight = losses(two)
+    assert len(straight) == 14
+    assert_close(losses(one), straight)
+
+    log = resume_copy(two, tmp_path / "two-on-one", nproc=1)
+    assert "train.gradient_accumulation_steps 1 -> 2 keeps the global batch of 4 sequences" in log, log
+    assert "launching" not in log
+    resumed = losses(tmp_path / "two-on-one")
+    assert resumed[:4] == straight[:4]  # the records before the checkpoint are kept as they were
+    assert_close(resumed[4:], straight[4:])
+    new = tmp_path / "two-on-one/checkpoints/step-000014"
+    assert sorted(p.name for p in new.glob("optimizer-rank*.pt")) == ["optimizer-rank00000.pt"]
+    assert "gradient_accumulation_steps: 2" in (new / "plan.yaml").read_text()
+
+    log = resume_copy(one, tmp_path / "one-on-two", nproc=2)
+    assert "launching 2 processes under torchrun" in log
+    assert "train.gradient_accumulation_steps 2 -> 1 keeps the global batch of 4 sequences" in log, log
+    assert_close(losses(tmp_path / "one-on-two")[4:], straight[4:])

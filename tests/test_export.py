@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zfctl.errors import UserError
 from zfctl.plan.resolve import resolve_plan
-from zfctl.train import export, loop, run, session
+from zfctl.train import export, loss, run
 from zfctl.train.data.prepare import prepare_data
 from zfctl.train.models.load import load_tokenizer
+from zfctl.train.recipe import FinetuneRecipe
 
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -34,13 +35,15 @@ def trained(tmp_path_factory):
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*TINY, f"checkpoint.output_dir={out}"])
     captured = []
 
-    def train_and_keep(x):
-        result = loop.train(x)
-        captured.append(x.model)  # the live model, after the final flush
+    real_train = FinetuneRecipe.train
+
+    def train_and_keep(recipe):
+        result = real_train(recipe)
+        captured.append(recipe.model)  # the live model, after the final flush
         return result
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(session, "train", train_and_keep)
+    mp.setattr(FinetuneRecipe, "train", train_and_keep)
     try:
         result = run(plan)
     finally:
@@ -66,7 +69,7 @@ def test_exported_logits_equal_trained_model(trained, tmp_path):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     # and the exported model scores the eval set exactly as the run's final evaluation did
     prepared = prepare_data(plan.data, tok, seed=plan.train.seed)
-    eval_loss = loop.evaluate(loaded, prepared.eval, prepared.collate, torch.device("cpu"),
+    eval_loss = loss.evaluate(loaded, prepared.eval, prepared.collate, torch.device("cpu"),
                               micro_batch_size=plan.train.micro_batch_size, max_batches=plan.train.eval_batches)
     assert eval_loss == result.final_eval_loss
 

@@ -6,13 +6,13 @@ import http.server
 import importlib.metadata
 import socket
 import threading
-import time
 
 import pytest
 import torch
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import ModelConfig
+from zfctl.train.models import gguf as model_gguf
 from zfctl.train.models import hub as model_hub
 from zfctl.train.models.load import build_from_config, load_model, load_tokenizer
 
@@ -128,7 +128,6 @@ def offline_hub(monkeypatch, tmp_path):
 
 
 def test_hub_id_fails_at_once_offline(offline_hub):
-    t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         load_model(
             ModelConfig(name="llama2-7b", source="hub", hub_id="meta-llama/Llama-2-7b-hf"),
@@ -136,7 +135,6 @@ def test_hub_id_fails_at_once_offline(offline_hub):
             device=CPU,
             seed=0,
         )
-    assert time.monotonic() - t0 < 5
     msg = str(e.value)
     assert msg.startswith(
         "model.hub_id='meta-llama/Llama-2-7b-hf': the Hugging Face hub (https://hub.invalid) "
@@ -154,9 +152,13 @@ def test_probe_deadline_bounds_a_silent_server(monkeypatch):
         server.listen()
         monkeypatch.setattr(model_hub, "_probe_result", {})
         monkeypatch.setattr(model_hub, "hub_endpoint", lambda: f"https://127.0.0.1:{server.getsockname()[1]}")
-        t0 = time.monotonic()
-        assert model_hub.hub_reachable(timeout=1.0) is False
-        assert time.monotonic() - t0 < 2.0
+        # Liveness, not speed: without the deadline the probe would wait forever on this server,
+        # so the answer arriving at all (long before the generous join below gives up) is the check.
+        answer: list[bool] = []
+        caller = threading.Thread(target=lambda: answer.append(model_hub.hub_reachable(timeout=0.5)), daemon=True)
+        caller.start()
+        caller.join(60)
+        assert answer == [False]
 
 
 def test_probe_accepts_any_http_answer(monkeypatch):
@@ -230,6 +232,10 @@ def test_smollm2_from_gguf_package_is_a_plain_llama(tmp_path, monkeypatch):
     ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1] :])  # the pretrained weights survived conversion
-    t0 = time.monotonic()
-    load_model(cfg, precision="bf16", device=CPU, seed=0)
-    assert time.monotonic() - t0 < 10  # cached safetensors, not a second dequantisation
+    # A second load reads the cached safetensors folder: it must not dequantise the GGUF again.
+    def no_second_conversion(*args):
+        raise AssertionError("the GGUF was converted again although the cached folder exists")
+
+    monkeypatch.setattr(model_gguf, "_convert", no_second_conversion)
+    again = load_model(cfg, precision="bf16", device=CPU, seed=0)
+    assert torch.equal(again.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"].bfloat16())

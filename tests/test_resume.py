@@ -133,9 +133,10 @@ def test_changed_plan_is_refused_then_allowed(tmp_path):
     assert resolve_checkpoint(out).step == 3
 
 
-def test_resume_with_changed_world_size_is_refused(tmp_path, monkeypatch):
+def test_resume_on_a_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "run"
     run(tiny_plan(out, "train.max_steps=1", "zenflow.topk_ratio=1.0"))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UserError, match=r"world size: 1 -> 2"):
+    # 1 micro-batch per step cannot be shared by 2 processes: the global batch could not be kept
+    with pytest.raises(UserError, match=r"cannot resume on 2 process\(es\).*global batch is 4 sequences.*--nproc 1$"):
         resume(out, max_steps=2)

@@ -277,9 +277,10 @@ def test_sigterm_to_nproc2_launcher_leaves_no_process_and_a_resumable_checkpoint
     assert {p.name for p in info.path.glob("optimizer-rank*.pt")} == {"optimizer-rank00000.pt",
                                                                      "optimizer-rank00001.pt"}
     assert not (run / lock.LOCK_FILE).exists()
-    # The world size is checked before relaunching: one line, not a ChildFailedError per rank.
-    rc, log = run_cli("resume", str(run), "--nproc", "1")
-    one_line_error(rc, log, "--nproc 1: the checkpoint was written by 2 process(es)", "--nproc 2")
+    # A world size that cannot keep the global batch (2 micro-batches per step) is refused before
+    # relaunching: one line, not a ChildFailedError per rank.
+    rc, log = run_cli("resume", str(run), "--nproc", "3")
+    one_line_error(rc, log, "--nproc 3: cannot resume on 3 process(es)", "resume with --nproc 1 / 2")
 
 
 # ------------------------------------------------------------------------------ Ctrl-C twice

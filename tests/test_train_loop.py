@@ -1,8 +1,9 @@
 """The training loop on its own: loss normalisation, gradient accumulation, eval, metrics, signals.
 
-These drive `zfctl.train.loop.train` with a tiny Llama and `torch.optim.AdamW` behind the
-optimizer interface, to pin down what the loop itself computes; the ZenFlow optimizer and the
-full run/resume path are exercised in test_resume*.py.
+These drive `FinetuneRecipe.train` (zfctl/train/recipe.py) with parts put in by hand instead of
+`setup`: a tiny Llama and `torch.optim.AdamW` behind the optimizer interface, to pin down what
+the loop itself computes; the ZenFlow optimizer and the full run/resume lifecycle are exercised
+in test_resume*.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zfctl.plan.schema import CheckpointConfig, LoggingConfig, RunPlan, TrainConfig
 from zfctl.train.data.sampler import ResumableSampler
 from zfctl.train.display import NullDisplay, format_train_line
-from zfctl.train.loop import LoopInputs, evaluate, lm_loss_sum, train
+from zfctl.train.dist import DistEnv
+from zfctl.train.loss import evaluate, lm_loss_sum
 from zfctl.train.metrics import MetricsWriter, read_metrics
+from zfctl.train.recipe import FinetuneRecipe
 from zfctl.train.schedule import build_scheduler
 from zfctl.train.signals import Interrupted
 
@@ -77,17 +81,23 @@ def collate(examples):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _inputs(tmp_path, *, mbs, ga, steps=3, every=0, metrics=True, save=None, lr=1e-2):
-    model = _model()
-    opt = AdamWBehindInterface(model.parameters(), lr=lr)
+def _recipe(tmp_path, *, mbs, ga, steps=3, every=0, metrics=True, lr=1e-2):
+    """A recipe as `setup` would leave it, with stand-in parts; `save_checkpoint` only returns a path."""
+    plan = RunPlan(
+        train=TrainConfig(micro_batch_size=mbs, gradient_accumulation_steps=ga, max_steps=steps, eval_every=every,
+                          eval_batches=8, device="cpu", precision="fp32"),
+        checkpoint=CheckpointConfig(output_dir=str(tmp_path), every=every), logging=LoggingConfig(every=1))
     data = _data()
-    return LoopInputs(
-        model=model, optimizer=opt, scheduler=build_scheduler(opt, "constant", warmup_steps=0, total_steps=steps),
-        sampler=ResumableSampler(len(data), mbs, seed=3), train_data=data, eval_data=data[:6],  # memorisable: eval loss must fall
-        collate=collate, device=torch.device("cpu"), start_step=0, total_steps=steps, grad_accum=ga,
-        micro_batch_size=mbs, eval_every=every, eval_batches=8, checkpoint_every=every, log_every=1,
-        save_checkpoint=save or (lambda step, c: tmp_path / f"ckpt-{step}"),
-        metrics=MetricsWriter(tmp_path) if metrics else None, display=NullDisplay(), run_dir=tmp_path)
+    r = FinetuneRecipe(plan, SimpleNamespace(train=data, eval=data[:6], collate=collate), DistEnv())  # memorisable: eval loss must fall
+    r.model = _model()
+    r.optimizer = AdamWBehindInterface(r.model.parameters(), lr=lr)
+    r.scheduler = build_scheduler(r.optimizer, "constant", warmup_steps=0, total_steps=steps)
+    r.sampler = ResumableSampler(len(data), mbs, seed=3)
+    r.total_steps = steps
+    r.metrics = MetricsWriter(tmp_path) if metrics else None
+    r.display = NullDisplay()
+    r.save_checkpoint = lambda step: tmp_path / f"ckpt-{step}"
+    return r
 
 
 def test_loss_is_mean_over_target_tokens():
@@ -104,8 +114,8 @@ def test_accumulation_matches_one_big_batch(tmp_path):
     """ga=2 x mbs=2 sees the same samples as ga=1 x mbs=4 and must give the same update: the loss
     is normalised by the step's token count, not averaged per micro-batch."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    a, b = _inputs(tmp_path / "a", mbs=4, ga=1), _inputs(tmp_path / "b", mbs=2, ga=2)
-    ra, rb = train(a), train(b)
+    a, b = _recipe(tmp_path / "a", mbs=4, ga=1), _recipe(tmp_path / "b", mbs=2, ga=2)
+    ra, rb = a.train(), b.train()
     assert ra.steps == rb.steps == 3
     la = [r["loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl", "train")]
     lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl", "train")]
@@ -116,11 +126,16 @@ def test_accumulation_matches_one_big_batch(tmp_path):
 
 
 def test_training_lowers_loss_and_records_metrics(tmp_path):
-    x = _inputs(tmp_path, mbs=4, ga=1, steps=12, every=4)
+    x = _recipe(tmp_path, mbs=4, ga=1, steps=12, every=4)
     saved = []
-    x.save_checkpoint = lambda step, c: saved.append((step, c["tokens_seen"])) or tmp_path / str(step)
-    first_eval = evaluate(x.model, x.eval_data, collate, x.device, micro_batch_size=4, max_batches=8)
-    res = train(x)
+
+    def save(step):  # a real save_checkpoint reads the counters from x.progress
+        saved.append((step, x.progress.tokens_seen))
+        return tmp_path / str(step)
+
+    x.save_checkpoint = save
+    first_eval = evaluate(x.model, x.data.eval, collate, x.device, micro_batch_size=4, max_batches=8)
+    res = x.train()
     x.metrics.close()
     recs = read_metrics(tmp_path / "metrics.jsonl")
     train_recs = [r for r in recs if r["kind"] == "train"]
@@ -139,7 +154,7 @@ def test_training_lowers_loss_and_records_metrics(tmp_path):
 
 
 def test_sigterm_finishes_step_checkpoints_and_exits_143(tmp_path):
-    x = _inputs(tmp_path, mbs=4, ga=1, steps=50)
+    x = _recipe(tmp_path, mbs=4, ga=1, steps=50)
     saved, calls = [], []
 
     def collate_then_signal(examples):
@@ -148,10 +163,10 @@ def test_sigterm_finishes_step_checkpoints_and_exits_143(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
         return collate(examples)
 
-    x.collate = collate_then_signal
-    x.save_checkpoint = lambda step, c: saved.append(step) or tmp_path / f"step-{step}"
+    x.data.collate = collate_then_signal
+    x.save_checkpoint = lambda step: saved.append(step) or tmp_path / f"step-{step}"
     with pytest.raises(Interrupted) as e:
-        train(x)
+        x.train()
     assert e.value.code == 143 and saved == [3]
     assert "zfctl resume" in e.value.message and "after step 3" in e.value.message
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

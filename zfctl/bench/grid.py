@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from zfctl.errors import UserError
-from zfctl.offload.config import ZenFlowConfig
-
-Interval = int | str  # an int >= 1 or "auto"
+from zfctl.offload.config import Interval, ZenFlowConfig
 
 ON = ("on", "true", "yes", "1")
 OFF = ("off", "false", "no", "0")

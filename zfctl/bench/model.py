@@ -122,6 +122,8 @@ class PresetFactory:
     def __init__(
         self, model_cfg: Any, *, dtype: str, device: torch.device, seed: int, seq_len: int, batch: int
     ) -> None:
+        from transformers import PretrainedConfig
+
         from zfctl.train.models.load import load_model  # the training layer owns model construction
 
         cfg = arch_model_config(model_cfg, seq_len=seq_len)
@@ -130,7 +132,9 @@ class PresetFactory:
         max_pos = getattr(self.template.config, "max_position_embeddings", None)
         if max_pos is not None and seq_len > int(max_pos):
             raise UserError(f"--seq-len {seq_len}: the model {model_cfg.name} takes at most {max_pos} tokens")
-        self.vocab = int(self.template.config.vocab_size)
+        hf_config = self.template.config
+        assert isinstance(hf_config, PretrainedConfig), "load_model builds a transformers model"
+        self.vocab = int(hf_config.vocab_size)
         self.device, self.seed, self.seq_len, self.batch = device, seed, seq_len, batch
         how = "" if model_cfg.source == "config" else ", Llama-shaped from the preset's arch"
         self.description = f"{model_cfg.name} (random init{how}), {dtype}, batch {batch} x seq {seq_len}"

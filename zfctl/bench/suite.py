@@ -12,7 +12,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from rich.console import Console
@@ -168,7 +168,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     if device.type != "cuda" and len(opts.pins) > 1:
         console.print("  note: pin_memory changes nothing without CUDA; pin on/off rows differ only by noise")
 
-    base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads, accumulate=opts.accumulate)
+    accumulate = cast(Literal["auto", "host", "device"], opts.accumulate)  # checked at the top
+    base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads, accumulate=accumulate)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
     results, rows = [], []
     for i, cfg in enumerate(configs, 1):

@@ -98,8 +98,11 @@ def finetune(
         print_plan(plan, console)
     try:
         result = run(plan, force=force, debug_data=debug_data)
-    except UserError as e:
-        raise rank_error(e, env) from None
+    except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
+        named = rank_error(e, env)
+        if named is e:
+            raise
+        raise named from None
     if debug_data or not env.is_main:
         return
     console.print(

@@ -21,7 +21,7 @@ def resume(
     allow_changes: Annotated[
         bool,
         typer.Option(
-            "--allow-changes", help="Accept a plan that differs from the checkpoint's (never the world size)."
+            "--allow-changes", help="Accept a plan that differs from the checkpoint's."
         ),
     ] = False,
     latest_good: Annotated[
@@ -38,7 +38,8 @@ def resume(
             "--nproc",
             min=1,
             help="Processes on this node; default: the checkpoint's world size "
-            "(>1 relaunches under torchrun).",
+            "(>1 relaunches under torchrun). Another count re-cuts the optimizer state and keeps the "
+            "global batch by changing train.gradient_accumulation_steps.",
         ),
     ] = None,
 ) -> None:
@@ -51,15 +52,9 @@ def resume(
     except ImportError:
         raise UserError("resume is not available yet in this build (zfctl.train.resume is missing)") from None
     if not under_torchrun():
-        saved = _saved_world_size(ckpt_dir, latest_good)
-        if nproc is not None and saved is not None and nproc != saved:
-            # Checked here, before N processes start, rather than by each rank after torchrun
-            # formed the group (that ended in a ChildFailedError traceback per rank).
-            raise UserError(f"--nproc {nproc}: the checkpoint was written by {saved} process(es) and "
-                            "each holds only its share of the host optimizer state (resharding is not "
-                            f"supported); resume with --nproc {saved} or leave --nproc out")
+        saved = _saved_world_size(ckpt_dir, latest_good, nproc)
         n = nproc if nproc is not None else (saved or 1)
-        if n > 1:  # the same world size as the checkpoint
+        if n > 1:
             _check_launch(ckpt_dir, latest_good)
             console.print(f"launching {n} processes under torchrun (standalone)")
             raise typer.Exit(code=relaunch(n, worker_argv(sys.argv[1:])))
@@ -73,20 +68,36 @@ def resume(
             on_plan=lambda plan: print_plan(plan, console),
             latest_good=latest_good,
         )
-    except UserError as e:
-        raise rank_error(e, env) from None
+    except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
+        named = rank_error(e, env)
+        if named is e:
+            raise
+        raise named from None
     if env.is_main:
         console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
 
 
-def _saved_world_size(ckpt_dir: Path, latest_good: bool) -> int | None:
-    """The world size recorded in the checkpoint; None if it cannot be read (resume reports why)."""
-    from zfctl.train.checkpoint import resolve_checkpoint
+def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> int | None:
+    """The world size recorded in the checkpoint; None if it cannot be read (resume reports why).
+
+    ``nproc`` different from it: checked here, before N processes start, that the global batch can
+    be kept (zfctl/train/reshard.py), rather than by each rank after torchrun formed the group.
+    """
+    from zfctl.plan.io import load_plan_yaml
+    from zfctl.train.checkpoint import PLAN_FILE, resolve_checkpoint
+    from zfctl.train.reshard import fit_world_size
 
     try:
-        return resolve_checkpoint(ckpt_dir, latest_good=latest_good).world_size
+        info = resolve_checkpoint(ckpt_dir, latest_good=latest_good)
+        plan = load_plan_yaml(info.path / PLAN_FILE) if nproc not in (None, info.world_size) else None
     except UserError:
         return None
+    if plan is not None and nproc is not None:
+        try:
+            fit_world_size(plan, info.world_size, nproc)
+        except UserError as e:
+            raise UserError(f"--nproc {nproc}: {e}") from None
+    return info.world_size
 
 
 def _check_launch(ckpt_dir: Path, latest_good: bool) -> None:

@@ -23,31 +23,35 @@ valid while training continues. The layout depends on the parameter list and on 
 loading into an optimizer that differs in either raises ValueError.
 
 Data parallel: each rank's dict holds the replicated part (counters, selection, device state:
-identical on every rank) and its own slice of the host state; ``partition`` records the world
-size, the rank and the column cuts. Loading a slice into a different world size or rank raises
-ValueError: the slices would have to be re-cut (concatenate the ranks' host buffers in rank order
-and split them again), which is not implemented.
+identical on every rank) and its own share of the host state as pieces keyed by parameter name
+and column range (``reshard``), not by rank. ``partition`` records the world size, the rank, the
+column cuts and ``ranges``: every rank's pieces as ``[name, owner, c0, c1]``, so a loader of any
+world size knows which ranks' files hold the columns it needs. An optimizer loads any set of
+pieces that covers its own columns, whichever world size wrote them.
+
+Format 1 (before name-keyed pieces) held each rank's flat host buffers: it still loads into the
+same rank of the same world size; anything else raises ValueError naming the world size to use.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-STATE_FORMAT = "zfctl.zenflow/1"
+STATE_FORMAT = "zfctl.zenflow/2"
+FORMAT_V1 = "zfctl.zenflow/1"  # flat per-rank host buffers: same rank and world size only
 
 
 def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, Any],
                param_groups: list[dict[str, Any]], partition: dict[str, Any], selected: bool,
-               pipeline: dict[str, Any], device: dict[str, Any], host: dict[str, Any] | None,
+               pipeline: dict[str, Any], device: dict[str, Any], host: list[dict[str, Any]] | None,
                scaler: dict[str, Any] | None) -> dict[str, Any]:
-    """The saved format from the components' own state dicts (see the module docstring)."""
+    """The saved format from the components' own state dicts (see the module docstring).
+
+    ``host``: the host state as name-keyed pieces, the pipeline's accumulator and pending upload
+    included (``reshard.split_host``); ``pipeline``: its counters and policy.
+    """
     device = dict(device)
     selection = device.pop("selection")
-    host_sd = None
-    if host is not None:
-        host_sd = {**host, "acc": pipeline["acc"]}
-        if "upload" in pipeline:
-            host_sd["upload"] = pipeline["upload"]
     return {
         "format": STATE_FORMAT,
         "names": list(names),
@@ -57,7 +61,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, A
         "counters": {**pipeline["counters"], "selected": selected},
         "selection": selection,
         "device": device,
-        "host": host_sd,
+        "host": host,
         "policy": pipeline["policy"],
         "scaler": scaler,
         "partition": partition,
@@ -67,7 +71,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, A
 def check_state(sd: dict[str, Any], *, names: list[str], shapes: list[list[int]], topk_ratio: float,
                 partition: dict[str, Any]) -> None:
     """Raise ValueError (saying what differs) unless ``sd`` fits an optimizer with these properties."""
-    if sd.get("format") != STATE_FORMAT:
+    if sd.get("format") not in (STATE_FORMAT, FORMAT_V1):
         raise ValueError(f"not a ZenFlow optimizer state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
     for i, (name, shape) in enumerate(zip(names, shapes)):
         if i >= len(sd["names"]) or sd["names"][i] != name or sd["shapes"][i] != shape:
@@ -78,24 +82,23 @@ def check_state(sd: dict[str, Any], *, names: list[str], shapes: list[list[int]]
         raise ValueError(f"optimizer state was saved with zenflow.topk_ratio={sd['config']['topk_ratio']}, "
                          f"this optimizer has {topk_ratio}; the state layout depends on it")
     saved = sd.get("partition") or {"world_size": 1, "rank": 0}
-    if saved != partition:
+    mine = {k: partition[k] for k in ("world_size", "rank", "bounds") if k in partition}
+    if sd["format"] == FORMAT_V1 and saved != mine:
         raise ValueError(
             f"optimizer state is rank {saved['rank']}'s slice of host state partitioned over "
-            f"{saved['world_size']} rank(s), this is rank {partition['rank']} of {partition['world_size']}: "
-            f"resume with {saved['world_size']} process(es) (resharding is not supported)")
+            f"{saved['world_size']} rank(s), this is rank {partition['rank']} of {partition['world_size']}, "
+            f"and its format ({FORMAT_V1}, flat per-rank buffers) cannot be re-cut: resume with "
+            f"{saved['world_size']} process(es)")
 
 
 def unpack_state(sd: dict[str, Any]) -> dict[str, Any]:
-    """The components' dicts back out of the saved format (the inverse of ``pack_state``)."""
+    """The components' dicts back out of the saved format (the inverse of ``pack_state``).
+
+    ``host`` is a list of pieces (format 2) or, for format 1, the flat buffers with the
+    accumulator and pending upload among them; ``pipeline`` holds the counters and the policy.
+    """
     counters = dict(sd["counters"])
     selected = counters.pop("selected")
-    host = sd["host"]
-    pipeline: dict[str, Any] = {"counters": counters, "policy": sd["policy"]}
-    host_sd = None
-    if host is not None:
-        host_sd = {k: v for k, v in host.items() if k not in ("acc", "upload")}
-        pipeline["acc"] = host["acc"]
-        if "upload" in host:
-            pipeline["upload"] = host["upload"]
-    return {"selected": selected, "pipeline": pipeline, "device": {**sd["device"], "selection": sd["selection"]},
-            "host": host_sd, "scaler": sd["scaler"], "param_groups": sd["param_groups"]}
+    return {"selected": selected, "pipeline": {"counters": counters, "policy": sd["policy"]},
+            "device": {**sd["device"], "selection": sd["selection"]}, "host": sd["host"],
+            "scaler": sd["scaler"], "param_groups": sd["param_groups"]}

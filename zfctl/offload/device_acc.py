@@ -88,6 +88,7 @@ class DeviceAccumulator:
         if not self.cuda:
             dst.copy_(self.buf)
             return None
+        assert self.copy_stream is not None  # CUDA: created in __init__
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's adds
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(self.buf, non_blocking=True)  # PCIe D2H: 4 B per element, once per interval

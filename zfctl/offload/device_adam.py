@@ -60,7 +60,8 @@ class DeviceAdam:
     def column_state(self, slot: ParamSlot) -> ColumnState:
         """The slot's device state, for migration and checkpoints."""
         steps = self.steps[slot.dev_col0 : slot.dev_col0 + slot.k]
-        return ColumnState(*(self.segment(b, slot) for b in (self.master, self.exp_avg, self.exp_avg_sq)), steps)
+        return ColumnState(self.segment(self.master, slot), self.segment(self.exp_avg, slot),
+                           self.segment(self.exp_avg_sq, slot), steps)
 
     def active(self, selected: bool) -> tuple[int, int]:
         """(elements, columns) stepped: the fixed prefix before the first selection, else everything."""
@@ -89,8 +90,10 @@ class DeviceAdam:
             elif slot.k == slot.cols:
                 seg.copy_(as_matrix(g, slot).t())
             else:
+                index = self.index[slot.index]
+                assert index is not None, "selected: every selecting matrix has its columns"
                 # gather along the contiguous dim, then transpose: faster than a strided row gather
-                seg.copy_(as_matrix(g, slot).index_select(1, self.index[slot.index]).t())
+                seg.copy_(as_matrix(g, slot).index_select(1, index).t())
         if coef is not None:
             n, _ = self.active(selected)
             self.grad[:n].mul_(coef)
@@ -141,7 +144,9 @@ class DeviceAdam:
             elif slot.k == slot.cols:
                 as_matrix(p.data, slot).copy_(seg.t())
             else:
-                as_matrix(p.data, slot).t().index_copy_(0, self.index[slot.index], seg.to(p.dtype))
+                index = self.index[slot.index]
+                assert index is not None, "selected: every selecting matrix has its columns"
+                as_matrix(p.data, slot).t().index_copy_(0, index, seg.to(p.dtype))
 
     # -- checkpoints ----------------------------------------------------------------------------
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
@@ -150,8 +155,8 @@ class DeviceAdam:
         """Master, moments, counters (CPU copies) and the selection: sorted column ids per matrix
         name (only matrices that have one)."""
         sd = {k: getattr(self, k).detach().to("cpu", copy=True) for k in self.STATE_KEYS}
-        sd["selection"] = {s.name: self.index[s.index].to("cpu", copy=True) for s in self.layout.slots
-                           if s.selects and self.index[s.index] is not None}
+        sd["selection"] = {s.name: index.to("cpu", copy=True) for s in self.layout.slots
+                           if s.selects and (index := self.index[s.index]) is not None}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:

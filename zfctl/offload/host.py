@@ -56,7 +56,8 @@ class HostState:
 
     def column_state(self, slot: ParamSlot) -> ColumnState:
         cols = self.steps[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
-        return ColumnState(*(self.view(b, slot) for b in (self.master, self.exp_avg, self.exp_avg_sq)), cols)
+        return ColumnState(self.view(self.master, slot), self.view(self.exp_avg, slot),
+                           self.view(self.exp_avg_sq, slot), cols)
 
     def set_device_owned(self, slot: ParamSlot, index: torch.Tensor) -> None:
         """Mark which of ``slot``'s columns the device owns (``index``: column ids, any device)."""

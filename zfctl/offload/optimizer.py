@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -71,9 +71,10 @@ from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
 from zfctl.offload.partition import OwnedRows, Partition, group_info, partition_layout
 from zfctl.offload.pipeline import Pipeline
+from zfctl.offload.reshard import gather_host, owned_ranges, split_host
 from zfctl.offload.ring import Ring
 from zfctl.offload.scaler import DynamicLossScaler
-from zfctl.offload.selection import ColumnState, column_l1, migrate, top_columns
+from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
 from zfctl.offload.threads import capped, split_threads
@@ -130,7 +131,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
         self._stream: GradStream | None = None
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
-        self._fence = None  # the hook path's accumulation the next CPU update must wait for
+        # The hook path's accumulation the next CPU update must wait for.
+        self._fence: Callable[[], Any] | None = None
         if self.pipeline.worker is not None:
             native = self.pipeline.worker.native
             if config.cpu_threads:
@@ -195,6 +197,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
+        assert self.host is not None  # only the host path has chunks
         self._chunks = plan_chunks(self.layout, self.host.device_owned, self._d2h.slot_bytes, self._itemsize)
         # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
         self._host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self._chunks)
@@ -233,14 +236,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         warm = t < self._warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self._scaler.scale if self._scaler else None,
                           d2h_gbps=self.d2h_gbps)
-        streamed = self._stream is not None and self._stream.armed
+        # The armed gradient stream when the hooks moved this step's gradients, else None.
+        streamed = self._stream if self._stream is not None and self._stream.armed else None
         sq: torch.Tensor | None = None
         totals: list[torch.Tensor] | None = None
         if self._exchange is not None:
             # 0. Data parallel: the replicated gradients all-reduced, each host column reduced to
             #    its owner only (collectives; the gradient hooks already exchanged the matrices
             #    they streamed). The norm and the auto-interval masses need the owners' partials.
-            done = self._stream.exchanged if self._stream is not None and streamed else set()
+            done = streamed.exchanged if streamed else set()
             want_masses = self._policy.auto and self._selected and not warm
             red = self._exchange.reduce(done, masses=want_masses)
             stats.comm_bytes += red.sent
@@ -251,10 +255,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
         # 1. The gradient coefficient (device tensors; the fp16 overflow check is a sync point).
         norm, coef = self._coefficient(grads, sq)
-        if self._scaler is not None and not bool(torch.isfinite(norm).item()):
+        # (norm is None only without a loss scaler and clipping, see _coefficient)
+        if self._scaler is not None and norm is not None and not bool(torch.isfinite(norm).item()):
             self._scaler.update(overflow=True)
             if streamed:
-                self._stream.finish(stats, None, self._itemsize)  # drop what the hooks moved
+                streamed.finish(stats, None, self._itemsize)  # drop what the hooks moved
             stats.skipped, stats.grad_norm = True, math.inf
             self.last_stats = stats
             return stats
@@ -283,6 +288,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         host_norm = None
         if self.host is not None:
             # 4. The rest of the gradient goes to the host and is accumulated in fp32.
+            assert scalars is not None  # started above: there are host columns
             values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
             host_norm, host_coef, masses = values[0], values[1], values[2:]
             # Not stall: the device update is queued behind the scalars, the device keeps busy.
@@ -295,7 +301,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 # Host memory per element: read the gradient, write acc (and read it after the first).
                 stats.host_bytes += self._host_elems * (self._itemsize + (4 if first else 8))
                 if streamed:  # the hooks moved it during backward; the host thread adds it
-                    fence = self._stream.finish(stats, host_coef, self._itemsize)
+                    fence = streamed.finish(stats, host_coef, self._itemsize)
                     self._fence = fence.result if fence is not None else None
                     stats.d2h_bytes += stats.early_bytes
                 else:
@@ -320,7 +326,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if host_norm is not None:
             stats.grad_norm = host_norm
         elif norm is not None:  # topk 1: nothing synced yet; read the norm one step late on CUDA
-            stats.defer(lambda st, norm=norm: setattr(st, "grad_norm", float(norm.item())))
+            def read_norm(st: StepStats, norm: torch.Tensor = norm) -> None:
+                st.grad_norm = float(norm.item())
+
+            stats.defer(read_norm)
             if self.device.type != "cuda":
                 stats.resolve()
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
@@ -399,6 +408,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         the entering columns from their owners; returns each matrix's total L1 mass then (the
         auto interval's input: no rank holds the whole gradient), else None.
         """
+        assert self.host is not None  # a selectable matrix has host columns
         old = list(self._device.index)
         shared = None
         if self._exchange is not None:
@@ -411,11 +421,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             else:
                 scores = column_l1(as_matrix(g, slot)) if g is not None else torch.zeros(slot.cols, device=self.device)
             new = top_columns(scores, slot.k)
-            host = self.host.column_state(slot)
+            own = self.host.column_state(slot)
+            host: Sequence[HostRows] = own
             owned: list[OwnedRows] = []
             if self._part is not None:  # this rank holds only some rows: owners supply the rest
-                owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device) for h in host]
-                host = ColumnState(*owned)
+                owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.process_group, self.device) for h in own]
+                host = tuple(owned)
             d2h, h2d = migrate(self._device.column_state(slot), host, self._device.index[slot.index], new)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
@@ -440,7 +451,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return totals
 
     def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None,
-                       grads: list[torch.Tensor | None], warm: bool, totals: list[torch.Tensor] | None):
+                       grads: list[torch.Tensor | None], warm: bool,
+                       totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
         """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix]; ``totals``:
         the total masses when only the exchange knows them (data parallel)."""
         one = torch.ones((), device=self.device)
@@ -464,6 +476,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
                   eps: float, wd: float) -> None:
         """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
+        assert self.host is not None  # only the host path has intervals
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
@@ -489,6 +502,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
+        assert self.host is not None  # only the host path has updates to install
         src = self.host.upload if self.host.upload is not None else self.host.master
         stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
         # Whole column ranges were written: put the device-owned columns back.
@@ -504,48 +518,79 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically (an in-flight update is waited for first)."""
+        """Everything needed to continue bit-identically (an in-flight update is waited for first).
+
+        The host state is saved as pieces keyed by parameter name and column range (reshard.py):
+        a process of any world size can load the pieces that cover its columns."""
         self._drain()
         pipeline = self.pipeline.state_dict()
-        if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
-            pipeline["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
+        host = None
+        if self.host is not None:
+            flat = {**self.host.state_dict(), "acc": pipeline.pop("acc")}
+            if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
+                flat["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
+            if "upload" in pipeline:
+                flat["upload"] = pipeline.pop("upload")
+            host = split_host(self.layout, flat)
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             partition=self._partition_info(), selected=self._selected, pipeline=pipeline,
-            device=self._device.state_dict(), host=self.host.state_dict() if self.host is not None else None,
+            device=self._device.state_dict(), host=host,
             scaler=self._scaler.state_dict() if self._scaler is not None else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio."""
+        """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio.
+
+        Data parallel: the host pieces given must cover this rank's columns; they may come from
+        any world size (a resharding resume merges the pieces of the saved ranks it needs)."""
         check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
                     topk_ratio=self.config.topk_ratio, partition=self._partition_info())
         parts = unpack_state(state_dict)
+        flat: dict[str, torch.Tensor] | None = None
+        if self.host is not None:  # assembled before anything is overwritten: a gap raises here
+            host = parts["host"]
+            flat = dict(host) if isinstance(host, dict) else gather_host(self.layout, host)  # format 1: flat
         self._drain()
         if self._stream is not None:
             self._stream.disarm()
         for group, saved in zip(self.param_groups, parts["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        self.pipeline.load_state_dict(parts["pipeline"])
+        pipeline = parts["pipeline"]
+        if flat is not None:
+            pipeline["acc"] = flat.pop("acc")
+            if "upload" in flat:
+                pipeline["upload"] = flat.pop("upload")
+        self.pipeline.load_state_dict(pipeline)
         if self._dev_acc is not None:
-            self._dev_acc.buf.copy_(parts["pipeline"]["acc"])
+            self._dev_acc.buf.copy_(pipeline["acc"])
         self._selected = parts["selected"]
         self._device.load_state_dict(parts["device"])
         if self.host is not None:
-            self.host.load_state_dict(parts["host"])
+            assert flat is not None  # assembled above whenever there is host state
+            self.host.load_state_dict(flat)
             self.host.device_owned.zero_()
             for s in self._selectable:
-                if self._device.index[s.index] is not None:
-                    self.host.set_device_owned(s, self._device.index[s.index])
+                if (index := self._device.index[s.index]) is not None:
+                    self.host.set_device_owned(s, index)
             self._refresh_chunks()
         if self._scaler is not None and parts["scaler"] is not None:
             self._scaler.load_state_dict(parts["scaler"])
 
+    def host_ranges(self) -> list[tuple[str, int, int]]:
+        """(name, c0, c1) of the host column ranges this optimizer holds: what a resharding
+        resume must find in the saved pieces (reshard.py)."""
+        return owned_ranges(self.layout)
+
     def _partition_info(self) -> dict[str, Any]:
-        """Which slice of the host state this optimizer holds (one process: all of it)."""
+        """Which share of the host state this optimizer holds (one process: all of it), and
+        ``ranges``: every rank's pieces as [name, owner, c0, c1] (identical on every rank)."""
         if self._part is None:
-            return {"world_size": 1, "rank": 0}
-        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds)}
+            return {"world_size": 1, "rank": 0,
+                    "ranges": [[s.name, 0, 0, s.cols] for s in self.layout.host_slots]}
+        names = [s.name for s in self.layout.slots]
+        return {"world_size": self._part.world_size, "rank": self._part.rank, "bounds": list(self._part.bounds),
+                "ranges": [[names[pc.index], pc.owner, pc.c0, pc.c1] for pc in self._part.pieces]}
 
 
 class _Clock:

@@ -37,7 +37,7 @@ class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
-                 install: Install | None = None) -> None:
+                 install: Install) -> None:
         self.host = host
         self.policy = policy
         self.overlap = overlap
@@ -53,6 +53,7 @@ class Pipeline:
     @property
     def acc(self) -> torch.Tensor:
         """The accumulator the main thread (or the gradient stream) fills this interval."""
+        assert self.host is not None, "only the host path (host columns) has accumulators"
         return self.host.acc[self.cur]
 
     @property
@@ -85,13 +86,15 @@ class Pipeline:
                after: Callable[[], Any] | None = None) -> None:
         """Hand one interval to the CPU worker; see the module docstring for the two modes.
         ``after``: the accumulation still running into ``update.acc`` (hook path)."""
+        host, worker = self.host, self.worker
+        assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-            self.worker.submit(update, after)  # ... then start this one in the background
-            self.cur = (self.cur + 1) % len(self.host.acc)
+            worker.submit(update, after)  # ... then start this one in the background
+            self.cur = (self.cur + 1) % len(host.acc)
         else:
-            self.worker.submit(update, after)
+            worker.submit(update, after)
             self.collect(stats)
 
     def collect(self, stats: StepStats) -> None:
@@ -104,7 +107,7 @@ class Pipeline:
 
     def settle(self, stats: StepStats | None = None) -> None:
         """Wait for an in-flight update without installing it: its result becomes pending."""
-        if self.busy:
+        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
@@ -134,7 +137,7 @@ class Pipeline:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if self.busy:
+        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             self.worker.wait()  # discard: everything it wrote is overwritten below
         c = sd["counters"]
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]

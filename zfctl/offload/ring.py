@@ -80,6 +80,7 @@ class Ring:
                 fill(view)
                 consume(view, tag)
                 continue
+            assert self.stream is not None and compute is not None  # CUDA: both exist
             tmp = torch.empty(numel, dtype=dtype, device=self.device)
             fill(tmp)  # compute stream
             self.stream.wait_stream(compute)
@@ -114,6 +115,7 @@ class Ring:
             if not self.cuda:
                 deliver(view, tag)
                 continue
+            assert self.stream is not None and compute is not None  # CUDA: both exist
             with torch.cuda.stream(self.stream):
                 tmp = torch.empty(view.numel(), dtype=view.dtype, device=self.device)
                 tmp.copy_(view, non_blocking=True)  # PCIe H2D of one chunk
@@ -131,6 +133,7 @@ class Ring:
         """
         if not self.cuda:
             return lambda: t
+        assert self.stream is not None  # CUDA: created in __init__
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

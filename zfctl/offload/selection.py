@@ -15,7 +15,8 @@ weights, so a column that leaves and re-enters continues exactly where it was.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +30,15 @@ class ColumnState(NamedTuple):
     steps: torch.Tensor
 
 
+class HostRows(Protocol):
+    """What ``migrate`` needs of one host state tensor: rows addressed by column id. A tensor (the
+    whole owned range), or ``partition.OwnedRows`` when this rank holds only some of the rows."""
+
+    def index_select(self, dim: int, index: torch.Tensor, /) -> torch.Tensor: ...
+
+    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor, /) -> object: ...
+
+
 def column_l1(grad_matrix: torch.Tensor) -> torch.Tensor:
     """Per-column L1 norm (fp32, accumulated in fp32) of a ``[rows, cols]`` gradient: one reduction."""
     return torch.linalg.vector_norm(grad_matrix, ord=1, dim=0, dtype=torch.float32)
@@ -39,12 +49,14 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-def migrate(dev: ColumnState, host: ColumnState, old: torch.Tensor | None, new: torch.Tensor) -> tuple[int, int]:
+def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None,
+            new: torch.Tensor) -> tuple[int, int]:
     """Move state so that ``dev`` rows hold the columns ``new`` (sorted), previously ``old``.
 
-    ``host`` rows are indexed by column id (the whole owned range). Returns (d2h_bytes,
-    h2d_bytes). Cost: two tiny index copies to the host (a device sync; selection steps only),
-    one D2H per state tensor for the leaving columns and one H2D for the entering ones.
+    ``host``: the same four states in ``ColumnState`` order, rows indexed by column id (the whole
+    owned range). Returns (d2h_bytes, h2d_bytes). Cost: two tiny index copies to the host (a
+    device sync; selection steps only), one D2H per state tensor for the leaving columns and one
+    H2D for the entering ones.
     """
     device = dev.master.device
     new_h = new.to("cpu")

@@ -123,6 +123,7 @@ class GradStream:
             raise RuntimeError("ZenFlowOptimizer.prepare_backward(final=True) announces ONE backward: call "
                                "step() after it (earlier micro-batches take final=False)")
         self.seen.add(index)
+        assert p.grad is not None  # a post-accumulate-grad hook runs once the gradient exists
         if not self.started:  # first hook of the window: landing[w] must be free again
             self.started = True
             self._w = 1 - self._w
@@ -138,6 +139,7 @@ class GradStream:
         landing = self.landing[self._w]
         for ch in self.chunks.get(index, ()):
             dst = landing[ch.off : ch.off + ch.numel]
+            assert gm is not None and self.acc is not None  # index has chunks; arm() gave the accumulator
             if not self.cuda:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 self.landed.append((ch, None))
@@ -146,6 +148,7 @@ class GradStream:
                     self.early_accumulated += 1
                 continue
             self._make_room(ch.numel * dst.element_size())
+            assert self.copy_stream is not None  # CUDA: created in __init__
             compute = torch.cuda.current_stream(self.device)
             tmp = gm[:, ch.c0 : ch.c1].t().contiguous()  # compute stream: column-major chunk
             self.copy_stream.wait_stream(compute)  # the gradient's producer has finished
@@ -158,7 +161,7 @@ class GradStream:
             self.inflight_bytes += self.inflight[-1][1]
             self.landed.append((ch, event))
             if self.coef is not None:  # the thread adds it as soon as the copy has landed
-                self._last_job = self._pool.submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
+                self._last_job = self._submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
                 self.fences[self._w] = self._last_job
                 self.jobs.append(self._last_job)
 
@@ -171,6 +174,11 @@ class GradStream:
                 event.synchronize()  # sync point: one earlier chunk's D2H
                 self.wait_ms += (time.perf_counter() - t0) * 1e3
             self.inflight_bytes -= b
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        """Queue ``fn(*args)`` on the accumulation thread (which runs jobs in submission order)."""
+        assert self._pool is not None, "GradStream used after close()"
+        return self._pool.submit(fn, *args)
 
     def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float,
              first: bool) -> None:
@@ -194,19 +202,22 @@ class GradStream:
             got = {id(ch) for ch, _ in self.landed}
             missing = [ch for chs in self.chunks.values() for ch in chs if id(ch) not in got]
             if missing:
+                assert acc is not None  # chunks exist only in an armed window, which has its accumulator
+
                 def zero() -> None:
                     for ch in missing:
                         acc[ch.off : ch.off + ch.numel].zero_()
 
-                self._last_job = self._pool.submit(zero)  # the thread owns acc: keep its order
+                self._last_job = self._submit(zero)  # the thread owns acc: keep its order
         if self.coef is None and coef is not None and self.landed:
             landed, landing = list(self.landed), self.landing[w]
+            assert acc is not None  # chunks land only in an armed window, which has its accumulator
 
             def job() -> None:
                 for ch, event in landed:
                     self._add(ch, event, landing, acc, coef, first)
 
-            self._last_job = self._pool.submit(job)
+            self._last_job = self._submit(job)
             self.fences[w] = self._last_job
             stats.accumulated_late = len(landed)
         elif self.coef is not None:

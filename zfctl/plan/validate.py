@@ -203,7 +203,7 @@ def check_combinations(p: RunPlan) -> None:
     if p.distributed.backend == "nccl" and p.train.device == "cpu":
         raise ConfigError("distributed.backend", "nccl", "nccl needs CUDA; use gloo or auto on CPU")
     # Known without loading anything for source=config (and an `arch` summary); hub and local
-    # models are checked against their loaded config before training (zfctl.train.session).
+    # models are checked against their loaded config before training (zfctl.train.recipe).
     check_max_length(p.data.max_length, p.model.config if p.model.source == "config" else p.model.arch)
 
 

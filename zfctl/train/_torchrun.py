@@ -5,7 +5,8 @@
 torchrun turns a failed rank into a ``ChildFailedError`` traceback and a signal into a
 ``SignalException`` traceback, although the rank has already printed its own one-line error (or
 its stop message and checkpoint). Here both end as the ranks' exit code (the first rank to fail,
-a signal's as 128 + its number), so the launcher can exit with it.
+a signal's as 128 + its number; a rank that died without a word, e.g. SIGKILLed, is named and its
+code preferred), so the launcher can exit with it.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode
-        code = 128 - code if code < 0 else code  # -15 (killed by SIGTERM) -> 143, like a shell
-        if code not in (1, 2, 130, 143):  # those ranks printed their own line or traceback
-            print(f"error: rank {rank} exited with code {code}", file=sys.stderr)
-        return code
+        # -15 (killed by SIGTERM) -> 143, like a shell
+        codes = {r: 128 - f.exitcode if f.exitcode < 0 else f.exitcode for r, f in sorted(e.failures.items())}
+        # Ranks ending 1/2/130/143 printed their own line (or a bug's traceback); any other code
+        # (a SIGKILL, the OOM killer, a segfault) is named here, since that rank could not.
+        # Every such rank, not just the "first" failure: torchrun's timestamps have 1 s
+        # resolution, so a killed rank and a peer that stopped because of it can tie.
+        silent = {r: c for r, c in codes.items() if c not in (1, 2, 130, 143)}
+        for r, c in silent.items():
+            print(f"error: rank {r} exited with code {c}", file=sys.stderr)
+        return next(iter(silent.values())) if silent else codes[e.get_first_failure()[0]]
     except SignalException as e:  # the launcher signalled torchrun before the ranks existed
         return 128 + int(e.sigval)
     return 0

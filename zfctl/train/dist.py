@@ -8,6 +8,10 @@ zfctl finetune <the same arguments>``. Each rank sees torchrun's RANK/WORLD_SIZE
 trains; ``torchrun --nnodes ... --nproc-per-node N -m zfctl finetune ...`` (multi-node, slurm)
 takes the same path minus the relaunch. When any rank fails, torchrun stops the others; the
 failing rank prefixes its message with ``rank R:`` so the user knows whose data or disk it was.
+A peer waiting for it in a collective learns of it from gloo/NCCL at once (the dead process's
+sockets close) and ends with one line too (:func:`rank_error`), and a rank killed without a word
+is named by ``zfctl.train._torchrun``: the whole job ends within seconds (tests/test_failures.py).
+Checkpoints stay whole: a save interrupted anywhere leaves only a ``.tmp-*`` folder, never read.
 
 The launcher owns what it starts. torchrun runs in its own session (the terminal's Ctrl-C and a
 ``kill`` of the launcher's process group reach only the launcher), and torchrun starts every
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from zfctl.errors import UserError
+from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
 
 # Set by torchrun (elastic agent) in every worker; their presence means "do not relaunch".
@@ -164,13 +168,38 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
             signal.signal(s, handler)
 
 
-def rank_error(e: UserError, env: DistEnv) -> UserError:
-    """``e`` with ``rank R:`` in front when several processes run (the same class and exit code)."""
+# What gloo and NCCL say when a collective fails because the other end is gone: its process
+# raised, was killed or was stopped by torchrun, and the kernel closed its sockets.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote process exited", "communicator was aborted", "connection refused")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True when ``e`` is a collective failing because another rank of the job ended."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in _PEER_GONE)
+
+
+def rank_error(e: Exception, env: DistEnv) -> Exception:
+    """What a rank reports for ``e`` when several processes run.
+
+    A UserError gets ``rank R:`` in front (the same class and exit code). A collective that
+    failed because another rank ended first becomes one line (RunFailed, exit 1) instead of a
+    traceback per survivor: the rank that failed printed its own error, or torchrun names the
+    rank that was killed. Anything else is returned as is (a bug keeps its traceback).
+    """
     if env.world_size <= 1:
         return e
-    out = UserError(f"rank {env.rank}: {e}")
-    out.exit_code = e.exit_code  # a diverged run (RunFailed, 1) stays distinguishable from bad input (2)
-    return out
+    if isinstance(e, UserError):
+        out = UserError(f"rank {env.rank}: {e}")
+        out.exit_code = e.exit_code  # a diverged run (RunFailed, 1) stays distinguishable from bad input (2)
+        return out
+    if peer_lost(e):
+        first = str(e).strip().splitlines()[0][:200]
+        return RunFailed(f"rank {env.rank}: stopped because another process of this job ended (its error, "
+                         f"if it had one, is above; the collective said: {first}); once that is fixed, continue "
+                         "from the newest checkpoint with `zfctl resume RUN_DIR`")
+    return e
 
 
 def prepare_launch(plan: RunPlan, *, force: bool) -> None:

@@ -75,6 +75,24 @@ class RunLock:
         self._fd = None
 
 
+class FolderLock:
+    """A run's hold on its folder's lock, taken once: early when the folder exists, else when the
+    run creates it (``take`` again is a no-op); ``release`` at the end. Only rank 0 takes it."""
+
+    def __init__(self, note: Callable[[str], None] | None = None) -> None:
+        self.note = note  # receives the line about a stale lock taken over
+        self.held: RunLock | None = None
+
+    def take(self, run_dir: Path) -> None:
+        if self.held is None:
+            self.held = acquire(run_dir, note=self.note)
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+
+
 def acquire(run_dir: Path, *, what: str = "run folder",
             note: Callable[[str], None] | None = None) -> RunLock:
     """Lock ``run_dir`` (which must exist) for this process, or raise :class:`RunInUse`.

@@ -2,7 +2,8 @@
 
 :class:`TrainingOptimizer` is the whole contract between ``zfctl/train`` and the ZenFlow engine
 in ``zfctl/offload``: the loop, the checkpoints and the run lifecycle use nothing else. mypy
-(``make lint``) checks that ``ZenFlowOptimizer`` satisfies it where ``session`` hands it over.
+(``make lint``) checks that ``ZenFlowOptimizer`` satisfies it where ``FinetuneRecipe.setup``
+(zfctl/train/recipe.py) stores it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,15 @@ class TrainingOptimizer(Protocol):
         """Everything needed to continue bit-identically (this rank's share of the host state)."""
         ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state_dict; its host pieces may come from any world size (they must cover
+        ``host_ranges()``)."""
+        ...
+
+    def host_ranges(self) -> list[tuple[str, int, int]]:
+        """(parameter name, c0, c1) of the host column ranges this rank holds: which pieces of a
+        saved state a resume on another world size must read (zfctl/train/reshard.py)."""
+        ...
 
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: int,

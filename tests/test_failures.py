@@ -1,0 +1,160 @@
+"""One failing rank ends the whole job: 2 gloo ranks through the real ``--nproc 2`` launcher.
+
+A rank that raises mid-step (the loop's test hook, zfctl/train/recipe.py ``FAIL_ENV``) and a rank
+that is SIGKILLed mid-run must each end every process of the job within seconds (30 s allowed on a
+loaded box; the job's start-up, most of each test, is not counted), with a non-zero
+exit, the failing rank's own one-line error (or torchrun naming the killed rank), no traceback
+from the survivor blocked in a collective, and no half-written checkpoint counted as one.
+Polls for conditions, never fixed sleeps: the machine may be a loaded 2-core box.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
+from zfctl.train.metrics import read_metrics
+from zfctl.train.recipe import FAIL_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
+    "data.end_idx=96", "data.max_length=64", "train.eval_batches=2", "train.eval_every=0",
+    "train.device=cpu", "train.precision=fp32", "logging.every=1", "zenflow.topk_ratio=0.1",
+    "zenflow.update_interval=2", "zenflow.cpu_threads=1", "train.micro_batch_size=2",
+    "train.max_steps=100000", "checkpoint.every=1",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+class Job:
+    """``zfctl finetune --nproc 2`` in its own session; merged output collected by a thread."""
+
+    def __init__(self, out: Path, env: dict[str, str] | None = None) -> None:
+        sets = [a for s in TINY for a in ("--set", s)]
+        cmd = [sys.executable, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample",
+               "--output", str(out), "--nproc", "2", *sets]
+        self.p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**ENV, **(env or {})}, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.p.stdout or []), daemon=True)
+        self._reader.start()
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, cond: Callable[[], bool], what: str, timeout: float = 150) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            assert self.p.poll() is None, f"ended early (rc {self.p.returncode}) waiting for {what}:\n{self.out}"
+            if time.monotonic() - t0 > timeout:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                raise AssertionError(f"timed out waiting for {what}:\n{self.out}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> int:
+        """The launcher's exit code; fails (and kills the job) if it takes longer than ``timeout``."""
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            raise AssertionError(f"the job did not end within {timeout} s:\n{self.out}") from None
+        finally:
+            self._reader.join(10)
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def rank_pids(job: Job) -> dict[int, int]:
+    """{rank: pid} of the workers (children of torchrun, the launcher's child)."""
+    out = {}
+    for pid in [w for t in children(job.p.pid) for w in children(t)]:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = pid
+    return out
+
+
+def metric_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
+
+
+def assert_checkpoints_whole(run: Path) -> int:
+    """Every ``step-*`` folder verifies and ``latest`` resolves; returns the newest step."""
+    root = run / "checkpoints"
+    steps = sorted(root.glob("step-*"))
+    assert steps, "no checkpoint at all"
+    for path in steps:
+        assert not damaged_files(read_checkpoint(path)), path  # raises on a missing meta or file
+    return resolve_checkpoint(run).step
+
+
+def test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error(tmp_path):
+    run = tmp_path / "run"
+    job = Job(run, env={FAIL_ENV: "1:3"})
+    job.wait_for(lambda: len(rank_pids(job)) == 2, "both ranks")
+    ranks = rank_pids(job)
+    t0 = time.monotonic()
+    while "failure injected" not in job.out and job.p.poll() is None and time.monotonic() - t0 < 150:
+        time.sleep(0.05)
+    t0 = time.monotonic()  # the failing rank has printed its error: from here the job must end
+    rc = job.finish(timeout=30)
+    print(f"job ended {time.monotonic() - t0:.1f} s after the failing rank's error")  # pytest -s
+    log = job.out
+    assert rc == 1, log
+    assert "Traceback" not in log and "ChildFailedError" not in log, log
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert f"error: rank 1: step 3: failure injected by {FAIL_ENV}=1:3 (a test hook)" in errors, log
+    # rank 0 was waiting for rank 1 in the gradient all-reduce: one line, not a traceback
+    assert all(e.startswith(("error: rank 1: step 3", "error: rank 0: stopped because another")) for e in errors), log
+    assert not any(alive(pid) for pid in ranks.values()), log
+    assert metric_steps(run) == [1, 2]
+    assert assert_checkpoints_whole(run) == 2
+
+
+def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    job = Job(run)
+    job.wait_for(lambda: (run / "checkpoints/latest").exists() and len(rank_pids(job)) == 2,
+                 "a first checkpoint, both ranks training")
+    ranks = rank_pids(job)
+    os.kill(ranks[1], signal.SIGKILL)  # wherever it is: computing, in a collective, mid-checkpoint
+    t0 = time.monotonic()
+    rc = job.finish(timeout=30)
+    print(f"job ended {time.monotonic() - t0:.1f} s after the SIGKILL")  # pytest -s
+    log = job.out
+    assert rc == 137, log  # 128 + SIGKILL: the killed rank's code, not the survivor's
+    assert "Traceback" not in log and "ChildFailedError" not in log, log
+    assert "error: rank 1 exited with code 137" in log, log
+    assert not any(alive(pid) for pid in ranks.values()), log
+    assert assert_checkpoints_whole(run) >= 1
