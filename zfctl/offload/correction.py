@@ -34,7 +34,7 @@ interval of staleness). The moments and counter then mean "``n`` Adam updates ab
 do for a device column, so a column migrating between the two paths keeps a consistent state. The
 native kernel runs the ``n`` steps on each element while it is in registers
 (``zfctl/_native.py`` ``adamw_step(repeat=n)``), so the memory traffic is one step's and the cost
-is ``n`` times the arithmetic (measured: docs/design.md, section on the deferred correction).
+is ``n`` times the arithmetic (measured: docs/design.md, section "Algorithm").
 """
 
 from __future__ import annotations
