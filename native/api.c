@@ -189,13 +189,14 @@ static void adam_piece(void *ctx, int64_t off, int64_t n)
         memcpy((char *)j->out + off * os, o, k * os);
 }
 
-void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
-                   void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
-                   int64_t step, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, double grad_scale, int adamw)
+void zf_adamw_steps(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                    void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                    int64_t step, int64_t nsteps, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, double grad_scale, int adamw)
 {
     /* Folded in double and rounded once, like torch's Python-side scalars. */
     double w = 1.0 - beta1;
+    float bc2s[ZF_MAX_REPEAT], nstep[ZF_MAX_REPEAT];
     zf_adam_job j = {
         .p = param, .m = exp_avg, .v = exp_avg_sq, .g = grad, .out = out,
         .gdt = grad_dtype, .odt = out ? out_dtype : ZF_NONE,
@@ -208,12 +209,30 @@ void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_av
         .wm1 = (float)w - 1.0f,
         .beta2 = (float)beta2,
         .omb2 = (float)(1.0 - beta2),
-        .bc2s = (float)pow(1.0 - pow(beta2, (double)step), 0.5), /* torch: bc2 ** 0.5 */
-        .nstep = (float)(-(lr / (1.0 - pow(beta1, (double)step)))),
         .eps = (float)eps,
+        .bc2s = bc2s,
+        .nstep = nstep,
     };
     ew_call c = {.k = kernels(), .piece = adam_piece, .job = &j};
-    ew_run(&c, runs, nruns, numel);
+    /* At most ZF_MAX_REPEAT steps per pass; each element's arithmetic is the same either way. */
+    for (int64_t done = 0; done < nsteps; done += j.nrep) {
+        j.nrep = (int)(nsteps - done < ZF_MAX_REPEAT ? nsteps - done : ZF_MAX_REPEAT);
+        for (int r = 0; r < j.nrep; r++) {
+            double t = (double)(step + done + r);
+            bc2s[r] = (float)pow(1.0 - pow(beta2, t), 0.5); /* torch: bc2 ** 0.5 */
+            nstep[r] = (float)(-(lr / (1.0 - pow(beta1, t))));
+        }
+        ew_run(&c, runs, nruns, numel);
+    }
+}
+
+void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                   void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                   int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, double grad_scale, int adamw)
+{
+    zf_adamw_steps(param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, numel, runs, nruns, step, 1, lr,
+                   beta1, beta2, eps, weight_decay, grad_scale, adamw);
 }
 
 /* ---- accumulate ---- */

@@ -48,29 +48,32 @@ INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int
     const __m256 scale = _mm256_set1_ps(j->scale), decay = _mm256_set1_ps(j->decay);
     const __m256 wd = _mm256_set1_ps(j->wd), w = _mm256_set1_ps(j->w), wm1 = _mm256_set1_ps(j->wm1);
     const __m256 beta2 = _mm256_set1_ps(j->beta2), omb2 = _mm256_set1_ps(j->omb2);
-    const __m256 bc2s = _mm256_set1_ps(j->bc2s), nstep = _mm256_set1_ps(j->nstep);
     const __m256 eps = _mm256_set1_ps(j->eps);
     /* Locals, not j->...: the intrinsics' stores may alias anything, so fields read through j would
      * be reloaded on every iteration. */
     float *pp = j->p, *mp = j->m, *vp = j->v;
     const void *gp = j->g;
     void *op = j->out;
-    const int l2 = j->l2, small = j->lerp_small;
+    const int l2 = j->l2, small = j->lerp_small, nrep = j->nrep;
+    const float *bc2s = j->bc2s, *nstep = j->nstep;
     for (int64_t i = off; i < off + n; i += 8) {
         ahead(pp, i, 4);
         ahead(mp, i, 4);
         ahead(vp, i, 4);
         ahead(gp, i, zf_dtype_size(gdt));
-        __m256 g = _mm256_mul_ps(load8(gp, i, gdt), scale);
-        __m256 p = _mm256_mul_ps(_mm256_loadu_ps(pp + i), decay);
-        __m256 m = _mm256_loadu_ps(mp + i), v = _mm256_loadu_ps(vp + i);
-        if (l2)
-            g = _mm256_fmadd_ps(wd, p, g);
-        __m256 d = _mm256_sub_ps(g, m);
-        m = small ? _mm256_fmadd_ps(w, d, m) : _mm256_fmadd_ps(wm1, d, g);
-        v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v, beta2));
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nstep, m), denom));
+        const __m256 g0 = _mm256_mul_ps(load8(gp, i, gdt), scale);
+        __m256 p = _mm256_loadu_ps(pp + i), m = _mm256_loadu_ps(mp + i), v = _mm256_loadu_ps(vp + i);
+        for (int r = 0; r < nrep; r++) { /* as kern_scalar.c: nrep steps, one load and store */
+            __m256 g = g0;
+            p = _mm256_mul_ps(p, decay);
+            if (l2)
+                g = _mm256_fmadd_ps(wd, p, g);
+            __m256 d = _mm256_sub_ps(g, m);
+            m = small ? _mm256_fmadd_ps(w, d, m) : _mm256_fmadd_ps(wm1, d, g);
+            v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v, beta2));
+            __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(bc2s[r])), eps);
+            p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(nstep[r]), m), denom));
+        }
         _mm256_storeu_ps(pp + i, p);
         _mm256_storeu_ps(mp + i, m);
         _mm256_storeu_ps(vp + i, v);

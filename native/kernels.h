@@ -37,10 +37,17 @@ typedef struct {
     float wd;          /* L2 coefficient */
     float w, wm1;      /* lerp weight 1-beta1, and weight-1 */
     float beta2, omb2; /* beta2 and 1-beta2 */
-    float bc2s;        /* sqrt(1 - beta2^step) */
-    float nstep;       /* -lr / (1 - beta1^step) */
     float eps;
+    /* The job is nrep >= 1 AdamW steps with the same gradient (zf_adamw_steps): element by element,
+     * step r uses bc2s[r] = sqrt(1 - beta2^(step+r)) and nstep[r] = -lr / (1 - beta1^(step+r)). The
+     * element stays in registers for all nrep steps, so the memory traffic is one step's. */
+    int nrep;
+    const float *bc2s, *nstep;
 } zf_adam_job;
+
+/* Most steps one zf_adam_job holds (its per-step constants live on the dispatcher's stack); api.c
+ * cuts longer repeats into jobs of at most this many, which gives the same bits. */
+#define ZF_MAX_REPEAT 64
 
 typedef struct {
     int isa; /* ZF_ISA_* */

@@ -34,6 +34,14 @@ void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_av
                    int64_t step, double lr, double beta1, double beta2, double eps,
                    double weight_decay, double grad_scale, int adamw);
 
+/* nsteps >= 1 of the step above with the same gradient, steps step .. step+nsteps-1: the same bits as
+ * nsteps calls of zf_adamw_step, with one pass over memory (ZenFlow's deferred columns: n AdamW
+ * steps with an interval's mean gradient). */
+void zf_adamw_steps(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                    void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                    int64_t step, int64_t nsteps, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, double grad_scale, int adamw);
+
 /* acc[i] += scale * grad[i]; acc fp32, grad fp32/bf16/fp16. overwrite != 0: acc[i] = 0 + scale * grad[i]
  * (the first gradient of an interval: acc is not read from memory, its old contents do not matter). */
 void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,

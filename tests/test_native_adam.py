@@ -215,3 +215,56 @@ def test_thread_count_does_not_change_bits(threads):
             break
     N.set_num_threads(before)
     assert N.pool_joins() > joins, "no pool thread ever joined: the multi-thread path went untested"
+
+
+
+@pytest.mark.parametrize("hp", HP_SETS)
+def test_repeat_is_n_calls_bit_for_bit(isa, hp):
+    """repeat=n (ZenFlow's deferred columns) gives the bits of n one-step calls with the same
+    gradient on every path: through the tail path, a run list, a bf16 out, and a repeat longer
+    than one pass (70 = 64 + 6, native/kernels.h ZF_MAX_REPEAT)."""
+    adamw, wd, betas = hp
+    n = 4099
+    runs = torch.tensor([[0, 3], [10, 2000], [2100, 1999]])
+    kw = {"lr": 1e-3, "beta1": betas[0], "beta2": betas[1], "eps": 1e-8, "weight_decay": wd, "adamw": adamw}
+    p, m, v = _state(n, seed=15)
+    one = [t.clone() for t in (p, m, v)]
+    out, out_one = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    gen, step = torch.Generator().manual_seed(14), 1
+    for reps in (1, 4, 3, 70):
+        g = torch.randn(n, generator=gen) * 4.0
+        N.adamw_step(p, g, m, v, step=step, grad_scale=0.25, runs=runs, out=out, repeat=reps, **kw)
+        for k in range(reps):
+            N.adamw_step(one[0], g, one[1], one[2], step=step + k, grad_scale=0.25, runs=runs, out=out_one, **kw)
+        for a, b in zip((p, m, v, out), (*one, out_one)):
+            assert torch.equal(a, b), reps
+        step += reps
+
+
+@pytest.mark.parametrize("adamw, wd, betas", HP_SETS)
+def test_repeat_matches_torch_run_n_times(isa, adamw, wd, betas):
+    """torch.optim stepped n times with the same gradient is the reference for repeat=n."""
+    n, lr = 4099, 1e-3
+    p, m, v = _state(n, seed=16)
+    ref = p.clone().requires_grad_(True)
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], lr=lr, betas=betas, eps=1e-8, weight_decay=wd)
+    gen, step = torch.Generator().manual_seed(17), 1
+    for reps in (4, 1, 8, 4, 16, 2):
+        g = torch.randn(n, generator=gen) * (0.1 + step % 7)
+        for _ in range(reps):
+            ref.grad = g.clone()
+            opt.step()
+        N.adamw_step(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=wd,
+                     adamw=adamw, repeat=reps)
+        step += reps
+    st = opt.state[ref]
+    assert _rel(p, ref.detach()) <= 1e-6
+    assert ((m - st["exp_avg"]).abs().max() / st["exp_avg"].abs().max()).item() <= 1e-5
+    assert ((v - st["exp_avg_sq"]).abs().max() / st["exp_avg_sq"].abs().max()).item() <= 1e-5
+
+
+def test_repeat_rejects_a_bad_count():
+    p, m, v = _state(16, seed=0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="repeat"):
+            N.adamw_step(p, torch.zeros(16), m, v, step=1, weight_decay=0.0, repeat=bad, **HP)

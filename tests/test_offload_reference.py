@@ -27,9 +27,11 @@ def adamw(p, g, m, v, count, lr=LR, wd=WD):
     p.sub_(lr / bc1 * m / (v.sqrt() / bc2.sqrt() + EPS))
 
 
-def reference(overlap: bool, host_scale: float = 1.0) -> dict[str, torch.Tensor]:
+def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False) -> dict[str, torch.Tensor]:
     """``host_scale``: zenflow.deferred_lr_scale's factor s, stated literally: the CPU step uses
-    lr * s and keeps U steps of decoupled weight decay (lr * s * wd' = U * lr * wd)."""
+    lr * s and keeps U steps of decoupled weight decay (lr * s * wd' = U * lr * wd).
+    ``host_repeat`` (deferred_lr_scale: repeat): the CPU takes U AdamW steps, all with the
+    interval-mean gradient, each counted."""
     model = tiny_net()
     params = dict(model.named_parameters())
     st = {n: {"p": p.detach().clone(), "m": torch.zeros_like(p), "v": torch.zeros_like(p),
@@ -69,12 +71,13 @@ def reference(overlap: bool, host_scale: float = 1.0) -> dict[str, torch.Tensor]
                 if p.dim() == 1:
                     continue
                 s, host = st[n], ~device_cols[n]
-                s["host_n"][host] += 1
                 cols = host.nonzero().flatten()
                 pc, mc, vc = s["p"][:, cols], s["m"][:, cols], s["v"][:, cols]
                 host_lr = LR * host_scale
                 host_wd = WD if host_scale == 1.0 else WD * U / host_scale
-                adamw(pc, s["acc"][:, cols] / U, mc, vc, s["host_n"][cols], lr=host_lr, wd=host_wd)
+                for _ in range(U if host_repeat else 1):
+                    s["host_n"][host] += 1
+                    adamw(pc, s["acc"][:, cols] / U, mc, vc, s["host_n"][cols], lr=host_lr, wd=host_wd)
                 s["p"][:, cols], s["m"][:, cols], s["v"][:, cols] = pc, mc, vc
                 s["acc"].zero_()
                 pending[n] = pc.clone()
@@ -85,8 +88,9 @@ def reference(overlap: bool, host_scale: float = 1.0) -> dict[str, torch.Tensor]
     return snapshot(model)
 
 
-@pytest.mark.parametrize(("overlap", "scale"), [(False, "off"), (True, "off"), (True, "sqrt"), (False, "linear")],
-                         ids=["sequential", "overlap", "overlap-sqrt", "sequential-linear"])
+@pytest.mark.parametrize(("overlap", "scale"), [(False, "off"), (True, "off"), (True, "sqrt"), (False, "linear"),
+                                               (True, "repeat")],
+                         ids=["sequential", "overlap", "overlap-sqrt", "sequential-linear", "overlap-repeat"])
 def test_optimizer_matches_the_literal_algorithm(overlap: bool, scale: str) -> None:
     model = tiny_net()
     cfg = ZenFlowConfig(topk_ratio=R, update_interval=U, overlap_step=overlap, select_strategy="step",
@@ -96,7 +100,8 @@ def test_optimizer_matches_the_literal_algorithm(overlap: bool, scale: str) -> N
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-    ref = reference(overlap, host_scale={"off": 1.0, "sqrt": U**0.5, "linear": float(U)}[scale])
+    ref = reference(overlap, host_scale={"sqrt": U**0.5, "linear": float(U)}.get(scale, 1.0),
+                    host_repeat=scale == "repeat")
     # Not 1e-6: a few elements' interval gradients cancel to ~1e-8 (4 steps of +-5e-4), which
     # amplifies the last-bit differences of two fp32 forward passes; any rule broken (a boundary,
     # the staleness, a counter) moves the result by more than 1e-1, see the last line.

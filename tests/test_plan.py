@@ -174,6 +174,18 @@ def test_deepspeed_reference_config_resolves_to_expected_plan(tmp_path: Path) ->
     assert "train_batch_size 8" in joined
 
 
+def test_set_off_reaches_a_literal_that_has_off(tmp_path: Path) -> None:
+    """`--set zenflow.deferred_lr_scale=off` (YAML reads a bare off as false) is the 'off' mode,
+    in a config file too; a bool stays an error where the choices have no 'off'."""
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text("zenflow:\n  deferred_lr_scale: off\n")
+    assert resolve_plan("tiny-llama", "alpaca-sample", config=cfg).zenflow.deferred_lr_scale == "off"
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["zenflow.deferred_lr_scale=off"])
+    assert plan.zenflow.deferred_lr_scale == "off"
+    with pytest.raises(ConfigError, match="zenflow.accumulate"):
+        resolve_plan("tiny-llama", "alpaca-sample", overrides=["zenflow.accumulate=off"])
+
+
 def test_deepspeed_defaults_and_baselines() -> None:
     # a zenflow block means DeepSpeed's defaults for what it leaves out
     zf = from_deepspeed(

@@ -87,7 +87,7 @@ def test_zenflow_presets_mean_what_they_say() -> None:
         "step",
         16,
     )
-    assert (d.full_warm_up_rounds, d.deferred_lr_scale) == (20, "linear")
+    assert (d.full_warm_up_rounds, d.deferred_lr_scale) == (20, "repeat")
     # paper: the same split, selected once per epoch, no warm-up, uncorrected CPU step
     p = z["paper"]
     assert (p.topk_ratio, p.update_interval, p.overlap_step, p.select_strategy, p.select_interval) == (

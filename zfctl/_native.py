@@ -126,6 +126,7 @@ def adamw_step(
     adamw: bool = True,
     runs: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    repeat: int = 1,
 ) -> None:
     """One fused AdamW (or, with adamw=False, Adam with L2 decay) step, in place, in one pass.
 
@@ -137,6 +138,11 @@ def adamw_step(
     gradient is read before its output is written, which saves the offload a buffer. Memory
     traffic per element: 28 B with fp32 grads, 28 B with bf16 grads and a bf16 out (torch needs
     three passes for the same: cast, step, copy, 44 B).
+
+    ``repeat`` = n > 1 takes n steps with the same gradient, bias-correction steps ``step`` ..
+    ``step + n - 1``: the bits of n calls (with ``out`` written once, at the end, so ``out`` may
+    still be the gradient buffer) for the memory traffic of one. ZenFlow's deferred columns use
+    it (zfctl/offload/correction.py, mode ``repeat``).
     """
     n = _check("param", param, _FP32).numel()
     _check("grad", grad, _ANY, n)
@@ -147,11 +153,13 @@ def adamw_step(
     _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
     if int(step) != step or step < 1:
         raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
+    if isinstance(repeat, bool) or int(repeat) != repeat or repeat < 1:
+        raise ValueError(f"repeat: must be an integer >= 1 (the number of steps to take), got {repeat!r}")
     runs_ptr, nruns = _runs(runs, n)
-    lib.zf_adamw_step(
+    lib.zf_adamw_steps(
         _ptr(param, "float *"), _ptr(grad), _DTYPE[grad.dtype], _ptr(exp_avg, "float *"),
         _ptr(exp_avg_sq, "float *"), _ptr(out), _DTYPE[out.dtype] if out is not None else lib.ZF_NONE,
-        n, runs_ptr, nruns, int(step), float(lr), float(beta1), float(beta2), float(eps),
+        n, runs_ptr, nruns, int(step), int(repeat), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), float(grad_scale), 1 if adamw else 0,
     )
 

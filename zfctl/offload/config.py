@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
 from zfctl.errors import ConfigError
-from zfctl.offload.correction import DeferredLrScale
+from zfctl.offload.correction import MODES, DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
@@ -57,10 +57,11 @@ class ZenFlowConfig:
     deferred_lr_scale: DeferredLrScale = _f(
         "off",
         "Scale the CPU step's learning rate for the n steps a deferred column waited: 'off' = x1 "
-        "(the paper), 'sqrt' = x sqrt(n) (noisy gradients), 'linear' = x n (consistent gradients). "
-        "Adam's step is ~lr whatever the gradient's size, so without it deferred columns move up "
-        "to n times less than under AdamW. Moments and bias correction are unchanged; weight decay "
-        "stays n steps' worth. See zfctl/offload/correction.py.",
+        "(the paper), 'sqrt' = x sqrt(n) (noisy gradients), 'linear' = x n (consistent gradients), "
+        "'repeat' = n AdamW steps with the interval-mean gradient (exact moments, bias correction "
+        "and weight decay; n x the CPU arithmetic, same memory traffic). Adam's step is ~lr "
+        "whatever the gradient's size, so without it deferred columns move up to n times less than "
+        "under AdamW. See zfctl/offload/correction.py.",
     )
     stream_grads: bool = _f(
         True,
@@ -133,8 +134,8 @@ class ZenFlowConfig:
                 f"must be >= update_interval ({self.update_interval}): "
                 "re-selection happens on a CPU-update boundary",
             )
-        if self.deferred_lr_scale not in ("off", "sqrt", "linear"):
-            raise bad("deferred_lr_scale", "use one of off, sqrt, linear")
+        if self.deferred_lr_scale not in MODES:
+            raise bad("deferred_lr_scale", f"use one of {', '.join(MODES)}")
         for name in ("full_warm_up_rounds", "cpu_threads", "accumulate_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

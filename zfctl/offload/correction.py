@@ -15,13 +15,26 @@ The correction multiplies the CPU step's learning rate by ``s(n)``:
 * ``linear``: ``s = n``: the distance ``n`` AdamW steps cover when the per-step gradients all
   point the same way (consistent drift). It overshoots noisy columns.
 
-Only the learning rate changes, never the moments: ``exp_avg``/``exp_avg_sq`` and the per-column
+``sqrt`` and ``linear`` change only the learning rate, never the moments: ``exp_avg``/``exp_avg_sq`` and the per-column
 step counter keep meaning "one Adam update absorbed per CPU step", so a column's state stays
 valid when it migrates to the device (``selection``) and bias correction is unchanged. Decoupled
 weight decay is kept at ``n`` steps' worth, ``n * lr * wd`` to first order, for every mode (the
 kernel applies ``lr' * wd'``, so ``wd' = wd * n / s``); with ``off`` that is the paper's
 ``lr * wd`` per interval, unchanged. Warm-up steps and 1-step intervals (``n == 1``) are never
 scaled, so ``zero-offload`` and ``off`` are unaffected.
+
+``repeat`` is not a scale but the exact statement of "the ``n`` AdamW steps the interval stood
+for, with what the CPU knows (the interval-mean gradient ``gbar``)": the CPU runs ``n`` AdamW
+steps on each deferred element, all with ``gbar``, each with its own bias correction and decoupled
+weight decay, at the boundary's lr; the column's step counter advances by ``n``. This is not one
+closed-form step (``m <- b1^n m + (1 - b1^n) gbar`` and a single parameter move): the parameter
+moves ``n`` times, each by the moments of that inner step. It differs from AdamW only in that
+every inner step sees ``gbar`` instead of that step's own gradient (and in the overlap's one
+interval of staleness). The moments and counter then mean "``n`` Adam updates absorbed", as they
+do for a device column, so a column migrating between the two paths keeps a consistent state. The
+native kernel runs the ``n`` steps on each element while it is in registers
+(``zfctl/_native.py`` ``adamw_step(repeat=n)``), so the memory traffic is one step's and the cost
+is ``n`` times the arithmetic (measured: docs/design.md, section "Algorithm").
 """
 
 from __future__ import annotations
@@ -29,12 +42,13 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-DeferredLrScale = Literal["off", "sqrt", "linear"]
+DeferredLrScale = Literal["off", "sqrt", "linear", "repeat"]
+MODES: tuple[str, ...] = ("off", "sqrt", "linear", "repeat")
 
 
 def lr_scale(mode: DeferredLrScale, steps: int) -> float:
     """``s(n)``: the factor on the CPU step's learning rate for an interval of ``steps`` steps."""
-    if mode == "off" or steps <= 1:
+    if mode in ("off", "repeat") or steps <= 1:  # repeat: n steps at the unscaled lr
         return 1.0
     if mode == "sqrt":
         return math.sqrt(steps)
@@ -53,3 +67,9 @@ def corrected_hyperparams(mode: DeferredLrScale, steps: int, lr: float, weight_d
     if s == 1.0:
         return lr, weight_decay
     return lr * s, weight_decay * steps / s
+
+
+def inner_steps(mode: DeferredLrScale, steps: int) -> int:
+    """AdamW steps the CPU takes per deferred element for an interval of ``steps`` steps: ``steps``
+    with ``repeat``, else 1."""
+    return max(1, steps) if mode == "repeat" else 1

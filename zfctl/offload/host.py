@@ -67,8 +67,9 @@ class HostState:
         index = index[(index >= slot.host_c0) & (index < slot.host_c1)]  # data parallel: own range only
         owned[index - slot.host_c0] = True
 
-    def update_groups(self) -> list[tuple[int, torch.Tensor]]:
-        """(1-based Adam step, runs) per distinct counter among the host-owned columns.
+    def update_groups(self, steps: int = 1) -> list[tuple[int, torch.Tensor]]:
+        """(1-based Adam step, runs) per distinct counter among the host-owned columns, for an
+        update of ``steps`` Adam steps (``zenflow.deferred_lr_scale: repeat``; else 1).
 
         Columns that never left the host share one counter; each group of columns that came back
         from the device with its own count adds one group. Each group is one native call. The
@@ -80,7 +81,7 @@ class HostState:
         for value in torch.unique(self.steps[host]).tolist():
             runs = column_runs(host & (self.steps == value), self.layout.host_col_offsets)
             groups.append((int(value) + 1, runs))
-        self.steps[host] += 1
+        self.steps[host] += steps
         return groups
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
 5. At a boundary (every ``U`` steps, or the auto rule, or the step before a re-selection, or every
    warm-up step) the CPU worker runs AdamW on the host-owned columns with the interval-mean
    gradient (``grad_scale = 1/steps accumulated``), with the learning rate of the boundary step
-   (times ``zenflow.deferred_lr_scale``'s factor for the steps it stood for, see ``correction``).
+   (times ``zenflow.deferred_lr_scale``'s factor for the steps it stood for, or, with ``repeat``,
+   as that many AdamW steps with the same mean gradient; see ``correction``).
    Without ``overlap_step`` (and during warm-up) the step waits for it and installs the result
    (H2D into the model params) at once. With it, the update runs in the background and is
    installed at the next boundary, before the next one is submitted: the non-selected columns are
@@ -63,7 +64,7 @@ from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
 from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
-from zfctl.offload.correction import corrected_hyperparams
+from zfctl.offload.correction import corrected_hyperparams, inner_steps
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.exchange import GradExchange
@@ -480,9 +481,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
-        # step for them (correction.py; 'off' passes lr and wd through untouched).
-        lr, wd = corrected_hyperparams(self.config.deferred_lr_scale, n, lr, wd)
-        update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(), lr, beta1, beta2, eps, wd)
+        # step for them, or ('repeat') takes n steps (correction.py; 'off' passes lr and wd
+        # through untouched and takes one step).
+        mode = self.config.deferred_lr_scale
+        lr, wd = corrected_hyperparams(mode, n, lr, wd)
+        reps = inner_steps(mode, n)
+        update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(reps), lr, beta1, beta2, eps, wd, reps)
         # CPU AdamW: master, moments read+written (24 B), acc read (4 B), upload written.
         upload = self.host.upload.element_size() if self.host.upload is not None else 0
         stats.host_bytes += self._host_elems * (28 + upload)

@@ -34,6 +34,7 @@ class CpuUpdate:
     beta2: float
     eps: float
     weight_decay: float
+    repeat: int = 1  # AdamW steps per element, all with this gradient (correction.inner_steps)
 
 
 class CpuWorker:
@@ -62,6 +63,7 @@ class CpuWorker:
                 h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
                 beta1=update.beta1, beta2=update.beta2, eps=update.eps,
                 weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, out=h.upload,
+                repeat=update.repeat,
             )
         # No zeroing: the first step of the interval after next overwrites acc (chunks.py, stream.py).
         return (time.perf_counter() - t0) * 1e3

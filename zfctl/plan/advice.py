@@ -28,7 +28,7 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
         out.append(
             "zenflow.deferred_lr_scale=off: the non-selected columns take one lr-sized Adam step per "
             "interval instead of one per step, so they learn up to update_interval times slower than "
-            "under AdamW; --set zenflow.deferred_lr_scale=linear (the default preset, with its warm-up)")
+            "under AdamW; --set zenflow.deferred_lr_scale=repeat (the default preset, with its warm-up)")
     if z.select_strategy != "step":
         out.append(
             f"zenflow.select_strategy={z.select_strategy}: the device columns are chosen once per epoch "

@@ -90,6 +90,8 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
                 continue
         raise _fail(key, value, tp)
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in get_args(tp):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off/on (`--set k=off`) as a bool
         for choice in get_args(tp):
             # `True == 1` in Python; compare types too so `1` never matches a bool literal.
             if type(choice) is type(value) and choice == value:
