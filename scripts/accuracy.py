@@ -6,7 +6,12 @@
     python scripts/accuracy.py --model smollm2-135m --steps 100 --tasks instruct,sst2  # optional extra
 
 Everything goes through the real engine (``zfctl.plan.resolve_plan`` + ``zfctl.train.run``, the
-code path of ``zfctl finetune``), same seed, same batches, same steps for every variant.
+code path of ``zfctl finetune``), same seeds, same batches, same steps for every variant. Each task
+runs once per fine-tuning seed (``--seeds``, ``--sst2-seeds``; the base keeps ``--seed``) and the
+table shows the mean: on sst2 one seed moves a variant's accuracy by up to 10 points, far more
+than the 1 point the acceptance asks for, so one seed cannot rank variants there. ``--jobs`` runs
+that many fine-tunes at a time (one process each, ``--threads`` threads each; default 2: the
+2-core development machine), so ms/step is a shared-CPU number, not a speed measurement.
 
 1. A small *pretrained* base, made once and cached (``<cache>/base-*``): tiny-llama trained from
    random init with plain AdamW (``--zenflow off``) as a plain causal LM on the number/date/fact
@@ -28,10 +33,11 @@ code path of ``zfctl finetune``), same seed, same batches, same steps for every 
    dominates the result; ``--lr 1e-3`` still measures that regime (README, section Accuracy).
    sst2 runs at ``--sst2-lr`` 3e-4, the lowest of 1e-4/3e-4/1e-3 at which AdamW learns it in 240
    steps (58% / 71% / 84%).
-3. Per task and variant: eval loss at fixed steps (the loop's own evaluation, from
+3. Per task and variant, mean over the seeds: eval loss at fixed steps (the loop's own evaluation, from
    ``metrics.jsonl``; the last one after the final CPU update is installed), the final gap to the
    first variant in %, the mean step time, and for ``sst2`` the validation accuracy of the final
-   weights (the checkpoint with its in-flight CPU update installed, as ``zfctl export`` does).
+   weights (the checkpoint with its in-flight CPU update installed, as ``zfctl export`` does), with
+   its min-max over the seeds, and a second table of sst2 accuracy per seed.
 
 Variants are ``LABEL=PRESET[+KEY=VALUE...]``: a zenflow preset plus ``--set``-style overrides. The
 first variant is the reference for the gap column. Runs live under ``<cache>/runs`` (replaced on
@@ -45,11 +51,13 @@ import contextlib
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +90,7 @@ class Result:
     ms_per_step: float
     wall_s: float
     accuracy: float | None = None
+    seed: int = 0  # the fine-tuning seed (the base's is --seed)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -172,11 +181,11 @@ def ensure_base(cache: Path, files: dict[str, Path], seed: int) -> Path:
     return folder
 
 
-def finetune(model: str, task: str, label: str, spec: str, files: dict[str, Path], args) -> Result:
-    """Fine-tune ``model`` on ``task`` under variant ``spec``; eval losses, step time, accuracy."""
+def finetune(model: str, task: str, label: str, spec: str, files: dict[str, Path], args, seed: int) -> Result:
+    """Fine-tune ``model`` on ``task`` under variant ``spec`` with fine-tuning seed ``seed``."""
     preset, *sets = spec.split("+")
     data, data_sets = task_data(task, files)
-    out = args.cache / "runs" / task / label
+    out = args.cache / "runs" / task / f"{label}-s{seed}"
     steps = args.sst2_steps if task == "sst2" else args.steps
     every = args.eval_every * steps // args.steps  # the same number of evaluations per task
     lr = args.sst2_lr if task == "sst2" else args.lr
@@ -184,11 +193,11 @@ def finetune(model: str, task: str, label: str, spec: str, files: dict[str, Path
                  f"train.micro_batch_size={args.batch}", f"train.warmup_steps={args.warmup}",
                  "train.schedule=cosine", "train.weight_decay=0.0", "train.max_grad_norm=1.0",
                  f"train.eval_every={every}", f"train.eval_batches={args.eval_batches}",
-                 f"train.seed={args.seed}", "train.precision=fp32", f"train.device={args.device}",
+                 f"train.seed={seed}", "train.precision=fp32", f"train.device={args.device}",
                  "checkpoint.every=0", "checkpoint.keep_last=1", f"logging.every={steps}",
                  f"zenflow.cpu_threads={args.threads}", *sets]
     t0 = time.perf_counter()
-    result = _train(model, data, preset, overrides, out, out.parent / f"{label}.log")
+    result = _train(model, data, preset, overrides, out, out.parent / f"{label}-s{seed}.log")
     wall = time.perf_counter() - t0
     evals, step_ms = {}, []
     for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
@@ -197,7 +206,7 @@ def finetune(model: str, task: str, label: str, spec: str, files: dict[str, Path
             evals[int(rec["step"])] = float(rec["eval_loss"])
         elif rec.get("kind") == "train" and rec["step"] > 2:  # the first steps include warm-up effects
             step_ms.append(float(rec["step_ms"]))
-    res = Result(task, label, evals, sum(step_ms) / max(1, len(step_ms)), wall)
+    res = Result(task, label, evals, sum(step_ms) / max(1, len(step_ms)), wall, seed=seed)
     if task == "sst2":
         res.accuracy = sst2_accuracy(result.output_dir, out / "final")
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -236,25 +245,71 @@ def _loglik(model, ids: list[int], labels: list[int]) -> float:
     return float(logp[keep].gather(1, y[keep, None]).sum())
 
 
+def _seeds(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in value.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        p.error(f"{flag} {value!r}: use distinct integers separated by commas, e.g. {flag} 1,2,3")
+    return seeds
+
+
 # -- report ----------------------------------------------------------------------------------------
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def table(results: list[Result], ref_label: str) -> str:
-    """Markdown: one row per task x variant; eval loss at each step, gap of the final to the reference."""
+    """Markdown: one row per task x variant, means over the fine-tuning seeds; eval loss at each step,
+    gap of the final to the reference, and for sst2 the accuracy (mean, and min-max over seeds)."""
     lines = []
     for task in dict.fromkeys(r.task for r in results):
-        rows = [r for r in results if r.task == task]
-        steps = sorted(set().union(*(r.evals for r in rows)))
-        ref = next((r for r in rows if r.variant == ref_label), rows[0])
-        head = ["task", "variant", *(f"@{s}" for s in steps), "gap", "ms/step"] + (["acc"] if task == "sst2" else [])
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            gap = 100 * (r.final - ref.final) / ref.final
-            cells = [task, r.variant, *(f"{r.evals[s]:.4f}" if s in r.evals else "-" for s in steps),
-                     f"{gap:+.1f}%", f"{r.ms_per_step:.0f}"]
+        variants = dict.fromkeys(r.variant for r in results if r.task == task)
+        runs = {v: [r for r in results if r.task == task and r.variant == v] for v in variants}
+        steps = sorted(set().union(*(r.evals for r in results if r.task == task)))
+        nseeds = len(runs[next(iter(variants))])
+        ref = _mean([r.final for r in runs.get(ref_label) or next(iter(runs.values()))])
+        head = ["task", "variant", *(f"@{s}" for s in steps), "gap", "ms/step"]
+        if task == "sst2":
+            head += ["acc"] + (["min-max"] if nseeds > 1 else [])
+        lines += [f"{task}: mean of {nseeds} seed(s)" if nseeds > 1 else "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]
+        for v, rs in runs.items():
+            final = _mean([r.final for r in rs])
+            cells = [task, v, *(f"{_mean([r.evals[s] for r in rs]):.4f}" if all(s in r.evals for r in rs) else "-"
+                                for s in steps),
+                     f"{100 * (final - ref) / ref:+.1f}%", f"{_mean([r.ms_per_step for r in rs]):.0f}"]
             if task == "sst2":
-                cells.append(f"{100 * r.accuracy:.1f}%" if r.accuracy is not None else "-")
+                accs = [100 * r.accuracy for r in rs if r.accuracy is not None]
+                cells.append(f"{_mean(accs):.1f}%" if accs else "-")
+                if nseeds > 1:
+                    cells.append(f"{min(accs):.0f}-{max(accs):.0f}" if accs else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(line for i, line in enumerate(lines) if line or i)
+
+
+def seed_table(results: list[Result]) -> str:
+    """Markdown: sst2 accuracy per fine-tuning seed and variant (the noise the mean averages out)."""
+    rows = [r for r in results if r.task == "sst2" and r.accuracy is not None]
+    seeds = sorted({r.seed for r in rows})
+    if len(seeds) < 2:
+        return ""
+    lines = ["| sst2 acc | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | spread |",
+             "|" + "---|" * (len(seeds) + 3)]
+    for v in dict.fromkeys(r.variant for r in rows):
+        acc = {r.seed: 100 * r.accuracy for r in rows if r.variant == v}
+        vals = list(acc.values())
+        sd = math.sqrt(sum((a - _mean(vals)) ** 2 for a in vals) / max(1, len(vals) - 1))
+        lines.append(f"| {v} | " + " | ".join(f"{acc[s]:.0f}%" if s in acc else "-" for s in seeds)
+                     + f" | {_mean(vals):.1f}% | sd {sd:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _worker_init(threads: int) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,13 +331,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="the sst2 runs' lr (the lowest at which AdamW learns the task in 240 steps)")
     p.add_argument("--batch", type=int, default=8, help="micro-batch size (one micro-batch per step)")
     p.add_argument("--warmup", type=int, default=5, help="LR warm-up steps")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="the base's pre-training seed (the cached base)")
+    p.add_argument("--seeds", default="42,1,2",
+                   help="comma-separated fine-tuning seeds of instruct/text (the base keeps --seed); the table "
+                        "shows their mean")
+    p.add_argument("--sst2-seeds", default="42,1,2,3,4",
+                   help="fine-tuning seeds of sst2: one seed moves its accuracy by up to 10 points (README, "
+                        "section Accuracy), so the table shows the mean and min-max over five")
     p.add_argument("--threads", type=int, default=1, help="torch and CPU-Adam threads (shared machines: 1)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="runs at a time, one process each (x --threads cores; step times then share the CPU)")
     p.add_argument("--device", default="cpu", choices=["cpu", "auto", "cuda"])
     p.add_argument("--cache", type=Path, default=REPO / ".zfctl-cache" / "accuracy")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
     args.sst2_steps = args.sst2_steps or 3 * args.steps
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give 1 or more runs at a time")
+    seeds = {t: _seeds(p, flag, value) for t, flag, value in
+             (("text", "--seeds", args.seeds), ("sst2", "--sst2-seeds", args.sst2_seeds))}
+    seeds["instruct"] = seeds["text"]
     variants = args.variant or DEFAULT_VARIANTS
     tasks = [t for t in args.tasks.split(",") if t]
     if bad := [t for t in tasks if t not in TASKS]:
@@ -300,15 +368,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     files = build_data(args.cache)
     model = str(ensure_base(args.cache, files, args.seed)) if args.model == "tiny-llama" else args.model
+    # every variant gets the same seeds: no variant is luckier
+    jobs = [(model, task, label, spec, files, args, seed)
+            for task in tasks for label, spec in parsed for seed in seeds[task]]
     results: list[Result] = []
-    for task in tasks:
-        for label, spec in parsed:
-            r = finetune(model, task, label, spec, files, args)
+    with contextlib.ExitStack() as stack:
+        if args.jobs > 1:  # one process per run (each run is independent: its own folder, seed, threads)
+            pool = stack.enter_context(ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                           initializer=_worker_init, initargs=(args.threads,)))
+            pending = [pool.submit(finetune, *job) for job in jobs]
+            done = (f.result() for f in pending)
+        else:
+            done = (finetune(*job) for job in jobs)
+        for r in done:
             results.append(r)
             acc = f"  acc {100 * r.accuracy:.1f}%" if r.accuracy is not None else ""
-            print(f"{task:8s} {label:16s} final eval loss {r.final:.4f}{acc}  ({r.wall_s:.0f} s)", flush=True)
+            print(f"{r.task:8s} {r.variant:16s} seed {r.seed:<4d} final eval loss {r.final:.4f}{acc}"
+                  f"  ({r.wall_s:.0f} s)", flush=True)
     print()
     print(table(results, parsed[0][0]))
+    print(seed_table(results))
     total = time.perf_counter() - t0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     print(f"harness wall time {total:.0f} s (load average at the end {load:.2f}); model {model}")
