@@ -85,7 +85,7 @@ def test_zenflow_presets_mean_what_they_say() -> None:
         4,
         True,
         "step",
-        16,
+        8,
     )
     assert (d.full_warm_up_rounds, d.deferred_lr_scale) == (20, "repeat")
     # paper: the same split, selected once per epoch, no warm-up, uncorrected CPU step
