@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from proc_helpers import alive, children, metric_steps
+
 from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
-from zfctl.train.metrics import read_metrics
 from zfctl.train.recipe import FAIL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,26 +71,6 @@ class Job:
             raise AssertionError(f"the job did not end within {timeout} s:\n{self.out}") from None
         finally:
             self._reader.join(10)
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def rank_pids(job: Job) -> dict[int, int]:
     """{rank: pid} of the workers (children of torchrun, the launcher's child)."""
     out = {}
@@ -102,12 +83,6 @@ def rank_pids(job: Job) -> dict[int, int]:
             if kv.startswith(b"RANK="):
                 out[int(kv[5:])] = pid
     return out
-
-
-def metric_steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
-
 
 def assert_checkpoints_whole(run: Path) -> int:
     """Every ``step-*`` folder verifies and ``latest`` resolves; returns the newest step."""

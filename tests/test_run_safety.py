@@ -22,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from proc_helpers import alive, children, metric_steps
 from typer.testing import CliRunner
 
 from zfctl.cli import _common, app
 from zfctl.train import lock
 from zfctl.train.checkpoint import SLOW_WRITE_ENV, read_checkpoint, resolve_checkpoint
-from zfctl.train.metrics import read_metrics
 from zfctl.train.rundir import check_output_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,38 +112,6 @@ def one_line_error(rc: int, log: str, *needles: str) -> str:
     assert len(errors) == 1, log
     assert all(n in errors[0] for n in needles), log
     return errors[0]
-
-
-def metric_steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("safety") / "run"
-    rc, log = finetune(out, "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every=1").finish()
-    assert rc == 0, log
-    return out
-
 
 # ------------------------------------------------------------------------------ the run lock
 
