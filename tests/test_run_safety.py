@@ -113,6 +113,15 @@ def one_line_error(rc: int, log: str, *needles: str) -> str:
     assert all(n in errors[0] for n in needles), log
     return errors[0]
 
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("safety") / "run"
+    rc, log = finetune(out, "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every=1").finish()
+    assert rc == 0, log
+    return out
+
+
 # ------------------------------------------------------------------------------ the run lock
 
 
