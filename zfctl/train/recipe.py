@@ -348,7 +348,7 @@ class FinetuneRecipe:
                            "h2d_bytes": stats.h2d_bytes, "epoch": self.sampler.position.epoch,
                            **memory_stats(device)}
                     if world_size > 1:  # bytes rank 0 sent to the group (StepStats.comm_bytes)
-                        rec["comm_bytes"] = getattr(stats, "comm_bytes", 0)
+                        rec["comm_bytes"] = stats.comm_bytes
                     self.metrics.log(rec)
                     window.append(loss)
                     if step % log_every == 0 or step == start + 1 or step == total:
