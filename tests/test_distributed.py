@@ -57,6 +57,19 @@ CASES = {
         "select_interval": 6,
         "full_warm_up_rounds": 1,
     },
+    # The first and last Linear split by row (zenflow.vocab_select: rows): partitions, selections
+    # and installs cut their rows, not their columns; each update lands one step after its
+    # boundary (install_lag 1: mid-interval installs, broadcast by their owners).
+    "by-row-lag1": {
+        "topk_ratio": 0.25,
+        "update_interval": 3,
+        "overlap_step": True,
+        "select_strategy": "step",
+        "select_interval": 6,
+        "full_warm_up_rounds": 1,
+        "vocab_select": "rows",
+        "install_lag": 1,
+    },
     "zero-offload": {
         "topk_ratio": 0.0,
         "update_interval": 1,
@@ -85,7 +98,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _optimizer(model: torch.nn.Module, case: str, group) -> ZenFlowOptimizer:
     cfg = ZenFlowConfig(**CASES[case], cpu_threads=1, pin_memory=False)
     return ZenFlowOptimizer(
-        model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5, process_group=group
+        model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5, process_group=group,
+        vocab_params=["0.weight", "4.weight"],  # by row only where the case says vocab_select: rows
     )
 
 

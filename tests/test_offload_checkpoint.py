@@ -12,7 +12,8 @@ from test_offload_helpers import batches, snapshot, tiny_net
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 
-HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
+# fc2 and head are the "vocabulary" matrices: split by row where a config says vocab_select: rows.
+HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0, "vocab_params": ["fc2.weight", "head.weight"]}
 STEPS, STOP = 20, 10
 
 
@@ -34,6 +35,11 @@ CONFIGS = {
     "sequential": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=False),
     "auto": ZenFlowConfig(topk_ratio=0.1, update_interval="auto", overlap_step=True, auto_ratio=0.5),
     "warmup": ZenFlowConfig(topk_ratio=0.1, update_interval=3, full_warm_up_rounds=12),
+    # The update submitted at step 7 is due at step 10 (install_lag 3): in flight at the stop.
+    "lag": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
+                         select_interval=12, install_lag=3),
+    "by-row": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
+                            select_interval=12, vocab_select="rows", deferred_lr_scale="repeat"),
 }
 
 
@@ -52,7 +58,7 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
         in_flight = opt.pipeline.busy
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    if name == "overlap":
+    if name in ("overlap", "by-row", "lag"):
         assert in_flight  # the interesting case really happened
     if name != "sequential":
         assert [s.boundary for s in straight[STOP:]] != [False] * (STEPS - STOP)
@@ -105,6 +111,15 @@ def test_state_must_match_the_optimizer() -> None:
     other = ZenFlowConfig(topk_ratio=0.2)
     with ZenFlowOptimizer(model.named_parameters(), other) as opt, pytest.raises(ValueError, match="topk_ratio"):
         opt.load_state_dict(sd)
+    rows = ZenFlowConfig(**{**CONFIGS["sequential"].__dict__, "vocab_select": "rows"})
+    with ZenFlowOptimizer(model.named_parameters(), rows, vocab_params=["head.weight"]) as opt:
+        with pytest.raises(ValueError, match=r"saved with zenflow.vocab_select=columns .*resume with zenflow.vocab_select=columns"):
+            opt.load_state_dict(sd)
+        by_row = opt.state_dict()
+    saved_rows = r"saved with zenflow.vocab_select=rows \(matrices split by row: \['head.weight'\]\)"
+    with ZenFlowOptimizer(model.named_parameters(), CONFIGS["sequential"]) as opt, \
+            pytest.raises(ValueError, match=saved_rows):
+        opt.load_state_dict(by_row)
     fewer = list(model.named_parameters())[:-1]
     with ZenFlowOptimizer(fewer, CONFIGS["sequential"]) as opt, pytest.raises(ValueError, match="parameter"):
         opt.load_state_dict(sd)
@@ -128,8 +143,11 @@ def test_pipeline_round_trips_its_counters() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, batches(6))
         sd = opt.pipeline.state_dict()
-    assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True}
+    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update
+    assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True,
+                              "age": 3}
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
         opt.pipeline.load_state_dict(sd)
         assert opt.pipeline.t == 6 and opt.pipeline.interval_len == 2 and opt.pipeline.pending_install
+        assert opt.pipeline.age == 3
         assert torch.equal(opt.pipeline.acc, sd["acc"])

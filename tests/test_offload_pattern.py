@@ -91,3 +91,42 @@ def test_bit_identical_across_runs_slot_sizes_and_worker_timing(monkeypatch: pyt
     for name in base:
         for other in (again, tiny_slots, late):
             assert torch.equal(base[name], other[name]), name
+
+
+@pytest.mark.parametrize(("lag", "installs"), [(1, {4, 8, 12}), (3, {6, 10, 14}), (4, {7, 11, 15}), (9, {7, 11, 15})])
+def test_install_lag_lands_the_update_lag_steps_after_its_boundary(lag: int, installs: set[int]) -> None:
+    """zenflow.install_lag: the update submitted at boundary b lands at the end of step b + lag,
+    or at the next boundary when that is sooner; host columns change only then."""
+    history, selection, stats, _ = record(cfg(True, install_lag=lag))
+    assert [s.step for s in stats if s.boundary] == [3, 7, 11, 15]
+    assert {s.step for s in stats if s.installed} == installs
+    for t in range(STEPS):
+        for name, idx in selection.items():
+            host = torch.ones(history[t][name].shape[1], dtype=torch.bool)
+            host[idx] = False
+            changed = history[t + 1][name][:, host] != history[t][name][:, host]
+            assert changed.any() == (t in installs), (t, name, lag)
+
+
+def test_install_lag_of_a_whole_interval_is_the_engine_without_it() -> None:
+    """A lag >= update_interval installs at the next boundary: bit for bit the default (0)."""
+    base, _ = _final(cfg(True))
+    for lag in (4, 5):
+        other, _ = _final(cfg(True, install_lag=lag))
+        assert all(torch.equal(base[n], other[n]) for n in base), lag
+    lag1, _ = _final(cfg(True, install_lag=1))
+    assert any(not torch.equal(base[n], lag1[n]) for n in base)  # a shorter lag really differs
+
+
+def test_install_lag_does_not_depend_on_worker_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker later than the lag makes the step wait; the values are the same."""
+    base, _ = _final(cfg(True, install_lag=1))
+    run = CpuWorker.run
+
+    def slow_run(self, update):
+        time.sleep(0.03)
+        return run(self, update)
+
+    monkeypatch.setattr(CpuWorker, "run", slow_run)
+    late, _ = _final(cfg(True, install_lag=1))
+    assert all(torch.equal(base[n], late[n]) for n in base)

@@ -193,7 +193,8 @@ def test_deepspeed_defaults_and_baselines() -> None:
     )
     assert zf.fragment["zenflow"] == {"overlap_step": False, "update_interval": "auto", "select_strategy": "auto",
                                       "select_interval": "auto", "full_warm_up_rounds": 0,
-                                      "deferred_lr_scale": "off"}
+                                      "deferred_lr_scale": "off", "vocab_select": "columns",
+                                      "install_lag": 0}
     # cpu offload without zenflow = ZeRO-Offload; no offload = everything on the device
     zo = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert zo.fragment["zenflow"] == {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}

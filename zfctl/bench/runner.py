@@ -80,13 +80,14 @@ def run_trial(
     opt_kwargs: dict,
 ) -> TrialResult:
     """Train `warmup` untimed then `steps` timed steps; return one record per timed step."""
-    from zfctl.offload import ZenFlowOptimizer  # the engine; imported late so --help stays fast
+    from zfctl.offload import ZenFlowOptimizer, vocab_matrices  # imported late: --help stays fast
 
     if len(model.batches) < warmup + steps:
         raise ValueError(f"model has {len(model.batches)} batches, needs {warmup + steps}")
     module, loss_fn, batches = model.module, model.loss_fn, model.batches
     clock = clock_for(device)
-    with ZenFlowOptimizer(list(module.named_parameters()), zf, **opt_kwargs) as opt:
+    with ZenFlowOptimizer(list(module.named_parameters()), zf, vocab_params=vocab_matrices(module),
+                          **opt_kwargs) as opt:
         for i in range(warmup):
             loss = loss_fn(module, batches[i])
             opt.prepare_backward(final=True)  # gradients stream to the host during backward

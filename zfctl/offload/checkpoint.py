@@ -19,8 +19,9 @@ What is saved, beyond torch.optim's param_groups (lr & co., scheduler-visible):
 An update in flight is waited for first (a stall, at checkpoint time only); its result is then
 "pending": the saved model params do not contain it yet, and the next boundary after loading
 installs it exactly as the uninterrupted run would. Tensors are CPU copies, so the dict stays
-valid while training continues. The layout depends on the parameter list and on ``topk_ratio``:
-loading into an optimizer that differs in either raises ValueError.
+valid while training continues. The layout depends on the parameter list, on ``topk_ratio`` and
+on which matrices are split by row (``by_row``, from ``zenflow.vocab_select``; absent in older
+states: none): loading into an optimizer that differs in any of them raises ValueError.
 
 Data parallel: each rank's dict holds the replicated part (counters, selection, device state:
 identical on every rank) and its own share of the host state as pieces keyed by parameter name
@@ -41,7 +42,7 @@ STATE_FORMAT = "zfctl.zenflow/2"
 FORMAT_V1 = "zfctl.zenflow/1"  # flat per-rank host buffers: same rank and world size only
 
 
-def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, Any],
+def pack_state(*, names: list[str], shapes: list[list[int]], by_row: list[str], config: dict[str, Any],
                param_groups: list[dict[str, Any]], partition: dict[str, Any], selected: bool,
                pipeline: dict[str, Any], device: dict[str, Any], host: list[dict[str, Any]] | None,
                scaler: dict[str, Any] | None) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, A
         "format": STATE_FORMAT,
         "names": list(names),
         "shapes": shapes,
+        "by_row": list(by_row),
         "config": config,
         "param_groups": param_groups,
         "counters": {**pipeline["counters"], "selected": selected},
@@ -68,8 +70,8 @@ def pack_state(*, names: list[str], shapes: list[list[int]], config: dict[str, A
     }
 
 
-def check_state(sd: dict[str, Any], *, names: list[str], shapes: list[list[int]], topk_ratio: float,
-                partition: dict[str, Any]) -> None:
+def check_state(sd: dict[str, Any], *, names: list[str], shapes: list[list[int]], by_row: list[str],
+                topk_ratio: float, partition: dict[str, Any]) -> None:
     """Raise ValueError (saying what differs) unless ``sd`` fits an optimizer with these properties."""
     if sd.get("format") not in (STATE_FORMAT, FORMAT_V1):
         raise ValueError(f"not a ZenFlow optimizer state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
@@ -81,6 +83,12 @@ def check_state(sd: dict[str, Any], *, names: list[str], shapes: list[list[int]]
     if sd["config"]["topk_ratio"] != topk_ratio:
         raise ValueError(f"optimizer state was saved with zenflow.topk_ratio={sd['config']['topk_ratio']}, "
                          f"this optimizer has {topk_ratio}; the state layout depends on it")
+    saved_rows = sd.get("by_row", [])
+    if sorted(saved_rows) != sorted(by_row):
+        mode = sd["config"].get("vocab_select", "columns")
+        raise ValueError(f"optimizer state was saved with zenflow.vocab_select={mode} (matrices split by row: "
+                         f"{sorted(saved_rows) or 'none'}), this optimizer splits {sorted(by_row) or 'none'} by "
+                         f"row; the state layout depends on it: resume with zenflow.vocab_select={mode}")
     saved = sd.get("partition") or {"world_size": 1, "rank": 0}
     mine = {k: partition[k] for k in ("world_size", "rank", "bounds") if k in partition}
     if sd["format"] == FORMAT_V1 and saved != mine:

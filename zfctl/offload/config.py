@@ -54,6 +54,13 @@ class ZenFlowConfig:
         "Run the CPU update in the background while the device keeps training; its result is "
         "installed at the next boundary (exactly one interval stale). Off: the step waits.",
     )
+    install_lag: int = _f(
+        0,
+        "With overlap_step: install each CPU update this many steps after the boundary that started "
+        "it (or at the next boundary, if sooner); the step waits if it has not finished by then. "
+        "0 = at the next boundary, one interval later (the paper). Fewer steps: fresher deferred "
+        "columns, less time to hide the update.",
+    )
     deferred_lr_scale: DeferredLrScale = _f(
         "off",
         "Scale the CPU step's learning rate for the n steps a deferred column waited: 'off' = x1 "
@@ -62,6 +69,13 @@ class ZenFlowConfig:
         "and weight decay; n x the CPU arithmetic, same memory traffic). Adam's step is ~lr "
         "whatever the gradient's size, so without it deferred columns move up to n times less than "
         "under AdamW. See zfctl/offload/correction.py.",
+    )
+    vocab_select: Literal["columns", "rows"] = _f(
+        "columns",
+        "How the vocabulary matrices (input embedding, output head) choose what the device updates: "
+        "'columns' = hidden dimensions across the whole vocabulary, like every other weight (the "
+        "paper); 'rows' = the top-k tokens by gradient L1 (the tokens in play, e.g. a classifier's "
+        "label words, get their update every step). Same memory and traffic either way.",
     )
     stream_grads: bool = _f(
         True,
@@ -134,9 +148,11 @@ class ZenFlowConfig:
                 f"must be >= update_interval ({self.update_interval}): "
                 "re-selection happens on a CPU-update boundary",
             )
+        if self.vocab_select not in ("columns", "rows"):
+            raise bad("vocab_select", "use one of columns, rows")
         if self.deferred_lr_scale not in MODES:
             raise bad("deferred_lr_scale", f"use one of {', '.join(MODES)}")
-        for name in ("full_warm_up_rounds", "cpu_threads", "accumulate_threads"):
+        for name in ("full_warm_up_rounds", "cpu_threads", "accumulate_threads", "install_lag"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.layout import Layout, ParamSlot, as_matrix, gather_columns
 from zfctl.offload.selection import ColumnState
 
 
@@ -92,8 +92,7 @@ class DeviceAdam:
             else:
                 index = self.index[slot.index]
                 assert index is not None, "selected: every selecting matrix has its columns"
-                # gather along the contiguous dim, then transpose: faster than a strided row gather
-                seg.copy_(as_matrix(g, slot).index_select(1, index).t())
+                seg.copy_(gather_columns(g, slot, index))
         if coef is not None:
             n, _ = self.active(selected)
             self.grad[:n].mul_(coef)

@@ -8,6 +8,12 @@ a 2-D weight ``[out, in]`` as it is (a column ``W[:, j]`` is input channel j; an
 (in-channel, kh, kw) position across all output channels). That view needs a contiguous
 parameter, which every ``nn.Module`` weight is; anything else is rejected at construction.
 
+A *by-row* matrix (``ParamSlot.by_row``; the optimizer's ``vocab_params`` under
+``zenflow.vocab_select: rows``) is the transpose of that view: ``[d0, rest]`` read as
+``[rest, d0]``, so its columns are the parameter's rows (an embedding's or output head's columns
+are then its tokens). Everything below works on ``as_matrix`` and so never sees the difference;
+the host copy of a by-row matrix is the parameter's own row-major order.
+
 Host buffers. All matrices share flat fp32 host buffers (master, moments, accumulators) in
 column-major order, so column c of the flat *column space* is the contiguous run
 ``[col_offsets[c], col_offsets[c+1])``. Non-selected columns become (offset, length) runs for the
@@ -56,6 +62,7 @@ class ParamSlot:
     k: int  # columns on the device (1 for a dense param)
     dev_off: int  # element offset of this param's device segment ([k, rows], row = one column)
     dev_col0: int  # index of its first device column (per-column step counters)
+    by_row: bool = False  # columns are the parameter's rows: the [rest, d0] view (module docstring)
     host_c0: int = 0  # owned host column range [host_c0, host_c1) of this matrix
     host_c1: int = 0
     host_col0: int = 0  # flat host column index of column host_c0
@@ -116,12 +123,32 @@ class Layout:
 
 
 def as_matrix(t: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """The ``[rows, cols]`` view of a parameter (or its gradient) of a matrix slot."""
+    """The ``[rows, cols]`` view of a parameter (or its gradient) of a matrix slot (a transposed,
+    non-contiguous view for a by-row slot: column j is the parameter's row j)."""
+    if slot.by_row:
+        return t.view(slot.cols, slot.rows).t()
     return t.view(slot.rows, slot.cols)
 
 
-def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float) -> Layout:
-    """Assign device and host offsets to every parameter, deterministically from the order given."""
+def gather_columns(t: torch.Tensor, slot: ParamSlot, index: torch.Tensor) -> torch.Tensor:
+    """Columns ``index`` of a matrix slot's parameter or gradient as ``[len(index), rows]``.
+
+    Gathers along the contiguous dimension, then transposes: for a column slot a gather of
+    contiguous runs inside each row (faster than a strided row gather), for a by-row slot a gather
+    of whole contiguous rows (no transpose needed).
+    """
+    if slot.by_row:
+        return t.view(slot.cols, slot.rows).index_select(0, index)
+    return as_matrix(t, slot).index_select(1, index).t()
+
+
+def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float,
+                by_row: frozenset[str] = frozenset()) -> Layout:
+    """Assign device and host offsets to every parameter, deterministically from the order given.
+
+    ``by_row``: names of matrices whose columns are their rows (module docstring); a dense
+    parameter named there stays dense.
+    """
     shapes = []
     for name, p in named:
         dense = p.dim() <= 1
@@ -129,6 +156,8 @@ def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float) -> Lay
             raise ValueError(f"parameter {name!r} is not contiguous; ZenFlow views it as [rows, cols]")
         rows = max(1, p.numel()) if dense else p.shape[0]
         cols = 1 if dense else p.numel() // p.shape[0]
+        if not dense and name in by_row:
+            rows, cols = cols, rows
         k = 1 if dense else num_selected(cols, topk_ratio)
         shapes.append((name, p, dense, rows, cols, k))
 
@@ -156,7 +185,8 @@ def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float) -> Lay
     slots, host_off, host_col, col_offsets = [], 0, 0, [0]
     for i, (name, p, dense, rows, cols, k) in enumerate(shapes):
         d_off, d_col = dev_off.get(i, (0, 0))
-        slot = ParamSlot(i, name, tuple(p.shape), p.dtype, dense, rows, cols, k, d_off, d_col)
+        slot = ParamSlot(i, name, tuple(p.shape), p.dtype, dense, rows, cols, k, d_off, d_col,
+                         by_row=not dense and name in by_row)
         if slot.on_host:
             slot = replace(slot, host_c0=0, host_c1=cols, host_col0=host_col, host_off=host_off)
             col_offsets.extend(host_off + rows * (j + 1) for j in range(cols))
@@ -168,6 +198,26 @@ def plan_layout(named: list[tuple[str, torch.Tensor]], topk_ratio: float) -> Lay
         fixed_numel=fixed_numel, fixed_cols=fixed_cols, host_numel=host_off, host_cols=host_col,
         host_col_offsets=torch.tensor(col_offsets, dtype=torch.int64),
     )
+
+
+def vocab_matrices(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters indexed by token: the input embedding and the output head
+    (``get_input_embeddings`` / ``get_output_embeddings``, the transformers API), or, for a model
+    without that API, every ``nn.Embedding``. A tied pair is one parameter, named once."""
+    weights: set[int] = set()
+    getters = [getattr(model, g, None) for g in ("get_input_embeddings", "get_output_embeddings")]
+    if any(callable(g) for g in getters):
+        for g in getters:
+            try:
+                module = g() if callable(g) else None
+            except NotImplementedError:  # transformers' base class, for models without the head
+                module = None
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                weights.add(id(weight))
+    else:
+        weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [n for n, p in model.named_parameters() if id(p) in weights and p.requires_grad and p.dim() >= 2]
 
 
 def column_runs(mask: torch.Tensor, col_offsets: torch.Tensor) -> torch.Tensor:

@@ -88,9 +88,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], config: ZenFlowConfig, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None, loss_scaling: bool | None = None,
-                 steps_per_epoch: int | None = None, process_group: Any = None) -> None:
+                 steps_per_epoch: int | None = None, process_group: Any = None,
+                 vocab_params: Iterable[str] = ()) -> None:
         config.validate()
         named = _named_params(params)
+        # Matrices indexed by token (``vocab_matrices(model)``): split by row under vocab_select: rows.
+        vocab = set(vocab_params)
+        if unknown := vocab - {n for n, _ in named}:
+            raise ValueError(f"vocab_params names no trainable parameter: {sorted(unknown)}")
+        by_row = frozenset(vocab if config.vocab_select == "rows" else ())
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self._constructing = True
         super().__init__([p for _, p in named], defaults)
@@ -104,7 +110,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         fp16 = any(p.dtype == torch.float16 for p in self._params)
         self._scaler = DynamicLossScaler() if (fp16 if loss_scaling is None else loss_scaling) else None
 
-        self.layout = plan_layout(named, config.topk_ratio)
+        self.layout = plan_layout(named, config.topk_ratio, by_row)
         self.rank, self.world_size = group_info(process_group)
         self._part: Partition | None = None
         if self.world_size > 1:  # this rank's host columns only; device offsets are unchanged
@@ -129,7 +135,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self._host_slots:
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
-        self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install)
+        self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install,
+                                 lag=config.install_lag)
         self._stream: GradStream | None = None
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
         # The hook path's accumulation the next CPU update must wait for.
@@ -314,7 +321,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
             stats.d2h_bytes += 4 * len(values)
             stats.offload_ms = (time.perf_counter() - c) * 1e3
-            # 5. Boundary: hand the interval to the CPU worker.
+            # 5. zenflow.install_lag: the last boundary's update lands now (waiting for it: stall).
+            if self.pipeline.install_due():
+                self._collect(stats)
+            # 6. Boundary: hand the interval to the CPU worker.
             if self.pipeline.close_step(force=warm or self._selection_due(t + 1)):
                 if self._dev_acc is not None:  # the interval sum crosses PCIe once (fp32)
                     self._fence = self._dev_acc.copy_out(self.pipeline.acc)
@@ -537,7 +547,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 flat["upload"] = pipeline.pop("upload")
             host = split_host(self.layout, flat)
         return pack_state(
-            names=self.names, shapes=[list(p.shape) for p in self._params], config=dataclasses.asdict(self.config),
+            names=self.names, shapes=[list(p.shape) for p in self._params], by_row=self._by_row(),
+            config=dataclasses.asdict(self.config),
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             partition=self._partition_info(), selected=self._selected, pipeline=pipeline,
             device=self._device.state_dict(), host=host,
@@ -549,7 +560,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         Data parallel: the host pieces given must cover this rank's columns; they may come from
         any world size (a resharding resume merges the pieces of the saved ranks it needs)."""
         check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
-                    topk_ratio=self.config.topk_ratio, partition=self._partition_info())
+                    by_row=self._by_row(), topk_ratio=self.config.topk_ratio, partition=self._partition_info())
         parts = unpack_state(state_dict)
         flat: dict[str, torch.Tensor] | None = None
         if self.host is not None:  # assembled before anything is overwritten: a gap raises here
@@ -580,6 +591,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._refresh_chunks()
         if self._scaler is not None and parts["scaler"] is not None:
             self._scaler.load_state_dict(parts["scaler"])
+
+    def _by_row(self) -> list[str]:
+        """Names of the matrices split by row (layout.py), in parameter order."""
+        return [s.name for s in self.layout.slots if s.by_row]
 
     def host_ranges(self) -> list[tuple[str, int, int]]:
         """(name, c0, c1) of the host column ranges this optimizer holds: what a resharding

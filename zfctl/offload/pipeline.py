@@ -10,6 +10,9 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
+* overlapped with a lag ``L`` (``zenflow.install_lag``): as above, but the result is installed at
+  the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
+  next boundary if that comes first; the step waits if the update has not finished by then.
 
 ``collect`` (a re-selection's drain, ``flush``) waits and installs now. ``settle`` (checkpoints)
 waits without installing: the result becomes *pending*, which the saved state records, and the
@@ -37,10 +40,12 @@ class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
-                 install: Install) -> None:
+                 install: Install, lag: int = 0) -> None:
         self.host = host
         self.policy = policy
         self.overlap = overlap
+        self.lag = lag  # install a background update this many steps after its boundary; 0: at the next one
+        self.age = 0  # steps completed since the last background submit (counts while one is outstanding)
         self._install = install
         self.worker = CpuWorker(host) if host is not None else None
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
@@ -74,6 +79,12 @@ class Pipeline:
     def advance(self) -> None:
         """One optimizer step done (not called for a skipped fp16 step)."""
         self.t += 1
+        self.age += 1
+
+    def install_due(self) -> bool:
+        """True when an outstanding background update must be installed at the end of this step
+        (``lag`` steps after the boundary that submitted it)."""
+        return self.lag > 0 and self.age == self.lag and (self.busy or self.pending_install)
 
     def end_interval(self) -> int:
         """Close the interval's counters; returns its length (the mean's divisor)."""
@@ -93,6 +104,7 @@ class Pipeline:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
             worker.submit(update, after)  # ... then start this one in the background
             self.cur = (self.cur + 1) % len(host.acc)
+            self.age = 0
         else:
             worker.submit(update, after)
             self.collect(stats)
@@ -127,7 +139,7 @@ class Pipeline:
         self.settle()
         sd: dict[str, Any] = {
             "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
-                         "cur": self.cur, "pending_install": self.pending_install},
+                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age},
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
@@ -142,6 +154,7 @@ class Pipeline:
         c = sd["counters"]
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]
+        self.age = c.get("age", 0)  # absent before install_lag existed, where nothing reads it
         self.policy.load_state_dict(sd["policy"])
         if self.host is None:
             return

@@ -8,7 +8,9 @@ overlap_comm, print cadence) is listed as ignored. Nothing is dropped silently.
 
 Where DeepSpeed's defaults differ from ours, an absent key means what it means in DeepSpeed: a
 `zenflow` block without `overlap_step` runs synchronously and without `update_interval` is
-'auto', selects once per epoch and never scales the CPU step (`deferred_lr_scale: off`); a config with CPU optimizer offload but no `zenflow` block is plain ZeRO-Offload
+'auto', selects once per epoch, never scales the CPU step (`deferred_lr_scale: off`) and splits the
+embedding and output head by columns like every weight (`vocab_select: columns`), installing each
+CPU update at the next boundary (`install_lag: 0`); a config with CPU optimizer offload but no `zenflow` block is plain ZeRO-Offload
 (topk_ratio 0, update_interval 1); a config without optimizer offload keeps everything on the
 device (topk_ratio 1).
 """
@@ -260,6 +262,8 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
         out.put("zenflow.select_interval", "auto")
         out.put("zenflow.full_warm_up_rounds", 0)
         out.put("zenflow.deferred_lr_scale", "off")
+        out.put("zenflow.vocab_select", "columns")  # DeepSpeed splits embeddings by hidden dimension
+        out.put("zenflow.install_lag", 0)  # and installs each update at the next boundary
         for key, value in zf.items():
             if key in _ZENFLOW_KEYS:
                 out.put(f"zenflow.{key}", value)

@@ -72,9 +72,10 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     update_interval 1, overlap off`` (plain CPU offload) and ``off`` keeps everything on the
     device (``topk_ratio 1``), so one code path serves all of them and the loop never branches.
     Parameters are passed with their names (they appear in errors and in the state_dict);
-    ``named_parameters`` yields a tied weight once. Frozen parameters are left out.
+    ``named_parameters`` yields a tied weight once. Frozen parameters are left out. The token-indexed
+    matrices are named as ``vocab_params``; ``zenflow.vocab_select`` decides what that changes.
     """
-    from zfctl.offload import ZenFlowOptimizer
+    from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 
     t = plan.train
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -87,5 +88,5 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
-        process_group=process_group,
+        process_group=process_group, vocab_params=vocab_matrices(model),
     )
