@@ -87,12 +87,12 @@ def test_zenflow_presets_mean_what_they_say() -> None:
         "step",
         8,
     )
-    assert (d.full_warm_up_rounds, d.deferred_lr_scale) == (20, "repeat")
+    assert (d.full_warm_up_rounds, d.deferred_lr_scale, d.vocab_select, d.install_lag) == (20, "repeat", "rows", 0)
     # paper: the same split, selected once per epoch, no warm-up, uncorrected CPU step
     p = z["paper"]
     assert (p.topk_ratio, p.update_interval, p.overlap_step, p.select_strategy, p.select_interval) == (
         0.1, 4, True, "auto", "auto")
-    assert (p.full_warm_up_rounds, p.deferred_lr_scale) == (0, "off")
+    assert (p.full_warm_up_rounds, p.deferred_lr_scale, p.vocab_select, p.install_lag) == (0, "off", "columns", 0)
     zo = z["zero-offload"]
     assert (zo.topk_ratio, zo.update_interval, zo.overlap_step) == (0.0, 1, False)
     assert z["off"].topk_ratio == 1.0

@@ -29,6 +29,8 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
    exactly one interval stale, and which values land when depends only on step counts, never on
    thread timing. At a re-selection the drain installs the last update one step (instead of one
    interval) after its submission; that is the only place the staleness differs.
+   ``zenflow.install_lag: L`` installs it at the end of the L-th step after its boundary instead
+   (``pipeline.install_due``; the step waits if it is not done).
 
 Choices the algorithm leaves open, made here:
 
@@ -41,6 +43,9 @@ Choices the algorithm leaves open, made here:
   (``requires_grad=False``) are left out at construction.
 * One parameter group (lr, betas, eps, weight_decay); an LR scheduler drives ``param_groups[0]``.
 * A skipped fp16 step does not count as a step: counters, intervals and selection do not move.
+* ``vocab_params``: names of the token-indexed matrices (``layout.vocab_matrices(model)``). Under
+  ``zenflow.vocab_select: rows`` they choose rows (tokens) instead of columns (layout.py, by-row
+  slots); under ``columns`` the names change nothing.
 * ``process_group`` (more than one rank): ``step()`` first averages the ``.grad``s over the group
   where they are read (do not wrap the model in DDP as well): the replicated ones on every rank,
   each host column on its owner only (``exchange``); the device half of the state is replicated
