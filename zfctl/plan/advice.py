@@ -35,4 +35,10 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
             "(once in all, for runs shorter than an epoch) while the important columns drift; "
             "--set zenflow.select_strategy=step --set zenflow.select_interval=8 re-chooses them every 8 steps "
             "(the default preset)")
+    if z.vocab_select == "columns":
+        out.append(
+            "zenflow.vocab_select=columns: the embedding and output head update only their selected hidden "
+            "dimensions each step, so the tokens a batch uses (a classifier's label words) "
+            "mostly wait for the CPU update; --set zenflow.vocab_select=rows (the default preset) "
+            "puts their rows on the device")
     return out
