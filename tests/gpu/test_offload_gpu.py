@@ -15,7 +15,8 @@ from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, train
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 
 pytestmark = pytest.mark.gpu
-HP = {"lr": 1e-2, "weight_decay": 0.01}
+# fc2 and head stand in for the vocabulary matrices: split by row where a config says vocab_select: rows.
+HP = {"lr": 1e-2, "weight_decay": 0.01, "vocab_params": ["fc2.weight", "head.weight"]}
 ZEN = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step", "select_interval": 12}
 
 
@@ -41,15 +42,17 @@ def _exact_matmuls():
 @pytest.mark.parametrize("clip", [None, 0.25])
 def test_cuda_limits_reproduce_torch_adamw(cfg, clip) -> None:
     model = tiny_net(device="cuda")
-    train(model, torch.optim.AdamW(model.parameters(), **HP), 50, clip=clip)
+    train(model, torch.optim.AdamW(model.parameters(), lr=HP["lr"], weight_decay=HP["weight_decay"]), 50, clip=clip)
     ref = {n: p.cpu() for n, p in snapshot(model).items()}
     got, _ = zen_run(cfg, "cuda", steps=50, clip=clip)
     assert max_rel_err(got, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_matches_cpu_implementation(overlap: bool) -> None:
-    cfg = ZenFlowConfig(overlap_step=overlap, **ZEN)
+@pytest.mark.parametrize(("overlap", "extra"), [(False, {}), (True, {}),
+                                                (True, {"vocab_select": "rows", "install_lag": 1})],
+                         ids=["sequential", "overlap", "overlap-rows-lag1"])
+def test_cuda_matches_cpu_implementation(overlap: bool, extra: dict) -> None:
+    cfg = ZenFlowConfig(overlap_step=overlap, **ZEN, **extra)
     cpu, cpu_stats = zen_run(cfg, "cpu")
     gpu, gpu_stats = zen_run(cfg, "cuda")
     assert [s.installed for s in cpu_stats] == [s.installed for s in gpu_stats]
@@ -129,8 +132,9 @@ def _micro_run(cfg: ZenFlowConfig, *, hooks: bool, dtype, clip, steps: int = 16)
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kw", [{}, {"ring_slots": 1, "ring_slot_mb": 0.0005}, {"pin_memory": False}],
-                         ids=["default", "tiny-budget", "pageable"])
+@pytest.mark.parametrize("kw", [{}, {"ring_slots": 1, "ring_slot_mb": 0.0005}, {"pin_memory": False},
+                                {"vocab_select": "rows"}],
+                         ids=["default", "tiny-budget", "pageable", "rows"])
 def test_cuda_hook_path_is_bit_identical_to_step_path(clip, dtype, kw) -> None:
     """Copy stream, events, pinned landing buffers and the accumulation thread change no bit."""
     cfg = ZenFlowConfig(overlap_step=True, **ZEN, **kw)
