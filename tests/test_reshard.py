@@ -47,29 +47,31 @@ def test_a_plan_yaml_rewritten_by_an_earlier_resume_is_not_an_edit():
     assert as_saved_world(odd, saved) == odd
 
 
-def _layout(world: int, rank: int):
+def _layout(world: int, rank: int, by_row: frozenset[str] = frozenset()):
     torch.manual_seed(0)
     named = [("a", torch.zeros(5, 7)), ("bias", torch.zeros(5)), ("b", torch.zeros(3, 11)), ("c", torch.zeros(4, 2))]
-    full = plan_layout(named, 0.25)
+    full = plan_layout(named, 0.25, by_row)
     return full if world == 1 else partition_layout(full, None, rank, world)[0]
 
 
+@pytest.mark.parametrize("by_row", [frozenset(), frozenset({"b"})], ids=["columns", "b-by-row"])
 @pytest.mark.parametrize(("saved", "new"), [(3, 1), (1, 2), (2, 3), (3, 2)])
-def test_pieces_saved_by_any_world_size_assemble_any_other_cut(saved: int, new: int):
-    full = _layout(1, 0)
+def test_pieces_saved_by_any_world_size_assemble_any_other_cut(saved: int, new: int, by_row: frozenset[str]):
+    """(b by row: its 3 rows are the columns, so its pieces are row ranges; the same machinery.)"""
+    full = _layout(1, 0, by_row)
     ref = {"master": torch.arange(full.host_numel, dtype=torch.float32),
            "exp_avg": -torch.arange(full.host_numel, dtype=torch.float32),
            "steps": torch.arange(full.host_cols, dtype=torch.float32) * 10}
     states = []
     for r in range(saved):  # each saved rank's flat buffers, cut from the reference
-        lay = _layout(saved, r)
+        lay = _layout(saved, r, by_row)
         mine = gather_host(lay, split_host(full, ref))
         states.append({"host": split_host(lay, mine),
                        "partition": {"ranges": [[n, r, a, b] for n, a, b in owned_ranges(lay)]}})
     ranges = [rg for st in states for rg in st["partition"]["ranges"]]
     back = []
     for r in range(new):
-        lay = _layout(new, r)
+        lay = _layout(new, r, by_row)
         need = owners(ranges, owned_ranges(lay))
         got = gather_host(lay, merge_states([states[o] for o in need], owned_ranges(lay))["host"])
         assert all(torch.equal(got[k], gather_host(lay, split_host(full, ref))[k]) for k in ref)
