@@ -78,8 +78,9 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
 
 
 def test_format_1_flat_host_buffers_still_resume_exactly() -> None:
-    """A state saved before host pieces (format 1: one flat buffer per key, acc and upload among
-    them) loads into the same world size and continues bit for bit."""
+    """A state saved before host pieces (format 1: one flat buffer per key, acc among them) and
+    before the install read the fp32 master (an ``upload`` buffer of the pending update in bf16)
+    loads into the same world size and continues bit for bit: the master holds those values."""
     from zfctl.offload.checkpoint import FORMAT_V1
     from zfctl.offload.reshard import gather_host
 
@@ -92,8 +93,9 @@ def test_format_1_flat_host_buffers_still_resume_exactly() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, data[:STOP])
         sd, msd = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+        assert opt.pipeline.pending_install  # an update waits to be installed: its values are in the master
         flat = gather_host(opt.layout, sd["host"])
-    assert "upload" in flat  # an update waits to be installed: the pending bf16 values are carried
+    flat["upload"] = flat["master"].to(torch.bfloat16)  # what the old upload buffer held for it
     old = {**sd, "format": FORMAT_V1, "host": flat, "partition": {"world_size": 1, "rank": 0}}
     model = tiny_net(seed=123, dtype=torch.bfloat16)
     model.load_state_dict(msd)

@@ -1,4 +1,7 @@
-"""Column-range chunks of the host-owned matrices, and the two streams that move them.
+"""Column-range chunks of the host-owned matrices, and the two transfers that move them across
+PCIe inside ``step()``: gradients device to host (``offload_gradients``) and the installed
+params host to device (``install_params``). The hook path (stream.py) moves the same chunks device
+to host during backward instead, and the device path (device_acc.py) moves only the interval sum.
 
 A chunk is a range of whole columns ``[c0, c1)`` of one matrix, as many as fit in a ring slot.
 Chunks whose columns are all device-owned are skipped. Both directions move whole column ranges:
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,14 +90,17 @@ def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor 
     return ring.d2h(produce(), consume)
 
 
-def install_params(ring: Ring, chunks: list[Chunk], src: torch.Tensor, params: list[torch.Tensor]) -> int:
+def install_params(ring: Ring, chunks: list[Chunk], master: torch.Tensor, params: list[torch.Tensor]) -> tuple[int, Any]:
     """Copy the host's new values of whole column ranges into the model params (PCIe H2D).
 
-    ``src`` is the upload buffer (bf16/fp16 models) or the fp32 master. The caller restores the
-    device-owned columns afterwards. Returns the bytes copied.
+    ``master`` is the fp32 host master: the device rounds each chunk to the model dtype as it
+    scatters it (``copy_`` into a bf16/fp16 param rounds to nearest even, the rounding the CPU
+    kernel's old upload copy used). The caller restores the device-owned columns afterwards.
+    Returns (bytes copied, the event after the last copy that reads ``master``, or None when the
+    copies were synchronous): the next writer of ``master`` waits for it (``HostState.install_fence``).
     """
     def deliver(dev: torch.Tensor, ch: Chunk) -> None:
         pm = as_matrix(params[ch.slot.index].data, ch.slot)
         pm[:, ch.c0 : ch.c1].copy_(dev.view(ch.c1 - ch.c0, ch.slot.rows).t())
 
-    return ring.h2d(((src[ch.off : ch.off + ch.numel], ch) for ch in chunks), deliver)
+    return ring.h2d(((master[ch.off : ch.off + ch.numel], ch) for ch in chunks), deliver)

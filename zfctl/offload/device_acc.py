@@ -4,9 +4,17 @@ Per step, the host-owned column ranges of every matrix are added into a flat fp3
 laid out exactly like the host accumulator (column-major, ``layout``), one transpose-and-add per
 matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
 first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
-interval the whole sum crosses PCIe (fp32, 4 B per element, on a copy stream into the pinned host
-accumulator) and the CPU worker starts when that copy's event has fired. The host never touches a
-per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
+interval the whole sum crosses PCIe (fp32, 4 B per element, on a copy stream into the page-locked
+host accumulator) and the CPU worker starts when that copy's last event has fired. The host never
+touches a per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
+
+Ownership of the device buffer across a boundary: the copy out moves it one matrix (host slot) at
+a time, each with its own event; the next interval's first write into a matrix's rows waits (on
+the device) only for that matrix's copy, so the compute stream never waits for the whole sum at
+once (27 GB at 7B, ~0.5 s of PCIe, against a ~0.1-0.3 s step) but only for what has not landed by
+the time it gets there. Those waits are timed with events and counted as stall (``stall_pairs``).
+There is one host accumulator on this path: the optimizer collects the previous CPU update before
+it copies the next sum out (optimizer.py ``_boundary``).
 
 Cost: 4 B of device memory per matrix element this rank holds on the host side (the rows of
 device-owned columns included: the buffer keeps the host layout so one copy moves it, about
@@ -26,7 +34,8 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.pcie import copy_async, timed_wait
 
 # Device memory `auto` leaves free besides the accumulator (activations of the next micro-batches,
 # allocator fragmentation): the accumulator must fit in what is free beyond this share.
@@ -56,17 +65,26 @@ class DeviceAccumulator:
         self.cuda = device.type == "cuda"
         self.buf = torch.zeros(layout.host_numel, dtype=torch.float32, device=device)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._copied: Any = None  # the event of the last copy out; the next write waits for it
+        # Per host slot index: the event of its last copy out, until the next write waited for it.
+        self._copied: dict[int, Any] = {}
+        self._last: Any = None  # the event after the whole copy out (the CPU worker's fence)
+        self.stall_pairs: list[tuple[Any, Any]] = []  # timed device waits of the last add (pcie.timed_wait)
         self.device = device
+
+    def _view(self, buf: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        return buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0, slot.rows)
 
     def add(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool) -> None:
         """``buf (=|+=) coef * grad`` over every host slot's owned columns (compute stream, no sync)."""
-        if self._copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copied)  # device-side wait only
-            self._copied = None
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        self.stall_pairs = []
         for slot in self.layout.host_slots:
-            view = self.buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0,
-                                                                                  slot.rows)
+            if slot.host_numel == 0:
+                continue
+            copied = self._copied.pop(slot.index, None)
+            if copied is not None:  # this slot's rows are still being copied out: wait for them only
+                self.stall_pairs.append(timed_wait(compute, copied))  # device-side wait
+            view = self._view(self.buf, slot)
             g = grads[slot.index]
             if g is None:  # a missing gradient counts as zero
                 if first:
@@ -83,21 +101,30 @@ class DeviceAccumulator:
                 view.add_(gt)
 
     def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
-        """Start the PCIe D2H of the interval sum into ``dst`` (pinned host); returns the wait the
-        CPU worker must do first (None: already done, CPU)."""
+        """Start the PCIe D2H of the interval sum into ``dst`` (page-locked host), one matrix at a
+        time; returns the wait the CPU worker must do first (None: already done, CPU)."""
         if not self.cuda:
             dst.copy_(self.buf)
             return None
         assert self.copy_stream is not None  # CUDA: created in __init__
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's adds
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(self.buf, non_blocking=True)  # PCIe D2H: 4 B per element, once per interval
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        self._copied = event
-        return event.synchronize  # worker thread: the host accumulator is complete after this
+        after: Any = torch.cuda.current_stream(self.device)  # the first copy: after this step's adds
+        event = None
+        for slot in self.layout.host_slots:
+            if slot.host_numel == 0:
+                continue
+            src = self.buf[slot.host_off : slot.host_off + slot.host_numel]
+            # PCIe D2H of one matrix's sum: 4 B per element, once per interval. The copies queue in
+            # order on one stream, so the last event also means every earlier copy has landed.
+            event = copy_async(self.copy_stream, dst[slot.host_off : slot.host_off + slot.host_numel], src,
+                               after=after)
+            after = None  # the copy stream is ordered after the adds already
+            self._copied[slot.index] = event
+        self._last = event
+        return event.synchronize if event is not None else None  # worker thread: the sum has landed
 
     def wait(self) -> None:
-        """Host wait for a copy out still in flight (checkpoints)."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        """Host wait for a copy out still in flight (checkpoints, loading)."""
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
+        self._copied.clear()

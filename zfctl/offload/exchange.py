@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,13 @@ import torch.distributed as dist
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix
 from zfctl.offload.partition import (
     BUCKET_BYTES,
+    Bucket,
     Partition,
     all_reduce_buckets,
     all_reduce_bytes,
     broadcast_bytes,
+    finish_buckets,
+    launch_buckets,
     reduce_scatter_bytes,
 )
 from zfctl.offload.selection import column_l1
@@ -93,6 +97,34 @@ def plan_rounds(part: Partition, layout: Layout, index: list[torch.Tensor | None
 
 
 @dataclass
+class _Replicated:
+    """A launched all-reduce of replicated elements: the slots, the gathered items, the buckets."""
+
+    slots: list[ParamSlot]
+    items: list[tuple[ParamSlot, torch.Tensor, torch.Tensor | None]]
+    buckets: list[Bucket]
+
+
+@dataclass
+class _Round:
+    """A launched reduce-scatter round: its units, the send buffers, the output and the work."""
+
+    units: list[list[Cols]]
+    send: list[torch.Tensor]
+    out: torch.Tensor
+    work: Any
+
+
+@dataclass
+class Pending:
+    """One matrix's exchange, launched and not yet completed (``GradExchange.launch``)."""
+
+    index: int
+    replicated: _Replicated
+    rounds: list[_Round]
+
+
+@dataclass
 class Reduced:
     """What ``GradExchange.reduce`` leaves besides the averaged gradients."""
 
@@ -117,6 +149,9 @@ class GradExchange:
         self.index = index  # DeviceAdam.index, updated in place by selections and checkpoint loads
         self.norm, self.masses = norm, masses
         self.selectable = [s for s in layout.slots if s.selects]
+        # The matrices with host columns, in the one order every rank exchanges them (the hook
+        # path's ExchangeOrder: reverse parameter order).
+        self.exchange_order = sorted((s.index for s in layout.host_slots), reverse=True)
         self._pos = {s.index: i for i, s in enumerate(self.selectable)}
         host = layout.host_slots
         self.itemsize = params[host[0].index].element_size() if host else 4
@@ -142,40 +177,52 @@ class GradExchange:
         return g
 
     # -- every step ---------------------------------------------------------------------------------
-    def exchange_one(self, index: int) -> int:
-        """The hook path (stream.py): exchange one matrix's final gradient inside its hook, the
-        same collectives ``reduce`` issues for it, in autograd's order (the same on every rank).
-        Returns bytes sent. (A post-accumulate-grad hook always has the param's ``.grad``.)"""
-        sent = self._replicated([self.layout.slots[index]])
-        self.host_sq[index] = 0.0
-        if index in self._pos:
-            self.mass[self._pos[index]] = 0.0
+    def launch(self, index: int) -> Pending:
+        """Start exchanging matrix ``index``'s final gradient (asynchronous collectives: its
+        selected columns all-reduced, its host columns reduce-scattered round by round), exactly
+        the messages ``reduce`` issues for it. The hook path (stream.py) calls it from gradient
+        hooks, in ``ExchangeOrder`` on every rank; finish with :meth:`complete`."""
+        slot = self.layout.slots[index]
+        rep = self._launch_replicated([slot])
+        rounds = []
         for rnd in self.rounds:
             units = [[u for u in owner if u.slot.index == index] for owner in rnd]
             if any(units):
-                sent += self._reduce_round(units)
+                rounds.append(self._launch_round(units))
+        return Pending(index, rep, rounds)
+
+    def complete(self, pending: Pending) -> int:
+        """Wait for a launched exchange (NCCL: a device-side wait of the current stream; gloo: a
+        host wait) and write the averaged columns back into ``.grad``; returns bytes sent."""
+        index = pending.index
+        sent = self._finish_replicated(pending.replicated)
+        self.host_sq[index] = 0.0
+        if index in self._pos:
+            self.mass[self._pos[index]] = 0.0
+        for rnd in pending.rounds:
+            sent += self._finish_round(rnd)
         return sent
 
     def reduce(self, done: set[int], *, masses: bool) -> Reduced:
         """Average this step's gradients to where they are read (see the module docstring).
 
-        ``done``: params the gradient hooks already exchanged (``exchange_one``). With ``norm``
-        (construction) or ``masses`` (this step), one small all-reduce more assembles the global
-        sum of squares / the host-path L1 mass per selectable matrix.
+        ``done``: params whose exchange the gradient hooks completed. The other matrices with host
+        columns are exchanged one by one in ``exchange_order`` (the hooks' order and messages, so
+        both paths sum every element the same way on any number of ranks), then the remaining
+        replicated params in buckets. With ``norm`` (construction) or ``masses`` (this step), one
+        small all-reduce more assembles the global sum of squares / the host-path L1 mass per
+        selectable matrix.
         """
         for p in self.params:  # a missing gradient is stepped as zeros: every rank sends the same shapes
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        todo = [s for s in self.layout.slots if s.index not in done]
-        sent = self._replicated(todo)
-        for s in todo:
-            self.host_sq[s.index] = 0.0
-            if s.index in self._pos:
-                self.mass[self._pos[s.index]] = 0.0
-        for rnd in self.rounds:
-            units = [[u for u in owner if u.slot.index not in done] for owner in rnd]
-            if any(units):
-                sent += self._reduce_round(units)
+        sent = 0
+        for index in self.exchange_order:
+            if index not in done:
+                sent += self.complete(self.launch(index))
+        streamed = set(self.exchange_order)
+        rest = [s for s in self.layout.slots if s.index not in done and s.index not in streamed]
+        sent += self._finish_replicated(self._launch_replicated(rest))
         if not (self.norm or masses):
             return Reduced(sent, None, None)
         partial = torch.cat([self.host_sq.sum().view(1), self.mass if masses else self.mass[:0]])
@@ -184,9 +231,9 @@ class GradExchange:
         sq = partial[0] + self.rep_sq.sum() if self.norm else None
         return Reduced(sent, sq, partial[1:] if masses else None)
 
-    def _replicated(self, slots: list[ParamSlot]) -> int:
-        """All-reduce (mean) the replicated elements of ``slots``: whole fixed params, selected
-        columns (gathered, then written back) of the others; bucketed. Returns bytes sent."""
+    def _launch_replicated(self, slots: list[ParamSlot]) -> _Replicated:
+        """Start the all-reduce (sum) of the replicated elements of ``slots``: whole fixed params,
+        selected columns (gathered: a device copy) of the others; bucketed."""
         items: list[tuple[ParamSlot, torch.Tensor, torch.Tensor | None]] = []  # (slot, data, columns)
         for s in slots:
             g, idx = self._grad(s.index), self.index[s.index]
@@ -194,30 +241,41 @@ class GradExchange:
                 items.append((s, g, None))
             elif idx is not None:  # selected columns, gathered (a device copy)
                 items.append((s, as_matrix(g, s).index_select(1, idx), idx))
-        sent = all_reduce_buckets([t for _, t, _ in items], self.part.group, self.part.world_size, divide=True)
-        for s, t, idx in items:
+        buckets = launch_buckets([t for _, t, _ in items], self.part.group)
+        return _Replicated(slots, items, buckets)
+
+    def _finish_replicated(self, rep: _Replicated) -> int:
+        """Wait, divide by W (the mean), write the selected columns back, note their squares."""
+        sent = finish_buckets(rep.buckets, self.part.world_size, divide=True)
+        for s, t, idx in rep.items:
             if idx is not None:
                 as_matrix(self._grad(s.index), s).index_copy_(1, idx, t)
-        if self.norm and items:
-            norms = torch._foreach_norm([t for _, t, _ in items], 2.0, dtype=torch.float32)
-            for (s, _, _), n in zip(items, norms):
+        if self.norm and rep.items:
+            norms = torch._foreach_norm([t for _, t, _ in rep.items], 2.0, dtype=torch.float32)
+            for (s, _, _), n in zip(rep.items, norms):
                 self.rep_sq[s.index] = n.square()  # a device copy per slot, no sync
-        for s in slots:
+        for s in rep.slots:
             if not s.fixed and self.index[s.index] is None:
                 self.rep_sq[s.index] = 0.0
         return sent
 
-    def _reduce_round(self, units: list[list[Cols]]) -> int:
-        """One reduce-scatter: owner r receives the sum of everyone's ``units[r]`` columns, divides
-        by W, writes them back into ``.grad`` and notes their squares and L1. Returns bytes sent."""
-        me, world = self.part.rank, self.part.world_size
+    def _launch_round(self, units: list[list[Cols]]) -> _Round:
+        """Start one reduce-scatter: owner r will receive the sum of everyone's ``units[r]`` columns."""
+        me = self.part.rank
         dtype = self._grad(next(u for owner in units for u in owner).slot.index).dtype
         send = [_gather(self._grad, owner, dtype, self.device) for owner in units]
         out = torch.empty_like(send[me])
-        dist.reduce_scatter(out, send, group=self.part.group)  # sum over ranks, own segment only
-        out.div_(world)
+        work = dist.reduce_scatter(out, send, group=self.part.group, async_op=True)  # sum over ranks, own segment
+        return _Round(units, send, out, work)
+
+    def _finish_round(self, rnd: _Round) -> int:
+        """Wait for a reduce-scatter, divide by W, write the owned columns back into ``.grad`` and
+        note their squares and L1. Returns bytes sent."""
+        rnd.work.wait()
+        out, me = rnd.out, self.part.rank
+        out.div_(self.part.world_size)
         o = 0
-        for u in units[me]:
+        for u in rnd.units[me]:
             part = out[o : o + u.numel]
             as_matrix(self._grad(u.slot.index), u.slot).index_copy_(1, u.ids, part.view(u.slot.rows, -1))
             if self.norm:
@@ -225,7 +283,7 @@ class GradExchange:
             if self.masses and u.slot.index in self._pos:
                 self.mass[self._pos[u.slot.index]] += torch.linalg.vector_norm(part, ord=1, dtype=torch.float32)
             o += u.numel
-        total = sum(t.numel() for t in send) * out.element_size()
+        total = sum(t.numel() for t in rnd.send) * out.element_size()
         return reduce_scatter_bytes(total, out.numel() * out.element_size())
 
     # -- selections ---------------------------------------------------------------------------------

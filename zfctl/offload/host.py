@@ -4,16 +4,24 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 
 | buffer | size (elements) | owner between boundaries | owner while a CPU update runs |
 | --- | --- | --- | --- |
-| master, exp_avg, exp_avg_sq (fp32) | all matrix columns | main thread (migration, state_dict) | CPU worker (reads and writes) |
-| steps (fp32 per column) | all columns | main thread | main thread (the worker gets counts by value) |
-| acc[i] (fp32) | all columns | main thread (or the stream's thread) writes then adds into acc[cur] | CPU worker reads acc[other] |
-| upload (model dtype; bf16/fp16 only) | all columns | main thread reads it to install | CPU worker writes it |
+| master (fp32; page-locked on CUDA) | this rank's matrix columns | main thread (migration, state_dict); the install's H2D DMA reads it until ``install_fence`` | CPU worker (reads and writes, after ``install_fence``) |
+| exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
+| steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
+| acc[i] (fp32) | as master | the accumulation path fills acc[cur] | CPU worker reads the interval it was handed |
 
-``acc`` is double-buffered only with ``overlap_step`` (the next interval accumulates while the
-worker reads the last one); there is ONE set of moments in both modes, so overlap on and off are
-the same optimizer apart from the staleness of the non-selected columns. For fp32 models the
-master itself is what gets installed, so there is no upload buffer. Host memory per matrix
-element: 12 B (master+moments) + 4 B per accumulator + 2 B upload (bf16/fp16) = 18-22 B.
+There is no bf16/fp16 copy of the updated columns: the install reads the fp32 master itself
+(chunks.py), by DMA from page-locked memory on CUDA, and the device rounds it to the model dtype
+while scattering it into the params (the same round-to-nearest-even the CPU kernel used for its
+old upload copy). That saves 2 B per element of host memory and the update's 2 B write, and costs
+the install 4 B instead of 2 B of PCIe per element, once per interval, with no host CPU work.
+
+How many accumulators (``accumulators``): two with ``overlap_step`` on the host paths (the next
+interval accumulates into one while the worker reads the other), one otherwise, and one on the
+device path, whose interval sum lands in the host accumulator only at the boundary, after the
+previous update was collected (optimizer.py ``_boundary``: collect, copy out, submit). There is ONE
+set of moments in every mode. Host memory per matrix element: 12 B (master + moments) + 4 B per
+accumulator, plus 4 B per column for the counter (docs/design.md, "Defaults and the numbers
+behind them"; zfctl/plan/memory.py counts the same).
 
 Rows of the selected columns exist here too (their host copy is stale while the device owns
 them); keeping the full column range avoids re-packing the buffers at every re-selection and lets
@@ -22,36 +30,45 @@ one native call with a run list skip them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from zfctl.offload import pinned
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
 from zfctl.offload.selection import ColumnState
 
 
 class HostState:
     """fp32 optimizer state of the matrices' host-owned columns (one process: all of them; data
-    parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``)."""
+    parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``).
 
-    def __init__(self, layout: Layout, params: list[torch.Tensor], *, double_buffer: bool,
-                 upload_dtype: torch.dtype | None, pin_acc: bool = False) -> None:
+    ``pin_master``: page-lock the master (CUDA: the install DMAs straight from it);
+    ``pin_acc``: page-lock the accumulators (the device path's interval sum is DMA'd into them).
+    """
+
+    def __init__(self, layout: Layout, params: list[torch.Tensor], *, accumulators: int,
+                 pin_master: bool = False, pin_acc: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
-        self.master = torch.empty(n, dtype=f32)
+        self.master = pinned.empty(n, f32, pin=pin_master)
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
-        # pin_acc (accumulate=device on CUDA): the accumulators are the target of the interval
-        # sum's async D2H, so they are page-locked.
-        self.acc = [torch.zeros(n, dtype=f32, pin_memory=pin_acc) for _ in range(2 if double_buffer else 1)]
-        self.upload = torch.zeros(n, dtype=upload_dtype) if upload_dtype is not None else None
+        self.acc = [pinned.empty(n, f32, pin=pin_acc, zero=True) for _ in range(accumulators)]
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
+        # The event after the last H2D copy that reads ``master`` (an install, chunks.py), or None.
+        # Whoever writes master next waits for it first: the CPU worker (its fence), a selection's
+        # migration and load_state_dict (main thread), through ``wait_install``.
+        self.install_fence: Any = None
         for slot in layout.host_slots:
             # One D2H copy of each matrix at construction (transposed to column-major on the device).
             src = as_matrix(params[slot.index].detach(), slot)[:, slot.host_c0 : slot.host_c1]
             self.view(self.master, slot).copy_(src.t().contiguous().to("cpu"))
 
     def view(self, buf: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        """A slot's owned columns of a flat host buffer as ``[ncols, rows]`` (row = column)."""
+        """A slot's owned columns of a flat buffer (host, or the device accumulator laid out the
+        same way) as ``[ncols, rows]`` (row = column)."""
         return buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0, slot.rows)
 
     def column_state(self, slot: ParamSlot) -> ColumnState:
@@ -59,13 +76,22 @@ class HostState:
         return ColumnState(self.view(self.master, slot), self.view(self.exp_avg, slot),
                            self.view(self.exp_avg_sq, slot), cols)
 
+    def wait_install(self) -> None:
+        """Host wait until no install DMA reads ``master`` any more (before anyone writes it)."""
+        fence, self.install_fence = self.install_fence, None
+        if fence is not None:
+            fence.synchronize()  # sync point: the last H2D chunk of the install
+
     def set_device_owned(self, slot: ParamSlot, index: torch.Tensor) -> None:
         """Mark which of ``slot``'s columns the device owns (``index``: column ids, any device)."""
-        owned = self.device_owned[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
+        owned = self._owned(slot)
         owned.zero_()
         index = index.to("cpu")
         index = index[(index >= slot.host_c0) & (index < slot.host_c1)]  # data parallel: own range only
         owned[index - slot.host_c0] = True
+
+    def _owned(self, slot: ParamSlot) -> torch.Tensor:
+        return self.device_owned[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
 
     def update_groups(self, steps: int = 1) -> list[tuple[int, torch.Tensor]]:
         """(1-based Adam step, runs) per distinct counter among the host-owned columns, for an
@@ -88,25 +114,45 @@ class HostState:
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Master, moments and counters (copies). Accumulators and the upload buffer belong to the
-        pipeline's state (which one is live depends on its counters); ``device_owned`` follows
-        from the selection."""
-        return {k: getattr(self, k).clone() for k in self.STATE_KEYS}
+        """Master, moments and counters: the live buffers themselves, not copies (as
+        ``torch.optim`` does; a checkpoint streams them to disk, see zfctl/train/tensorfile.py).
+        Accumulators belong to the pipeline's state (which one is live depends on its counters);
+        ``device_owned`` follows from the selection."""
+        return {k: getattr(self, k) for k in self.STATE_KEYS}
 
-    def canonical_acc(self, acc: torch.Tensor, *, fresh: bool) -> torch.Tensor:
-        """A copy of an accumulator as a checkpoint stores it: what a resumed run can read.
+    def canonicalize(self, acc: torch.Tensor, *, fresh: bool) -> torch.Tensor:
+        """Make an accumulator (host, or the device path's device buffer) what a checkpoint stores,
+        in place, and return it: dead elements become zeros.
 
         The first step of an interval writes the host-owned elements and nothing ever reads the
         device-owned ones, so those hold leftovers of older intervals that differ between a
-        straight and a resumed run. They are saved as zeros (``fresh``: the interval has no step
-        yet, so nothing is live), which keeps saved states comparable bit for bit.
+        straight and a resumed run; ``fresh`` (the interval has no step yet) means nothing in it
+        is live. Zeroing what nobody reads changes nothing for the run and keeps saved states
+        comparable bit for bit, without a copy or a per-element mask (one ``index_fill_`` of the
+        selected columns per matrix).
         """
         if fresh:
-            return torch.zeros_like(acc, device="cpu")
-        lengths = self.layout.host_col_offsets[1:] - self.layout.host_col_offsets[:-1]
-        owned = self.device_owned.repeat_interleave(lengths)
-        return acc.to("cpu", copy=True).masked_fill_(owned, 0.0)
+            return acc.zero_()
+        for slot in self.layout.host_slots:
+            ids = torch.nonzero(self._owned(slot)).flatten()
+            if ids.numel():
+                self.view(acc, slot).index_fill_(0, ids.to(acc.device), 0.0)
+        return acc
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Copy saved values into the live buffers (``sd``'s values: tensors, or lazy file tensors
+        with ``copy_to``, see reshard.py)."""
+        self.wait_install()
         for k in self.STATE_KEYS:
-            getattr(self, k).copy_(sd[k])
+            fill(getattr(self, k), sd[k])
+
+
+def fill(dst: torch.Tensor, src: Any) -> None:
+    """``dst.copy_(src)`` for a tensor of the same number of elements, or ``src.copy_to(dst)`` for a
+    lazy tensor (a range of a checkpoint file, read straight into ``dst``: no second copy)."""
+    if src is dst:
+        return  # loaded in place already (gather_host wrote the live buffer)
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src.reshape(dst.shape))
+    else:
+        src.copy_to(dst)

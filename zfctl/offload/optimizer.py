@@ -76,9 +76,10 @@ from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import as_matrix, plan_layout
 from zfctl.offload.partition import OwnedRows, Partition, group_info, partition_layout
+from zfctl.offload.pcie import waited_ms
 from zfctl.offload.pipeline import Pipeline
-from zfctl.offload.reshard import gather_host, owned_ranges, split_host
-from zfctl.offload.ring import Ring
+from zfctl.offload.reshard import check_covers, gather_host, owned_ranges, split_host
+from zfctl.offload.ring import Ring, ring_slot_bytes
 from zfctl.offload.scaler import DynamicLossScaler
 from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
 from zfctl.offload.stats import StepStats
@@ -141,7 +142,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install,
-                                 lag=config.install_lag)
+                                 lag=config.install_lag, device=self.device)
         self._stream: GradStream | None = None
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
         # The hook path's accumulation the next CPU update must wait for.
@@ -169,22 +170,29 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         itemsize = dtype.itemsize
         self.accumulate = resolve(self.config.accumulate, self.device, 4 * self.layout.host_numel)
         on_device = self.accumulate == "device"
-        self.host = HostState(self.layout, self._params, double_buffer=self.config.overlap_step,
-                              upload_dtype=None if dtype == torch.float32 else dtype,
-                              pin_acc=on_device and self.device.type == "cuda" and self.config.pin_memory)
+        cuda_pin = self.device.type == "cuda" and self.config.pin_memory
+        # Two accumulators only where the next interval is summed on the host while the worker reads
+        # the last one (overlap, host paths); the device path sums on the device and lands the sum
+        # in its one host accumulator after the previous update was collected (_boundary).
+        self.host = HostState(self.layout, self._params,
+                              accumulators=2 if self.config.overlap_step and not on_device else 1,
+                              pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
         if on_device:
             self._dev_acc = DeviceAccumulator(self.layout, self.device)
-        # Slots: as configured, but never larger than the largest matrix (tiny models stay tiny).
-        want = int(self.config.ring_slot_mb * 2**20)
         biggest = max(self._host_slots, key=lambda s: s.rows)
+        want = int(self.config.ring_slot_mb * 2**20)
         if biggest.rows * itemsize > want:
             need = biggest.rows * itemsize / 2**20
             raise ConfigError("zenflow.ring_slot_mb", self.config.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
-        slot_bytes = min(want, max(max(s.host_numel for s in self._host_slots), biggest.rows) * itemsize)
+        slot_bytes = ring_slot_bytes(want, self.config.ring_slots, biggest.rows, self.layout.host_numel, itemsize)
         pin = self.config.pin_memory
+        # D2H: model-dtype gradient chunks (step() path, scalars). H2D: the same column ranges of the
+        # fp32 master, 4/itemsize times the bytes; on CUDA with a page-locked master they DMA
+        # straight from it (no host slots), else they stage through host slots.
         self._d2h = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
-        self._h2d = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
+        self._h2d = Ring(self.device, self.config.ring_slots, slot_bytes * 4 // itemsize, pin,
+                         host_slots=self.device.type == "cuda" and not cuda_pin)
         self._itemsize = itemsize
         self._refresh_chunks()
 
@@ -195,7 +203,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # here (bandwidth.py; a sync, at construction only), or zenflow.inflight_mb when set. Off
         # CUDA there is no link to measure: 4x the ring, as before. Never more than the host-path
         # gradient itself.
-        self.d2h_gbps = measure_d2h_gbps(self.device)
+        self.d2h_gbps = measure_d2h_gbps(self.device)  # a sync, once
         if self.config.inflight_mb:
             budget = int(self.config.inflight_mb * 2**20)
         elif self.d2h_gbps is not None:
@@ -205,8 +213,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         budget = min(budget, self.layout.host_numel * self._itemsize)
         return GradStream(self._params, self._host_slots, numel=self.layout.host_numel, dtype=dtype,
                           device=self.device, pin_memory=self.config.pin_memory, budget_bytes=max(budget, 1),
-                          accumulate=self._accumulate,
-                          exchange=self._exchange.exchange_one if self._exchange is not None else None)
+                          accumulate=self._accumulate, exchange=self._exchange)
 
     def _refresh_chunks(self) -> None:
         """Re-plan the column chunks after the device-owned columns changed."""
@@ -257,7 +264,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             # 0. Data parallel: the replicated gradients all-reduced, each host column reduced to
             #    its owner only (collectives; the gradient hooks already exchanged the matrices
             #    they streamed). The norm and the auto-interval masses need the owners' partials.
-            done = streamed.exchanged if streamed else set()
+            done = streamed.complete_exchanges() if streamed else set()
             want_masses = self._policy.auto and self._selected and not warm
             red = self._exchange.reduce(done, masses=want_masses)
             stats.comm_bytes += red.sent
@@ -295,6 +302,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._device.write_params(self._params, self._selected)
         if self._dev_acc is not None:  # accumulate=device: the rest of the gradient, summed here too
             self._dev_acc.add(grads, coef, first=self.pipeline.first_of_interval)
+            _count_device_waits(stats, self._dev_acc.stall_pairs)  # waits for last interval's copy out
         t0.stop(stats)
 
         tail = time.perf_counter()
@@ -331,10 +339,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self._collect(stats)
             # 6. Boundary: hand the interval to the CPU worker.
             if self.pipeline.close_step(force=warm or self._selection_due(t + 1)):
-                if self._dev_acc is not None:  # the interval sum crosses PCIe once (fp32)
-                    self._fence = self._dev_acc.copy_out(self.pipeline.acc)
-                    stats.d2h_bytes += 4 * self.layout.host_numel
-                    stats.host_bytes += 4 * self._host_elems
                 self._boundary(stats, warm, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd)
             elif self._policy.auto and self._selected:
                 self._observe(masses, host_coef)
@@ -364,12 +368,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._collect(StepStats(step=self.pipeline.t))
 
     def close(self) -> None:
-        """Stop the CPU worker (after finishing its update, not installed). Idempotent."""
+        """Stop the CPU worker (after finishing its update, not installed) and let no copy run on
+        into memory that is about to be freed. Idempotent."""
         if not self._closed:
             self._closed = True
             if self._stream is not None:
-                self._stream.close()
+                self._stream.close()  # drains the accumulation thread, waits for its copies
+            if self._dev_acc is not None:
+                self._dev_acc.wait()  # a copy out may still write the host accumulator
             self.pipeline.close()
+            if self.host is not None:
+                self.host.wait_install()  # the last install's DMA may still read the master
+                self._d2h.release()
+                self._h2d.release()
 
     def __enter__(self) -> Self:
         return self
@@ -425,6 +436,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         auto interval's input: no rank holds the whole gradient), else None.
         """
         assert self.host is not None  # a selectable matrix has host columns
+        self.host.wait_install()  # migration writes the master: the last install's DMA must be done
         old = list(self._device.index)
         shared = None
         if self._exchange is not None:
@@ -491,7 +503,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _boundary(self, stats: StepStats, warm: bool, *, lr: float, beta1: float, beta2: float,
                   eps: float, wd: float) -> None:
-        """End the interval: submit its CPU update (and, synchronous modes, wait and install it)."""
+        """End the interval: submit its CPU update (and, synchronous modes, wait and install it).
+
+        Order on the device path, which has one host accumulator: collect the previous update
+        (it may still read that accumulator), then copy this interval's sum into it, then submit
+        (Pipeline.submit's ``prepare``).
+        """
         assert self.host is not None  # only the host path has intervals
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
@@ -502,10 +519,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         lr, wd = corrected_hyperparams(mode, n, lr, wd)
         reps = inner_steps(mode, n)
         update = CpuUpdate(acc, 1.0 / n, self.host.update_groups(reps), lr, beta1, beta2, eps, wd, reps)
-        # CPU AdamW: master, moments read+written (24 B), acc read (4 B), upload written.
-        upload = self.host.upload.element_size() if self.host.upload is not None else 0
-        stats.host_bytes += self._host_elems * (28 + upload)
-        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm, after=self._fence)
+        # CPU AdamW: master, moments read+written (24 B), acc read (4 B).
+        stats.host_bytes += self._host_elems * 28
+        prepare = None
+        dev_acc = self._dev_acc
+        if dev_acc is not None:
+            def prepare() -> Callable[[], Any] | None:  # the interval sum crosses PCIe once (fp32)
+                stats.d2h_bytes += 4 * self.layout.host_numel
+                stats.host_bytes += 4 * self._host_elems
+                return dev_acc.copy_out(acc)
+
+        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm, after=self._fence,
+                             prepare=prepare)
         self._fence = None
 
     def _collect(self, stats: StepStats) -> None:
@@ -522,8 +547,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
         assert self.host is not None  # only the host path has updates to install
-        src = self.host.upload if self.host.upload is not None else self.host.master
-        stats.h2d_bytes += install_params(self._h2d, self._chunks, src, self._params)
+        nbytes, fence = install_params(self._h2d, self._chunks, self.host.master, self._params)
+        stats.h2d_bytes += nbytes
+        self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
+        _count_device_waits(stats, self._h2d.stall_pairs)  # the compute stream waiting for the copies
         # Whole column ranges were written: put the device-owned columns back.
         self._device.write_params(self._params, self._selected, only=self._selectable)
         if self._exchange is not None:  # each owner's columns to every rank (collectives)
@@ -539,18 +566,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for first).
 
-        The host state is saved as pieces keyed by parameter name and column range (reshard.py):
-        a process of any world size can load the pieces that cover its columns."""
+        Like ``torch.optim``, the tensors are the live state, not copies: a checkpoint streams
+        them to disk without a second copy of the state in memory (zfctl/train/tensorfile.py),
+        and ``torch.save`` of the dict works as usual; take copies to keep a snapshot while
+        training goes on. The host state is saved as pieces keyed by parameter name and column
+        range (reshard.py): a process of any world size can load the pieces that cover its columns.
+        """
         self._drain()
-        pipeline = self.pipeline.state_dict()
+        live = self._dev_acc.buf if self._dev_acc is not None else None  # the device path's unfinished sum
+        pipeline = self.pipeline.state_dict(live_acc=live)
         host = None
         if self.host is not None:
-            flat = {**self.host.state_dict(), "acc": pipeline.pop("acc")}
-            if self._dev_acc is not None:  # the unfinished interval's sum lives on the device
-                flat["acc"] = self.host.canonical_acc(self._dev_acc.buf, fresh=self.pipeline.interval_len == 0)
-            if "upload" in pipeline:
-                flat["upload"] = pipeline.pop("upload")
-            host = split_host(self.layout, flat)
+            host = split_host(self.layout, {**self.host.state_dict(), "acc": pipeline.pop("acc")})
         return pack_state(
             names=self.names, shapes=[list(p.shape) for p in self._params], by_row=self._by_row(),
             config=dataclasses.asdict(self.config),
@@ -562,33 +589,37 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` taken from an optimizer over the same parameters and topk_ratio.
 
-        Data parallel: the host pieces given must cover this rank's columns; they may come from
-        any world size (a resharding resume merges the pieces of the saved ranks it needs)."""
+        Values may be tensors or lazy file tensors (read straight into the live buffers, see
+        reshard.py). Data parallel: the host pieces given must cover this rank's columns; they may
+        come from any world size (a resharding resume merges the pieces of the saved ranks it needs).
+        """
         check_state(state_dict, names=self.names, shapes=[list(p.shape) for p in self._params],
                     by_row=self._by_row(), topk_ratio=self.config.topk_ratio, partition=self._partition_info())
         parts = unpack_state(state_dict)
-        flat: dict[str, torch.Tensor] | None = None
-        if self.host is not None:  # assembled before anything is overwritten: a gap raises here
-            host = parts["host"]
-            flat = dict(host) if isinstance(host, dict) else gather_host(self.layout, host)  # format 1: flat
         self._drain()
         if self._stream is not None:
             self._stream.disarm()
+        if self.host is not None:  # checked before anything is overwritten: a gap raises here
+            host = parts["host"]
+            pieces = host if isinstance(host, list) else split_host(self.layout, host)  # format 1: flat
+            check_covers(self.layout, pieces)
         for group, saved in zip(self.param_groups, parts["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         pipeline = parts["pipeline"]
-        if flat is not None:
-            pipeline["acc"] = flat.pop("acc")
-            if "upload" in flat:
-                pipeline["upload"] = flat.pop("upload")
-        self.pipeline.load_state_dict(pipeline)
-        if self._dev_acc is not None:
-            self._dev_acc.buf.copy_(pipeline["acc"])
+        live_acc = self._dev_acc.buf if self._dev_acc is not None else None
+        if self.host is not None:
+            self.host.wait_install()
+            # Straight into the live buffers, piece by piece: no gathered copy of the state. The
+            # unfinished sum goes where the pipeline will read it (its current accumulator, or the
+            # device path's device buffer).
+            cur = pipeline["counters"]["cur"] % len(self.host.acc)
+            acc = live_acc if live_acc is not None else self.host.acc[cur]
+            gather_host(self.layout, pieces, into={**self.host.state_dict(), "acc": acc})
+            pipeline["acc"] = acc
+        self.pipeline.load_state_dict(pipeline, live_acc=live_acc)
         self._selected = parts["selected"]
         self._device.load_state_dict(parts["device"])
         if self.host is not None:
-            assert flat is not None  # assembled above whenever there is host state
-            self.host.load_state_dict(flat)
             self.host.device_owned.zero_()
             for s in self._selectable:
                 if (index := self._device.index[s.index]) is not None:
@@ -677,3 +708,18 @@ def _select_period(config: ZenFlowConfig, steps_per_epoch: int | None) -> int:
         raise UserError("zenflow.select_strategy=epoch needs the epoch length: pass steps_per_epoch "
                         "to ZenFlowOptimizer, or use select_strategy=step")
     return 256 * epochs
+
+
+def _count_device_waits(stats: StepStats, pairs: list[tuple[Any, Any]]) -> None:
+    """Add the device-side waits of this step (the compute stream idle until a copy landed, timed
+    with events, pcie.timed_wait) to its stall, read one step late like the device timings."""
+    if not pairs:
+        return
+    pairs = list(pairs)
+
+    def read(st: StepStats) -> None:
+        ms = waited_ms(pairs)
+        st.device_wait_ms += ms
+        st.stall_ms += ms
+
+    stats.defer(read)

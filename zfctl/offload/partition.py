@@ -151,37 +151,63 @@ def partition_layout(
     return local, Partition(process_group, rank, world_size, bounds, tuple(pieces))
 
 
-def all_reduce_buckets(tensors: list[torch.Tensor], group: Any, world_size: int, *, divide: bool) -> int:
-    """Sum contiguous ``tensors`` over the group in place (``divide``: then divide by the world
-    size, the mean), in flat buckets of at most ``BUCKET_BYTES``; returns the bytes this rank sent.
+@dataclass
+class Bucket:
+    """A launched all-reduce: the flat sum buffer, its work handle, and the tensors it came from."""
+
+    flat: torch.Tensor
+    work: Any
+    tensors: list[torch.Tensor]
+
+
+def launch_buckets(tensors: list[torch.Tensor], group: Any) -> list[Bucket]:
+    """Start summing contiguous ``tensors`` over the group (asynchronous all-reduces), in flat
+    buckets of at most ``BUCKET_BYTES``; finish with :func:`finish_buckets`.
 
     Every rank must pass the same shapes in the same order. One flat copy per bucket in, one out:
     two extra passes over the data, next to the network time; one collective per bucket, not per
-    tensor.
+    tensor. The bucket boundaries decide the summation order of a ring all-reduce on 3+ ranks, so
+    callers that must agree bit for bit pass the same tensors in the same groups.
     """
-    total, size = 0, 0
-    bucket: list[torch.Tensor] = []
+    buckets: list[Bucket] = []
+    size = 0
+    group_of: list[torch.Tensor] = []
 
-    def flush() -> int:
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)  # sum over ranks
-        if divide:
-            flat.div_(world_size)
-        o = 0
-        for t in bucket:
-            t.view(-1).copy_(flat[o : o + t.numel()])
-            o += t.numel()
-        return all_reduce_bytes(flat.numel() * flat.element_size(), world_size)
+    def launch() -> None:
+        flat = torch.cat([t.reshape(-1) for t in group_of])
+        work = dist.all_reduce(flat, group=group, async_op=True)  # sum over ranks
+        buckets.append(Bucket(flat, work, list(group_of)))
 
     for t in tensors:
-        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() * t.element_size() > BUCKET_BYTES):
-            total += flush()
-            bucket, size = [], 0
-        bucket.append(t)
+        if group_of and (t.dtype != group_of[0].dtype or size + t.numel() * t.element_size() > BUCKET_BYTES):
+            launch()
+            group_of, size = [], 0
+        group_of.append(t)
         size += t.numel() * t.element_size()
-    if bucket:
-        total += flush()
+    if group_of:
+        launch()
+    return buckets
+
+
+def finish_buckets(buckets: list[Bucket], world_size: int, *, divide: bool) -> int:
+    """Wait for launched buckets and copy the sums back (``divide``: by the world size, the mean);
+    returns the bytes this rank sent."""
+    total = 0
+    for b in buckets:
+        b.work.wait()
+        if divide:
+            b.flat.div_(world_size)
+        o = 0
+        for t in b.tensors:
+            t.view(-1).copy_(b.flat[o : o + t.numel()])
+            o += t.numel()
+        total += all_reduce_bytes(b.flat.numel() * b.flat.element_size(), world_size)
     return total
+
+
+def all_reduce_buckets(tensors: list[torch.Tensor], group: Any, world_size: int, *, divide: bool) -> int:
+    """Sum (``divide``: average) ``tensors`` over the group in place, bucketed; bytes sent."""
+    return finish_buckets(launch_buckets(tensors, group), world_size, divide=divide)
 
 
 class OwnedRows:

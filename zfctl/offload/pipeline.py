@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from zfctl.offload.auto_interval import IntervalPolicy
-from zfctl.offload.host import HostState
+from zfctl.offload.host import HostState, fill
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker
 
@@ -40,14 +40,14 @@ class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
-                 install: Install, lag: int = 0) -> None:
+                 install: Install, lag: int = 0, device: torch.device | None = None) -> None:
         self.host = host
         self.policy = policy
         self.overlap = overlap
         self.lag = lag  # install a background update this many steps after its boundary; 0: at the next one
         self.age = 0  # steps completed since the last background submit (counts while one is outstanding)
         self._install = install
-        self.worker = CpuWorker(host) if host is not None else None
+        self.worker = CpuWorker(host, device or torch.device("cpu")) if host is not None else None
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
         self.interval_len = 0  # steps accumulated in the current interval
         self.last_interval = 0 if policy.auto else policy.fixed
@@ -94,19 +94,28 @@ class Pipeline:
         return n
 
     def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
-               after: Callable[[], Any] | None = None) -> None:
+               after: Callable[[], Any] | None = None,
+               prepare: Callable[[], Callable[[], Any] | None] | None = None) -> None:
         """Hand one interval to the CPU worker; see the module docstring for the two modes.
-        ``after``: the accumulation still running into ``update.acc`` (hook path)."""
+
+        ``after``: the accumulation still running into ``update.acc`` (hook path). ``prepare``:
+        called once the previous update is collected and before this one starts, it fills
+        ``update.acc`` and returns the wait for that (the device path's copy of the interval sum
+        into its one host accumulator, which the previous update may still have been reading).
+        The worker also waits for the install DMA that may still read the master (HostState).
+        """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-            worker.submit(update, after)  # ... then start this one in the background
+        if prepare is not None:
+            after = prepare()
+        worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
+        if background:  # ... then this one runs in the background
             self.cur = (self.cur + 1) % len(host.acc)
             self.age = 0
         else:
-            worker.submit(update, after)
             self.collect(stats)
 
     def collect(self, stats: StepStats) -> None:
@@ -131,10 +140,13 @@ class Pipeline:
             self.worker.close()
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, the policy, the unfinished interval's sum and a pending result (CPU copies).
+    def state_dict(self, live_acc: torch.Tensor | None = None) -> dict[str, Any]:
+        """Counters, the policy and the unfinished interval's sum, made canonical in place
+        (``HostState.canonicalize``; ``live_acc``: where that sum lives when it is not the current
+        host accumulator: the device path's device buffer). Not copies: a checkpoint streams them.
 
-        An in-flight update is waited for first (a stall at checkpoint time only).
+        An in-flight update is waited for first (a stall at checkpoint time only). Its result is
+        then pending: the master holds it, and the install after a resume reads it from there.
         """
         self.settle()
         sd: dict[str, Any] = {
@@ -143,12 +155,15 @@ class Pipeline:
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
-            sd["acc"] = self.host.canonical_acc(self.acc, fresh=self.interval_len == 0)
-            if self.pending_install and self.host.upload is not None:
-                sd["upload"] = self.host.upload.clone()
+            acc = self.acc if live_acc is None else live_acc
+            sd["acc"] = self.host.canonicalize(acc, fresh=self.interval_len == 0)
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
+        """Restore counters, policy and the unfinished interval's sum (into ``live_acc`` when it is
+        not the host accumulator). A saved ``upload`` (states written before the install read the
+        master) is ignored: it held the master's values rounded to the model dtype, which the
+        install computes again from the master, to the same bits."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             self.worker.wait()  # discard: everything it wrote is overwritten below
         c = sd["counters"]
@@ -160,6 +175,15 @@ class Pipeline:
             return
         self.cur = c["cur"] % len(self.host.acc)
         for i, acc in enumerate(self.host.acc):
-            acc.copy_(sd["acc"]) if i == self.cur else acc.zero_()
-        if "upload" in sd and self.host.upload is not None:
-            self.host.upload.copy_(sd["upload"])
+            if live_acc is None and i == self.cur:
+                fill(acc, sd["acc"])
+            else:
+                acc.zero_()
+        if live_acc is not None:
+            fill(live_acc, sd["acc"])
+
+
+def _install_wait(host: HostState) -> Callable[[], Any] | None:
+    """The wait for the install DMA still reading ``host.master``, handed to the worker by value."""
+    fence, host.install_fence = host.install_fence, None
+    return fence.synchronize if fence is not None else None

@@ -7,13 +7,14 @@ size. Saved as *pieces* instead, one per (matrix, owned column range)::
     {"name": "model.layers.0.mlp.up_proj.weight", "c0": 0, "c1": 37,
      "master": [37, rows], "exp_avg": [37, rows], "exp_avg_sq": [37, rows],  # fp32, row = column
      "steps": [37],                                                          # per-column counters
-     "acc": [37, rows], "upload": [37, rows]}                                # pipeline-owned
+     "acc": [37, rows]}                                                      # pipeline-owned
 
 any rank of any world size can assemble its own cut from whichever pieces overlap it: every
 quantity is per column (AdamW on the host is element-wise, the counters are per column, the
 accumulators hold the interval's averaged gradient, identical for any world size), so re-cutting
-is copying rows. ``acc`` is the unfinished interval's sum; ``upload`` exists only while a finished
-update waits to be installed (bf16/fp16 models), in every piece alike.
+is copying rows. ``acc`` is the unfinished interval's sum. States written before the install read
+the fp32 master also held ``upload`` (the pending update's values in the model dtype) while an
+update waited to be installed; loading ignores it (the master holds the same values).
 
 ``owners`` says which saved ranks hold columns a new cut needs, so a resharding resume reads only
 those files. Format 1 (flat per-rank buffers) is converted to pieces when it is loaded by the same
@@ -22,10 +23,11 @@ rank of the same world size; any other world size is refused (see ``checkpoint.c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from zfctl.offload.host import fill
 from zfctl.offload.layout import Layout
 
 COLUMN_KEYS = ("steps",)  # one value per column; every other key holds ``rows`` values per column
@@ -48,18 +50,31 @@ def split_host(layout: Layout, flat: dict[str, torch.Tensor]) -> list[dict[str, 
     return pieces
 
 
-def gather_host(layout: Layout, pieces: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """This rank's flat host buffers assembled from ``pieces`` of any cut (any world size).
+class LazyTensor(Protocol):
+    """A tensor in a checkpoint file that is read only when copied somewhere (zfctl/train/
+    tensorfile.py): what a resume loads a piece from, without a second copy in memory."""
 
-    Raises ValueError, before anything is modified, when a column this rank owns is in no piece or
-    a piece does not fit the matrix of its name.
-    """
-    keys = [k for k in (pieces[0] if pieces else {}) if k not in ("name", "c0", "c1")]
-    out = {k: torch.zeros(layout.host_cols if k in COLUMN_KEYS else layout.host_numel, dtype=pieces[0][k].dtype)
-           for k in keys}
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __getitem__(self, rows: slice) -> LazyTensor: ...
+
+    def reshape(self, *shape: int) -> LazyTensor: ...
+
+    def copy_to(self, dst: torch.Tensor) -> None: ...
+
+
+def _keys(piece: dict[str, Any]) -> list[str]:
+    return sorted(k for k in piece if k not in ("name", "c0", "c1"))
+
+
+def check_covers(layout: Layout, pieces: list[dict[str, Any]]) -> None:
+    """Raise ValueError, before anything is modified, when a column this rank owns is in no piece,
+    or a piece does not fit the matrix of its name."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for p in pieces:
         by_name.setdefault(p["name"], []).append(p)
+    keys = _keys(pieces[0]) if pieces else []
     for s in layout.host_slots:
         n = s.host_c1 - s.host_c0
         if n == 0:
@@ -69,25 +84,51 @@ def gather_host(layout: Layout, pieces: list[dict[str, Any]]) -> dict[str, torch
             a, b = max(p["c0"], s.host_c0), min(p["c1"], s.host_c1)
             if a >= b:
                 continue
-            if sorted(k for k in p if k not in ("name", "c0", "c1")) != sorted(keys):
+            if _keys(p) != keys:
                 raise ValueError(f"optimizer state pieces of {s.name!r} hold different buffers")
             if p[keys[0]].shape[0] != p["c1"] - p["c0"] or any(
-                    p[k].shape[1:] != (s.rows,) for k in keys if k not in COLUMN_KEYS):
+                    tuple(p[k].shape[1:]) != (s.rows,) for k in keys if k not in COLUMN_KEYS):
                 raise ValueError(f"optimizer state piece of {s.name!r} columns [{p['c0']}, {p['c1']}) does not "
                                  f"fit a matrix of {s.rows} rows")
-            lo, hi = a - s.host_c0, b - s.host_c0  # in this rank's range
-            for k in keys:
-                src = p[k][a - p["c0"] : b - p["c0"]]
-                if k in COLUMN_KEYS:
-                    out[k][s.host_col0 + lo : s.host_col0 + hi].copy_(src)
-                else:
-                    out[k][s.host_off + lo * s.rows : s.host_off + hi * s.rows].copy_(src.reshape(-1))
-            seen[lo:hi] = True
+            seen[a - s.host_c0 : b - s.host_c0] = True
         if not bool(seen.all()):
             have = sorted((p["c0"], p["c1"]) for p in by_name.get(s.name, []))
             raise ValueError(f"optimizer state lacks columns of {s.name!r}: this process holds "
                              f"[{s.host_c0}, {s.host_c1}), the pieces given cover {have}")
-    return out
+
+
+def gather_host(layout: Layout, pieces: list[dict[str, Any]],
+                into: dict[str, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+    """Copy this rank's columns from ``pieces`` of any cut (any world size) straight into the flat
+    buffers ``into`` (laid out by ``layout``; host tensors, or the device path's device sum), one
+    overlapping column range at a time: no gathered copy of the state. Keys of the pieces that
+    ``into`` lacks or maps to None are skipped (``upload``, held by states written before the
+    install read the master). Call :func:`check_covers` first. Without ``into``: checks, then fills
+    new zero buffers (tests, tools); returns the buffers filled."""
+    if into is None:
+        check_covers(layout, pieces)
+        keys = _keys(pieces[0]) if pieces else []
+        into = {k: torch.zeros(layout.host_cols if k in COLUMN_KEYS else layout.host_numel, dtype=pieces[0][k].dtype)
+                for k in keys}
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for p in pieces:
+        by_name.setdefault(p["name"], []).append(p)
+    for s in layout.host_slots:
+        for p in by_name.get(s.name, []):
+            a, b = max(p["c0"], s.host_c0), min(p["c1"], s.host_c1)
+            if a >= b:
+                continue
+            lo, hi = a - s.host_c0, b - s.host_c0  # in this rank's range
+            for k in _keys(p):
+                dst = into.get(k)
+                if dst is None:
+                    continue
+                src = p[k][a - p["c0"] : b - p["c0"]]
+                if k in COLUMN_KEYS:
+                    fill(dst[s.host_col0 + lo : s.host_col0 + hi], src)
+                else:
+                    fill(dst[s.host_off + lo * s.rows : s.host_off + hi * s.rows], src.reshape(-1))
+    return {k: v for k, v in into.items() if v is not None}
 
 
 def owned_ranges(layout: Layout) -> list[tuple[str, int, int]]:

@@ -1,23 +1,30 @@
-"""The transfer scheduler: a ring of host slots per direction, with its own CUDA stream and events.
+"""The transfer scheduler: a ring of slots per direction, with its own CUDA stream and events.
 
-Large tensors move as slot-sized chunks, so pinned memory stays bounded (``slots x slot_bytes``
-per ring) and copies, host work and device compute overlap: while the copy engine moves chunk
-i+1, the host consumes chunk i (D2H) or fills chunk i+1 (H2D). A slot is reused only after the
-event of its previous copy has fired.
+Large tensors move as slot-sized chunks, so the memory a transfer holds stays bounded
+(``slots x slot_bytes``) and copies, host work and device compute overlap. Every copy goes through
+``pcie.copy_async`` (a wait for the producer, the copy, an event after it).
 
-D2H (gradients): ``fill(dst)`` writes a chunk on the compute stream (the optimizer transposes a
-column range there, so the host receives column-major data), the ring's stream waits for the
-compute stream, copies it into a pinned slot and records the slot's event; ``consume(view)``
-runs on the host once that event fired (the optimizer accumulates it with the native kernel).
+D2H (gradients, the step() path): ``fill(dst)`` writes a chunk into a fresh device temporary on
+the compute stream (the optimizer transposes a column range there, so the host receives
+column-major data); the ring's stream waits for the compute stream, copies the temporary into
+host slot i (page-locked at its exact size, pinned.py) and records slot i's event;
+``consume(view)`` runs on the host once that event fired (the optimizer accumulates it with the
+native kernel). Slot i is refilled only after its chunk was consumed. The host slots are
+allocated when the ring is built: ``slots x slot_bytes`` of host memory, counted by the plan.
 
-H2D (updated params): the host copies a chunk of the upload buffer into a free pinned slot, the
-ring's stream copies it into a device temporary, and the compute stream waits for that copy
-before ``deliver(tmp)`` scatters it into the params (all enqueued, nothing blocks the host).
+H2D (updated params, an install): the sources are ranges of the fp32 host master. When it is
+page-locked (CUDA, ``pin_memory``) the ring's stream DMAs each range straight into device slot i
+(no host copy at all: the main thread only enqueues); the compute stream waits for that copy,
+``deliver(slot)`` scatters it into the params (casting to the model dtype on the device), and an
+event after the scatter frees the device slot for chunk i + slots: a device-side wait of the
+copy stream, so the host never blocks. The event after the last copy is the install's fence: the
+master may not be written (by the next CPU update, a migration, a load) before it fired
+(``HostState.install_fence``). Without page-locked memory (``pin_memory: false``) each range is
+first copied into a host slot (the host waits for that slot's previous copy), as pageable memory
+cannot be read by a DMA that outlives the call.
 
-Without CUDA the same code runs with plain memory and synchronous copies: ``fill`` writes straight
-into the slot and ``deliver`` reads straight from it. That is how CI exercises this module.
-``pin_memory=False`` uses pageable slots (the copies then stage through the driver and stop
-overlapping), kept for the benchmark's comparison.
+Without CUDA the same code runs synchronously: ``fill`` writes straight into a host slot and
+``deliver`` reads straight from the master. That is how CI exercises this module.
 """
 
 from __future__ import annotations
@@ -28,35 +35,54 @@ from typing import Any
 
 import torch
 
+from zfctl.offload import pinned
+from zfctl.offload.pcie import copy_async, timed_wait
+
 Fill = Callable[[torch.Tensor], None]
 
 
 class Ring:
-    """``nslots`` host slots of ``slot_bytes`` each, one copy stream and one event per slot."""
+    """``nslots`` slots of ``slot_bytes`` each, one copy stream and one event per slot.
 
-    def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool) -> None:
+    ``host_slots``: allocate the host slots (page-locked when ``pin_memory`` on CUDA) now; a ring
+    that only DMAs from page-locked sources (the install's, on CUDA) needs none.
+    """
+
+    def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool, *,
+                 host_slots: bool = True) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.nslots = nslots
         self.slot_bytes = slot_bytes
         self.pin = pin_memory and self.cuda
-        self._slots: list[torch.Tensor] = []  # allocated on first use
+        # One flat allocation, page-locked at its exact size: no power-of-two rounding per slot.
+        self._host = pinned.empty(nslots * slot_bytes if host_slots else 0, torch.uint8, pin=self.pin)
+        self._device: torch.Tensor | None = None  # device slots of the direct H2D path, made on first use
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._events = [torch.cuda.Event() for _ in range(nslots)] if self.cuda else []
-
-    def _slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A typed view of slot ``i`` for ``numel`` elements."""
-        nbytes = numel * dtype.itemsize
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"chunk of {nbytes} B exceeds the ring slot size of {self.slot_bytes} B")
-        while len(self._slots) <= i:
-            self._slots.append(torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin))
-        return self._slots[i][:nbytes].view(dtype)
+        self._events: list[Any] = [None] * nslots  # per host slot: its last copy
+        self._freed: list[Any] = [None] * nslots  # per device slot: the scatter that last read it
+        self.stall_pairs: list[tuple[Any, Any]] = []  # the last h2d's timed compute waits (pcie.timed_wait)
 
     @property
     def host_bytes(self) -> int:
-        """Host memory held by the slots allocated so far."""
-        return sum(s.numel() for s in self._slots)
+        """Host memory held by the slots."""
+        return self._host.numel()
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held by the direct H2D path's slots (0 until the first such install)."""
+        return 0 if self._device is None else self._device.numel()
+
+    def _slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A typed view of host slot ``i`` for ``numel`` elements."""
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"chunk of {nbytes} B exceeds the ring slot size of {self.slot_bytes} B")
+        return self._host[i * self.slot_bytes : i * self.slot_bytes + nbytes].view(dtype)
+
+    def release(self) -> None:
+        """Unregister the page-locked slots (close())."""
+        pinned.release(self._host)
 
     def d2h(self, chunks: Iterable[tuple[int, torch.dtype, Fill, Any]],
             consume: Callable[[torch.Tensor, Any], None]) -> int:
@@ -82,48 +108,63 @@ class Ring:
                 continue
             assert self.stream is not None and compute is not None  # CUDA: both exist
             tmp = torch.empty(numel, dtype=dtype, device=self.device)
-            fill(tmp)  # compute stream
-            self.stream.wait_stream(compute)
-            with torch.cuda.stream(self.stream):
-                view.copy_(tmp, non_blocking=True)  # PCIe D2H of one chunk
-                self._events[i].record(self.stream)
+            fill(tmp)  # compute stream: a fresh buffer, never an alias of a live .grad
+            event = copy_async(self.stream, view, tmp, after=compute)  # PCIe D2H of one chunk
             tmp.record_stream(self.stream)  # keep tmp's memory until the copy stream is done with it
-            inflight.append((view, tag, self._events[i]))
+            inflight.append((view, tag, event))
         while inflight:
             view, tag, event = inflight.popleft()
-            event.synchronize()
+            event.synchronize()  # sync point: the chunk's D2H copy
             consume(view, tag)
         return total
 
     def h2d(self, chunks: Iterable[tuple[torch.Tensor, Any]],
-            deliver: Callable[[torch.Tensor, Any], None]) -> int:
+            deliver: Callable[[torch.Tensor, Any], None]) -> tuple[int, Any]:
         """Stream ``(host_src, tag)`` chunks to the device; ``deliver(device_tensor, tag)`` each.
 
         ``deliver`` runs on the host but only enqueues work on the compute stream, which waits for
-        that chunk's copy first. The host waits only for a slot's previous copy before refilling
-        it; once this returns, every ``host_src`` has been read and may be overwritten.
+        that chunk's copy first. Returns (bytes copied, the event after the last copy that reads a
+        source: None when every source was read before this returned).
         """
         total = 0
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        last = None
+        self.stall_pairs = []
         for n, (src, tag) in enumerate(chunks):
             i = n % self.nslots
-            view = self._slot(i, src.numel(), src.dtype)
-            total += view.numel() * view.element_size()
-            if self.cuda:
-                self._events[i].synchronize()  # sync point: the slot's previous H2D copy
-            view.copy_(src.reshape(-1))  # host memcpy into the (pinned) slot
+            total += src.numel() * src.element_size()
             if not self.cuda:
-                deliver(view, tag)
+                deliver(src, tag)  # the same memory: a synchronous host copy in ``deliver``
                 continue
             assert self.stream is not None and compute is not None  # CUDA: both exist
-            with torch.cuda.stream(self.stream):
-                tmp = torch.empty(view.numel(), dtype=view.dtype, device=self.device)
-                tmp.copy_(view, non_blocking=True)  # PCIe H2D of one chunk
-                self._events[i].record(self.stream)
-            compute.wait_event(self._events[i])
-            tmp.record_stream(compute)
-            deliver(tmp, tag)
-        return total
+            if src.is_pinned():
+                dev = self._device_slot(i, src.numel(), src.dtype)
+                # Device slot i is rewritten only after the scatter that last read it: a device-side
+                # wait of the copy stream (the host never blocks here).
+                copied = last = copy_async(self.stream, dev, src, after=self._freed[i])  # PCIe H2D: DMA from the master
+            else:
+                view = self._slot(i, src.numel(), src.dtype)
+                if self._events[i] is not None:
+                    self._events[i].synchronize()  # sync point: the slot's previous H2D copy
+                view.copy_(src)  # host memcpy into the slot: the source is pageable
+                dev = torch.empty(view.numel(), dtype=view.dtype, device=self.device)
+                copied = self._events[i] = copy_async(self.stream, dev, view, after=None)  # PCIe H2D of one chunk
+                dev.record_stream(compute)
+            self.stall_pairs.append(timed_wait(compute, copied))  # the compute stream waits for the copy
+            deliver(dev, tag)  # compute stream: scatter into the params
+            if src.is_pinned():
+                freed = torch.cuda.Event()
+                freed.record(compute)
+                self._freed[i] = freed
+        return total, last
+
+    def _device_slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        per = self.slot_bytes // dtype.itemsize
+        if numel > per:
+            raise ValueError(f"chunk of {numel * dtype.itemsize} B exceeds the ring slot size of {self.slot_bytes} B")
+        if self._device is None:
+            self._device = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        return self._device[i * self.slot_bytes : i * self.slot_bytes + numel * dtype.itemsize].view(dtype)
 
     def fetch(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start copying a small device tensor to the host now; the returned call waits and gives it.
@@ -134,12 +175,8 @@ class Ring:
         if not self.cuda:
             return lambda: t
         assert self.stream is not None  # CUDA: created in __init__
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)  # PCIe D2H: a few scalars
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)  # a few bytes (caching allocator)
+        event = copy_async(self.stream, host, t, after=torch.cuda.current_stream(self.device))  # PCIe D2H: scalars
         t.record_stream(self.stream)
 
         def result() -> torch.Tensor:
@@ -147,3 +184,12 @@ class Ring:
             return host
 
         return result
+
+
+def ring_slot_bytes(want: int, nslots: int, max_rows: int, host_numel: int, itemsize: int) -> int:
+    """Bytes per slot: ``want`` (zenflow.ring_slot_mb), but no more than the slots need to hold
+    the whole host-path gradient (a small model's ring stays small), and at least one column of
+    the tallest matrix; a multiple of 64 bytes, so every dtype view of a slot is aligned."""
+    need = -(-host_numel * itemsize // nslots)
+    size = max(min(want, need), max_rows * itemsize)
+    return -(-size // 64) * 64

@@ -16,7 +16,8 @@ class StepStats:
     Stall is every host wait inside ``step()`` after the device update was enqueued: gradient
     columns the step had to copy and accumulate itself, the
     wait for the CPU worker, the host side of an install, and (hook path) the wait for gradient
-    chunks still in flight. While the host waits there, the device runs out of queued work, so
+    chunks still in flight; plus ``device_wait_ms``, the time the compute stream itself sat
+    waiting for a copy (an install's H2D, the device path's copy out), read with events. While the host waits there, the device runs out of queued work, so
     this is the time the device timeline waits on the host or on PCIe (an upper bound: the device
     may still be finishing the update it was given). ``offload_ms`` is the gradient part of it.
     The wait for the step's few scalars (norm, coefficient) is not stall: the device update is
@@ -60,6 +61,10 @@ class StepStats:
     accumulated_early: int = 0
     accumulated_late: int = 0
     host_bytes: int = 0  # host memory bytes the gradient accumulation read + wrote for this step
+    # Of stall_ms: the compute stream's own idle time waiting for a copy to land (an install's
+    # H2D, the device path's copy out of the last interval), timed with CUDA events; 0 on CPU.
+    device_wait_ms: float = 0.0
+    budget_waits: int = 0  # hook path: times a hook waited for the cap on gradient temporaries in flight
     d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only
     _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
 

@@ -1,16 +1,26 @@
 """Gradients leave during backward: post-accumulate-grad hooks, a copy stream, a host landing buffer
-and an accumulation thread.
+and an accumulation thread. This is the hook path's device to host copy (the step() path's is
+chunks.py ``offload_gradients``, the device path's device_acc.py ``copy_out``).
 
 The last backward of an optimizer step (the loop says which: ``ZenFlowOptimizer.prepare_backward``)
 arms the stream. From then on, as soon as autograd has finished a matrix's ``.grad`` (its
 post-accumulate-grad hook), the hook
 
-1. (data parallel) exchanges that gradient over the ranks (``GradExchange.exchange_one``: its
-   selected columns all-reduced, its host columns reduce-scattered to their owners, in the same
-   hook order on every rank; step() then exchanges only what no hook did);
-2. transposes each host-owned column range of it into column-major order on the compute stream
-   (a device temporary), and copies it on the copy stream into the *landing* buffer, the host
-   mirror of the accumulator's layout in the model dtype (PCIe D2H, 2 B per element for bf16);
+1. (data parallel) starts that gradient's exchange over the ranks (``GradExchange.launch``: its
+   selected columns all-reduced, its host columns reduce-scattered to their owners), asynchronously,
+   and in one fixed order on every rank (``ExchangeOrder``): a hook that fires out of that order
+   only marks its matrix ready, and a matrix that gets no gradient in this backward holds back
+   the ones after it until step(), which exchanges the rest in the same order. So every rank
+   issues the same collectives in the same sequence whatever its hooks did. An exchange is
+   completed (``GradExchange.complete``: a device-side wait, then the averaged columns written
+   back into ``.grad``) one hook later, so the collective overlaps the next matrix's backward;
+2. transposes each host-owned column range of the (averaged) gradient into a fresh column-major
+   device temporary on the compute stream, and copies it on the copy stream into the *landing*
+   buffer, the host mirror of the accumulator's layout in the model dtype (PCIe D2H, 2 B per
+   element for bf16). The temporary is always a new buffer, never a view of ``.grad``: a by-row
+   matrix's column range is already contiguous, and copying ``.grad`` itself would race with
+   anything that writes it before the copy lands (``zero_grad(set_to_none=False)``, a next
+   backward);
 3. hands the chunk to the accumulation thread, if the gradient coefficient is known already.
 
 The coefficient (clip factor / fp16 loss scale) is known only once every gradient exists, so
@@ -21,20 +31,23 @@ the same native kernel, the same inputs and the same rounding as the step() path
 grad``, one fma per element). The result is therefore bit-identical to the step() path, and the
 host add runs while the device does the next forward. Without clipping and fp16 the
 coefficient is 1 and the thread adds each chunk as soon as its copy has landed, during backward.
+A matrix whose hook did not land it (no gradient in this backward, or held back by the exchange
+order) is landed by ``finish`` from step() itself, so no gradient is ever left out.
 
 Buffers and owners (docs/design.md, "Threads and buffer ownership"):
 
 | buffer | written by | read by | released when |
 | --- | --- | --- | --- |
-| device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``) |
-| landing[w] (pinned) | copy stream | accumulation thread | that window's last job is done (``fences[w]``) |
+| device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``); at most ``budget_bytes`` in flight, across steps |
+| landing[w] (page-locked, exact size) | copy stream | accumulation thread | that window's last job is done (``fences[w]``) |
 | the accumulator (``Pipeline.acc``) | accumulation thread, in job order | CPU worker at a boundary | the worker waits for the boundary step's fence |
 
 Two landing buffers alternate by window, so the hooks of step t+1 wait only for the jobs of
 step t-1 (normally long done); that wait, and waits for the bound on device temporaries in
-flight (``budget_bytes``), happen on the hook's thread and are reported as stall. Cost: host
-memory of 2 x (matrix elements) x (model itemsize), pinned on CUDA; device memory of at most
-``budget_bytes`` of temporaries.
+flight (``budget_bytes``, counted across steps: the copies of one step may outlast the next
+backward at 7B), happen on the hook's thread and are reported as stall. Cost: host memory of 2 x
+(matrix elements) x (model itemsize), page-locked; device memory of at most ``budget_bytes`` of
+temporaries.
 
 Without CUDA the same code runs synchronously: the hook copies straight into the landing buffer
 and, when the coefficient is known, accumulates at once (that is how CI tests the logic).
@@ -50,11 +63,35 @@ from typing import Any
 
 import torch
 
+from zfctl.offload import pinned
 from zfctl.offload.chunks import Chunk
 from zfctl.offload.layout import as_matrix
+from zfctl.offload.pcie import bind_device, copy_async
 from zfctl.offload.stats import StepStats
 
 Accumulate = Callable[..., None]
+
+
+class ExchangeOrder:
+    """The one order in which every rank exchanges the streamed matrices: reverse parameter order
+    (the order backward produces gradients in, roughly). ``ready(index)`` returns the matrices
+    that may be exchanged now: the next ones in the order whose gradients are all final."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.order = sorted(indices, reverse=True)
+        self.reset()
+
+    def reset(self) -> None:
+        self._ready: set[int] = set()
+        self._next = 0
+
+    def ready(self, index: int) -> list[int]:
+        self._ready.add(index)
+        out = []
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            out.append(self.order[self._next])
+            self._next += 1
+        return out
 
 
 class GradStream:
@@ -62,19 +99,28 @@ class GradStream:
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
-                 exchange: Callable[[int], int] | None) -> None:
+                 exchange: Any = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.params = params
         pin = pin_memory and self.cuda
-        self.landing = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.landing = [pinned.empty(numel, dtype, pin=pin) for _ in range(2)]
         self.fences: list[Future | None] = [None, None]  # the last job that reads landing[w]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.budget_bytes = budget_bytes
         self._accumulate = accumulate
-        self._exchange = exchange  # data parallel: exchange.GradExchange.exchange_one, in the hook
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
+        self._exchange = exchange  # data parallel: exchange.GradExchange (launch / complete)
+        self._order = ExchangeOrder([s.index for s in slots]) if exchange is not None else None
+        # The thread binds itself to the optimizer's device first: its event waits would otherwise
+        # create a CUDA context on GPU 0 (pcie.bind_device).
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="zenflow-acc", initializer=bind_device, initargs=(device,))
         self._last_job: Future | None = None
         self._w = 1  # the landing buffer of the current window (the first window takes 0)
+        # Device temporaries whose D2H may still run, with their bytes: kept across windows, since
+        # the copies of one step may outlast the next step's forward (the budget must see them).
+        self.inflight: deque[tuple[Any, int]] = deque()
+        self.inflight_bytes = 0
         self._handles = [params[s.index].register_post_accumulate_grad_hook(self._hook_for(s.index))
                          for s in slots]
         self.armed = False
@@ -87,15 +133,18 @@ class GradStream:
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
         self.first = False  # the interval's first step: write the accumulator, do not add
         self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
-        self.exchanged: set[int] = set()  # params the hooks already exchanged over ranks
+        self.landed_params: set[int] = set()  # params whose chunks have been copied this window
+        self.exchanged: set[int] = set()  # params whose exchange over ranks is complete
+        self._launched: deque[tuple[int, Any]] = deque()  # (param, pending exchange), in order
         self.seen: set[int] = set()  # params whose final gradient this window has taken
-        self.inflight: deque[tuple[Any, int]] = deque()  # (event, temp bytes) for the budget
-        self.inflight_bytes = 0
         self.jobs: list[Future] = []  # CUDA, coefficient known: one job per chunk
         self.early_accumulated = 0  # chunks added in the hook (CPU, coefficient known)
+        self.budget_waits = 0  # times a hook waited for the bound on temporaries in flight
         self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' collectives
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
+        if getattr(self, "_order", None) is not None:
+            self._order.reset()
 
     def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
         """Stream the next backward's final gradients; ``coef`` known in advance, else None;
@@ -124,22 +173,54 @@ class GradStream:
                                "step() after it (earlier micro-batches take final=False)")
         self.seen.add(index)
         assert p.grad is not None  # a post-accumulate-grad hook runs once the gradient exists
-        if not self.started:  # first hook of the window: landing[w] must be free again
-            self.started = True
-            self._w = 1 - self._w
-            fence = self.fences[self._w]
-            if fence is not None and not fence.done():
-                t0 = time.perf_counter()
-                fence.result()  # host wait: the accumulation of two steps ago still reads it
-                self.wait_ms += (time.perf_counter() - t0) * 1e3
-        if self._exchange is not None and index not in self.exchanged:
-            self.comm_bytes += self._exchange(index)  # collectives, in the same hook order on every rank
-            self.exchanged.add(index)
-        gm = as_matrix(p.grad, self.chunks[index][0].slot) if index in self.chunks else None
+        self._start_window()
+        if self._exchange is None or self._order is None:
+            self._land(index)
+            return
+        for i in self._order.ready(index):  # collectives in the one order every rank uses
+            self._launched.append((i, self._exchange.launch(i)))
+        # Complete all but the newest exchange: it overlaps the next matrix's backward.
+        while len(self._launched) > 1:
+            self._complete_oldest(land=True)
+
+    def _start_window(self) -> None:
+        if self.started:
+            return
+        self.started = True  # first hook of the window: landing[w] must be free again
+        self._w = 1 - self._w
+        fence = self.fences[self._w]
+        if fence is not None and not fence.done():
+            t0 = time.perf_counter()
+            fence.result()  # host wait: the accumulation of two steps ago still reads it
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
+
+    def _complete_oldest(self, *, land: bool) -> None:
+        assert self._exchange is not None
+        i, pending = self._launched.popleft()
+        self.comm_bytes += self._exchange.complete(pending)  # device-side wait, then the write-back
+        self.exchanged.add(i)
+        if land:
+            self._land(i)
+
+    def complete_exchanges(self) -> set[int]:
+        """Inside step(): finish the exchanges the hooks started (in order); returns every param
+        whose exchange is complete (step() exchanges the others, in the same order)."""
+        while self._launched:
+            self._complete_oldest(land=True)
+        return self.exchanged
+
+    def _land(self, index: int) -> None:
+        """Copy the host-owned chunks of param ``index``'s final gradient into the landing buffer."""
+        grad = self.params[index].grad
+        chunks = self.chunks.get(index, ())
+        if grad is None or not chunks:
+            return
+        self.landed_params.add(index)
+        gm = as_matrix(grad, chunks[0].slot)
         landing = self.landing[self._w]
-        for ch in self.chunks.get(index, ()):
+        assert self.acc is not None  # arm() gave the accumulator
+        for ch in chunks:
             dst = landing[ch.off : ch.off + ch.numel]
-            assert gm is not None and self.acc is not None  # index has chunks; arm() gave the accumulator
             if not self.cuda:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 self.landed.append((ch, None))
@@ -150,12 +231,11 @@ class GradStream:
             self._make_room(ch.numel * dst.element_size())
             assert self.copy_stream is not None  # CUDA: created in __init__
             compute = torch.cuda.current_stream(self.device)
-            tmp = gm[:, ch.c0 : ch.c1].t().contiguous()  # compute stream: column-major chunk
-            self.copy_stream.wait_stream(compute)  # the gradient's producer has finished
-            with torch.cuda.stream(self.copy_stream):
-                dst.copy_(tmp.view(-1), non_blocking=True)  # PCIe D2H of one chunk into pinned landing
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
+            # compute stream: a fresh column-major buffer (``empty`` + ``copy_``, never ``contiguous()``,
+            # which returns ``.grad`` itself when the range is contiguous already: a by-row matrix)
+            tmp = torch.empty((ch.c1 - ch.c0, ch.slot.rows), dtype=grad.dtype, device=self.device)
+            tmp.copy_(gm[:, ch.c0 : ch.c1].t())
+            event = copy_async(self.copy_stream, dst, tmp.view(-1), after=compute)  # PCIe D2H of one chunk
             tmp.record_stream(self.copy_stream)  # the temporary lives until its copy is done
             self.inflight.append((event, tmp.numel() * tmp.element_size()))
             self.inflight_bytes += self.inflight[-1][1]
@@ -173,6 +253,7 @@ class GradStream:
                 t0 = time.perf_counter()
                 event.synchronize()  # sync point: one earlier chunk's D2H
                 self.wait_ms += (time.perf_counter() - t0) * 1e3
+                self.budget_waits += 1
             self.inflight_bytes -= b
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> Future:
@@ -189,11 +270,22 @@ class GradStream:
 
     # -- inside step() -----------------------------------------------------------------------------
     def finish(self, stats: StepStats, coef: float | None, itemsize: int) -> Future | None:
-        """Close the window: queue the late accumulation (``coef``: the step's coefficient), record
-        what left the device early, and return the fence the boundary's CPU update must wait for.
-        ``coef=None``: the step was skipped (fp16 overflow), the landed gradient is dropped."""
-        stats.early_chunks = len(self.landed)
+        """Close the window: land what no hook landed, queue the late accumulation (``coef``: the
+        step's coefficient), record what left the device early, and return the fence the
+        boundary's CPU update must wait for. ``coef=None``: the step was skipped (fp16 overflow),
+        the landed gradient is dropped."""
+        early = len(self.landed)
+        stats.early_chunks = early
         stats.early_bytes = sum(ch.numel for ch, _ in self.landed) * itemsize
+        if coef is not None:  # matrices no hook landed: their gradient now, from step() (stall)
+            t0 = time.perf_counter()
+            self._start_window()
+            for index in sorted(self.chunks):
+                if index not in self.landed_params:
+                    self._land(index)
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
+            stats.in_step_chunks += len(self.landed) - early
+            stats.in_step_bytes += sum(ch.numel for ch, _ in self.landed[early:]) * itemsize
         stats.stall_ms += self.wait_ms
         stats.comm_bytes += self.comm_bytes
         w = self._w
@@ -224,6 +316,7 @@ class GradStream:
             # CPU: exact (added in the hook). CUDA: how many the thread had finished when step()
             # got here, informative only (the rest finishes while the next forward runs).
             stats.accumulated_early = self.early_accumulated + sum(f.done() for f in self.jobs)
+        stats.budget_waits += self.budget_waits
         self.armed = False
         fence = self._last_job
         self._reset_window()
@@ -244,3 +337,8 @@ class GradStream:
             finally:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+        while self.inflight:  # copies into the landing buffers must land before they are unpinned
+            self.inflight.popleft()[0].synchronize()
+        self.inflight_bytes = 0
+        for buf in self.landing:
+            pinned.release(buf)

@@ -1,8 +1,9 @@
 """The CPU worker thread: runs the native AdamW over the host-owned columns at each boundary.
 
-One thread, one update at a time. ``submit`` hands it an accumulator and the hyper-parameters of
-this boundary; from then until ``wait`` returns, the worker owns the host master, moments, that
-accumulator and the upload buffer (see the table in ``host``). The native kernels release the GIL
+One thread, one update at a time. ``submit`` hands it an accumulator, the hyper-parameters of
+this boundary and the waits it must do first (the accumulation of the interval's last gradient,
+the install DMA still reading the master); from then until ``wait`` returns, the worker owns the
+host master, moments and that accumulator (see the table in ``host``). The native kernels release the GIL
 and split each call over their own thread pool, so the main thread keeps launching device work
 and accumulating the next interval meanwhile. Results never depend on timing: the worker touches
 only buffers the main thread leaves alone until ``wait``, and the main thread decides, by step
@@ -12,7 +13,7 @@ count alone, when to wait and install.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from zfctl.offload.host import HostState
+from zfctl.offload.pcie import bind_device
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,15 @@ class CpuUpdate:
 class CpuWorker:
     """A single background thread owning the host state while an update is in flight."""
 
-    def __init__(self, host: HostState) -> None:
+    def __init__(self, host: HostState, device: torch.device) -> None:
         from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
         self.native = _native
         self._host = host
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu")
+        # The thread's first call binds it to the optimizer's device: its waits are CUDA event
+        # syncs, which would otherwise create a context on GPU 0 (pcie.bind_device).
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="zenflow-cpu",
+                                                                   initializer=bind_device, initargs=(device,))
         self._future: Future | None = None
         self.threads = 0  # cap on the update's native threads (threads.py); 0 = all
 
@@ -62,16 +67,16 @@ class CpuWorker:
             self.native.adamw_step(
                 h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
                 beta1=update.beta1, beta2=update.beta2, eps=update.eps,
-                weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, out=h.upload,
+                weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
                 repeat=update.repeat,
             )
         # No zeroing: the first step of the interval after next overwrites acc (chunks.py, stream.py).
         return (time.perf_counter() - t0) * 1e3
 
-    def submit(self, update: CpuUpdate, after: Callable[[], Any] | None = None) -> None:
-        """Start ``update`` in the background; the worker first calls ``after`` (a wait for the
-        accumulation of the interval's last gradient: stream.py, device_acc.py). At most one
-        update is ever in flight."""
+    def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:
+        """Start ``update`` in the background; the worker first calls each of ``waits`` (the
+        accumulation of the interval's last gradient: stream.py, device_acc.py; the install DMA
+        still reading the master: chunks.py). At most one update is ever in flight."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
         if self._future is not None:
@@ -79,8 +84,8 @@ class CpuWorker:
 
         def run() -> float:
             self.native.set_thread_role(0, self.threads)  # this worker thread's share of the cores
-            if after is not None:
-                after()  # worker thread: the accumulator is complete only after this
+            for wait in waits:
+                wait()  # worker thread: the accumulator is complete, the master free, only after these
             return self.run(update)
 
         self._future = self._pool.submit(run)

@@ -1,0 +1,78 @@
+"""Page-locked host buffers at their exact size, for the engine's large DMA targets and sources.
+
+torch's ``pin_memory=True`` goes through the CUDA caching host allocator, which rounds every block
+up to the next power of two: a 13.48 GB buffer pins 17.18 GB, a 26.95 GB one 34.36 GB, and the
+rounding is host RAM nobody can use. The engine's large host buffers (the fp32 master the install
+reads, the accumulator the device path's interval sum lands in, the hook path's landing buffers,
+the ring slots) are allocated here instead: ordinary pageable memory from torch's CPU allocator,
+then page-locked in place with ``cudaHostRegister`` (docs/design.md, "Threads and buffer
+ownership"). The bytes pinned are the bytes asked for, rounded up to whole 4 KiB pages.
+
+A registered tensor reports ``is_pinned()``, so ``copy_(non_blocking=True)`` to or from it is a
+true asynchronous DMA. Registration costs time once (the kernel faults in and locks every page:
+about 1 s per 10 GB) and commits the memory at once, which is what the plan counts anyway.
+
+Ownership: the returned tensor owns the registration. When it is garbage collected the range is
+unregistered (``weakref.finalize``) before torch frees the memory; views that outlive it keep the
+memory alive as ordinary pageable memory. ``release`` unregisters early (``close()`` of the
+owners). Without CUDA, or with ``pin=False``, the buffer is plain pageable memory.
+
+``registered_bytes()`` is what this process has pinned here, for the memory checks next to
+``torch.cuda.host_memory_stats()`` (which counts only the caching allocator's blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+PAGE = 4096
+_lock = threading.Lock()
+_registered: dict[int, int] = {}  # page-aligned address -> bytes registered there
+
+
+def registered_bytes() -> int:
+    """Host bytes this process has page-locked through :func:`empty` and not yet released."""
+    with _lock:
+        return sum(_registered.values())
+
+
+def empty(numel: int, dtype: torch.dtype, *, pin: bool, zero: bool = False) -> torch.Tensor:
+    """A flat host tensor of ``numel`` elements; page-locked at its exact size when ``pin`` and
+    CUDA is available. ``zero``: filled with zeros (else uninitialised)."""
+    if not (pin and torch.cuda.is_available()) or numel == 0:
+        return torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    span = -(-nbytes // PAGE) * PAGE  # whole pages: cudaHostRegister locks pages
+    raw = torch.empty(span + PAGE, dtype=torch.uint8)  # one spare page to align the start
+    skip = -raw.data_ptr() % PAGE
+    buf = raw[skip : skip + span]
+    addr = buf.data_ptr()
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(addr, span, 0))  # 0 = cudaHostRegisterDefault
+    with _lock:
+        _registered[addr] = span
+    out = buf[:nbytes].view(dtype)
+    # The base tensor ``raw`` is kept alive by ``out``'s storage; unregister when ``out`` dies.
+    weakref.finalize(out, _unregister, addr)
+    if zero:
+        out.zero_()
+    return out
+
+
+def release(t: torch.Tensor) -> None:
+    """Unregister ``t``'s pages now (idempotent; a no-op for a tensor not pinned here)."""
+    addr = t.data_ptr() - t.data_ptr() % PAGE
+    _unregister(addr)
+
+
+def _unregister(addr: int) -> None:
+    with _lock:
+        if _registered.pop(addr, None) is None:
+            return
+    # At interpreter exit CUDA may already be torn down; the process's memory goes with it.
+    with contextlib.suppress(Exception):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(addr))
