@@ -90,9 +90,16 @@ class ZfctlGroup(TyperGroup):
             raise typer.Exit(code=2) from None
 
 
-def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None) -> dict:
+def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None, *,
+               gpu_memory: str | None = None, host_memory: str | None = None) -> dict:
     """The dedicated flags as a plan fragment; they win over --set (applied last)."""
+    from zfctl.plan.memory import parse_size
+
     flags: dict = {}
+    for flag, key, value in (("--gpu-memory", "gpu_memory", gpu_memory), ("--host-memory", "host_memory", host_memory)):
+        if value is not None:
+            parse_size(value, flag)  # one line naming the flag as typed, before anything resolves
+            flags.setdefault("machine", {})[key] = value.strip()
     if output is not None:
         flags.setdefault("checkpoint", {})["output_dir"] = str(output)
     if max_steps is not None:
@@ -175,3 +182,13 @@ CkptDirArg = Annotated[
     ),
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty output folder.")]
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option("--gpu-memory", metavar="SIZE",
+                 help="Plan for a GPU of this memory, e.g. 80GB (machine.gpu_memory); default: the detected one."),
+]
+HostMemoryOpt = Annotated[
+    str | None,
+    typer.Option("--host-memory", metavar="SIZE",
+                 help="Plan for this much host RAM, e.g. 128GB (machine.host_memory); default: this machine's."),
+]

@@ -12,6 +12,8 @@ from zfctl.cli._common import (
     ConfigOpt,
     DataOpt,
     ForceOpt,
+    GpuMemoryOpt,
+    HostMemoryOpt,
     MaxStepsOpt,
     ModelArg,
     OutputOpt,
@@ -34,6 +36,8 @@ def finetune(
     output: OutputOpt = None,
     max_steps: MaxStepsOpt = None,
     force: ForceOpt = False,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
     debug_data: Annotated[
         bool,
         typer.Option(
@@ -60,9 +64,8 @@ def finetune(
     from zfctl.train.dist import PLAN_PRINTED_ENV, dist_env, rank_error, relaunch, under_torchrun, worker_argv
 
     env = dist_env()
-    plan, _ = resolve_from_cli(
-        model, data, zenflow, config, set_ or [], plan_flags(output, max_steps, nproc), quiet=not env.is_main
-    )
+    flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
+    plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)
     if env.is_main and not os.environ.get(PLAN_PRINTED_ENV) and not debug_data:
         # Once per run: a torchrun relaunch sets PLAN_PRINTED_ENV, so its workers stay quiet.
         for line in accuracy_warnings(plan):
@@ -89,6 +92,7 @@ def finetune(
         from zfctl.train.dist import prepare_launch
 
         print_plan(plan, console)
+        _memory_line(plan)
         prepare_launch(plan, force=force)
         console.print(f"launching {plan.distributed.nproc} processes under torchrun (standalone)")
         raise typer.Exit(
@@ -96,6 +100,7 @@ def finetune(
         )
     if env.is_main and not os.environ.get(PLAN_PRINTED_ENV):
         print_plan(plan, console)
+        _memory_line(plan)
     try:
         result = run(plan, force=force, debug_data=debug_data)
     except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
@@ -111,6 +116,19 @@ def finetune(
     )
     if result.last_checkpoint:
         console.print(f"checkpoint: {result.last_checkpoint}  (continue: zfctl resume {result.output_dir})")
+
+
+def _memory_line(plan) -> None:
+    """The memory verdict under the plan (`zfctl plan` shows every line): a note when it fits, a
+    warning naming the largest lines when it does not (the estimate is rough; the run goes on)."""
+    from zfctl.plan.memory import estimate
+    from zfctl.plan.render import verdict_line
+
+    est = estimate(plan)
+    if est.fits or est.size is None:
+        console.print(verdict_line(est), style="dim")
+    else:
+        warning_line(verdict_line(est) + "; see `zfctl plan` for every line")
 
 
 def _fmt(x: float | None) -> str:

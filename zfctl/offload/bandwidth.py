@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from zfctl.offload import pinned
+
 PROBE_BYTES = 64 * 2**20  # long enough that launch overhead (~10 us) is under 1% at 50 GB/s
 WINDOW_MS = 2.0  # copy time the in-flight bytes should cover
 MIN_BYTES = 16 * 2**20  # below this a hook waits on nearly every large matrix
@@ -41,7 +43,9 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
     if device.type != "cuda":
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # Page-locked at its exact size and unpinned again below (the caching host allocator would keep
+    # the block pinned for the life of the process).
+    dst = pinned.empty(nbytes, torch.uint8, pin=True)
     stream = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -52,4 +56,5 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
         end.record(stream)
     end.synchronize()
     ms = start.elapsed_time(end)
+    pinned.release(dst)
     return nbytes / (ms * 1e6) if ms > 0 else None

@@ -1,54 +1,89 @@
-"""Memory estimate of a plan, and whether this machine can hold it.
+"""Memory of a plan, line by line as the code allocates it, and whether a machine can hold it.
 
-Byte counts per parameter (P = all params, P2 = params of 2-D weights, r = zenflow.topk_ratio,
-w = 2 for bf16/fp16 and 4 for fp32):
+Every buffer that the engine, the checkpoint code and the data pipeline allocate in proportion to
+the model is one line here, with its bytes and the code that allocates it (``MemoryItem.code``).
+tests/test_plan_memory.py builds the optimizer for real models and checks that the tensors it
+holds add up to these lines within 2%, on every gradient path; scripts/memory_proof.py checks a
+whole CPU run's peak RSS (checkpoint save and resume included) against them.
 
-device  weights           w * P        the model itself, in train.precision
-        gradients         w * P        .grad of every param, same dtype (freed after the step)
-        selected state    12 * (r*P2 + P1)  fp32 master + exp_avg + exp_avg_sq of the selected
-                                       columns and of every 1-D param (ZenFlow keeps them on device)
-        activations       rough: 34*h*w/2 bytes per token per layer (no recompute, fused
-                          attention) + logits and their fp32 upcast for the loss
-host    master+moments+accumulator 16 * P   fp32 master (4), exp_avg (4), exp_avg_sq (4), the
-                                       interval's gradient accumulator (4): the CPU AdamW's state
-        in-flight accumulator 4 * P   overlap_step: the worker reads last interval's mean while
-                                       the device accumulates the next one
-        pinned rings      2 * ring_slots * ring_slot_mb MiB (D2H gradients, H2D params)
-        landing buffers   2 * w * P2   stream_grads with accumulate=host: the last backward's
-                                       gradient columns land here (pinned), two steps alternate
-device  gradient accumulator 4 * P2    accumulate=device: the interval's fp32 sum on the device
+Notation: ``P`` all parameters, ``w`` bytes per model element (2 bf16/fp16, 4 fp32). Each matrix
+is viewed as ``[rows, cols]`` (a by-row vocabulary matrix transposed, zfctl/offload/layout.py),
+keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest on the host:
+``H`` elements and ``Hc`` columns in the matrices with host columns, ``D`` device-owned elements
+(the selected columns and every 1-D parameter) in ``Dc`` device columns.
 
-``zenflow.accumulate: auto`` resolves here: ``device`` when the device total with the accumulator
-stays within ``AUTO_DEVICE_SHARE`` of the GPU's memory (the activation estimate is rough, so the
-margin is wider than the verdict's), else ``host``. The choice is on the estimate
-(``MemoryEstimate.accumulate``) and in a note, and the optimizer is built with it.
+device  weights               w P      the model, in train.precision
+        gradients             w P      .grad of every param (freed after the step)
+        selected state        16 D + 4 Dc  fp32 master, two moments and the gradient work buffer of
+                                       the device columns, and a step counter per column
+        gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
+        temporaries in flight          hook path on CUDA: transposed gradient chunks whose D2H runs
+        install staging                CUDA: the device slots the install's H2D lands in
+        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32
+host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
+        fp32 moments          8 H
+        gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
+        per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
+        transfer ring         slots x slot bytes (D2H gradient chunks; H2D staging without pinning)
+        landing buffers       2 w H    hook path (stream_grads, accumulate=host): the last
+                                       backward's gradient columns, two steps alternating
+        checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
 
-With topk_ratio 1 nothing lives on the host; on a machine without CUDA both sides live in host
-RAM. Sizes are decimal GB (1e9 bytes), as GPU vendors and the ZenFlow paper quote them.
+Page-locked buffers are pinned at their exact size (zfctl/offload/pinned.py), so no line carries
+the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
+``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
+GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
+``host``. The choice is on the estimate (``MemoryEstimate.accumulate``) and in a note, and the
+optimizer is built with it.
+
+The machine compared against is this one, or the target sizes of the plan's ``machine`` section
+(``--gpu-memory``, ``--host-memory``), so a laptop can plan the GPU run. On a machine without
+CUDA the device side lives in host RAM too. Sizes are decimal GB (1e9 bytes), as GPU vendors and
+the ZenFlow paper quote them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from zfctl.errors import UserError
+from zfctl.offload.bandwidth import inflight_bytes
+from zfctl.offload.layout import num_selected
+from zfctl.offload.ring import ring_slot_bytes
 from zfctl.plan.schema import RunPlan
 
 GB = 1e9
 AUTO_DEVICE_SHARE = 0.85
+DEVICE_MARGIN = 0.05  # the verdict keeps 5% of the GPU for the allocator's fragmentation
+HOST_RESERVE = 15 * GB  # left for the OS, the page cache, data and Python (a quarter of a smaller machine)
+CHECKPOINT_CHUNK = 64 * 2**20  # zfctl/train/tensorfile.py streams checkpoints through one chunk this size
+ASSUMED_D2H_GBPS = 55.0  # the hook path measures its rate at start; the plan assumes an H100's pinned D2H
+COLUMN_BYTES = 13  # per host column: fp32 step counter, bool owner flag, int64 element offset
 _LLAMA_LIKE = {"llama", "mistral"}
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass
 class ModelSize:
-    """Parameter counts and the shape numbers the activation estimate needs."""
+    """Parameter counts, the shapes the exact lines need, and the numbers activations need.
+
+    ``shapes``: every trainable parameter's (name, shape), when known (a config, or a built
+    model); ``vocab``names: the token-indexed matrices among them (split by row under
+    ``zenflow.vocab_select: rows``). Without shapes (a hub model known by ``params_b``), the lines
+    use ``params_2d`` as the host elements, an approximation.
+    """
 
     params: int
     params_2d: int
     hidden: int | None = None
     layers: int | None = None
     vocab: int | None = None
+    shapes: list[tuple[str, tuple[int, ...]]] = field(default_factory=list, repr=False)
+    vocab_names: list[str] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -57,6 +92,7 @@ class MemoryItem:
     name: str
     bytes: float
     note: str = ""
+    code: str = ""  # what allocates it
 
 
 @dataclass
@@ -69,29 +105,46 @@ class Machine:
 
 @dataclass
 class MemoryEstimate:
-    """The estimate: per-item bytes, totals, this machine, and a verdict with reasons."""
+    """The estimate: per-item bytes, totals, the machine, and a verdict with reasons."""
 
     size: ModelSize | None
     items: list[MemoryItem]
     device_total: float
     host_total: float
-    device_kind: str  # "cuda" | "cpu": where the plan's device side would live here
+    device_kind: str  # "cuda" | "cpu": where the plan's device side would live
     machine: Machine
     fits: bool
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for this machine ("host" | "device")
+    accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for the machine
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["size"] is not None:  # the per-parameter shapes are an input, not a result
+            d["size"].pop("shapes")
+            d["size"].pop("vocab_names")
+        return d
 
     def item(self, name: str) -> float:
         """Bytes of the item called `name` (0 if absent)."""
         return sum(i.bytes for i in self.items if i.name == name)
 
 
+def parse_size(text: str | float | int, what: str) -> float:
+    """Bytes of a size like ``80GB``, ``128 GiB`` or ``1.5TB``; UserError naming ``what`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise UserError(f"{what} {text!r}: not a size; give a number with a unit, e.g. 80GB or 128GiB "
+                        "(B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value > 0:
+        raise UserError(f"{what} {text!r}: must be positive, e.g. 80GB")
+    return value
+
+
 def _llama_size(c: dict) -> ModelSize:
-    """Exact parameter count of a Llama/Mistral-style config, without building it."""
+    """Exact parameter shapes of a Llama/Mistral-style config, without building it."""
     h, inter, layers, vocab = (
         c["hidden_size"],
         c["intermediate_size"],
@@ -101,13 +154,30 @@ def _llama_size(c: dict) -> ModelSize:
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     hd = c.get("head_dim") or h // heads
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
-    mlp = 3 * h * inter
-    emb = vocab * h
-    head = 0 if c.get("tie_word_embeddings", True) else vocab * h
-    two_d = emb + head + layers * (attn + mlp)
-    one_d = layers * 2 * h + h  # two RMSNorms per layer + the final norm
-    return ModelSize(two_d + one_d, two_d, h, layers, vocab)
+    tied = c.get("tie_word_embeddings", True)
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                   (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    shapes.append(("model.norm.weight", (h,)))
+    vocab_names = ["model.embed_tokens.weight"]
+    if not tied:
+        shapes.append(("lm_head.weight", (vocab, h)))
+        vocab_names.append("lm_head.weight")
+    params = sum(_numel(s) for _, s in shapes)
+    two_d = sum(_numel(s) for _, s in shapes if len(s) == 2)
+    return ModelSize(params, two_d, h, layers, vocab, shapes, vocab_names)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _built_size(c: dict) -> ModelSize:
@@ -115,16 +185,20 @@ def _built_size(c: dict) -> ModelSize:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from zfctl.offload.layout import vocab_matrices
+
     cfg = AutoConfig.for_model(**c)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    params = list(model.parameters())
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return ModelSize(
-        sum(p.numel() for p in params),
-        sum(p.numel() for p in params if p.dim() == 2),
+        sum(_numel(s) for _, s in named),
+        sum(_numel(s) for _, s in named if len(s) == 2),
         getattr(cfg, "hidden_size", None),
         getattr(cfg, "num_hidden_layers", None),
         getattr(cfg, "vocab_size", None),
+        named,
+        vocab_matrices(model),
     )
 
 
@@ -161,44 +235,153 @@ def this_machine() -> Machine:
     return Machine(ram, False)
 
 
+def target_machine(plan: RunPlan) -> Machine:
+    """This machine, with the sizes the plan's ``machine`` section gives instead of the detected ones."""
+    m = this_machine()
+    t = plan.machine
+    if t.gpu_memory is not None:
+        m = Machine(m.host_ram, True, "target GPU (machine.gpu_memory)", parse_size(t.gpu_memory, "machine.gpu_memory"))
+    if t.host_memory is not None:
+        m = Machine(parse_size(t.host_memory, "machine.host_memory"), m.cuda, m.gpu_name, m.gpu_mem)
+    return m
+
+
+@dataclass
+class Counts:
+    """The layout's sizes (zfctl/offload/layout.py ``plan_layout``), from shapes alone."""
+
+    host: int  # H: elements of matrices with host columns
+    host_cols: int  # Hc
+    device: int  # D: device-owned elements once selected (selected columns + 1-D params)
+    device_cols: int  # Dc
+    max_rows: int  # the tallest host column (the ring slot must hold one)
+
+
+def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
+    """H, Hc, D, Dc as ``plan_layout`` assigns them; approximated from ``params_2d`` without shapes."""
+    if not size.shapes:
+        p1 = size.params - size.params_2d
+        host = size.params_2d if topk_ratio < 1.0 else 0
+        rows = size.hidden or 1
+        device = (size.params_2d if topk_ratio >= 1.0 else int(topk_ratio * size.params_2d)) + p1
+        return Counts(host, host // rows, device, device // rows, rows)
+    c = Counts(0, 0, 0, 0, 0)
+    rowwise = set(size.vocab_names) if by_row else set()
+    for name, shape in size.shapes:
+        numel = _numel(shape)
+        if len(shape) <= 1:  # dense: one device column of numel elements
+            c.device += numel
+            c.device_cols += 1
+            continue
+        rows, cols = shape[0], numel // shape[0]
+        if name in rowwise:
+            rows, cols = cols, rows
+        k = num_selected(cols, topk_ratio)
+        c.device += k * rows
+        c.device_cols += k
+        if k < cols:
+            c.host += rows * cols
+            c.host_cols += cols
+            c.max_rows = max(c.max_rows, rows)
+    return c
+
+
 def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
-    """Estimate device and host memory of `plan` and compare with `machine` (default: this one)."""
-    machine = machine or this_machine()
+    """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this one)."""
+    machine = machine or target_machine(plan)
     device_kind = (
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
     size = model_size(plan)
     items: list[MemoryItem] = []
     notes: list[str] = []
+    accumulate: Literal["host", "device"] = "host"
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        _fill(plan, size, items)
-    accumulate: Literal["host", "device"] = "host"
-    if size is not None and float(plan.zenflow.topk_ratio) < 1.0:
-        accumulate = _place_accumulator(plan, size, items, notes, device_kind, machine)
+        accumulate = _fill(plan, size, items, notes, device_kind, machine)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
-    reasons = _verdict(device_kind, device_total, host_total, machine, plan.train.device)
-    return MemoryEstimate(
-        size,
-        items,
-        device_total,
-        host_total,
-        device_kind,
-        machine,
-        fits=size is not None and not reasons,
-        reasons=reasons,
-        notes=notes,
-        accumulate=accumulate,
-    )
+    reasons = _verdict(items, device_kind, device_total, host_total, machine, plan.train.device)
+    return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
+                          fits=size is not None and not reasons, reasons=reasons, notes=notes,
+                          accumulate=accumulate)
 
 
-def _place_accumulator(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str],
-                       device_kind: str, machine: Machine) -> Literal["host", "device"]:
-    """Resolve zenflow.accumulate and add its memory: fp32 sum on the device, or landing buffers."""
+def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
+          machine: Machine) -> Literal["host", "device"]:
+    t, z, d = plan.train, plan.zenflow, plan.data
+    w = 4 if t.precision == "fp32" else 2
+    r = float(z.topk_ratio)
+    c = layout_counts(size, r, z.vocab_select == "rows")
+    p = size.params
+    cuda = device_kind == "cuda"
+
+    def dev(name: str, nbytes: float, note: str, code: str) -> None:
+        items.append(MemoryItem("device", name, float(nbytes), note, code))
+
+    def host(name: str, nbytes: float, note: str, code: str) -> None:
+        items.append(MemoryItem("host", name, float(nbytes), note, code))
+
+    dev("weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params", "the model (zfctl/train/models/load.py)")
+    dev("gradients", w * p, f"{t.precision}, .grad of every param", "autograd")
+    dev("selected optimizer state", 16 * c.device + 4 * c.device_cols,
+        f"fp32 master, moments, gradient buffer: topk_ratio {r:g} of columns + 1-D params",
+        "zfctl/offload/device_adam.py DeviceAdam")
+    if size.hidden and size.layers:
+        tokens = t.micro_batch_size * d.max_length
+        acts = size.layers * tokens * size.hidden * 34 * w / 2
+        if size.vocab:
+            acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
+        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
+            "the model's forward/backward")
+    if c.host == 0:  # topk_ratio 1: nothing lives on the host
+        return "host"
+
+    choice = _accumulate(plan, c, items, device_kind, machine)
+    pinned = " (page-locked, exact size)" if cuda and z.pin_memory else ""
+    host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
+    host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
+         "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
+    n_acc = 2 if z.overlap_step and choice == "host" else 1
+    why = ("overlap_step: the next interval sums while the CPU update reads the last" if n_acc == 2 else
+           "the device path lands each interval's sum here once" if choice == "device" else "one interval")
+    host("gradient accumulators", 4 * c.host * n_acc, f"{n_acc} x fp32: {why}" + (pinned if choice == "device" else ""),
+         "zfctl/offload/host.py HostState.acc")
+    host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
+         "zfctl/offload/host.py, layout.py")
+    want = int(z.ring_slot_mb * 2**20)
+    slot = ring_slot_bytes(want, z.ring_slots, c.max_rows, c.host, w)
+    h2d_slot = slot * 4 // w
+    staged = cuda and not z.pin_memory  # the install stages through host slots
+    ring = z.ring_slots * (slot + (h2d_slot if staged else 0))
+    host("transfer ring", ring, f"{z.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
+         (" + the install's staging" if staged else "") + pinned, "zfctl/offload/ring.py Ring")
+    if cuda:
+        dev("install staging", z.ring_slots * h2d_slot, f"{z.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
+            "zfctl/offload/ring.py Ring.h2d")
+    hook = z.stream_grads and choice == "host"
+    if hook:
+        host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
+             "zfctl/offload/stream.py GradStream.landing")
+        if cuda:
+            budget = int(z.inflight_mb * 2**20) if z.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
+            dev("gradient temporaries in flight", min(budget, w * c.host),
+                "hook path: chunks whose D2H runs (zenflow.inflight_mb, or measured at start)",
+                "zfctl/offload/stream.py GradStream._make_room")
+    host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
+         "zfctl/train/tensorfile.py")
+    how = "" if z.accumulate != "auto" else " (auto)"
+    notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
+                 f"of device memory, {'used' if choice == 'device' else 'not used'}")
+    return choice
+
+
+def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: str,
+                machine: Machine) -> Literal["host", "device"]:
+    """Resolve zenflow.accumulate (auto: the device when the sum fits) and add its device line."""
     z = plan.zenflow
-    nbytes = 4.0 * size.params_2d
+    nbytes = 4.0 * c.host
     choice = z.accumulate
     if choice == "auto":
         device_total = sum(i.bytes for i in items if i.where == "device")
@@ -206,90 +389,38 @@ def _place_accumulator(plan: RunPlan, size: ModelSize, items: list[MemoryItem], 
         choice = "device" if fits else "host"
     if choice == "device":
         items.append(MemoryItem("device", "gradient accumulator", nbytes,
-                                "zenflow.accumulate=device: fp32 interval sum, 4 B per matrix element"))
-    elif z.stream_grads:
-        w = 4 if plan.train.precision == "fp32" else 2
-        items.append(MemoryItem("host", "gradient landing buffers", 2.0 * w * size.params_2d,
-                                "stream_grads: the last backward's gradient columns land here (pinned)"))
-    how = "" if z.accumulate != "auto" else " (auto)"
-    notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {nbytes / GB:.2f} GB "
-                 f"of device memory, {'used' if choice == 'device' else 'not used'}")
-    return choice
+                                "zenflow.accumulate=device: fp32 interval sum, 4 B per host-column element",
+                                "zfctl/offload/device_acc.py DeviceAccumulator.buf"))
+    return "device" if choice == "device" else "host"
 
 
-def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem]) -> None:
-    t, z, d = plan.train, plan.zenflow, plan.data
-    w = 4 if t.precision == "fp32" else 2
-    p, p2 = size.params, size.params_2d
-    p1 = p - p2
-    r = float(z.topk_ratio)
-    items.append(MemoryItem("device", "weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params"))
-    items.append(MemoryItem("device", "gradients", w * p, f"{t.precision}"))
-    selected = p if r >= 1.0 else r * p2 + p1
-    items.append(
-        MemoryItem(
-            "device",
-            "selected optimizer state",
-            12.0 * selected,
-            f"fp32 master+moments, topk_ratio {r:g} of columns + 1-D params",
-        )
-    )
-    if size.hidden and size.layers:
-        tokens = t.micro_batch_size * d.max_length
-        acts = size.layers * tokens * size.hidden * 34 * w / 2
-        if size.vocab:
-            acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
-        items.append(
-            MemoryItem(
-                "device",
-                "activations (rough)",
-                acts,
-                f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
-            )
-        )
-    if r < 1.0:
-        items.append(
-            MemoryItem(
-                "host",
-                "master+moments+accumulator",
-                16.0 * p,
-                "fp32: 4 B master + 8 B moments + 4 B gradient accumulator per param",
-            )
-        )
-        if z.overlap_step:
-            items.append(
-                MemoryItem(
-                    "host",
-                    "in-flight accumulator",
-                    4.0 * p,
-                    "overlap_step: the interval the CPU worker is updating",
-                )
-            )
-        items.append(
-            MemoryItem(
-                "host",
-                "pinned transfer rings",
-                2 * z.ring_slots * z.ring_slot_mb * 2**20,
-                f"2 rings x {z.ring_slots} slots x {z.ring_slot_mb:g} MiB",
-            )
-        )
+def host_limit(machine: Machine) -> float:
+    """Host RAM the plan may use: all but ``HOST_RESERVE`` (a quarter of a machine under 60 GB)."""
+    return machine.host_ram - min(HOST_RESERVE, 0.25 * machine.host_ram)
 
 
-def _verdict(
-    device_kind: str, device_total: float, host_total: float, machine: Machine, requested: str
-) -> list[str]:
-    """Why this machine cannot run the plan ([] = it fits). Keeps 10% of RAM for the OS/Python."""
+def _largest(items: list[MemoryItem], where: set[str]) -> str:
+    top = sorted((i for i in items if i.where in where), key=lambda i: -i.bytes)[:3]
+    return ", ".join(f"{i.name} {i.bytes / GB:.1f} GB" for i in top)
+
+
+def _verdict(items: list[MemoryItem], device_kind: str, device_total: float, host_total: float,
+             machine: Machine, requested: str) -> list[str]:
+    """Why the machine cannot run the plan ([] = it fits), naming the largest lines."""
     reasons = []
     if requested == "cuda" and not machine.cuda:
-        reasons.append("train.device is cuda but this machine has no CUDA device")
-    if device_kind == "cuda" and machine.cuda and device_total > 0.95 * machine.gpu_mem:
+        reasons.append("train.device is cuda but the machine has no CUDA device")
+    if device_kind == "cuda" and machine.cuda and device_total > (1 - DEVICE_MARGIN) * machine.gpu_mem:
         reasons.append(
             f"device memory: needs {device_total / GB:.1f} GB, {machine.gpu_name} has "
-            f"{machine.gpu_mem / GB:.1f} GB"
+            f"{machine.gpu_mem / GB:.1f} GB (largest: {_largest(items, {'device'})})"
         )
     host_need = host_total + (device_total if device_kind == "cpu" else 0.0)
-    if machine.host_ram and host_need > 0.9 * machine.host_ram:
+    limit = host_limit(machine)
+    if machine.host_ram and host_need > limit:
+        where = {"host"} if device_kind == "cuda" else {"host", "device"}
         reasons.append(
-            f"host RAM: needs {host_need / GB:.1f} GB, this machine has {machine.host_ram / GB:.1f} GB"
+            f"host RAM: needs {host_need / GB:.1f} GB, the machine has {machine.host_ram / GB:.1f} GB of which "
+            f"{limit / GB:.1f} GB may be used (largest: {_largest(items, where)})"
         )
     return reasons

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from zfctl.plan.io import plan_to_dict
-from zfctl.plan.memory import GB, MemoryEstimate
+from zfctl.plan.memory import GB, MemoryEstimate, host_limit
 from zfctl.plan.schema import SECTIONS, RunPlan
 
 
@@ -57,7 +57,7 @@ def _gb(x: float) -> str:
 
 def memory_table(est: MemoryEstimate) -> Table:
     """Per-item device and host memory, with totals."""
-    here = "" if est.device_kind == "cuda" else " (no CUDA here: the device side would use host RAM)"
+    here = "" if est.device_kind == "cuda" else " (no CUDA: the device side would use host RAM)"
     table = Table(title=f"memory estimate{here}", title_justify="left")
     table.add_column("where")
     table.add_column("what")
@@ -70,18 +70,34 @@ def memory_table(est: MemoryEstimate) -> Table:
     return table
 
 
-def print_memory(est: MemoryEstimate, console: Console) -> None:
-    """The estimate, this machine, and a one-line verdict (red when it cannot run here)."""
-    if est.size is not None:
-        console.print(memory_table(est))
+def machine_line(est: MemoryEstimate) -> str:
+    """What the estimate was checked against: this machine, or the plan's target sizes."""
     m = est.machine
     gpu = f"{m.gpu_name}, {m.gpu_mem / GB:.1f} GB" if m.cuda else "no CUDA device"
-    console.print(f"this machine: {m.host_ram / GB:.1f} GB RAM, {gpu}")
+    return f"checked against: {m.host_ram / GB:.1f} GB RAM ({host_limit(m) / GB:.1f} GB usable), {gpu}"
+
+
+def verdict_line(est: MemoryEstimate) -> str:
+    """One line: the two totals and whether the machine holds them."""
+    if est.size is None:
+        return "memory: unknown (set model.params_b)"
+    host = est.host_total + (est.device_total if est.device_kind == "cpu" else 0.0)
+    dev = f"device {_gb(est.device_total)}, " if est.device_kind == "cuda" else ""
+    verdict = "fits" if est.fits else "does not fit: " + "; ".join(est.reasons)
+    return f"memory: {dev}host {_gb(host)}: {verdict}"
+
+
+def print_memory(est: MemoryEstimate, console: Console) -> None:
+    """The estimate, the machine it is checked against, and a one-line verdict (red when it does
+    not fit, naming the largest lines)."""
+    if est.size is not None:
+        console.print(memory_table(est))
+    console.print(machine_line(est))
     for note in est.notes:
         console.print(Text(f"note: {note}", style="yellow"))
     if est.size is None:
         return
     if est.fits:
-        console.print(Text("this machine can run it", style="bold green"))
+        console.print(Text("it fits", style="bold green"))
     else:
-        console.print(Text("this machine cannot run it: " + "; ".join(est.reasons), style="bold red"))
+        console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"))

@@ -131,6 +131,20 @@ class DistributedConfig:
 
 
 @dataclass
+class MachineConfig:
+    """The machine the memory estimate is checked against (`zfctl plan`, `zfctl finetune`)."""
+
+    gpu_memory: str | None = _f(
+        None,
+        "GPU memory to plan for, e.g. 80GB or 80GiB (--gpu-memory); null = the detected GPU. Set it to "
+        "plan a GPU run on a machine without one.",
+    )
+    host_memory: str | None = _f(
+        None, "Host RAM to plan for, e.g. 128GB (--host-memory); null = this machine's RAM."
+    )
+
+
+@dataclass
 class RunPlan:
     """Everything a run needs, fully resolved."""
 
@@ -141,6 +155,7 @@ class RunPlan:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    machine: MachineConfig = field(default_factory=MachineConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -151,4 +166,5 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
+    "machine": MachineConfig,
 }

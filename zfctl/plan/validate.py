@@ -18,6 +18,7 @@ from zfctl.plan.schema import (
     DataConfig,
     DistributedConfig,
     LoggingConfig,
+    MachineConfig,
     ModelConfig,
     RunPlan,
     TrainConfig,
@@ -207,6 +208,15 @@ def check_combinations(p: RunPlan) -> None:
     check_max_length(p.data.max_length, p.model.config if p.model.source == "config" else p.model.arch)
 
 
+def check_machine(m: MachineConfig) -> None:
+    from zfctl.plan.memory import parse_size  # memory.py imports the schema, not this module
+
+    for key in ("gpu_memory", "host_memory"):
+        value = getattr(m, key)
+        if value is not None:
+            parse_size(value, f"machine.{key}")
+
+
 def validate_plan(plan: RunPlan) -> RunPlan:
     """Check every section and the cross-section rules; return the plan unchanged."""
     check_model(plan.model)
@@ -216,5 +226,6 @@ def validate_plan(plan: RunPlan) -> RunPlan:
     check_checkpoint(plan.checkpoint)
     check_logging(plan.logging)
     check_distributed(plan.distributed)
+    check_machine(plan.machine)
     check_combinations(plan)
     return plan

@@ -21,8 +21,9 @@ from zfctl.train.metrics import METRICS_FILE, TENSORBOARD_DIR, WANDB_DIR
 
 # What `--force` may delete in an existing run folder; anything else there is left alone.
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, PLAN_FILE, TENSORBOARD_DIR, WANDB_DIR)
-# Plan keys that may differ between a checkpoint and the run folder without being a "change".
-RESUME_FREE_KEYS = ("checkpoint.output_dir", "train.max_steps")
+# Plan keys that may differ between a checkpoint and the run folder without being a "change": the
+# machine section says what the memory estimate is checked against, not what is trained.
+RESUME_FREE_KEYS = ("checkpoint.output_dir", "train.max_steps", "machine.gpu_memory", "machine.host_memory")
 
 
 def check_output_dir(out: Path, force: bool) -> None:
