@@ -143,8 +143,9 @@ class GradStream:
         self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' collectives
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
-        if getattr(self, "_order", None) is not None:
-            self._order.reset()
+        order = getattr(self, "_order", None)  # None before __init__ set it, and without data parallel
+        if order is not None:
+            order.reset()
 
     def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
         """Stream the next backward's final gradients; ``coef`` known in advance, else None;

@@ -130,7 +130,7 @@ class MemoryEstimate:
         return sum(i.bytes for i in self.items if i.name == name)
 
 
-def parse_size(text: str | float | int, what: str) -> float:
+def parse_size(text: str | float, what: str) -> float:
     """Bytes of a size like ``80GB``, ``128 GiB`` or ``1.5TB``; UserError naming ``what`` otherwise."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
