@@ -33,7 +33,7 @@ def test_layout_latest_and_round_trip(tmp_path):
     assert path == tmp_path / "checkpoints" / "step-000007"
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000007"
     names = {p.name for p in path.iterdir()}
-    assert names == {"model.safetensors", "optimizer-rank00000.pt", "rng-rank00000.pt",
+    assert names == {"model.safetensors", "optimizer-rank00000.safetensors", "rng-rank00000.pt",
                      "trainer.pt", "plan.yaml", "meta.json"}
     meta = json.loads((path / "meta.json").read_text())
     assert meta["step"] == 7 and meta["world_size"] == 1 and "meta.json" not in meta["files"]
@@ -44,7 +44,7 @@ def test_layout_latest_and_round_trip(tmp_path):
     for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)
     assert m2[1].weight is m2[0].weight
-    assert torch.equal(ck.load_torch(info, "optimizer-rank00000.pt")["state"]["x"], torch.arange(3))
+    assert torch.equal(ck.load_optimizer(info, "optimizer-rank00000.safetensors")["state"]["x"], torch.arange(3))
 
 
 def test_rng_round_trip():

@@ -97,7 +97,7 @@ def test_meta_records_a_digest_per_file_that_matches_the_bytes(trained: Path) ->
     assert ck.damaged_files(info) == []
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank00000.pt", "rng-rank00000.pt",
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank00000.safetensors", "rng-rank00000.pt",
                                   "trainer.pt", "plan.yaml"])
 def test_same_size_corruption_of_each_file_is_refused_with_the_way_back(trained: Path, tmp_path: Path,
                                                                          name: str) -> None:
@@ -211,7 +211,7 @@ class _Full:
         return Wrapped()
 
 
-@pytest.mark.parametrize(("name", "budget"), [("optimizer-rank00000.pt", 0),  # inside torch.save's writer
+@pytest.mark.parametrize(("name", "budget"), [("optimizer-rank00000.safetensors", 0),  # inside the state writer
                                               ("model.safetensors", 100_000)])  # mid-tensor
 def test_disk_full_during_a_save_is_one_line_and_leaves_no_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 name: str, budget: int) -> None:

@@ -74,7 +74,8 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
         rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
         assert rel <= 5e-5, (k, rel)
     ck = two / "checkpoints/step-000006"
-    assert {p.name for p in ck.glob("optimizer-rank*.pt")} == {"optimizer-rank00000.pt", "optimizer-rank00001.pt"}
+    assert {p.name for p in ck.glob("optimizer-rank*")} == {"optimizer-rank00000.safetensors",
+                                                        "optimizer-rank00001.safetensors"}
 
     # Resume the 2-rank run from step 3 (mid-interval): `zfctl resume` relaunches with the
     # checkpoint's world size and rewrites steps 4..6 identically.
@@ -132,7 +133,7 @@ def test_checkpoint_reshards_between_two_ranks_and_one(tmp_path):
     assert resumed[:4] == straight[:4]  # the records before the checkpoint are kept as they were
     assert_close(resumed[4:], straight[4:])
     new = tmp_path / "two-on-one/checkpoints/step-000014"
-    assert sorted(p.name for p in new.glob("optimizer-rank*.pt")) == ["optimizer-rank00000.pt"]
+    assert sorted(p.name for p in new.glob("optimizer-rank*")) == ["optimizer-rank00000.safetensors"]
     assert "gradient_accumulation_steps: 2" in (new / "plan.yaml").read_text()
 
     log = resume_copy(one, tmp_path / "one-on-two", nproc=2)

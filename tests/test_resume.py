@@ -7,6 +7,7 @@ checkpoint forgot shows up as a loss or parameter that differs in the last bits.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +21,9 @@ from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.plan.resolve import resolve_plan
 from zfctl.train import resume, run
 from zfctl.train.checkpoint import resolve_checkpoint
+from zfctl.train.checksum import file_digest
 from zfctl.train.metrics import read_metrics
+from zfctl.train.tensorfile import load_state
 
 TINY = [  # a 2-layer, 64-wide tiny-llama: each step takes milliseconds on one core
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -77,7 +80,7 @@ def test_resume_inside_interval_with_overlap_is_bit_identical(tmp_path):
 
     a = read_metrics(tmp_path / "straight" / "metrics.jsonl", "train")
     assert [r["step"] for r in a if r["boundary"]] == [1, 5, 9] and a[1]["selection"]
-    mid = torch.load(branch / "checkpoints" / f"step-{k:06d}" / "optimizer-rank00000.pt", weights_only=False)
+    mid = load_state(branch / "checkpoints" / f"step-{k:06d}" / "optimizer-rank00000.safetensors")
     assert mid["counters"]["pending_install"] and mid["counters"]["interval_len"] == 1
     b = read_metrics(branch / "metrics.jsonl", "train")
     assert [r["step"] for r in b] == list(range(k + 1, n + 1))
@@ -89,10 +92,46 @@ def test_resume_inside_interval_with_overlap_is_bit_identical(tmp_path):
     ca = tmp_path / "straight" / "checkpoints" / f"step-{n:06d}"
     cb = branch / "checkpoints" / f"step-{n:06d}"
     _tensors_equal(load_file(ca / "model.safetensors"), load_file(cb / "model.safetensors"), "model")
-    _tensors_equal(torch.load(ca / "optimizer-rank00000.pt", weights_only=False),
-                   torch.load(cb / "optimizer-rank00000.pt", weights_only=False), "optimizer")
+    _tensors_equal(load_state(ca / "optimizer-rank00000.safetensors", lazy=False),
+                   load_state(cb / "optimizer-rank00000.safetensors", lazy=False), "optimizer")
     ta, tb = (torch.load(c / "trainer.pt", weights_only=False) for c in (ca, cb))
     assert ta["sampler"] == tb["sampler"] and ta["scheduler"] == tb["scheduler"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_in_the_torch_save_format_still_resumes_exactly(tmp_path):
+    """Checkpoints written before the optimizer state was streamed hold ``optimizer-rankR.pt``
+    (torch.save of copies, with the pending update's bf16 ``upload`` buffer): they resume bit for
+    bit, the install computing the same bf16 values from the master."""
+    n, k = 9, 6
+    common = [*ZENFLOW, "train.precision=bf16", f"train.max_steps={n}", "train.eval_every=0",
+              "checkpoint.keep_last=5", f"checkpoint.every={k}"]
+    res_a = run(tiny_plan(tmp_path / "straight", *common))
+    assert res_a.steps == n
+    branch = tmp_path / "branch" / "checkpoints"
+    branch.mkdir(parents=True)
+    ckpt = branch / f"step-{k:06d}"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / f"step-{k:06d}", ckpt)
+    new = ckpt / "optimizer-rank00000.safetensors"
+    state = load_state(new, lazy=False)
+    assert state["counters"]["pending_install"]  # the old format carried the upload buffer then
+    for piece in state["host"]:
+        piece["upload"] = piece["master"].to(torch.bfloat16)
+    torch.save(state, ckpt / "optimizer-rank00000.pt")
+    new.unlink()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for d in (meta["files"], meta["digests"]):
+        del d["optimizer-rank00000.safetensors"]
+    meta["files"]["optimizer-rank00000.pt"] = (ckpt / "optimizer-rank00000.pt").stat().st_size
+    meta["digests"]["optimizer-rank00000.pt"] = file_digest(ckpt / "optimizer-rank00000.pt")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    res_b = resume(tmp_path / "branch")
+    assert res_b.steps == n
+    a = read_metrics(tmp_path / "straight" / "metrics.jsonl", "train")
+    b = read_metrics(tmp_path / "branch" / "metrics.jsonl", "train")
+    assert [r["loss"] for r in a[k:]] == [r["loss"] for r in b]
+    _tensors_equal(load_file(tmp_path / "straight" / "checkpoints" / f"step-{n:06d}" / "model.safetensors"),
+                   load_file(branch / f"step-{n:06d}" / "model.safetensors"), "model")
 
 
 def test_k_steps_then_resume_max_steps_matches_straight(tmp_path):

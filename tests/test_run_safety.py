@@ -251,8 +251,8 @@ def test_sigterm_to_nproc2_launcher_leaves_no_process_and_a_resumable_checkpoint
         assert not alive(pid), (pid, log)
     info = read_checkpoint(resolve_checkpoint(run).path)  # every file has its recorded size
     assert info.world_size == 2 and info.step == metric_steps(run)[-1]
-    assert {p.name for p in info.path.glob("optimizer-rank*.pt")} == {"optimizer-rank00000.pt",
-                                                                     "optimizer-rank00001.pt"}
+    assert {p.name for p in info.path.glob("optimizer-rank*")} == {"optimizer-rank00000.safetensors",
+                                                                     "optimizer-rank00001.safetensors"}
     assert not (run / lock.LOCK_FILE).exists()
     # A world size that cannot keep the global batch (2 micro-batches per step) is refused before
     # relaunching: one line, not a ChildFailedError per rank.

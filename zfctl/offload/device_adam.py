@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from zfctl.offload.host import fill
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, gather_columns
 from zfctl.offload.selection import ColumnState
 
@@ -151,16 +152,18 @@ class DeviceAdam:
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "steps")
 
     def state_dict(self) -> dict:
-        """Master, moments, counters (CPU copies) and the selection: sorted column ids per matrix
-        name (only matrices that have one)."""
-        sd = {k: getattr(self, k).detach().to("cpu", copy=True) for k in self.STATE_KEYS}
+        """Master, moments, counters (the live device buffers, as ``torch.optim`` returns its state;
+        a checkpoint streams them to disk chunk by chunk) and the selection: sorted column ids per
+        matrix name (only matrices that have one; small CPU copies)."""
+        sd: dict = {k: getattr(self, k) for k in self.STATE_KEYS}
         sd["selection"] = {s.name: index.to("cpu", copy=True) for s in self.layout.slots
                            if s.selects and (index := self.index[s.index]) is not None}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
+        """Copy saved values into the live buffers (tensors, or lazy file tensors: host.fill)."""
         for k in self.STATE_KEYS:
-            getattr(self, k).copy_(sd[k])
+            fill(getattr(self, k), sd[k])
         for s in self.layout.slots:
             if s.selects:
                 saved = sd["selection"].get(s.name)

@@ -5,7 +5,7 @@ A checkpoint folder holds everything a run needs to continue on the same traject
 | file | content |
 | --- | --- |
 | ``model.safetensors`` | model weights as the optimizer left them (tied tensors stored once) |
-| ``optimizer-rankRRRRR.pt`` | the optimizer's full state_dict (ZenFlow: selection, device and host masters and moments, counters, unfinished-interval accumulators, auto-interval statistics, loss scaler) |
+| ``optimizer-rankRRRRR.safetensors`` | the optimizer's full state_dict (ZenFlow: selection, device and host masters and moments, counters, unfinished-interval accumulators, auto-interval statistics, loss scaler), streamed from the live buffers (tensorfile.py); checkpoints written before that hold ``optimizer-rankRRRRR.pt`` (torch.save), which still loads |
 | ``rng-rankRRRRR.pt`` | torch CPU/CUDA, Python and NumPy RNG states of that rank |
 | ``trainer.pt`` | step, LR-scheduler state, data position, the run's counters |
 | ``plan.yaml`` | the resolved run plan |
@@ -45,8 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_model
+from safetensors.torch import _remove_duplicate_names
 
 from zfctl import __version__
 from zfctl.errors import RunFailed, UserError
@@ -57,6 +56,7 @@ from zfctl.train.checksum import (
     save_model_hashed,
     save_torch_hashed,
 )
+from zfctl.train.tensorfile import load_state, save_state_hashed, tensors_of
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -78,7 +78,33 @@ def step_name(step: int) -> str:
 
 
 def optimizer_file(rank: int) -> str:
+    """The optimizer state file a save writes for ``rank`` (tensorfile.py format)."""
+    return f"optimizer-rank{rank:05d}.safetensors"
+
+
+def legacy_optimizer_file(rank: int) -> str:
+    """The torch.save file of checkpoints written before the state was streamed."""
     return f"optimizer-rank{rank:05d}.pt"
+
+
+def optimizer_file_in(info: CheckpointInfo, rank: int) -> str:
+    """The name of ``rank``'s optimizer file in the checkpoint ``info`` (either format)."""
+    legacy = legacy_optimizer_file(rank)
+    return legacy if legacy in info.meta.get("files", {}) else optimizer_file(rank)
+
+
+def load_optimizer(info: CheckpointInfo, name: str) -> Any:
+    """An optimizer state file of ``info``: its large tensors as file ranges the optimizer reads
+    straight into its buffers (tensorfile.py); a legacy ``.pt`` memory-mapped by torch.load."""
+    if name.endswith(".pt"):
+        return load_torch(info, name, mmap=True)
+    path = info.path / name
+    if not path.is_file():
+        raise UserError(f"checkpoint {info.path} has no {name}")
+    try:
+        return load_state(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {info.path} is unreadable: {name}: {e}; pick another checkpoint") from None
 
 
 def rng_file(rank: int) -> str:
@@ -185,7 +211,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
 
     digests: dict[str, str] = {}
     try:
-        digests[optimizer_file(rank)] = save_torch_hashed(optimizer_state, tmp / optimizer_file(rank))
+        # Streamed from the live state: no copy of it in memory (tensorfile.py).
+        digests[optimizer_file(rank)] = save_state_hashed(optimizer_state, tmp / optimizer_file(rank))
         digests[rng_file(rank)] = save_torch_hashed(capture_rng(), tmp / rng_file(rank))
         if rank == 0:
             digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
@@ -503,22 +530,39 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
 
 
 def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
-    """Copy the checkpoint's weights into ``model`` (same architecture; strict)."""
+    """Copy the checkpoint's weights into ``model`` (same architecture; strict), one tensor at a
+    time straight into the parameters: no second copy of the model in memory."""
+    path = info.path / MODEL_FILE
     try:
-        missing, unexpected = load_model(model, str(info.path / MODEL_FILE), strict=False)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        stored = tensors_of(path)
+    except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {info.path} is unreadable: {MODEL_FILE}: {e}") from None
+    state = model.state_dict()
+    # Tied weights are stored once, under one of their names: any name of a tie group will do.
+    groups = {name: [name, *others] for name, others in _remove_duplicate_names(dict(state)).items()}
+    alias = {n: group for group in groups.values() for n in group}
+    missing = [n for n in state if not any(a in stored for a in alias.get(n, [n]))]
+    unexpected = [n for n in stored if n not in state]
     if missing or unexpected:
         raise UserError(f"checkpoint {info.path} does not match the model: missing "
                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    try:
+        with torch.no_grad():
+            for name, t in stored.items():
+                if tuple(state[name].shape) != t.shape:
+                    raise ValueError(f"{name} has shape {list(t.shape)}, the model {list(state[name].shape)}")
+                t.copy_to(state[name])
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"checkpoint {info.path} is unreadable: {MODEL_FILE}: {e}") from None
 
 
-def load_torch(info: CheckpointInfo, name: str) -> Any:
-    """Load one of the checkpoint's torch files onto the CPU."""
+def load_torch(info: CheckpointInfo, name: str, *, mmap: bool = False) -> Any:
+    """Load one of the checkpoint's torch files onto the CPU (``mmap``: tensors map the file
+    instead of being read into new memory)."""
     try:
         # weights_only: a checkpoint is tensors, numbers and strings; refusing arbitrary pickled
         # objects means loading a checkpoint someone sent you cannot run their code.
-        return torch.load(info.path / name, map_location="cpu", weights_only=True)
+        return torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"checkpoint {info.path} has no {name}") from None
     except pickle.UnpicklingError:

@@ -30,6 +30,9 @@ from safetensors.torch import _TYPES, _remove_duplicate_names
 
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 << 20  # verification reads 8 MiB at a time: large enough to stream, small in RAM
+# Device tensors reach a checkpoint through one host chunk of this size at a time (the plan's
+# "checkpoint I/O" line, zfctl/plan/memory.py); host tensors are written from their own memory.
+CHUNK_BYTES = 64 * 2**20
 _DTYPE_NAMES = {dtype: name for name, dtype in _TYPES.items()}
 
 
@@ -113,14 +116,30 @@ def save_model_hashed(model: torch.nn.Module, path: Path, metadata: dict[str, st
         w.write(struct.pack("<Q", len(raw)))
         w.write(raw)
         for name, t in state.items():
-            # On CUDA: one synchronous D2H copy per tensor (pageable memory); the host holds one
-            # tensor at a time, never the whole model. A CPU tensor is used in place.
-            host = t.detach().to("cpu").contiguous()
-            if host.is_floating_point() and not _all_finite(host):
+            t = t.detach()
+            if t.is_floating_point() and not _all_finite(t):  # on the tensor's own device
                 raise NonFiniteTensorError(name)
-            w.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+            write_tensor(w, t)  # a host tensor from its memory, a device one chunk by chunk
 
     return write_hashed(path, fill)
+
+
+def write_tensor(w: HashingWriter | BinaryIO, t: torch.Tensor) -> None:
+    """Write ``t``'s bytes in row-major order: from its memory for a contiguous host tensor, else
+    through a ``CHUNK_BYTES`` copy at a time (a device tensor: one synchronous D2H per chunk)."""
+    if t.numel() == 0:
+        return
+    if t.device.type == "cpu" and t.is_contiguous():
+        flat = t.reshape(-1).view(torch.uint8)
+        for a in range(0, flat.numel(), CHUNK_BYTES):
+            w.write(flat[a : a + CHUNK_BYTES].numpy().data)
+        return
+    flat = t.contiguous().reshape(-1) if t.device.type == "cpu" else t.reshape(-1)
+    per = max(1, CHUNK_BYTES // t.element_size())
+    for a in range(0, flat.numel(), per):
+        # On CUDA: one pageable D2H copy of at most CHUNK_BYTES, at checkpoint time only.
+        chunk = flat[a : a + per].to("cpu").contiguous()
+        w.write(chunk.view(torch.uint8).numpy().data)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

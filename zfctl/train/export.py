@@ -63,16 +63,17 @@ def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
     """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
     from zfctl.train.models.load import load_model
     from zfctl.train.optim import build_optimizer
+    from zfctl.train.reshard import load_optimizer_state
 
     model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
                        seed=plan.train.seed)
     ck.load_model_weights(info, model)
     trainer = ck.load_torch(info, ck.TRAINER_FILE)
-    # The host-side state (masters, moments, pending update) of a replicated optimizer is the
-    # same on every rank, so rank 0's file serves. Costs the optimizer's host memory briefly.
+    # One process holds every host column: the pieces of all saved ranks are merged (as a resume
+    # on one process would, reshard.py). Costs the optimizer's host memory briefly.
     opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get("steps_per_epoch", 1)))
     try:
-        opt.load_state_dict(ck.load_torch(info, ck.optimizer_file(0)))
+        load_optimizer_state(opt, info, rank=0, world=1)
         opt.flush()
     finally:
         opt.close()
@@ -91,7 +92,7 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     notes: list[str] = []
     info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
     # Every file export reads, checked against its digest before anything is loaded or written.
-    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(0)])
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, 0)])
     check_export_dest(output, force)
     check_writable(output.parent, "--output", shown=output)
     for note in notes:

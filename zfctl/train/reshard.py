@@ -72,25 +72,27 @@ def as_saved_world(edited: RunPlan, saved: RunPlan) -> RunPlan:
 def load_optimizer_state(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, rank: int,
                          world: int) -> None:
     """Load this rank's optimizer state from ``info``, re-cut when ``world`` differs from the
-    checkpoint's. Raises UserError (one line) when the state does not fit this optimizer."""
+    checkpoint's. The large tensors are read straight into the optimizer's buffers, piece by
+    piece (zfctl/train/tensorfile.py). Raises UserError (one line) when the state does not fit."""
     saved = info.world_size
-    base = ck.optimizer_file(min(rank, saved - 1))  # the replicated part is the same in every file
+    base = ck.optimizer_file_in(info, min(rank, saved - 1))  # the replicated part is the same in every file
     try:
         if saved == world:  # the same cut: this rank's own file (verified by the caller)
-            optimizer.load_state_dict(ck.load_torch(info, base))
+            optimizer.load_state_dict(ck.load_optimizer(info, base))
             return
-        if base != ck.optimizer_file(rank):  # the caller verified this rank's own file only
+        if base != ck.optimizer_file_in(info, rank):  # the caller verified this rank's own file only
             ck.verify_checkpoint(info, [base])
-        state = ck.load_torch(info, base)
+        state = ck.load_optimizer(info, base)
         ranges = (state.get("partition") or {}).get("ranges")
         if state.get("format") == FORMAT_V1 or ranges is None:
             raise UserError(f"cannot resume {info.path} on {world} process(es): it was written by zfctl "
                             f"{info.version}, whose optimizer files hold each process's share as is, which "
                             f"cannot be re-cut; resume with --nproc {saved}")
         wanted = optimizer.host_ranges()
-        others = [ck.optimizer_file(o) for o in owners(ranges, wanted) if ck.optimizer_file(o) != base]
+        others = [ck.optimizer_file_in(info, o) for o in owners(ranges, wanted)]
+        others = [f for f in others if f != base]
         ck.verify_checkpoint(info, others)  # only the files this rank reads
-        optimizer.load_state_dict(merge_states([state, *(ck.load_torch(info, f) for f in others)], wanted))
+        optimizer.load_state_dict(merge_states([state, *(ck.load_optimizer(info, f) for f in others)], wanted))
     except ValueError as e:  # the state does not fit this model/plan (e.g. a changed topk_ratio)
         raise UserError(f"checkpoint {info.path}: its optimizer state does not fit this plan ({e}); "
                         "undo the change or start a new run") from None

@@ -124,7 +124,7 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
                   allow_changes: bool) -> RunPlan:
     """The plan a resume runs: the checkpoint's (its files this rank reads verified first), or
     the run folder's edited one with ``allow_changes``; refused if it changed without it."""
-    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file(env.rank),
+    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, env.rank),
                                 ck.rng_file(env.rank)])
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     problems = []
