@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Does a real run take the memory `zfctl plan` promises? Measured on CPU, checkpoints included.
+
+    python scripts/memory_proof.py [--layers 12] [--hidden 1024] [--intermediate 2816] [--set K=V] [--json OUT]
+
+Two runs of the embedded tiny-llama widened to ``--hidden``/``--intermediate`` (fp32, CPU, the
+ZenFlow `default` preset with ``full_warm_up_rounds=0``): one with ``--layers`` layers (about 160M
+parameters by default), one with 1 layer. Each run is `zfctl finetune` to step 6 (a checkpoint
+is written at the end) and then `zfctl resume` to step 9 (it loads that checkpoint, trains, and
+writes another). The peak RSS of every process is read from the kernel when it exits
+(``os.wait4``: ``ru_maxrss``, which counts every page the process ever had resident at once).
+
+On CPU the plan's device lines live in host RAM too, so the plan's figure is its host total plus
+its device total. What does not grow with the model (Python, torch, the tokenizer, the data)
+cancels in the difference of the two runs, so the check is: the peak RSS difference equals the
+plan's difference within 10%, for the finetune process (a save at its end) and the resume process
+(a load, training, a save). Also reported: the slope, bytes per parameter, measured and planned.
+Exit code 0 when both processes are within 10%, 1 otherwise. Takes 2-4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STEPS, RESUME_TO = 6, 9
+TOLERANCE = 0.10
+
+
+def model_flags(layers: int, hidden: int, intermediate: int, extra: list[str] = ()) -> list[str]:
+    """--set flags for tiny-llama at this size, fp32 on CPU, default ZenFlow without warm-up
+    (``extra``: more KEY=VALUE settings, e.g. zenflow.accumulate=device)."""
+    sets = [f"model.config.num_hidden_layers={layers}", f"model.config.hidden_size={hidden}",
+            f"model.config.intermediate_size={intermediate}", "model.config.num_attention_heads=8",
+            "model.config.num_key_value_heads=8", "train.precision=fp32", "train.device=cpu",
+            "train.micro_batch_size=2", "data.max_length=64", "data.end_idx=200", "train.eval_every=0",
+            "train.eval_batches=1", "zenflow.full_warm_up_rounds=0", "checkpoint.keep_last=2",
+            "logging.every=100", *extra]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def peak_rss(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` to completion; its peak resident set in bytes (raises if it failed)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    err = proc.stderr.read()  # drain before waiting (a full pipe would block the child)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err[-2000:]}")
+    return usage.ru_maxrss * 1024  # kilobytes on Linux
+
+
+def measure(layers: int, hidden: int, intermediate: int, work: Path, extra: list[str] = ()) -> dict:
+    """Plan and peak RSS of one model size: finetune (with a save) and resume (load, train, save)."""
+    py = [sys.executable, "-m", "zfctl"]
+    flags = model_flags(layers, hidden, intermediate, extra)
+    env = {**os.environ, "COLUMNS": "200"}
+    plan = json.loads(subprocess.run([*py, "plan", "tiny-llama", "--data", "alpaca-sample", *flags, "--json"],
+                                     env=env, capture_output=True, text=True, check=True).stdout)
+    mem = plan["memory"]
+    out = work / f"run-{layers}"
+    finetune = peak_rss([*py, "finetune", "tiny-llama", "--data", "alpaca-sample", *flags, "--output", str(out),
+                         "--max-steps", str(STEPS), "--force"], env)
+    resume = peak_rss([*py, "resume", str(out), "--max-steps", str(RESUME_TO)], env)
+    return {"layers": layers, "params": mem["size"]["params"], "plan_bytes": mem["host_total"] + mem["device_total"],
+            "plan_items": {i["name"]: i["bytes"] for i in mem["items"]},
+            "peak_rss_finetune": finetune, "peak_rss_resume": resume}
+
+
+def compare(big: dict, small: dict) -> dict:
+    """The differences of two measured sizes, the slopes, and whether they are within TOLERANCE."""
+    dp = big["params"] - small["params"]
+    plan = big["plan_bytes"] - small["plan_bytes"]
+    out = {"params_difference": dp, "plan_difference": plan, "plan_bytes_per_param": plan / dp, "tolerance": TOLERANCE}
+    ok = True
+    for proc in ("finetune", "resume"):
+        measured = big[f"peak_rss_{proc}"] - small[f"peak_rss_{proc}"]
+        ratio = measured / plan
+        out[proc] = {"measured_difference": measured, "bytes_per_param": measured / dp, "measured_over_plan": ratio,
+                     "within_tolerance": abs(ratio - 1) <= TOLERANCE}
+        ok = ok and out[proc]["within_tolerance"]
+    out["ok"] = ok
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="another plan setting for both runs, e.g. zenflow.accumulate=device")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="zfctl-memory-proof-") as tmp:
+        big = measure(args.layers, args.hidden, args.intermediate, Path(tmp), args.extra)
+        small = measure(1, args.hidden, args.intermediate, Path(tmp), args.extra)
+    result = {"big": big, "small": small, "comparison": compare(big, small)}
+    c = result["comparison"]
+    gb = 1e9
+    print(f"{big['params'] / 1e6:.1f}M vs {small['params'] / 1e6:.1f}M params: plan difference "
+          f"{c['plan_difference'] / gb:.3f} GB ({c['plan_bytes_per_param']:.2f} B/param)")
+    for proc in ("finetune", "resume"):
+        r = c[proc]
+        print(f"  {proc:8s} peak RSS {big[f'peak_rss_{proc}'] / gb:.3f} vs {small[f'peak_rss_{proc}'] / gb:.3f} GB: "
+              f"difference {r['measured_difference'] / gb:.3f} GB ({r['bytes_per_param']:.2f} B/param), "
+              f"{100 * (r['measured_over_plan'] - 1):+.1f}% against the plan")
+    print("within 10%" if c["ok"] else "NOT within 10%")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0 if c["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
