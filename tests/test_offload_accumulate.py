@@ -81,3 +81,30 @@ def test_auto_resolves_to_host_without_cuda_and_bad_values_are_refused() -> None
         assert opt.accumulate == "host"
     with pytest.raises(ConfigError, match="zenflow.accumulate"):
         ZenFlowConfig(accumulate="gpu").validate()
+
+
+def test_device_path_keeps_one_host_accumulator_and_collects_before_it_copies_out(monkeypatch) -> None:
+    """One host accumulator on the device path: the boundary collects the previous CPU update (which
+    may still read that accumulator), then copies the new interval's sum into it, then submits.
+    A CPU worker slowed down to outlast the next interval changes no bit; copying out first (the
+    sum lands while the slow worker still reads the last one) would."""
+    from zfctl.offload.worker import CpuWorker
+
+    straight, _ = run("device")
+    slow_run = CpuWorker.run
+
+    def slow(self, update):
+        import time
+
+        time.sleep(0.05)  # the next interval's steps run meanwhile: the worker reads acc late
+        return slow_run(self, update)
+
+    monkeypatch.setattr(CpuWorker, "run", slow)
+    model = tiny_net()
+    cfg = ZenFlowConfig(accumulate="device", overlap_step=True, full_warm_up_rounds=1, **BASE)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        assert opt.host is not None and len(opt.host.acc) == 1
+        train(model, opt, 20)
+        opt.flush()
+    got = snapshot(model)
+    assert all(torch.equal(straight[n], got[n]) for n in straight)

@@ -178,3 +178,94 @@ def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool) -> None:
 
     ref, got = go(False, zeros=True), go(hooks, zeros=False)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
+
+
+class _Copy:
+    """A stand-in for a CUDA copy event: not done until someone waits for it."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_the_inflight_budget_counts_the_previous_steps_copies() -> None:
+    """At 7B the D2H of one step can outlast the next step's forward: its temporaries are still
+    in flight when the next backward's hooks start, and the cap must count them (it is not reset
+    per step), waiting for the oldest copies first."""
+    cfg = ZenFlowConfig(**BASE, accumulate="host", inflight_mb=1e-3)  # a cap of 1048 bytes
+    with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
+        stream = opt._stream
+        assert stream is not None and stream.budget_bytes == int(1e-3 * 2**20)
+        old, older = _Copy(), _Copy()
+        stream.inflight.extend([(older, 600), (old, 400)])  # the last step's copies, still running
+        stream.inflight_bytes = 1000
+        opt.prepare_backward(final=True)  # a new window: those copies still count
+        assert stream.inflight_bytes == 1000 and len(stream.inflight) == 2
+        stream._make_room(300)  # 1000 + 300 > 1048: wait for the oldest copy, no more
+        assert older.waited and not old.waited
+        assert stream.inflight_bytes == 400 and stream.budget_waits == 1
+
+
+def test_helper_threads_bind_the_optimizer_device_first(monkeypatch) -> None:
+    """The accumulation thread and the CPU worker wait for CUDA events; each binds itself to the
+    optimizer's device before anything else (else a context on GPU 0 per rank, pcie.bind_device)."""
+    import threading
+
+    from zfctl.offload import stream as stream_mod
+    from zfctl.offload import worker as worker_mod
+
+    bound: list[tuple[str, torch.device]] = []
+
+    def record(device: torch.device) -> None:
+        bound.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(stream_mod, "bind_device", record)
+    monkeypatch.setattr(worker_mod, "bind_device", record)
+    cfg = ZenFlowConfig(**BASE, accumulate="host", overlap_step=True)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0, **HP) as opt:  # clip: jobs on the thread
+        run(model, opt, batches(6), hooks=True)
+    names = {name.split("_")[0] for name, _ in bound}
+    assert names == {"zenflow-acc", "zenflow-cpu"}
+    assert {d for _, d in bound} == {torch.device("cpu")}
+
+
+def test_a_matrix_whose_gradient_came_from_an_earlier_micro_batch_is_not_lost() -> None:
+    """A matrix used in the first micro-batch of a step and not in the last has a ``.grad`` but no
+    hook in the final backward: step() lands it itself, and the result equals the step() path."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.side, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+            h = torch.tanh(self.fc1(x))
+            return self.head(h + torch.tanh(self.side(h)) if use_side else h)
+
+    def train_branchy(hooks: bool):
+        torch.manual_seed(0)
+        model = Branchy()
+        cfg = ZenFlowConfig(**BASE, accumulate="host", full_warm_up_rounds=1)
+        with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
+            stats = []
+            for x, y in batches(10):
+                opt.zero_grad(set_to_none=True)
+                for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
+                    if hooks:
+                        opt.prepare_backward(final=i == 1)
+                    (torch.nn.functional.mse_loss(model(xs, use_side=i == 0), ys) / 2).backward()
+                stats.append(opt.step())
+            opt.flush()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, stats
+
+    ref, _ = train_branchy(hooks=False)
+    got, stats = train_branchy(hooks=True)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    streamed = [s for s in stats if not s.selection]
+    assert all(s.in_step_chunks > 0 and s.early_chunks > 0 for s in streamed)  # side landed in step()
