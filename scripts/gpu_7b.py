@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="more plan overrides for finetune and plan (resume reads the saved plan)")
     ap.add_argument("--force-run", action="store_true", help="run even when the plan says it does not fit")
-    ap.add_argument("--part-timeout", type=float, default=560)
+    # 500 s: a 10-minute slot minus the setup, the plan and stopping the part (see gpu_check.py)
+    ap.add_argument("--part-timeout", type=float, default=500)
     args = ap.parse_args(argv)
     if args.part not in ("train", "resume", "all"):
         ap.error(f"part {args.part!r}: use train, resume or all")

@@ -365,9 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", nargs="*", metavar="PART", help="tests, bench-b1, bench-b4, nccl or all (default)")
     ap.add_argument("--out", type=Path, help="results file (default bench-results/gpu-check-<commit>.json)")
-    ap.add_argument("--part-timeout", type=float, default=540,
-                    help="seconds each part may run before it is stopped (default 540: a 10-minute slot "
-                         "minus setup)")
+    # 480 s: a 10-minute slot minus this script's setup on a fresh machine (wheels, the module check,
+    # the native build: ~1 minute) and the 30 s it may take to stop a part and write the file.
+    ap.add_argument("--part-timeout", type=float, default=480,
+                    help="seconds each part may run before it is stopped (default 480)")
     args = ap.parse_args(argv)
     for p in args.parts:
         if p not in (*PARTS, "all"):
