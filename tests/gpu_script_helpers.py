@@ -24,8 +24,9 @@ if str(SCRIPTS) not in sys.path:
 # scripts/ had to be on sys.path first
 import gpu_check
 import gpu_common
+import gpu_results
 
-__all__ = ["REPO", "SCRIPTS", "bench_file", "gpu_check", "gpu_common", "script"]
+__all__ = ["REPO", "SCRIPTS", "bench_file", "gpu_check", "gpu_common", "gpu_results", "script"]
 
 
 def script(name: str) -> ModuleType:

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py on CPU: the JSON it assembles from fake bench outputs, the acceptance
+"""scripts/gpu_check.py and gpu_results.py on CPU: the JSON it assembles from fake bench outputs, the acceptance
 ratios, merging parts, and what it does on a machine without CUDA (nothing, quickly)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from gpu_script_helpers import REPO, SCRIPTS, bench_file, gpu_check, gpu_common
+from gpu_script_helpers import REPO, SCRIPTS, bench_file, gpu_check, gpu_common, gpu_results
 
 HOST = {"gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "driver": "580.159.04",
                   "pcie": "gen5 x16"}], "torch": "2.11.0+cu130", "cuda": "13.0", "cpu_model": "fake", "cpu_cores": 16}
@@ -30,7 +30,7 @@ def fake_part(folder, batch: int, *, device_ms: float = 170.0, skip: tuple[str, 
 
 
 def bench_result(folder, batch: int) -> dict:
-    return {"status": "passed", "seconds": 1.0, "section": gpu_check.collect_bench(folder)}
+    return {"status": "passed", "seconds": 1.0, "section": gpu_results.collect_bench(folder)}
 
 
 def by_name(entries: list[dict]) -> dict[str, dict]:
@@ -39,7 +39,7 @@ def by_name(entries: list[dict]) -> dict[str, dict]:
 
 def test_figures_from_a_bench_file(tmp_path):
     fake_part(tmp_path, 4)
-    bench = gpu_check.collect_bench(tmp_path)
+    bench = gpu_results.collect_bench(tmp_path)
     assert set(bench) == {"b4"}
     assert set(bench["b4"]) == {"off", "zero-offload", "paper", "default-host", "default-device"}
     d = bench["b4"]["default-host"]
@@ -60,8 +60,8 @@ def test_figures_from_a_bench_file(tmp_path):
 def test_acceptance_ratios_and_verdicts(tmp_path):
     fake_part(tmp_path / "b1", 1)
     fake_part(tmp_path / "b4", 4)
-    bench = {**gpu_check.collect_bench(tmp_path / "b1"), **gpu_check.collect_bench(tmp_path / "b4")}
-    acc = by_name(gpu_check.acceptance(bench))
+    bench = {**gpu_results.collect_bench(tmp_path / "b1"), **gpu_results.collect_bench(tmp_path / "b4")}
+    acc = by_name(gpu_results.acceptance(bench))
     a = acc["ZenFlow default / off"]
     assert (a["config"], a["baseline"], a["target"]) == ("b4/default-host", "b4/off", 0.80)
     assert a["ratio"] == pytest.approx(150 / 180) and a["ratio_median"] == pytest.approx(150 / 170)
@@ -77,14 +77,14 @@ def test_acceptance_ratios_and_verdicts(tmp_path):
 def test_ratio_exactly_at_target_passes_and_just_below_fails(tmp_path):
     fake_part(tmp_path / "ok", 4, device_ms=150 / 0.9)
     fake_part(tmp_path / "low", 4, device_ms=150 / 0.9 + 0.01)
-    ok = by_name(gpu_check.acceptance(gpu_check.collect_bench(tmp_path / "ok")))["accumulate device / off"]
-    low = by_name(gpu_check.acceptance(gpu_check.collect_bench(tmp_path / "low")))["accumulate device / off"]
+    ok = by_name(gpu_results.acceptance(gpu_results.collect_bench(tmp_path / "ok")))["accumulate device / off"]
+    low = by_name(gpu_results.acceptance(gpu_results.collect_bench(tmp_path / "low")))["accumulate device / off"]
     assert (ok["status"], low["status"]) == ("pass", "fail")
 
 
 def test_a_missing_configuration_is_missing_not_a_pass(tmp_path):
     fake_part(tmp_path, 4, skip=("default-device",))
-    acc = by_name(gpu_check.acceptance(gpu_check.collect_bench(tmp_path)))
+    acc = by_name(gpu_results.acceptance(gpu_results.collect_bench(tmp_path)))
     dev = acc["accumulate device / off"]
     assert dev["status"] == "missing" and dev["ratio"] is None
     assert "b4/default-device: not measured" in dev["why"] and "bench-b4" in dev["why"]
@@ -96,7 +96,7 @@ def test_a_missing_configuration_is_missing_not_a_pass(tmp_path):
 def test_another_shape_or_cpu_timing_is_never_compared(tmp_path):
     bench_file(tmp_path, 4, "paper", {"off": [150.0] * 4, "zero-offload": [600.0] * 4}, seq_len=512)
     bench_file(tmp_path, 4, "default-host", {"zenflow": [100.0] * 4}, timing="wall clock")
-    acc = by_name(gpu_check.acceptance(gpu_check.collect_bench(tmp_path)))
+    acc = by_name(gpu_results.acceptance(gpu_results.collect_bench(tmp_path)))
     why = acc["ZenFlow default / off"]["why"]
     assert acc["ZenFlow default / off"]["status"] == "missing"
     assert "b4/off: measured on llama3.2-1b batch 4 x 512 bf16" in why
@@ -106,8 +106,8 @@ def test_another_shape_or_cpu_timing_is_never_compared(tmp_path):
 def test_cpu_update_hidden_behind_interval_x_device_time(tmp_path):
     fake_part(tmp_path / "b1", 1)
     fake_part(tmp_path / "b4", 4)
-    bench = {**gpu_check.collect_bench(tmp_path / "b1"), **gpu_check.collect_bench(tmp_path / "b4")}
-    hid = {h["config"]: h for h in gpu_check.cpu_update_hidden(bench)}
+    bench = {**gpu_results.collect_bench(tmp_path / "b1"), **gpu_results.collect_bench(tmp_path / "b4")}
+    hid = {h["config"]: h for h in gpu_results.cpu_update_hidden(bench)}
     assert set(hid) == {"b1/default-host", "b1/default-device", "b4/default-host", "b4/default-device"}
     b4 = hid["b4/default-host"]
     assert b4["budget_ms"] == pytest.approx(4 * 137.0) and b4["hidden"] is True  # 500 ms <= 548 ms
@@ -120,16 +120,16 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     doc = gpu_common.load_doc(out, "abc1234")
     tests = {"status": "passed", "seconds": 80.0,
              "section": {"exit_code": 0, "passed": 12, "failed": 0, "errors": 0, "skipped": 1, "failing": []}}
-    doc = gpu_check.merge(doc, "tests", tests, HOST)
+    doc = gpu_results.merge(doc, "tests", tests, HOST)
     gpu_common.write_doc(out, doc)
     assert doc["verdict"]["result"] == "incomplete"
     assert {a["status"] for a in doc["acceptance"]} == {"missing"}
 
     fake_part(tmp_path / "b1", 1)
-    doc = gpu_check.merge(gpu_common.load_doc(out, "abc1234"), "bench-b1", bench_result(tmp_path / "b1", 1), HOST)
+    doc = gpu_results.merge(gpu_common.load_doc(out, "abc1234"), "bench-b1", bench_result(tmp_path / "b1", 1), HOST)
     gpu_common.write_doc(out, doc)
     fake_part(tmp_path / "b4", 4)
-    doc = gpu_check.merge(gpu_common.load_doc(out, "abc1234"), "bench-b4", bench_result(tmp_path / "b4", 4), HOST)
+    doc = gpu_results.merge(gpu_common.load_doc(out, "abc1234"), "bench-b4", bench_result(tmp_path / "b4", 4), HOST)
     gpu_common.write_doc(out, doc)
 
     doc = json.loads(out.read_text())
@@ -142,14 +142,14 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
 
     # bench-b4 again with a faster device-accumulation run: b4 is replaced, b1 and the tests stay.
     fake_part(tmp_path / "b4-again", 4, device_ms=140.0)
-    doc = gpu_check.merge(doc, "bench-b4", bench_result(tmp_path / "b4-again", 4), HOST)
+    doc = gpu_results.merge(doc, "bench-b4", bench_result(tmp_path / "b4-again", 4), HOST)
     assert by_name(doc["acceptance"])["accumulate device / off"]["status"] == "pass"
     assert doc["tests"]["passed"] == 12 and "b1" in doc["bench"]
     nccl = {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1",
             "section": {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}}
-    doc = gpu_check.merge(doc, "nccl", nccl, HOST)
+    doc = gpu_results.merge(doc, "nccl", nccl, HOST)
     assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"], "missing": []}
-    lines = gpu_check.summary_lines(doc)
+    lines = gpu_results.summary_lines(doc)
     assert "nccl: skipped (0 s), needs 2 CUDA GPUs, this machine has 1" in lines
     assert any(line.startswith("b1/default-host: CPU update 700 ms vs 4 x 152 ms") and "NOT hidden" in line
                for line in lines)
@@ -167,9 +167,9 @@ def test_a_file_of_another_commit_is_refused(tmp_path):
 
 def test_failing_part_fails_the_verdict_and_a_timed_out_bench_keeps_what_it_measured(tmp_path):
     fake_part(tmp_path, 4, skip=("default-device",))
-    doc = gpu_check.merge({"commit": "x", "parts": {}}, "bench-b4",
+    doc = gpu_results.merge({"commit": "x", "parts": {}}, "bench-b4",
                           {"status": "timed out", "seconds": 540.0, "missing": ["default-device"],
-                           "section": gpu_check.collect_bench(tmp_path)}, HOST)
+                           "section": gpu_results.collect_bench(tmp_path)}, HOST)
     assert doc["verdict"]["result"] == "fail" and "bench-b4" in doc["verdict"]["failed"]
     assert by_name(doc["acceptance"])["ZenFlow default / off"]["status"] == "pass"
 
