@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.zfctl-installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
 NATIVE_STAMP := $(VENV)/.zfctl-native
 
-.PHONY: setup native test test-fast demo bench lint clean
+.PHONY: setup native test test-fast demo bench lint clean gpu-check
 
 # Native build and sanitizer targets (check-native) live next to the C sources.
 include native/native.mk
@@ -48,6 +48,16 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/zfctl bench --topk 0.1,0.2 --interval 2,4
+
+# The GPU check (scripts/gpu_check.py; README, section "GPU check"): tests, benchmarks and a 2-GPU
+# NCCL run into one JSON file. PART=tests|bench-b1|bench-b4|nccl|all (each part fits a 10-minute
+# slot; several parts add up in the same file), OUT=file.json. It runs with $(PYTHON), the
+# system's python3 that holds torch, and does not depend on `setup`: that installs torch from
+# PyPI, which an offline GPU machine cannot do (the other packages come from .whl/, see
+# scripts/fetch_gpu_wheels.sh). Without CUDA it prints one SKIPPED line and exits 0.
+PART ?= all
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(PART) $(if $(OUT),--out $(OUT))
 
 # ruff on everything; mypy on the library (zfctl/, settings in pyproject.toml [tool.mypy]).
 lint: setup

@@ -3,7 +3,8 @@
 A grid is the cross product of the `--topk`, `--interval`, `--overlap` and `--pin` lists. Every
 grid also runs `zero-offload` (topk 0, update every step, no overlap: plain ZeRO-Offload, the
 yardstick of the speedup column), once per pin setting so that speedups compare like with like,
-and `off` (topk 1: everything on the device, no CPU work) when its device state fits.
+and `off` (topk 1: everything on the device, no CPU work) when its device state fits; unless
+`--baselines` leaves them out (several runs of one shape need them only once).
 """
 
 from __future__ import annotations
@@ -134,11 +135,26 @@ def warmup_steps(interval: Interval, warmup: int) -> int:
     return math.ceil(warmup / interval) * interval
 
 
+BASELINES = ("off", "zero-offload")
+
+
+def parse_baselines(text: str) -> tuple[str, ...]:
+    """`--baselines off,zero-offload` (the default), `off`, `zero-offload` or `none`."""
+    items = _items("--baselines", text)
+    if items == ["none"]:
+        return ()
+    for s in items:
+        if s not in BASELINES:
+            raise UserError(f"--baselines {s!r}: use off, zero-offload, off,zero-offload or none")
+    return tuple(b for b in BASELINES if b in items)
+
+
 def build_grid(
-    topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool
+    topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool,
+    with_zero_offload: bool = True,
 ) -> list[BenchConfig]:
     """Baselines first (zero-offload per pin setting, then off), then the grid; no duplicates."""
-    configs = [BenchConfig("zero-offload", 0.0, 1, False, pin) for pin in pins]
+    configs = [BenchConfig("zero-offload", 0.0, 1, False, pin) for pin in pins] if with_zero_offload else []
     if with_off:
         configs.append(BenchConfig("off", 1.0, 1, False, pins[0]))
     for topk in topks:
@@ -146,7 +162,7 @@ def build_grid(
             for overlap in overlaps:
                 for pin in pins:
                     cfg = BenchConfig("zenflow", topk, interval, overlap, pin)
-                    if topk == 0.0 and interval == 1 and not overlap:
+                    if topk == 0.0 and interval == 1 and not overlap and with_zero_offload:
                         continue  # identical to the zero-offload baseline already in the list
                     if topk == 1.0 and with_off:
                         continue  # nothing is offloaded: the same as the 'off' baseline

@@ -1,4 +1,5 @@
-"""Will a configuration fit? Rough byte counts decided before anything is allocated.
+"""Will a configuration fit (rough byte counts decided before anything is allocated), and how
+much did it take (peaks measured while it ran).
 
 The numbers follow the state layout of docs/design.md, section "Defaults and the numbers behind
 them": every offloaded element costs the host an fp32 master, two fp32 moments and an fp32
@@ -60,3 +61,47 @@ def check_host_fits(n_params: int) -> None:
             f"needs ~{need / GiB:.1f} GiB of host RAM, {have / GiB:.1f} GiB is available; "
             "use a smaller --hidden-dim/--nlayers or --model"
         )
+
+
+def reset_peaks(device: torch.device) -> bool:
+    """Open a configuration's peak window: the CUDA allocator's peaks and the process's VmHWM.
+
+    Writing 5 to /proc/self/clear_refs (Linux >= 4.0) sets VmHWM back to the current RSS. Returns
+    False where that is refused (no /proc, a sandbox): the host peak then covers the process so far.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def read_peaks(device: torch.device) -> dict[str, int | None]:
+    """Peak host RSS (VmHWM) and peak CUDA memory since `reset_peaks`; None where not measurable.
+
+    The host peak includes everything the process holds: for `--model`, the host copy of the
+    weights every trial starts from, and pinned blocks the caching host allocator kept.
+    """
+    out: dict[str, int | None] = {
+        "peak_host_rss_bytes": _vm_hwm_bytes(),
+        "peak_device_allocated_bytes": None,
+        "peak_device_reserved_bytes": None,
+    }
+    if device.type == "cuda":
+        out["peak_device_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        out["peak_device_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    return out
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
+    except OSError:
+        pass
+    return None

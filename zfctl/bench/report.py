@@ -151,6 +151,9 @@ CSV_COLUMNS = [
     "wall_ms_per_step",
     "samples_per_s",
     "tokens_per_s",
+    "peak_host_rss_bytes",
+    "peak_device_allocated_bytes",
+    "peak_device_reserved_bytes",
 ]
 
 

@@ -26,7 +26,7 @@ from zfctl.bench.grid import (
     reference_interval,
     warmup_steps,
 )
-from zfctl.bench.memory import check_host_fits, off_fits
+from zfctl.bench.memory import check_host_fits, off_fits, read_peaks, reset_peaks
 from zfctl.bench.model import BenchModel, PresetFactory, synthetic_model
 from zfctl.bench.report import fmt_ms
 from zfctl.bench.runner import ConfigResult, release_memory, run_config
@@ -60,6 +60,7 @@ class BenchOptions:
     cpu_threads: int = 0
     zenflow: ZenFlowConfig | None = None  # --zenflow PRESET: the non-grid zenflow.* keys
     accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
+    baselines: tuple[str, ...] = ("off", "zero-offload")  # which of the two baselines to run
 
 
 @dataclass
@@ -127,9 +128,11 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     release_memory(device)
 
     skipped: list[dict[str, str]] = []
-    if not fits:
+    if not fits and "off" in opts.baselines:
         skipped.append({"label": "off (all on device)", "reason": why})
-    configs = build_grid(opts.topks, opts.intervals, opts.overlaps, opts.pins, with_off=fits)
+    configs = build_grid(opts.topks, opts.intervals, opts.overlaps, opts.pins,
+                         with_off=fits and "off" in opts.baselines,
+                         with_zero_offload="zero-offload" in opts.baselines)
     ref = reference_interval(opts.intervals)
     meta = {
         "zfctl": zfctl.__version__,
@@ -150,6 +153,11 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "d2h_gbps": measure_d2h_gbps(device),
         "cpu_threads": opts.cpu_threads,
         "zenflow_base": asdict(opts.zenflow) if opts.zenflow is not None else None,
+        "accumulate": opts.accumulate,
+        "baselines": list(opts.baselines),
+        # peak_host_rss_bytes of each row: since that configuration started ("configuration") where
+        # the kernel lets the process reset its VmHWM, else since the process started ("process").
+        "host_rss_peak_scope": None,  # set once the grid has run
         "max_grad_norm": opts.max_grad_norm,
         "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins},
         "model_preset": getattr(opts.model, "name", None),
@@ -171,10 +179,11 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     accumulate = cast(Literal["auto", "host", "device"], opts.accumulate)  # checked at the top
     base = replace(opts.zenflow or ZenFlowConfig(), cpu_threads=opts.cpu_threads, accumulate=accumulate)
     opt_kwargs = {"lr": opts.lr, "weight_decay": 0.0, "max_grad_norm": opts.max_grad_norm}
-    results, rows = [], []
+    results, rows, scoped = [], [], True
     for i, cfg in enumerate(configs, 1):
         warm = warmup_steps(cfg.interval, opts.warmup)
         steps = measured_steps(cfg.interval, opts.iterations, ref)
+        scoped = reset_peaks(device) and scoped
         res = run_config(
             cfg,
             build,
@@ -187,10 +196,12 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         )
         row = summarize(res, param_bytes=param_bytes, samples_per_step=samples, tokens_per_step=tokens,
                         n_params=n_params)
+        row.update(read_peaks(device))  # the trials' peaks: each trial frees its model and optimizer
         results.append(res)
         rows.append(row)
         _progress(console, i, len(configs), cfg, row)
     add_speedups(rows)
+    meta["host_rss_peak_scope"] = "configuration" if scoped else "process"
     return BenchReport(meta, rows, skipped, results)
 
 

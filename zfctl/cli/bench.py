@@ -139,6 +139,14 @@ def bench(
             rich_help_panel=GRID,
         ),
     ] = None,
+    baselines: Annotated[
+        str,
+        typer.Option(
+            help="Which baselines run beside the grid: off,zero-offload, off, zero-offload or none (runs "
+            "of one shape that differ only in --zenflow/--accumulate need them once).",
+            rich_help_panel=GRID,
+        ),
+    ] = "off,zero-offload",
     device: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel=RUN)] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for weights and inputs.", rich_help_panel=RUN)] = 0,
     cpu_threads: Annotated[
@@ -182,12 +190,13 @@ def bench(
 
     Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
     """
-    from zfctl.bench.grid import parse_intervals, parse_switch, parse_topks
+    from zfctl.bench.grid import parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
 
     # Everything the user typed is checked here, before a model is built or a file is touched.
     topks, intervals = parse_topks(topk), parse_intervals(interval)
     overlaps, pins = parse_switch("overlap", overlap, no_overlap), parse_switch("pin", pin, no_pin)
+    which_baselines = parse_baselines(baselines)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if device not in ("auto", "cuda", "cpu"):
@@ -252,6 +261,7 @@ def bench(
         max_grad_norm=max_grad_norm,
         zenflow=zenflow_cfg,
         accumulate=accumulate,
+        baselines=which_baselines,
     )
     report = run_bench(opts, console)
     print_tables(console, report.rows, report.meta)

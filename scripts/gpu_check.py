@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""The GPU check: `make gpu-check [PART=...] [OUT=file.json]`, or
+
+    python3 scripts/gpu_check.py [tests|bench-b1|bench-b4|nccl|all ...] [--out FILE]
+
+Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU check"):
+  tests     pytest -m gpu over tests/: passed/failed/skipped counts and the failing test ids
+  bench-b1  scripts/bench_zenflow_gpu.sh llama at batch 1: llama3.2-1b shape, seq 1024, bf16,
+            presets off, zero-offload, paper, default (host accumulation), default (device)
+  bench-b4  the same at batch 4
+  nccl      `zfctl finetune tiny-llama --nproc 2` on CUDA with NCCL; skipped below 2 GPUs
+  all       the four in turn (more than one slot)
+
+Each part adds its results to ONE JSON file (default bench-results/gpu-check-<commit>.json; a
+file of another commit is refused), then the acceptance figures are recomputed from everything
+the file holds, so parts run in separate slots add up. Raw outputs (logs, every bench JSON) go
+to the folder beside it (FILE without .json).
+
+Runs with python3 (whatever runs this script; `make gpu-check PYTHON=...`), never .venv: `make
+setup` installs torch from PyPI, impossible offline. Standard library only in this process.
+Without CUDA: one line "gpu-check SKIPPED: ..." and exit 0, nothing installed, run or written.
+Exit 1 when a part failed or an acceptance figure misses its target (a figure not measured yet
+is "missing", which is no failure and no pass); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import ROOT, Failed, git_commit, load_doc, machine, prepare, probe, run_logged, write_doc
+from gpu_results import PARTS, PRESETS, collect_bench, merge, summary_lines
+
+# Steps of the NCCL smoke run: default's 20 full-CPU warm-up steps, then 20 ZenFlow steps (5 CPU
+# updates, each broadcast by its owner rank).
+NCCL_STEPS = 40
+
+
+# -- the parts -----------------------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    py: str
+    env: dict[str, str]
+    raw: Path  # this run's raw outputs
+    gpus: int
+    timeout: float  # per part
+
+
+def _fresh(folder: Path) -> Path:
+    """An empty folder for one part's raw files (stale ones from an earlier run must not be read)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _status(code: int | None) -> str:
+    return "timed out" if code is None else "passed" if code == 0 else "failed"
+
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    """Counts and ids from pytest's --junitxml (junit_family xunit1, which names each test's file)."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failing: list[str] = []
+    skipped: list[dict[str, str]] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file, cls, name = case.get("file") or "", case.get("classname") or "", case.get("name") or ""
+        module = file.removesuffix(".py").replace("/", ".")
+        inner = cls[len(module) + 1:] if module and cls.startswith(module + ".") else ""
+        test_id = "::".join(p for p in (file or cls, inner, name) if p)
+        tags = {child.tag: child for child in case}
+        if "failure" in tags or "error" in tags:
+            counts["failed" if "failure" in tags else "errors"] += 1
+            failing.append(test_id)
+        elif "skipped" in tags:
+            counts["skipped"] += 1
+            skipped.append({"id": test_id, "reason": tags["skipped"].get("message", "")})
+        else:
+            counts["passed"] += 1
+    return {**counts, "failing": failing, "skipped_ids": skipped}
+
+
+def part_tests(ctx: Context) -> dict[str, Any]:
+    raw = _fresh(ctx.raw / "tests")
+    junit = raw / "junit.xml"
+    cmd = [ctx.py, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+           f"--junitxml={junit}", "tests"]
+    code, secs = run_logged(cmd, raw / "pytest.log", timeout=ctx.timeout, env=ctx.env)
+    section: dict[str, Any] = {"exit_code": code}
+    if junit.exists():
+        section.update(parse_junit(junit))
+    status = _status(code)
+    if code == 5:  # pytest: no test was collected; on a GPU machine that is a broken check
+        status = "failed"
+    return {"status": status, "seconds": round(secs, 1), "log": str(raw / "pytest.log"), "section": section}
+
+
+def part_bench(ctx: Context, batch: int) -> dict[str, Any]:
+    raw = _fresh(ctx.raw / f"bench-b{batch}")
+    env = {**ctx.env, "BATCHES": str(batch), "PY": ctx.py}
+    code, secs = run_logged(["bash", "scripts/bench_zenflow_gpu.sh", "llama", str(raw)], raw / "bench.log",
+                            timeout=ctx.timeout, env=env)
+    section = collect_bench(raw)
+    missing = [p for p in PRESETS if p not in section.get(f"b{batch}", {})]
+    result = {"status": _status(code), "seconds": round(secs, 1), "log": str(raw / "bench.log"), "section": section}
+    if missing:
+        result.update(status="failed" if code is not None else "timed out", missing=missing)
+    return result
+
+
+def nccl_skip_reason(gpus: int) -> str | None:
+    return None if gpus >= 2 else f"needs 2 CUDA GPUs, this machine has {gpus}"
+
+
+def nccl_summary(metrics: Path, code: int | None, steps: int) -> dict[str, Any]:
+    """What the 2-process run's metrics.jsonl shows; passed = it ran every step, finite losses,
+    and the ranks exchanged bytes."""
+    recs = []
+    if metrics.exists():
+        recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "train"]
+    losses = [r["loss"] for r in recs]
+    comm = [r.get("comm_bytes", 0) for r in recs]
+    ok = (code == 0 and len(recs) == steps and bool(recs) and recs[-1]["step"] == steps
+          and all(isinstance(v, (int, float)) and math.isfinite(v) for v in losses) and min(comm, default=0) > 0)
+    return {"status": "passed" if ok else _status(code) if code != 0 else "failed", "exit_code": code,
+            "steps": len(recs), "want_steps": steps, "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "comm_bytes_per_step": sum(comm) / len(comm) if comm else None,
+            "ms_per_step_mean": sum(r["step_ms"] for r in recs) / len(recs) if recs else None}
+
+
+def part_nccl(ctx: Context) -> dict[str, Any]:
+    why = nccl_skip_reason(ctx.gpus)
+    if why:
+        return {"status": "skipped", "reason": why, "seconds": 0.0, "section": {"status": "skipped", "reason": why}}
+    raw = _fresh(ctx.raw / "nccl")
+    cmd = [ctx.py, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample", "--nproc", "2",
+           "--max-steps", str(NCCL_STEPS), "--set", "train.device=cuda", "--set", "distributed.backend=nccl",
+           "--output", str(raw / "run"), "--force"]
+    code, secs = run_logged(cmd, raw / "finetune.log", timeout=ctx.timeout, env=ctx.env)
+    section = nccl_summary(raw / "run" / "metrics.jsonl", code, NCCL_STEPS)
+    return {"status": section["status"], "seconds": round(secs, 1), "log": str(raw / "finetune.log"),
+            "section": section}
+
+
+def run_part(ctx: Context, part: str) -> dict[str, Any]:
+    if part == "tests":
+        return part_tests(ctx)
+    if part == "nccl":
+        return part_nccl(ctx)
+    return part_bench(ctx, int(part.removeprefix("bench-b")))
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", nargs="*", metavar="PART", help="tests, bench-b1, bench-b4, nccl or all (default)")
+    ap.add_argument("--out", type=Path, help="results file (default bench-results/gpu-check-<commit>.json)")
+    # 480 s: a 10-minute slot minus this script's setup on a fresh machine (wheels, the module check,
+    # the native build: ~1 minute) and the 30 s it may take to stop a part and write the file.
+    ap.add_argument("--part-timeout", type=float, default=480,
+                    help="seconds each part may run before it is stopped (default 480)")
+    args = ap.parse_args(argv)
+    for p in args.parts:
+        if p not in (*PARTS, "all"):
+            ap.error(f"part {p!r}: use {', '.join(PARTS)} or all")
+    parts = list(PARTS) if not args.parts or "all" in args.parts else list(dict.fromkeys(args.parts))
+
+    py = sys.executable
+    info = probe(py)
+    if not info.get("gpus"):
+        print(f"gpu-check SKIPPED: no CUDA GPU here ({info.get('why')}); nothing was run or written")
+        return 0
+    commit = git_commit()
+    out = (args.out or ROOT / "bench-results" / f"gpu-check-{commit}.json").resolve()
+    try:
+        doc = load_doc(out, commit)
+        env = prepare(py, info.get("ext_suffix"))
+    except Failed as e:
+        print(f"gpu-check: {e}", file=sys.stderr)
+        return 1
+    ctx = Context(py=py, env=env, raw=out.with_suffix(""), gpus=int(info["gpus"]), timeout=args.part_timeout)
+    host = machine(info)
+    for part in parts:
+        print(f"== gpu-check {part}", flush=True)
+        doc = merge(doc, part, run_part(ctx, part), host)
+        write_doc(out, doc)  # after every part: a later part's time-out keeps this one's results
+    print("\n".join(summary_lines(doc)))
+    print(f"results: {out}")
+    return 1 if doc["verdict"]["result"] == "fail" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""From the GPU check's raw outputs to its JSON (scripts/gpu_check.py runs the parts): the
+figures of each bench configuration, the acceptance ratios, the CPU-update hiding check, the
+verdict, and merging one part into the file the earlier parts wrote. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from gpu_common import stamp
+
+PARTS = ("tests", "bench-b1", "bench-b4", "nccl")
+PRESETS = ("off", "zero-offload", "paper", "default-host", "default-device")  # what each bench part runs
+# The shape the targets are stated for; results of any other shape are kept but never compared.
+SHAPE = {"model": "llama3.2-1b", "seq_len": 1024, "dtype": "bf16", "timing": "CUDA events"}
+# (name, batch, configuration, baseline, target): speed = 1 / mean ms per step, so a speed ratio
+# is the baseline's ms / the configuration's ms.
+TARGETS = (
+    ("ZenFlow default / off", 4, "default-host", "off", 0.80),
+    ("ZenFlow default / zero-offload", 4, "default-host", "zero-offload", 3.0),
+    ("accumulate device / off", 4, "default-device", "off", 0.90),
+    ("ZenFlow default / off at batch 1", 1, "default-host", "off", 0.65),
+)
+
+
+# -- from `zfctl bench --json` files to figures -------------------------------------------------------
+
+def _mean(agg: dict | None) -> float | None:
+    return agg.get("mean") if isinstance(agg, dict) else None
+
+
+def figures(row: dict[str, Any], meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """The numbers the check reports for one bench row (None where the bench had none)."""
+    ms = row["step_ms"]["overall"]
+    phases = [_mean(row.get(k)) for k in ("fwd_ms", "bwd_ms", "device_opt_ms")]
+    d2h = row.get("d2h_bytes_per_step")
+    return {
+        "source": source,
+        "label": row["label"],
+        "shape": {"model": meta.get("model_preset"), "batch": meta.get("batch"), "seq_len": meta.get("seq_len"),
+                  "dtype": meta.get("dtype"), "timing": meta.get("timing")},
+        "device": meta.get("device"),
+        "accumulate": meta.get("accumulate") if row["name"] == "zenflow" else "host",
+        "interval": row["interval"],
+        "timed_steps": ms.get("n"),
+        "ms_per_step": {"mean": ms.get("mean"), "median": ms.get("median")},
+        "stall_ms_per_step": _mean(row.get("stall_ms")),
+        "gpu_busy_pct": None if row.get("gpu_busy_fraction") is None else 100 * row["gpu_busy_fraction"],
+        # forward + backward + device optimizer: the device's own work in one step
+        "device_ms_per_step": sum(p for p in phases if p is not None) if None not in phases else None,
+        "cpu_update_ms": _mean(row.get("cpu_step_ms")),
+        "d2h_link_gbps": meta.get("d2h_gbps"),  # one pinned copy, measured when the bench started
+        # bytes the step moved device -> host per second of step time (not the link's rate)
+        "d2h_gbps_per_step": d2h / ms["mean"] / 1e6 if d2h is not None and ms.get("mean") else None,
+        "d2h_bytes_per_step": d2h,
+        "peak_host_rss_bytes": row.get("peak_host_rss_bytes"),
+        "peak_device_allocated_bytes": row.get("peak_device_allocated_bytes"),
+        "peak_device_reserved_bytes": row.get("peak_device_reserved_bytes"),
+    }
+
+
+BENCH_FILE = re.compile(r"llama-1b-b\d+-(?P<preset>[a-z0-9-]+)\.json")
+
+
+def collect_bench(folder: Path) -> dict[str, dict[str, Any]]:
+    """{'b4': {'off': figures, 'default-host': figures, ...}} from the bench JSON files in `folder`.
+
+    Baseline rows are keyed by their name, ZenFlow rows by the preset in the file name
+    (llama-1b-b<batch>-<preset>.json, as scripts/bench_zenflow_gpu.sh names them); the batch comes
+    from the file's meta, not its name."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("llama-1b-b*.json")):
+        m = BENCH_FILE.fullmatch(path.name)
+        if m is None:
+            continue
+        doc = json.loads(path.read_text())
+        meta = doc["meta"]
+        zenflow = [r for r in doc["results"] if r["name"] == "zenflow"]
+        for row in doc["results"]:
+            key = row["name"] if row["name"] != "zenflow" else m["preset"]
+            if row["name"] == "zenflow" and len(zenflow) > 1:
+                key = f"{m['preset']}: {row['label']}"  # a grid in one file: one key per point
+            out.setdefault(f"b{meta.get('batch')}", {})[key] = figures(row, meta, path.name)
+    return out
+
+
+# -- acceptance ---------------------------------------------------------------------------------------
+
+def _usable(bench: dict[str, Any], batch: int, name: str) -> tuple[dict | None, str | None]:
+    """(figures, None), or (None, why they cannot be compared)."""
+    cfg = bench.get(f"b{batch}", {}).get(name)
+    key = f"b{batch}/{name}"
+    if cfg is None:
+        return None, f"{key}: not measured (run part bench-b{batch})"
+    shape = cfg["shape"]
+    want = {**SHAPE, "batch": batch}
+    if any(shape.get(k) != v for k, v in want.items()):
+        got = f"{shape.get('model')} batch {shape.get('batch')} x {shape.get('seq_len')} {shape.get('dtype')}"
+        return None, (f"{key}: measured on {got} ({shape.get('timing')}), the target is for "
+                      f"{SHAPE['model']} batch {batch} x {SHAPE['seq_len']} {SHAPE['dtype']} timed by CUDA events")
+    if not cfg["ms_per_step"]["mean"]:
+        return None, f"{key}: no timed steps"
+    return cfg, None
+
+
+def acceptance(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: the speed ratio (by mean and by median ms/step) and pass / fail / missing."""
+    out = []
+    for name, batch, config, baseline, target in TARGETS:
+        (cfg, why_c), (base, why_b) = _usable(bench, batch, config), _usable(bench, batch, baseline)
+        entry: dict[str, Any] = {"name": name, "config": f"b{batch}/{config}", "baseline": f"b{batch}/{baseline}",
+                                 "target": target, "ratio": None, "ratio_median": None}
+        if cfg is None or base is None:
+            entry.update(status="missing", why="; ".join(w for w in (why_c, why_b) if w))
+        else:
+            entry["ratio"] = base["ms_per_step"]["mean"] / cfg["ms_per_step"]["mean"]
+            if cfg["ms_per_step"]["median"] and base["ms_per_step"]["median"]:
+                entry["ratio_median"] = base["ms_per_step"]["median"] / cfg["ms_per_step"]["median"]
+            entry["status"] = "pass" if entry["ratio"] >= target else "fail"
+        out.append(entry)
+    return out
+
+
+def cpu_update_hidden(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """Does the default preset's CPU update fit behind one interval of device work? It is hidden
+    while it takes less than `interval` x (forward + backward + device optimizer) of a step."""
+    out = []
+    for batch_key in sorted(bench):
+        for name in ("default-host", "default-device"):
+            cfg = bench[batch_key].get(name)
+            if cfg is None:
+                continue
+            entry: dict[str, Any] = {"config": f"{batch_key}/{name}", "cpu_update_ms": cfg["cpu_update_ms"],
+                                     "device_ms_per_step": cfg["device_ms_per_step"], "interval": cfg["interval"],
+                                     "budget_ms": None, "hidden": None}
+            if cfg["cpu_update_ms"] is None or cfg["device_ms_per_step"] is None:
+                entry["why"] = "no CPU update completed in the timed steps" if cfg["cpu_update_ms"] is None \
+                    else "no device time"
+            else:
+                entry["budget_ms"] = cfg["interval"] * cfg["device_ms_per_step"]
+                entry["hidden"] = cfg["cpu_update_ms"] <= entry["budget_ms"]
+            out.append(entry)
+    return out
+
+
+def verdict(doc: dict[str, Any]) -> dict[str, Any]:
+    """'fail' if a part failed or a target was missed; 'pass' once every part ran and every
+    target passed; 'incomplete' otherwise, naming what is left."""
+    parts = doc.get("parts", {})
+    failed = [p for p, r in parts.items() if r["status"] not in ("passed", "skipped")]
+    failed += [a["name"] for a in doc.get("acceptance", []) if a["status"] == "fail"]
+    missing = [p for p in PARTS if p not in parts]
+    missing += [a["name"] for a in doc.get("acceptance", []) if a["status"] == "missing"]
+    result = "fail" if failed else "incomplete" if missing else "pass"
+    return {"result": result, "failed": failed, "missing": missing}
+
+
+def merge(doc: dict[str, Any], part: str, result: dict[str, Any], host: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with one part's result in (replacing that part's earlier one) and the derived figures
+    recomputed from everything it holds."""
+    doc = {**doc, "parts": dict(doc.get("parts", {})), "bench": dict(doc.get("bench", {}))}
+    doc["parts"][part] = {**{k: v for k, v in result.items() if k != "section"}, "finished": stamp(),
+                          "machine": host}
+    if part == "tests":
+        doc["tests"] = result["section"]
+    elif part == "nccl":
+        doc["nccl"] = result["section"]
+    else:
+        batch_key = part.removeprefix("bench-")
+        doc["bench"][batch_key] = result["section"].get(batch_key, {})
+    doc["machine"] = host
+    doc["updated"] = stamp()
+    doc["acceptance"] = acceptance(doc["bench"])
+    doc["cpu_update_hidden"] = cpu_update_hidden(doc["bench"])
+    doc["verdict"] = verdict(doc)
+    # The summary first, for a person opening the file; whatever else it held after.
+    order = ("commit", "updated", "verdict", "acceptance", "cpu_update_hidden", "machine", "tests", "nccl",
+             "bench", "parts")
+    return {**{k: doc[k] for k in order if k in doc}, **doc}
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    lines = [f"{p}: {r['status']} ({r.get('seconds', 0):.0f} s)" + (f", {r['reason']}" if r.get("reason") else "")
+             for p, r in doc["parts"].items()]
+    t = doc.get("tests")
+    if t and "passed" in t:
+        lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+                     f"{t['skipped']} skipped" + (f"; failing: {', '.join(t['failing'])}" if t["failing"] else ""))
+    for a in doc["acceptance"]:
+        got = "missing" if a["ratio"] is None else f"{a['ratio']:.2f}"
+        lines.append(f"{a['name']} ({a['config']} vs {a['baseline']}): {got}, target >= {a['target']:g}: {a['status']}")
+    for h in doc["cpu_update_hidden"]:
+        if h["hidden"] is not None:
+            lines.append(f"{h['config']}: CPU update {h['cpu_update_ms']:.0f} ms vs {h['interval']} x "
+                         f"{h['device_ms_per_step']:.0f} ms of device work: {'hidden' if h['hidden'] else 'NOT hidden'}")
+    v = doc["verdict"]
+    lines.append(f"verdict: {v['result']}" + (f"; failed: {', '.join(v['failed'])}" if v["failed"] else "")
+                 + (f"; not yet: {', '.join(v['missing'])}" if v["missing"] else ""))
+    return lines

@@ -1,0 +1,81 @@
+"""Run `zfctl ARGS` in this process and, when it exits, write to STATS.json what only the process
+itself can see (used by scripts/gpu_7b.py):
+
+    python3 scripts/zf_memstats.py STATS.json finetune MODEL --data DATA ...
+
+- pinned host memory: torch's caching host allocator's peak (`pin_memory=True` tensors; it
+  rounds each block up to a power of two, so this is what was pinned, not what was asked for),
+  and the peak of `zfctl.offload.pinned.registered_bytes()` (buffers zfctl pins itself), sampled
+  every 0.25 s once the run has imported that module; null where this build has no such module;
+- peak CUDA memory, allocated and reserved (the run's metrics.jsonl has allocated only);
+- VmHWM, the process's own peak RSS.
+
+Nothing is written when the process is killed (SIGKILL, the OOM killer): the caller measures the
+peak RSS from outside as well.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+STATS = Path(sys.argv[1])
+_registered = {"peak": None}
+
+
+def _registered_now() -> int | None:
+    # Read only what the run imported itself: importing zfctl.offload from this thread while the
+    # main thread imports the CLI would race for the import locks and change what the run loads.
+    fn = getattr(sys.modules.get("zfctl.offload.pinned"), "registered_bytes", None)
+    return int(fn()) if fn is not None else None
+
+
+def _sample() -> None:
+    while True:
+        try:
+            now = _registered_now()
+        except Exception:  # noqa: BLE001 (a half-initialised module mid-import: try again next time)
+            now = None
+        if now is not None:
+            _registered["peak"] = max(now, _registered["peak"] or 0)
+        time.sleep(0.25)
+
+
+def _vm_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _dump() -> None:
+    out: dict = {"vm_hwm_bytes": _vm_hwm(), "registered_peak_bytes": _registered["peak"],
+                 "registered_available": "zfctl.offload.pinned" in sys.modules,
+                 "caching_allocator_peak_bytes": None, "device_allocated_peak_bytes": None,
+                 "device_reserved_peak_bytes": None}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()  # absent before torch 2.7
+        out["caching_allocator_peak_bytes"] = stats.get("allocated_bytes.peak")
+        out["device_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
+        out["device_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+    tmp = STATS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, STATS)
+
+
+if __name__ == "__main__":
+    atexit.register(_dump)  # runs on a normal exit and on SystemExit (every zfctl error)
+    threading.Thread(target=_sample, daemon=True).start()
+    sys.argv = ["zfctl", *sys.argv[2:]]
+    from zfctl.cli import main
+
+    main()

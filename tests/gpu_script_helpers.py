@@ -1,0 +1,76 @@
+"""Import scripts/gpu_*.py (scripts/ is not a package) and fake `zfctl bench --json` files for them.
+
+The fake files are made by the bench's own summary and report code, so a renamed bench key
+breaks these tests instead of passing them against a stale copy of the format.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from zfctl.bench.grid import BenchConfig
+from zfctl.bench.report import render_json
+from zfctl.bench.runner import ConfigResult, StepRecord, TrialResult
+from zfctl.bench.summary import add_speedups, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+# scripts/ had to be on sys.path first
+import gpu_check
+import gpu_common
+import gpu_results
+
+__all__ = ["REPO", "SCRIPTS", "bench_file", "gpu_check", "gpu_common", "gpu_results", "script"]
+
+
+def script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module."""
+    return importlib.import_module(name)
+
+CONFIGS = {
+    "off": BenchConfig("off", 1.0, 1, False, True),
+    "zero-offload": BenchConfig("zero-offload", 0.0, 1, False, True),
+    "zenflow": BenchConfig("zenflow", 0.1, 4, True, True),
+}
+
+
+def _records(name: str, step_ms: list[float], cpu_ms: float) -> list[StepRecord]:
+    """Steps of `step_ms`; ZenFlow's every 4th is an update step whose CPU update took `cpu_ms`."""
+    out = []
+    for i, ms in enumerate(step_ms):
+        update = name == "zero-offload" or (name == "zenflow" and i % 4 == 3)
+        out.append(StepRecord(update=update, step_ms=ms, fwd_ms=ms / 4, bwd_ms=ms / 2, opt_ms=ms / 4,
+                              device_opt_ms=2.0, offload_ms=1.0, cpu_step_ms=cpu_ms if update else 0.0,
+                              stall_ms=ms / 10, d2h_bytes=0 if name == "off" else 500_000_000, h2d_bytes=0,
+                              skipped=False))
+    return out
+
+
+def bench_file(folder: Path, batch: int, preset: str, rows: dict[str, list[float]], *, cpu_ms: float = 300.0,
+               accumulate: str = "host", **meta_over) -> Path:
+    """llama-1b-b<batch>-<preset>.json with one row per entry of `rows` ('off', 'zero-offload',
+    'zenflow' -> its step times), as `zfctl bench --model llama3.2-1b --seq-len 1024 --json` writes it
+    on CUDA. `meta_over` changes the meta (a wrong shape, CPU timing)."""
+    out_rows = []
+    for name, steps in rows.items():
+        res = ConfigResult(CONFIGS[name], warmup_steps=8, steps=len(steps))
+        res.trials.append(TrialResult(_records(name, steps, cpu_ms), window_wall_ms=sum(steps), loss_first=12.0,
+                                      loss_last=11.5))
+        row = summarize(res, param_bytes=2_471_000_000, samples_per_step=batch, tokens_per_step=batch * 1024,
+                        n_params=1_235_814_400)
+        row.update(peak_host_rss_bytes=30 * 2**30, peak_device_allocated_bytes=9 * 2**30,
+                   peak_device_reserved_bytes=10 * 2**30)
+        out_rows.append(row)
+    add_speedups(out_rows)
+    meta = {"model_preset": "llama3.2-1b", "batch": batch, "seq_len": 1024, "dtype": "bf16",
+            "timing": "CUDA events", "device": "NVIDIA H100 80GB HBM3", "d2h_gbps": 54.9,
+            "accumulate": accumulate, **meta_over}
+    path = folder / f"llama-1b-b{batch}-{preset}.json"
+    path.write_text(render_json(meta, out_rows, []))
+    return path

@@ -1,0 +1,167 @@
+"""scripts/gpu_7b.py and the process helpers it shares with the GPU check, on CPU: metrics and
+memory assembly, the refusals before a run, measuring a process tree from outside, and (slow) the
+whole train + resume flow on tiny-llama."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from gpu_script_helpers import REPO, gpu_common, script
+
+gpu_7b = script("gpu_7b")
+GIB = 2**30
+
+
+def _metrics(path, n: int, warmup: int, *, start: int = 1):
+    with path.open("a") as f:
+        for step in range(start, start + n):
+            f.write(json.dumps({"kind": "train", "step": step, "loss": 10.0 - step / 10, "step_ms": 900.0 + step,
+                                "stall_ms": 5.0, "warmup": step <= warmup, "cpu_step_ms": 400.0 if step % 4 == 0
+                                else 0.0, "host_peak_gib": 100.0 + step, "device_peak_gib": 40.0}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": start + n - 1, "loss": 9.0}) + "\n")
+    return path
+
+
+def test_phase_metrics_split_warmup_and_zenflow_steps(tmp_path):
+    m = _metrics(tmp_path / "metrics.jsonl", 10, warmup=4)
+    _metrics(m, 10, warmup=0, start=11)
+    with m.open("a") as f:
+        f.write('{"kind": "train", "step": 21, "lo')  # the torn line a killed run leaves
+    train = gpu_7b.phase_metrics(m, 1, 10)
+    assert (train["first_step"], train["last_step"]) == (1, 10)
+    assert train["ms_per_step_warmup"] == {"mean": 902.5, "median": 902.5, "n": 4}
+    assert train["ms_per_step_zenflow"]["n"] == 6 and train["ms_per_step_zenflow"]["mean"] == 907.5  # steps 5-10
+    assert train["cpu_update_ms"] == 400.0
+    assert train["metrics_host_peak_bytes"] == int(110.0 * GIB) and train["metrics_device_peak_bytes"] == 40 * GIB
+    resume = gpu_7b.phase_metrics(m, 11, 20)
+    # the resumed part's first step pays for CUDA and allocator warm-up: left out of its ms/step
+    assert resume["ms_per_step_zenflow"]["n"] == 9 and resume["ms_per_step_zenflow"]["mean"] == 916.0
+    assert resume["loss_first"] == pytest.approx(8.9) and resume["last_step"] == 20
+    assert gpu_7b.phase_metrics(tmp_path / "none.jsonl", 1, 10)["ms_per_step_zenflow"]["n"] == 0
+
+
+def test_part_record_and_summary_against_the_plan(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("step 10 ...\n\nerror: out of memory\n")
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"vm_hwm_bytes": 120 * GIB, "caching_allocator_peak_bytes": 32 * GIB,
+                                 "registered_peak_bytes": 60 * GIB, "registered_available": True,
+                                 "device_allocated_peak_bytes": 40 * GIB, "device_reserved_peak_bytes": 44 * GIB}))
+    tree = gpu_common.TreeSampler()
+    tree.hwm, tree.tree_rss_peak = {1: 119 * GIB, 2: GIB}, 121 * GIB
+    metrics = gpu_7b.phase_metrics(_metrics(tmp_path / "m.jsonl", 10, 4), 1, 10)
+    rec = gpu_7b.part_record(1, 300.0, log, tree, stats, metrics)
+    assert rec["status"] == "failed" and rec["last_line"] == "error: out of memory"
+    assert rec["peak_host_rss_bytes"] == {"outside_vmhwm": 119 * GIB, "tree_rss_sum": 121 * GIB,
+                                          "own_vmhwm": 120 * GIB, "metrics_ru_maxrss": int(110.0 * GIB)}
+    assert rec["pinned_host_bytes"]["total_upper_bound"] == 92 * GIB
+    assert rec["peak_device_bytes"] == {"allocated": 40 * GIB, "reserved": 44 * GIB}
+    assert "metrics_host_peak_bytes" not in rec and rec["ms_per_step_zenflow"]["n"] == 6
+
+    # no stats file (killed): the outside poll and metrics.jsonl are what is left
+    killed = gpu_7b.part_record(None, 560.0, log, tree, tmp_path / "missing.json", metrics)
+    assert killed["status"] == "timed out" and killed["pinned_host_bytes"]["total_upper_bound"] is None
+    assert killed["peak_device_bytes"]["allocated"] == 40 * GIB and killed["peak_device_bytes"]["reserved"] is None
+
+    doc = {"plan": {"host_total": 160 * GIB, "device_total": 40 * GIB},
+           "parts": {"train": rec, "resume": killed, "other": {"status": "skipped", "reason": "x"}}}
+    s = gpu_7b.summarize(doc)
+    assert s["peak_host_rss_bytes"] == 120 * GIB  # the larger of the two readings of the main process
+    assert s["host_vs_plan"] == pytest.approx(0.75) and s["device_vs_plan"] == pytest.approx(1.1)
+    assert s["pinned_host_bytes_upper_bound"] == 92 * GIB
+
+
+def test_preflight_refusals(tmp_path):
+    plan = {"fits": False, "reasons": ["host RAM: needs 162.0 GB, this machine has 135.0 GB"],
+            "size": {"params": 6_738_415_616}}
+    why = gpu_7b.preflight(plan, tmp_path / "run", 17, force=False)
+    assert why.startswith("zfctl plan says this machine cannot run it: host RAM: needs 162.0 GB")
+    resume = gpu_7b.preflight(plan, tmp_path / "run", 17, force=False, check_plan=False)  # resume: disk only
+    assert resume is None or resume.startswith("its checkpoint needs ~")
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    small = {"fits": True, "size": {"params": free // 100}}  # 19 B per param: a fifth of the free space
+    assert gpu_7b.preflight(small, tmp_path / "run" / "deeper", 17, force=False) is None
+    huge = {"fits": False, "size": {"params": free // 10}}  # 1.9 x the free space
+    why = gpu_7b.preflight(huge, tmp_path / "run", 17, force=True)
+    assert why.startswith("its checkpoint needs ~") and f"free at {tmp_path}" in why
+    assert gpu_7b.preflight(huge, tmp_path / "run", None, force=True) is None  # zfctl's own check then
+
+
+def test_run_logged_measures_the_whole_process_tree(tmp_path):
+    # a child that starts a grandchild holding 300 MiB for 2 s
+    grandchild = "b = bytearray(300 * 2**20); import time; time.sleep(2)"
+    child = f"import subprocess, sys; print('child up', flush=True); subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    tree = gpu_common.TreeSampler()
+    code, _ = gpu_common.run_logged([sys.executable, "-c", child], tmp_path / "log", timeout=120,
+                                       env=dict(os.environ), poll=tree)
+    assert code == 0 and (tmp_path / "log").read_text() == "child up\n"
+    got = tree.result()
+    assert got["processes_seen"] >= 2
+    assert got["max_process_vmhwm_bytes"] >= 300 * 2**20
+    assert got["tree_rss_peak_bytes"] >= 300 * 2**20
+
+
+def test_run_logged_stops_what_runs_too_long(tmp_path):
+    marker = tmp_path / "pid"
+    cmd = [sys.executable, "-c", f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(120)"]
+    code, _ = gpu_common.run_logged(cmd, tmp_path / "log", timeout=1, env=dict(os.environ))
+    assert code is None  # stopped, not waited for: the test itself has no timing assertion
+    pid = int(marker.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_7b_plan_resolves_to_one_512_token_sequence_per_step_on_cuda():
+    res = subprocess.run([sys.executable, "-m", "zfctl", "plan", *gpu_7b.BASE, "--max-steps", "20", "--json"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=180, check=False)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    plan, memory = doc["plan"], doc["memory"]
+    assert plan["model"]["source"] == "config" and plan["model"]["tokenizer"] == "embedded"
+    assert (plan["data"]["packing"], plan["data"]["max_length"], plan["train"]["micro_batch_size"]) == (True, 512, 1)
+    assert (plan["train"]["precision"], plan["train"]["device"]) == ("bf16", "cuda")
+    assert plan["zenflow"]["topk_ratio"] == 0.1 and plan["zenflow"]["update_interval"] == 4  # ZenFlow default
+    assert memory["size"]["params"] == pytest.approx(6.74e9, rel=0.01)
+    assert memory["host_total"] > 0 and memory["device_total"] > 0 and memory["items"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what happens without CUDA")
+def test_without_cuda_the_7b_script_prints_one_line(tmp_path):
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, "scripts/gpu_7b.py", "--out", str(out)], cwd=REPO, capture_output=True,
+                         text=True, timeout=180, check=False)
+    assert res.returncode == 0 and res.stdout.startswith("gpu-7b SKIPPED: no CUDA GPU here")
+    assert len(res.stdout.splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.slow
+def test_train_then_resume_flow_on_tiny_llama(tmp_path, monkeypatch):
+    """The real parts, with tiny-llama on CPU in place of the 7B (20 s on the 2-core CI box)."""
+    monkeypatch.setattr(gpu_7b, "BASE", ["tiny-llama", "--data", "alpaca-sample"])
+    sets = ["--set", "train.device=cpu", "--set", "train.micro_batch_size=4", "--set", "train.eval_batches=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = argparse.Namespace(checkpoint_at=2, steps=4, force_run=False, part_timeout=300)
+    ctx = {"py": sys.executable, "env": env, "sets": sets, "plan": {"fits": True, "size": {"params": 5_300_000}},
+           "raw": tmp_path / "raw", "run_dir": tmp_path / "run", "bytes_per_param": 17}
+    ctx["raw"].mkdir()
+    resume_first = gpu_7b.run_part("resume", args, ctx)
+    assert resume_first["status"] == "skipped" and "run part train first" in resume_first["reason"]
+    parts = {p: gpu_7b.run_part(p, args, ctx) for p in ("train", "resume")}
+    for name, (first, last) in {"train": (1, 2), "resume": (3, 4)}.items():
+        rec = parts[name]
+        assert rec["status"] == "passed", (tmp_path / "raw" / f"{name}.log").read_text()[-2000:]
+        assert (rec["first_step"], rec["last_step"]) == (first, last)
+        rss = rec["peak_host_rss_bytes"]
+        assert rss["own_vmhwm"] > 100 * 2**20 and rss["outside_vmhwm"] > 100 * 2**20
+        assert rec["pinned_host_bytes"]["caching_allocator_peak"] is None  # CUDA was never initialised
+    s = gpu_7b.summarize({"plan": {}, "parts": parts})
+    assert s["peak_host_rss_bytes"] == max(max(p["peak_host_rss_bytes"]["own_vmhwm"],
+                                               p["peak_host_rss_bytes"]["outside_vmhwm"]) for p in parts.values())
