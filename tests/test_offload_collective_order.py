@@ -56,10 +56,11 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, WORLD * PER_RANK, 16, generator=g), torch.randn(STEPS, WORLD * PER_RANK, 8, generator=g)
 
 
-def _train(ranks: list[int], world: int, *, hooks: bool, group=None) -> dict:
-    """Train on the micro-batches of ``ranks`` (this process's own rank, or all three alone)."""
+def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str = "cpu") -> dict:
+    """Train on the micro-batches of ``ranks`` (this process's own rank, or all of them alone);
+    tests/gpu/test_nccl.py runs the same on CUDA."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     x, y = _data()
     n = len(ranks) * MICRO
     with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**CFG), lr=5e-3, weight_decay=0.01,
@@ -68,14 +69,14 @@ def _train(ranks: list[int], world: int, *, hooks: bool, group=None) -> dict:
             micro = [(r, m) for r in ranks for m in range(MICRO)]
             for i, (r, m) in enumerate(micro):
                 lo = r * PER_RANK + m * (PER_RANK // MICRO)
-                xs, ys = x[t, lo : lo + PER_RANK // MICRO], y[t, lo : lo + PER_RANK // MICRO]
+                xs, ys = x[t, lo : lo + PER_RANK // MICRO].to(device), y[t, lo : lo + PER_RANK // MICRO].to(device)
                 if hooks:
                     opt.prepare_backward(final=i == len(micro) - 1)
                 (F.mse_loss(model(xs, uses_side(r, m)), ys) / n).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         opt.flush()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _worker(rank: int, port: int, out: str) -> None:

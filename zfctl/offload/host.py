@@ -76,6 +76,11 @@ class HostState:
         return ColumnState(self.view(self.master, slot), self.view(self.exp_avg, slot),
                            self.view(self.exp_avg_sq, slot), cols)
 
+    def release(self) -> None:
+        """Unpin the page-locked buffers (``close()``); they stay valid as pageable memory."""
+        for buf in (self.master, *self.acc):
+            pinned.release(buf)
+
     def wait_install(self) -> None:
         """Host wait until no install DMA reads ``master`` any more (before anyone writes it)."""
         fence, self.install_fence = self.install_fence, None

@@ -379,6 +379,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.pipeline.close()
             if self.host is not None:
                 self.host.wait_install()  # the last install's DMA may still read the master
+                self.host.release()
                 self._d2h.release()
                 self._h2d.release()
 

@@ -1,0 +1,141 @@
+"""Data parallel on NCCL, 2 GPUs (skipped with fewer): the hook exchange, uneven reduce-scatter, a
+parameter without a gradient on one rank, resharding 2 -> 1, and helper threads on the right GPU.
+
+The CPU counterparts run on gloo (tests/test_offload_collective_order.py, tests/test_distributed.py);
+these check what only NCCL does: collectives on their own stream, a device-side ``work.wait()``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 CUDA GPUs")]
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpus_of(pid: int) -> set[int]:
+    """Indices of the GPUs on which process ``pid`` holds a CUDA context (nvidia-smi)."""
+    bus = {}
+    for line in subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+                               capture_output=True, text=True, check=True).stdout.splitlines():
+        index, bus_id = (x.strip() for x in line.split(","))
+        bus[bus_id] = int(index)
+    used = set()
+    for line in subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+                               capture_output=True, text=True, check=True).stdout.splitlines():
+        p, bus_id = (x.strip() for x in line.split(","))
+        if int(p) == pid:
+            used.add(bus[bus_id])
+    return used
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from test_offload_collective_order import _train
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD, device="cuda"),
+               "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda")}
+        res["resumed"], res["straight"] = _reshard(rank)
+        res["gpus"] = sorted(_gpus_of(os.getpid()))
+        torch.save(res, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _reshard(rank: int) -> tuple[dict | None, dict]:
+    """2 ranks train 10 steps straight; 2 ranks train 5, save their states, and rank 0 alone
+    continues from both states (merged pieces) for 5 more: the 1-process continuation."""
+    from test_offload_collective_order import CFG, Net, _data
+
+    from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+    from zfctl.offload.reshard import merge_states
+
+    def steps(model, opt, lo, hi, ranks):
+        x, y = _data()
+        for t in range(lo, hi):
+            for r in ranks:
+                xs, ys = x[t, r * 4 : (r + 1) * 4].cuda(), y[t, r * 4 : (r + 1) * 4].cuda()
+                (torch.nn.functional.mse_loss(model(xs, True), ys) / len(ranks)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def make(group):
+        torch.manual_seed(0)
+        model = Net().cuda()
+        return model, ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**CFG), lr=5e-3,
+                                       max_grad_norm=0.5, process_group=group)
+
+    model, opt = make(dist.group.WORLD)
+    with opt:
+        steps(model, opt, 0, 10, [rank])
+        opt.flush()
+    straight = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    model, opt = make(dist.group.WORLD)
+    with opt:
+        steps(model, opt, 0, 5, [rank])
+        states: list = [None] * WORLD
+        dist.all_gather_object(states, _to_cpu(opt.state_dict()))  # every rank's pieces, on the host
+        msd = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if rank != 0:
+        return None, straight
+    torch.manual_seed(1)
+    model, opt = make(None)
+    model.load_state_dict(msd)
+    with opt:
+        opt.load_state_dict(merge_states(states, opt.host_ranges()))
+        steps(model, opt, 5, 10, list(range(WORLD)))
+        opt.flush()
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, straight
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def test_nccl_hook_exchange_reshard_and_thread_devices(tmp_path: Path) -> None:
+    from test_offload_collective_order import _train
+
+    ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two NCCL ranks did not finish within 300 s: their collectives did not match")
+    ref = _train(list(range(WORLD)), 1, hooks=False, device="cuda")
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert all(torch.equal(res["hooks"][k], res["step"][k]) for k in ref), rank
+        for k in ref:
+            assert float((res["hooks"][k] - ref[k]).norm() / ref[k].norm()) <= 1e-5, (rank, k)
+        assert res["gpus"] == [rank], res["gpus"]  # no helper thread made a context on another GPU
+    res0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for k, v in res0["straight"].items():
+        assert float((res0["resumed"][k] - v).norm() / v.norm()) <= 1e-5, k
