@@ -9,9 +9,9 @@ the other:
 - accumulation reads a bf16/fp16 gradient (2 B), reads and writes the fp32 sum (8 B; the
   interval's first step only writes it): about 10 B per element per step;
 - the AdamW update reads the gradient sum (4 B), reads and writes master, exp_avg, exp_avg_sq
-  (24 B): 28 B per element, plus the 2 B upload copy.
+  (24 B): 28 B per element.
 
-So the default gives accumulation ~10/38 of the threads (at least 1, and 1 fewer than all so the
+So the default gives accumulation ~10/38 of the threads, 10 / (10 + 28) (at least 1, and 1 fewer than all so the
 update keeps one), and the update the rest. A few threads already saturate memory for a
 streaming kernel, so a small share is not a slowdown; on 16 cores that is 4 + 12.
 ``zenflow.accumulate_threads`` overrides the first number. The native pool gives each side its
