@@ -132,10 +132,10 @@ def check_data(d: DataConfig) -> None:
             "template classification needs >= 2 label words, e.g. [negative, positive]",
         )
     _need(
-        not d.packing or d.template == "text",
+        not d.packing or d.template in ("text", "chat"),
         "data.packing",
         d.packing,
-        f"packing only applies to template text (data.template is {d.template})",
+        f"packing applies to templates text and chat (data.template is {d.template})",
     )
 
 

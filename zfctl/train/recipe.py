@@ -44,7 +44,7 @@ from zfctl.train.data.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line, format_train_line
 from zfctl.train.dist import DistEnv
 from zfctl.train.lock import FolderLock
-from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, targets, to_device
+from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, model_inputs, targets, to_device
 from zfctl.train.metrics import MetricsWriter, StepTimer, build_sinks, memory_stats
 from zfctl.train.models.load import load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer
@@ -300,8 +300,7 @@ class FinetuneRecipe:
                 step_loss = torch.zeros((), device=device)
                 for i, batch in enumerate(batches):
                     batch = to_device(batch, device)
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                   use_cache=False).logits
+                    logits = model(**model_inputs(batch), use_cache=False).logits
                     micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
                     # The last backward's gradients are final: they stream to the host during it
                     # (zfctl/offload/stream.py), overlapped with the rest of the backward pass.
