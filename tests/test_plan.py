@@ -105,6 +105,7 @@ def test_values_are_coerced_to_schema_types() -> None:
         ({"model": {"source": "hub"}}, "model.hub_id", "needs a hub id"),
         ({"model": {"source": "config"}}, "model.config", "needs the architecture"),
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
+        ({"distributed": {"timeout": 0}}, "distributed.timeout", "> 0 seconds"),
         (
             {"distributed": {"backend": "nccl"}, "train": {"device": "cpu"}},
             "distributed.backend",

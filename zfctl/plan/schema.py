@@ -136,6 +136,12 @@ class DistributedConfig:
 
     nproc: int = _f(1, "Processes on this node; >1 relaunches under torchrun.")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "'auto' = nccl on CUDA, gloo on CPU.")
+    timeout: float | None = _f(
+        None,
+        "Seconds a process waits for the others in a collective before the job ends with one line "
+        "naming the rank that did not answer; null = the backend's default (gloo 30 min, NCCL 10 "
+        "min). Keep it above the longest checkpoint save or evaluation.",
+    )
 
 
 @dataclass

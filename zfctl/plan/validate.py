@@ -196,6 +196,8 @@ def check_logging(lg: LoggingConfig) -> None:
 def check_distributed(d: DistributedConfig) -> None:
     """Process count (torchrun relaunch) and backend."""
     _need(d.nproc >= 1, "distributed.nproc", d.nproc, "must be >= 1")
+    _need(d.timeout is None or d.timeout > 0, "distributed.timeout", d.timeout,
+          "must be > 0 seconds, or null for the backend's default")
 
 
 def check_combinations(p: RunPlan) -> None:
