@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from zfctl.plan.schema import DataConfig, ModelConfig
-from zfctl.train.data.prepare import prepare_data
+from zfctl.train.data.prepare import format_debug_samples, prepare_data
 from zfctl.train.loss import lm_loss_sum, model_inputs
 from zfctl.train.models.load import build_from_config, load_tokenizer
 
@@ -79,6 +79,9 @@ def test_blocks_hold_whole_conversations_with_restarting_positions(data, tok):
             k += 1
         assert (block["input_ids"], block["labels"], block["position_ids"]) == (want_ids, want_labels, want_pos)
     assert k == 9 and any(b["position_ids"].count(0) > 1 for b in packed.train)
+    first = packed.train[0]
+    starts = ", ".join(str(j) for j, p in enumerate(first["position_ids"]) if p == 0)
+    assert f"2 sequences packed, starting at tokens {starts}\n" in format_debug_samples(packed, tok, n=1)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -232,7 +232,8 @@ def unanswered_ranks(env: DistEnv, grace: float) -> list[int] | None:
 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=max(grace, 1.0)), wait_for_workers=False)
-        prefix = f"zfctl/timed-out/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}/"
+        run, attempt = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        prefix = f"zfctl/timed-out/{run}/{attempt}/"
         store.set(f"{prefix}{env.rank}", "1")
         deadline = time.monotonic() + grace
         while True:
