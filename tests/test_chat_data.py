@@ -242,3 +242,17 @@ def test_debug_samples_show_a_conversation(tmp_path, tok):
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": TWO_TURNS}])
     shown = format_debug_samples(chat_data(f, tok, tmp_path / "c"), tok, n=1)
     assert f"<s>system\n{SYSTEM}</s>\n<s>user\nWhat is 12 + 7?</s>\n<s>assistant\n⟦12 + 7 = 19.</s>⟧\n" in shown
+
+
+def test_the_chat_hub_preset_fails_offline_with_one_line(monkeypatch, tmp_path, tok):
+    from zfctl.errors import ConfigError
+    from zfctl.train.models import hub as model_hub
+
+    monkeypatch.setattr(model_hub, "_probe_result", {})
+    monkeypatch.setattr(model_hub, "hub_endpoint", lambda: "https://hub.invalid")
+    plan = resolve_plan("tiny-llama", "ultrachat")
+    with pytest.raises(ConfigError) as e:
+        prepare_data(plan.data, tok, seed=0, cache_dir=tmp_path)
+    assert str(e.value).startswith("data.path='HuggingFaceH4/ultrachat_200k': the Hugging Face hub "
+                                   "(https://hub.invalid) cannot be reached; use the shipped samples "
+                                   "(alpaca-sample, sst2-sample, chat-sample)")
