@@ -35,6 +35,8 @@ EDIT_LOOP_SLOW = {
     "tests/test_distributed.py::test_uncovered_columns_and_old_format_from_another_rank_are_refused",
     "tests/test_failures.py::test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error",
     "tests/test_failures.py::test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints",
+    "tests/test_failures.py::test_a_sigkilled_launcher_leaves_no_process_of_its_job",
+    "tests/test_failures.py::test_a_hung_rank_ends_the_job_under_distributed_timeout_with_one_line_naming_it",
 }
 
 

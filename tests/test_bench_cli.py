@@ -217,6 +217,11 @@ def test_plot_is_a_png(tmp_path):
         (["--plot", "b.pdf"], "must end in .png"),
         (["--max-grad-norm", "0"], "--max-grad-norm"),
         (["--zenflow", "fast"], "--zenflow 'fast': not a zenflow preset"),
+        (["--set", "train.lr=1"], "--set train.lr=1: zfctl bench takes zenflow.* keys only"),
+        (["--set", "zenflow.topk_ratio=0.2"], "sets zenflow.topk_ratio itself; use --topk"),
+        (["--set", "zenflow.install_lagg=1"], "zenflow.install_lagg=1: unknown key (did you mean zenflow.install_lag?)"),
+        (["--set", "zenflow.install_lag=-1"], "zenflow.install_lag=-1: must be an integer >= 0"),
+        (["--set", "install_lag=1"], "use --set section.key=value"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(args, needle):
@@ -285,3 +290,26 @@ def test_zenflow_preset_sets_the_keys_the_grid_does_not(tmp_path):
     base = json.loads((tmp_path / "b.json").read_text())["meta"]["zenflow_base"]
     assert (base["select_strategy"], base["deferred_lr_scale"]) == ("auto", "off")
     assert base["topk_ratio"] == 0.1  # the preset's, recorded as given; the grid ran topk 0.25
+
+
+def test_set_changes_one_zenflow_key_for_every_configuration(tmp_path):
+    """--set zenflow.install_lag=1: each overlapped CPU update lands one step after its boundary
+    (its H2D bytes move there) instead of at the next boundary; the rest of the run is the same."""
+    def zenflow_steps(*extra: str) -> tuple[dict, list[tuple[bool, int]]]:
+        out = tmp_path / f"b{len(extra)}.json"
+        res = invoke("--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--topk", "0.25", "--interval", "4",
+                     "--overlap", "on", "--warmup", "4", "--iterations", "2", "--device", "cpu", "--json", str(out),
+                     *extra)
+        assert res.exit_code == 0, res.output
+        doc = json.loads(out.read_text())
+        (row,) = [r for r in doc["results"] if r["name"] == "zenflow"]
+        return doc["meta"]["zenflow_base"], [(r["update"], r["h2d_bytes"]) for r in row["records"]]
+
+    base, lag0 = zenflow_steps()
+    assert base is None  # no --zenflow, no --set: the library defaults
+    base, lag1 = zenflow_steps("--zenflow", "paper", "--set", "zenflow.install_lag=1")
+    assert base["install_lag"] == 1 and base["deferred_lr_scale"] == "off"  # the preset's other keys stay
+    install = 32 * 32 * 4  # an install's H2D bytes on this 32x32 fp32 model (the same with either lag)
+    assert [u for u, _ in lag0] == [u for u, _ in lag1] == [False, False, False, True] * 2
+    assert [b for _, b in lag0] == [0, 0, 0, install] * 2  # installed at the next boundary
+    assert [b for _, b in lag1] == [install, 0, 0, 0] * 2  # one step after its boundary

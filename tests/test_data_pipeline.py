@@ -153,7 +153,7 @@ def test_shipped_samples_classification_and_named_split(tmp_path, tok):
     )
     assert (a.stats.train, a.stats.eval, a.stats.dropped) == (1880, 120, 0)
     with pytest.raises(
-        ConfigError, match=r"^data\.path='nope': no shipped sample .*alpaca-sample, sst2-sample"
+        ConfigError, match=r"^data\.path='nope': no shipped sample .*alpaca-sample, chat-sample, sst2-sample"
     ):
         prepare_data(DataConfig(name="nope", source="sample"), tok, seed=0, cache_dir=tmp_path)
 

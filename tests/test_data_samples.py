@@ -26,7 +26,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "script,sample", [("gen_alpaca_sample", "alpaca-sample"), ("gen_sst2_sample", "sst2-sample")]
+    "script,sample",
+    [("gen_alpaca_sample", "alpaca-sample"), ("gen_sst2_sample", "sst2-sample"), ("gen_chat_sample", "chat-sample")],
 )
 def test_generators_are_deterministic_and_match_shipped_files(tmp_path, script, sample):
     mod = _script(script)
@@ -80,6 +81,32 @@ def test_sst2_sample_is_balanced_varied_and_disjoint():
     assert len(vocab) > 400  # not a handful of templates over a handful of words
     # Negation and contrast frames exist, so one keyword does not give the label away.
     assert any("not dull" in r["sentence"] or "not bland" in r["sentence"] for r in train if r["label"] == 1)
+
+
+def test_chat_sample_is_multi_turn_checkable_and_disjoint():
+    train, val = _rows(SAMPLES / "chat-sample" / "train.jsonl"), _rows(SAMPLES / "chat-sample" / "validation.jsonl")
+    assert (len(train), len(val)) == (400, 40)
+    for r in train + val:
+        roles = [t["role"] for t in r["messages"]]
+        body = roles[1:] if roles[0] == "system" else roles
+        assert list(r) == ["messages"] and body[::2] == ["user"] * len(body[::2])
+        assert body[1::2] == ["assistant"] * len(body[1::2]) and len(body) // 2 in (2, 3)
+    opening = [next(t["content"] for t in r["messages"] if t["role"] == "user") for r in train]
+    assert len(set(opening)) == len(opening)
+    assert not set(opening) & {next(t["content"] for t in r["messages"] if t["role"] == "user") for r in val}
+    assert 100 < sum(r["messages"][0]["role"] == "system" for r in train) < 170
+    # the follow-up answers are right: they depend on the earlier turns
+    for r in train:
+        m = [t["content"] for t in r["messages"] if t["role"] != "system"]
+        if m[0].startswith("What is ") and " + " in m[0]:
+            a, b = m[0][8:-1].split(" + ")
+            s = int(a) + int(b)
+            assert m[1] == f"{a} + {b} = {s}."
+            if m[2] == "And if you double it?":
+                assert m[3] == f"Doubled, {s} is {2 * s}."
+        elif m[2] == "Sort them alphabetically.":
+            words = m[0].split(": ", 1)[1].split(". How")[0].split(", ")
+            assert m[1] == f"There are {len(words)} words." and m[3] == ", ".join(sorted(words)) + "."
 
 
 def test_embedded_tokenizer_has_4096_tokens_and_round_trips():

@@ -5,6 +5,8 @@ that is SIGKILLed mid-run must each end every process of the job within seconds 
 loaded box; the job's start-up, most of each test, is not counted), with a non-zero
 exit, the failing rank's own one-line error (or torchrun naming the killed rank), no traceback
 from the survivor blocked in a collective, and no half-written checkpoint counted as one.
+A rank that hangs (``HANG_ENV``) ends the job under ``distributed.timeout`` with one line naming
+it, and a SIGKILLed launcher leaves no process of its job behind (checked in /proc).
 Polls for conditions, never fixed sleeps: the machine may be a loaded 2-core box.
 """
 
@@ -22,7 +24,8 @@ from pathlib import Path
 from proc_helpers import alive, children, metric_steps
 
 from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
-from zfctl.train.recipe import FAIL_ENV
+from zfctl.train.dist import TIMEOUT_EXIT
+from zfctl.train.recipe import FAIL_ENV, HANG_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -39,8 +42,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 class Job:
     """``zfctl finetune --nproc 2`` in its own session; merged output collected by a thread."""
 
-    def __init__(self, out: Path, env: dict[str, str] | None = None) -> None:
-        sets = [a for s in TINY for a in ("--set", s)]
+    def __init__(self, out: Path, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> None:
+        sets = [a for s in [*TINY, *extra] for a in ("--set", s)]
         cmd = [sys.executable, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample",
                "--output", str(out), "--nproc", "2", *sets]
         self.p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -133,3 +136,41 @@ def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoin
     assert "error: rank 1 exited with code 137" in log, log
     assert not any(alive(pid) for pid in ranks.values()), log
     assert assert_checkpoints_whole(run) >= 1
+
+
+def test_a_sigkilled_launcher_leaves_no_process_of_its_job(tmp_path):
+    run = tmp_path / "run"
+    job = Job(run)
+    job.wait_for(lambda: len(rank_pids(job)) == 2 and metric_steps(run), "both ranks training")
+    ranks = rank_pids(job)
+    torchrun = children(job.p.pid)
+    assert len(torchrun) == 1 and all(alive(p) for p in [*torchrun, *ranks.values()])
+    os.kill(job.p.pid, signal.SIGKILL)  # no handler runs: the kernel has to take the rest down
+    job.p.wait(30)
+    left = [*torchrun, *ranks.values()]
+    t0 = time.monotonic()
+    while any(alive(p) for p in left) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    survivors = [p for p in left if alive(p)]
+    for pid in survivors:  # a failing run must not leave them training on the shared box
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"still running: {survivors}\n{job.out}"
+
+
+def test_a_hung_rank_ends_the_job_under_distributed_timeout_with_one_line_naming_it(tmp_path):
+    run = tmp_path / "run"
+    job = Job(run, env={HANG_ENV: "1:3"}, extra=("distributed.timeout=20",))
+    job.wait_for(lambda: len(rank_pids(job)) == 2, "both ranks")
+    ranks = rank_pids(job)
+    job.wait_for(lambda: metric_steps(run)[-1:] == [2], "step 2, before rank 1 stops answering")
+    # rank 1 sleeps before step 3's collectives; rank 0 waits 20 s, names it, and torchrun's
+    # shutdown then SIGKILLs the sleeper (after its 30 s grace): 50 s and start-up, 180 allowed
+    rc = job.finish(timeout=180)
+    log = job.out
+    assert rc == TIMEOUT_EXIT, log
+    assert "Traceback" not in log, log
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: rank 0: rank 1 did not answer within distributed.timeout=20 s"), log
+    assert not any(alive(pid) for pid in ranks.values()), log
+    assert metric_steps(run) == [1, 2] and assert_checkpoints_whole(run) == 2

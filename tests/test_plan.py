@@ -100,11 +100,12 @@ def test_values_are_coerced_to_schema_types() -> None:
         ),
         ({"data": {"end_idx": 0}}, "data.end_idx", "greater than data.start_idx"),
         ({"data": {"template": "classification"}}, "data.label_names", ">= 2 label words"),
-        ({"data": {"packing": True}}, "data.packing", "template text"),
+        ({"data": {"packing": True}}, "data.packing", "templates text and chat"),
         ({"data": {"source": "hub"}}, "data.path", "needs a path"),
         ({"model": {"source": "hub"}}, "model.hub_id", "needs a hub id"),
         ({"model": {"source": "config"}}, "model.config", "needs the architecture"),
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
+        ({"distributed": {"timeout": 0}}, "distributed.timeout", "> 0 seconds"),
         (
             {"distributed": {"backend": "nccl"}, "train": {"device": "cpu"}},
             "distributed.backend",

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ALL = [p for kind in KINDS for p in list_presets(kind)]
 EXPECTED = {
     "model": {"llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama", "smollm2-135m"},
-    "data": {"alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample"},
+    "data": {"alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample", "chat-sample", "ultrachat"},
     "zenflow": {"default", "paper", "aggressive", "zero-offload", "off"},
 }
 
@@ -99,20 +99,24 @@ def test_zenflow_presets_mean_what_they_say() -> None:
     assert z["aggressive"].topk_ratio < d.topk_ratio and z["aggressive"].update_interval > d.update_interval
 
 
-@pytest.mark.parametrize("name", ["alpaca-sample", "sst2-sample"])
+@pytest.mark.parametrize("name", ["alpaca-sample", "sst2-sample", "chat-sample"])
 def test_sample_presets_point_at_shipped_files(name: str) -> None:
     plan = resolve_plan("tiny-llama", name)
     folder = ROOT / "presets" / "samples" / plan.data.path
     assert plan.data.source == "sample" and plan.data.validation_split == "validation"
     assert (folder / "train.jsonl").is_file() and (folder / "validation.jsonl").is_file()
     first = yaml.safe_load((folder / "train.jsonl").read_text().splitlines()[0])
-    fields = {"alpaca-sample": {"instruction", "input", "output"}, "sst2-sample": {"sentence", "label"}}[name]
+    fields = {"alpaca-sample": {"instruction", "input", "output"}, "sst2-sample": {"sentence", "label"},
+              "chat-sample": {"messages"}}[name]
     assert fields <= set(first)
 
 
 def test_hub_data_presets_name_their_datasets() -> None:
     assert resolve_plan("gpt2", "alpaca").data.path == "tatsu-lab/alpaca"
     assert resolve_plan("gpt2", "arxiv-abstract").data.path == "ash001/arxiv-abstract"
+    chat = resolve_plan("gpt2", "ultrachat").data
+    assert (chat.path, chat.split, chat.validation_split, chat.template) == (
+        "HuggingFaceH4/ultrachat_200k", "train_sft", "test_sft", "chat")
     sst2 = resolve_plan("gpt2", "glue-sst2").data
     assert (sst2.subset, sst2.template, sst2.text_field, sst2.label_names) == (
         "sst2",

@@ -56,17 +56,43 @@ def _model_config(name: str):
         raise UserError(f"--model {name!r}: {e.fix}") from None
 
 
-def _zenflow_config(name: str):
-    """The typed ZenFlowConfig of a zenflow preset."""
+# zenflow.* keys the grid and the run flags set on every configuration: --set must not (it would
+# be silently overwritten), so it names the flag instead.
+_FLAG_KEYS = {
+    "topk_ratio": "--topk", "update_interval": "--interval", "overlap_step": "--overlap",
+    "pin_memory": "--pin", "cpu_threads": "--cpu-threads", "accumulate": "--accumulate",
+    "full_warm_up_rounds": "--warmup (the bench times after its own untimed steps; no warm-up rounds)",
+}
+
+
+def _zenflow_config(name: str | None, overrides: list[str]):
+    """The typed ZenFlowConfig every configuration starts from: a zenflow preset's keys (or the
+    library defaults) with ``--set zenflow.KEY=VALUE`` layered on top; None when neither is given."""
     from zfctl.offload.config import ZenFlowConfig
     from zfctl.plan.coerce import section_from_dict
+    from zfctl.plan.overrides import deep_merge, parse_override
     from zfctl.plan.presets import find_preset, list_presets
 
-    preset = find_preset("zenflow", name)
-    if preset is None:
-        names = ", ".join(p.name for p in list_presets("zenflow"))
-        raise UserError(f"--zenflow {name!r}: not a zenflow preset; use one of {names}")
-    return section_from_dict(ZenFlowConfig, preset.load()["zenflow"], "zenflow").validate()
+    if name is None and not overrides:
+        return None
+    keys: dict = {}
+    if name is not None:
+        preset = find_preset("zenflow", name)
+        if preset is None:
+            names = ", ".join(p.name for p in list_presets("zenflow"))
+            raise UserError(f"--zenflow {name!r}: not a zenflow preset; use one of {names}")
+        keys = preset.load()["zenflow"]
+    for text in overrides:
+        fragment = parse_override(text)  # a malformed --set is a ConfigError naming it
+        section, inner = next(iter(fragment.items()))
+        if section != "zenflow" or not isinstance(inner, dict):
+            raise UserError(f"--set {text}: zfctl bench takes zenflow.* keys only (the model, batch and "
+                            "the rest come from its own flags)")
+        key = next(iter(inner))
+        if key in _FLAG_KEYS:
+            raise UserError(f"--set {text}: zfctl bench sets zenflow.{key} itself; use {_FLAG_KEYS[key]}")
+        keys = deep_merge(keys, inner)
+    return section_from_dict(ZenFlowConfig, keys, "zenflow").validate()
 
 
 def bench(
@@ -147,6 +173,17 @@ def bench(
             rich_help_panel=GRID,
         ),
     ] = "off,zero-offload",
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            metavar="KEY=VALUE",
+            help="Override one zenflow.* key for every configuration, on top of --zenflow, e.g. --set "
+            "zenflow.install_lag=1 (repeatable; YAML values; the grid's own keys have their flags).",
+            rich_help_panel=GRID,
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel=RUN)] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for weights and inputs.", rich_help_panel=RUN)] = 0,
     cpu_threads: Annotated[
@@ -189,6 +226,7 @@ def bench(
     """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
 
     Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
+    One option against its default: zfctl bench --zenflow default --set zenflow.install_lag=1
     """
     from zfctl.bench.grid import parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
@@ -235,7 +273,7 @@ def bench(
 
         require_matplotlib()
     model_cfg = _model_config(model) if model is not None else None
-    zenflow_cfg = _zenflow_config(zenflow) if zenflow is not None else None
+    zenflow_cfg = _zenflow_config(zenflow, set_ or [])
 
     from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
     from zfctl.bench.suite import BenchOptions, run_bench

@@ -61,8 +61,17 @@ def finetune(
     """
     from zfctl.plan.advice import accuracy_warnings
     from zfctl.plan.render import print_plan
-    from zfctl.train.dist import PLAN_PRINTED_ENV, dist_env, rank_error, relaunch, under_torchrun, worker_argv
+    from zfctl.train.dist import (
+        PLAN_PRINTED_ENV,
+        bind_to_launcher,
+        dist_env,
+        rank_error,
+        relaunch,
+        under_torchrun,
+        worker_argv,
+    )
 
+    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
     plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)
@@ -104,7 +113,7 @@ def finetune(
     try:
         result = run(plan, force=force, debug_data=debug_data)
     except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
-        named = rank_error(e, env)
+        named = rank_error(e, env, plan.distributed.timeout)
         if named is e:
             raise
         raise named from None

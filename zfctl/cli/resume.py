@@ -45,7 +45,9 @@ def resume(
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.plan.render import print_plan
-    from zfctl.train.dist import dist_env, rank_error, relaunch, under_torchrun, worker_argv
+    from zfctl.train.dist import bind_to_launcher, dist_env, rank_error, relaunch, under_torchrun, worker_argv
+
+    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
 
     try:
         from zfctl.train import resume as train_resume

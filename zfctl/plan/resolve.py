@@ -66,7 +66,11 @@ def model_fragment(model: str) -> dict:
 
 
 def _sniff_template(path: Path) -> dict:
-    """Guess the template from the first record's fields; {} when unsure (defaults apply)."""
+    """Guess the template from the first record's fields; {} when unsure (defaults apply).
+
+    ``messages`` / ``conversations`` (a list of turns) mean chat, ``instruction`` + ``output``
+    alpaca, ``text`` plain text.
+    """
     try:
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as fh:
@@ -83,6 +87,8 @@ def _sniff_template(path: Path) -> dict:
         return {}  # the data pipeline reports a broken file with the record index
     if not isinstance(first, dict):
         return {}
+    if any(isinstance(first.get(f), list) for f in ("messages", "conversations")):
+        return {"template": "chat"}
     if "instruction" in first and "output" in first:
         return {"template": "alpaca"}
     if "text" in first:
@@ -90,8 +96,12 @@ def _sniff_template(path: Path) -> dict:
     return {}
 
 
-def data_fragment(data: str) -> dict:
-    """A data preset, a local .json/.jsonl/.csv/.parquet file, or a hub dataset id."""
+def data_fragment(data: str, notes: list[str] | None = None) -> dict:
+    """A data preset, a local .json/.jsonl/.csv/.parquet file, or a hub dataset id.
+
+    For a local file the template is guessed from its first record; ``notes`` gets a line saying
+    which one and why.
+    """
     preset = find_preset("data", data)
     if preset is not None:
         return _with_description(preset.load(), "data", data, preset.description)
@@ -104,7 +114,11 @@ def data_fragment(data: str) -> dict:
                 "file not found; give an existing .json/.jsonl/.csv/.parquet "
                 "file or a data preset (`zfctl presets ls`)",
             )
-        frag = {"name": path.stem, "source": "local", "path": str(path.resolve()), **_sniff_template(path)}
+        sniffed = _sniff_template(path)
+        if sniffed and notes is not None:
+            notes.append(f"data.template={sniffed['template']}: guessed from the fields of the first record of "
+                         f"{path.name}; --set data.template=... to choose another")
+        frag = {"name": path.stem, "source": "local", "path": str(path.resolve()), **sniffed}
         return {"data": frag}
     if _HUB_ID.match(data) and not path.exists():
         return {"data": {"name": data, "source": "hub", "path": data}}
@@ -180,7 +194,9 @@ def resolve_plan(
     informational lines (DeepSpeed keys that were ignored, what `train.precision: auto` chose
     and why) for the caller to print.
     """
-    layers = [model_fragment(model), data_fragment(data), get_preset("zenflow", zenflow or "default").load()]
+    guessed: list[str] = []
+    layers = [model_fragment(model), data_fragment(data, guessed),
+              get_preset("zenflow", zenflow or "default").load()]
     if config is not None:
         layers.append(config_fragment(Path(config), notes))
     merged = apply_overrides(reduce(deep_merge, layers, {}), overrides)
@@ -188,6 +204,8 @@ def resolve_plan(
         merged = deep_merge(merged, flags)
     plan = plan_from_dict(_default_output_dir(merged, model, data))
     check_paths(plan)
+    if notes is not None:  # the guess, unless a later layer chose another template
+        notes.extend(n for n in guessed if n.startswith(f"data.template={plan.data.template}:"))
     if plan.train.precision == "auto":
         # Resolved here, once: plan.yaml and checkpoints store the concrete dtype (see precision.py).
         choice = resolve_for_this_machine(plan.train.precision, plan.train.device)

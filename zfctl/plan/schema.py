@@ -58,16 +58,24 @@ class DataConfig:
     path: str | None = _f(None, "Hub id, local path, or sample file name (for source=sample).")
     subset: str | None = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
     split: str = _f("train", "Split to train on.")
-    template: Literal["alpaca", "text", "classification"] = _f(
+    template: Literal["alpaca", "text", "classification", "chat"] = _f(
         "alpaca",
         "'alpaca' = instruction/input/output with loss on the response only; 'text' = plain "
-        "causal LM on `text_field`; 'classification' = `text_field` -> label word.",
+        "causal LM on `text_field`; 'classification' = `text_field` -> label word; 'chat' = "
+        "conversations ('messages' role/content or ShareGPT 'conversations' from/value) rendered with "
+        "the tokenizer's chat template, loss on the assistant's turns only.",
     )
     text_field: str = _f("text", "Field holding the text for template text/classification.")
     label_field: str = _f("label", "Field holding the label for template classification.")
     label_names: list | None = _f(None, "Words for the labels of template classification, by index.")
-    max_length: int = _f(256, "Maximum tokens per sequence; longer sequences are truncated.")
-    packing: bool = _f(False, "Concatenate sequences into full max_length blocks (template text).")
+    max_length: int = _f(
+        256, "Maximum tokens per sequence; longer sequences are truncated (chat: whole turns kept)."
+    )
+    packing: bool = _f(
+        False,
+        "Pack several sequences into each max_length block (templates text and chat); positions "
+        "restart per sequence and attention stays inside it.",
+    )
     start_idx: int = _f(0, "First record to use (slicing the dataset).")
     end_idx: int | None = _f(None, "One past the last record to use; null = to the end.")
     validation_split: str | None = _f(
@@ -128,6 +136,12 @@ class DistributedConfig:
 
     nproc: int = _f(1, "Processes on this node; >1 relaunches under torchrun.")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "'auto' = nccl on CUDA, gloo on CPU.")
+    timeout: float | None = _f(
+        None,
+        "Seconds a process waits for the others in a collective before the job ends with one line "
+        "naming the rank that did not answer; null = the backend's default (gloo 30 min, NCCL 10 "
+        "min). Keep it above the longest checkpoint save or evaluation.",
+    )
 
 
 @dataclass

@@ -133,10 +133,10 @@ def check_data(d: DataConfig) -> None:
             "template classification needs >= 2 label words, e.g. [negative, positive]",
         )
     _need(
-        not d.packing or d.template == "text",
+        not d.packing or d.template in ("text", "chat"),
         "data.packing",
         d.packing,
-        f"packing only applies to template text (data.template is {d.template})",
+        f"packing applies to templates text and chat (data.template is {d.template})",
     )
 
 
@@ -197,6 +197,8 @@ def check_logging(lg: LoggingConfig) -> None:
 def check_distributed(d: DistributedConfig) -> None:
     """Process count (torchrun relaunch) and backend."""
     _need(d.nproc >= 1, "distributed.nproc", d.nproc, "must be >= 1")
+    _need(d.timeout is None or d.timeout > 0, "distributed.timeout", d.timeout,
+          "must be > 0 seconds, or null for the backend's default")
 
 
 def check_combinations(p: RunPlan) -> None:

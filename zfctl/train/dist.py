@@ -22,17 +22,27 @@ torchrun instead would make it SIGTERM the ranks a second time (they would abort
 checkpoint) and SIGKILL them after its shutdown timeout (30 s), however long the checkpoint
 takes. torchrun itself is run through ``zfctl.train._torchrun``, which ends with the ranks' exit
 code instead of a traceback.
+
+Nothing outlives the launcher, even a SIGKILL of it (which no handler sees): torchrun asks the
+kernel to SIGKILL it when the launcher dies, and each rank to SIGKILL it when torchrun dies
+(``PR_SET_PDEATHSIG``, :func:`bind_to_launcher`). A rank that hangs without dying is caught by
+``distributed.timeout``: its peers' collective raises after that many seconds, and each of them
+ends with one line naming the rank that did not answer (:func:`rank_error`, exit code
+``TIMEOUT_EXIT``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
@@ -43,6 +53,12 @@ from zfctl.plan.schema import RunPlan
 _TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 # Set by `relaunch` for its workers: the launcher printed the plan already, rank 0 need not.
 PLAN_PRINTED_ENV = "ZFCTL_PLAN_PRINTED"
+# The pid each process of an --nproc job must die with: the launcher's for torchrun (set by
+# `relaunch`), torchrun's for the ranks (set by zfctl.train._torchrun).
+PARENT_ENV = "ZFCTL_DIE_WITH_PID"
+# The exit code of a rank that waited distributed.timeout for a peer (coreutils' `timeout` uses it).
+TIMEOUT_EXIT = 124
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -134,6 +150,24 @@ def forward_signal(torchrun_pid: int, signum: int) -> None:
             os.killpg(torchrun_pid, signum)
 
 
+def bind_to_launcher() -> None:
+    """Under ``--nproc``: die (SIGKILL) when the process that started this one dies.
+
+    ``PR_SET_PDEATHSIG`` is Linux's; elsewhere, and outside a job started by ``relaunch``, this does
+    nothing. The kernel sends the signal when the parent *thread* that forked us exits: torchrun
+    starts its ranks, and the launcher torchrun, from their main threads, which live as long as
+    the process. A parent that died before the call can no longer send it, hence the check after.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not permitted here (a seccomp sandbox): the old behaviour, nothing worse
+    if os.getppid() != int(parent):  # orphaned already, adopted by init or a subreaper
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def relaunch(nproc: int, argv: Sequence[str]) -> int:
     """Run ``zfctl <argv>`` under torchrun on this node and wait; returns the ranks' exit code.
 
@@ -142,7 +176,7 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     SIGTERM are forwarded to the ranks (module docstring); the launcher returns only once
     torchrun has exited, so nothing it started outlives it.
     """
-    env = {**os.environ, PLAN_PRINTED_ENV: "1"}
+    env = {**os.environ, PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())}
     proc: subprocess.Popen | None = None
     pending: list[int] = []
 
@@ -180,16 +214,59 @@ def peer_lost(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in text for s in _PEER_GONE)
 
 
-def rank_error(e: Exception, env: DistEnv) -> Exception:
+def timed_out(e: BaseException) -> bool:
+    """True when ``e`` is a collective that waited longer than the process group's timeout."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def unanswered_ranks(env: DistEnv, grace: float) -> list[int] | None:
+    """The ranks that did not time out too: the ones the others were waiting for.
+
+    Every rank whose collective timed out says so in the job's rendezvous store (torchrun's
+    MASTER_ADDR/MASTER_PORT), waits ``grace`` seconds for the others to say the same, and reads
+    who did not. None when the store cannot be reached.
+    """
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=max(grace, 1.0)), wait_for_workers=False)
+        run, attempt = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        prefix = f"zfctl/timed-out/{run}/{attempt}/"
+        store.set(f"{prefix}{env.rank}", "1")
+        deadline = time.monotonic() + grace
+        while True:
+            said = {r for r in range(env.world_size) if store.check([f"{prefix}{r}"])}
+            if len(said) == env.world_size or time.monotonic() >= deadline:
+                return sorted(set(range(env.world_size)) - said)
+            time.sleep(0.1)
+    except (KeyError, ValueError, RuntimeError, OSError):  # no torchrun store, or it is gone
+        return None
+
+
+def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exception:
     """What a rank reports for ``e`` when several processes run.
 
     A UserError gets ``rank R:`` in front (the same class and exit code). A collective that
     failed because another rank ended first becomes one line (RunFailed, exit 1) instead of a
     traceback per survivor: the rank that failed printed its own error, or torchrun names the
-    rank that was killed. Anything else is returned as is (a bug keeps its traceback).
+    rank that was killed. A collective that waited ``timeout`` (distributed.timeout) for a rank
+    that neither answered nor died becomes one line naming that rank (exit ``TIMEOUT_EXIT``).
+    Anything else is returned as is (a bug keeps its traceback).
     """
     if env.world_size <= 1:
         return e
+    if timed_out(e) and not isinstance(e, UserError):
+        limit = "distributed.timeout" + (f"={timeout:g} s" if timeout is not None else "")
+        hung = unanswered_ranks(env, grace=min(5.0, timeout / 4) if timeout else 5.0)
+        who = (f"rank {', '.join(map(str, hung))} did not answer" if hung
+               else "a collective waited too long for another process")
+        hang = RunFailed(f"rank {env.rank}: {who} within {limit} (it hangs, or works far slower than the "
+                         "others); the job was stopped. Once that is fixed, continue from the newest checkpoint "
+                         "with `zfctl resume RUN_DIR`")
+        hang.exit_code = TIMEOUT_EXIT
+        return hang
     if isinstance(e, UserError):
         out = UserError(f"rank {env.rank}: {e}")
         out.exit_code = e.exit_code  # a diverged run (RunFailed, 1) stays distinguishable from bad input (2)

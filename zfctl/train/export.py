@@ -129,6 +129,12 @@ def _export(info: ck.CheckpointInfo, output: Path, *, token: str | None, push_to
     from zfctl.train.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(plan.model)
+    if plan.data.template == "chat":
+        from zfctl.train.data.chat import chat_template
+
+        # The template the run rendered with (a tokenizer without one trained on zfctl's default):
+        # save_pretrained writes it, so apply_chat_template on the export renders the same text.
+        tokenizer.chat_template = chat_template(tokenizer)
     model = _final_weights(info, plan)
 
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,21 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward's tensor arguments for ``batch``.
+
+    A packed batch (it holds ``position_ids``, restarting at each sequence) goes in with its
+    positions and *no* attention mask: transformers then builds the attention from the positions
+    (masking_utils' ``find_packed_sequence_indices``), a block-diagonal causal mask for sdpa and
+    eager attention and per-sequence (varlen) kernels for flash attention, so no token attends
+    across a sequence boundary (tests/test_chat_packing.py: same per-token loss as unpacked). Its
+    right padding needs no mask either: under the causal mask no real token sees a later pad.
+    """
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def targets(batch: dict[str, torch.Tensor]) -> int:
     """How many tokens of ``batch`` carry a loss (what :func:`lm_loss_sum` sums over)."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -66,8 +81,7 @@ def evaluate(model: torch.nn.Module, eval_data: Sequence[dict] | None, collate: 
         batch = collate([eval_data[i] for i in range(lo, min(lo + micro_batch_size, len(eval_data)))])
         n_tokens += targets(batch)
         batch = to_device(batch, device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       use_cache=False).logits
+        logits = model(**model_inputs(batch), use_cache=False).logits
         loss_sum += lm_loss_sum(logits, batch["labels"]).double()
     model.train(was_training)
     total, tokens = all_reduce_sum([float(loss_sum), float(n_tokens)], device, world_size)  # sync

@@ -18,6 +18,7 @@ from zfctl.errors import UserError
 from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM, check_run_space
+from zfctl.train.data.chat import normalize
 from zfctl.train.data.source import resolve
 from zfctl.train.data.templates import render
 from zfctl.train.lock import check_free
@@ -62,7 +63,9 @@ def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
         return
     source = resolve(plan.data)
     rec = _first_record(Path(source.train))
-    if rec is not None:
+    if rec is not None and plan.data.template == "chat":
+        normalize(rec, source.train, 0)  # roles, turns, an assistant turn: no tokenizer needed
+    elif rec is not None:
         render(rec, plan.data, source.train, 0)  # RecordError names the file, record and field
     elif Path(source.train).suffix.lower() in (".jsonl", ".csv") and Path(source.train).stat().st_size == 0:
         raise UserError(f"{source.train}: holds no records")

@@ -26,6 +26,7 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from zfctl.train.data.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line, format_train_line
 from zfctl.train.dist import DistEnv
 from zfctl.train.lock import FolderLock
-from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, targets, to_device
+from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, model_inputs, targets, to_device
 from zfctl.train.metrics import MetricsWriter, StepTimer, build_sinks, memory_stats
 from zfctl.train.models.load import load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer
@@ -62,6 +63,9 @@ if TYPE_CHECKING:
 # backward and before optimizer.step()'s collectives (where its peers then wait), so tests can
 # check that one failing rank ends the whole job (tests/test_failures.py).
 FAIL_ENV = "ZFCTL_TEST_FAIL_STEP"
+# Test hook: "RANK:STEP" makes rank RANK stop answering (sleep for good) at the same point: a rank
+# that hangs without dying, for distributed.timeout (tests/test_failures.py).
+HANG_ENV = "ZFCTL_TEST_HANG_STEP"
 
 
 @dataclass
@@ -300,8 +304,7 @@ class FinetuneRecipe:
                 step_loss = torch.zeros((), device=device)
                 for i, batch in enumerate(batches):
                     batch = to_device(batch, device)
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                   use_cache=False).logits
+                    logits = model(**model_inputs(batch), use_cache=False).logits
                     micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
                     # The last backward's gradients are final: they stream to the host during it
                     # (zfctl/offload/stream.py), overlapped with the rest of the backward pass.
@@ -445,6 +448,9 @@ def _fail_hook(rank: int, step: int) -> None:
     spec = os.environ.get(FAIL_ENV)
     if spec and spec.split(":") == [str(rank), str(step)]:
         raise RunFailed(f"step {step}: failure injected by {FAIL_ENV}={spec} (a test hook)")
+    if os.environ.get(HANG_ENV, "").split(":") == [str(rank), str(step)]:
+        while True:
+            time.sleep(1)
 
 
 def _finite(value: float | None) -> bool:
@@ -478,7 +484,10 @@ def _process(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator[None
             backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
+        # distributed.timeout: a collective that waits longer raises, and the survivors name the
+        # rank that did not answer (zfctl/train/dist.py, rank_error); None = the backend's default.
+        timeout = plan.distributed.timeout
+        dist.init_process_group(backend=backend, timeout=None if timeout is None else timedelta(seconds=timeout))
         own_group = True
     try:
         yield

@@ -1,9 +1,9 @@
 """The tokenised-data cache: tokenise once, reload in milliseconds (memory-mapped Arrow).
 
 An entry is a `datasets.DatasetDict` saved under ``<cache>/data/<name>-<key>/``. The key hashes
-everything the token sequences depend on: the data config, the tokenizer (its full serialised
-form), the template version, the source files' size/mtime (or the hub dataset's fingerprint) and
-the seed of the held-out split. Entries are written to a temporary folder and renamed, so
+everything the token sequences depend on: the data config (the template included), the tokenizer
+(its full serialised form), for template chat the chat template's text, the template version,
+the source files' size/mtime (or the hub dataset's fingerprint) and the seed of the held-out split. Entries are written to a temporary folder and renamed, so
 concurrent preparers (one per node, or a run and a `zfctl plan`) never see half an entry.
 """
 
@@ -41,8 +41,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(cfg: DataConfig, tokenizer_fp: str, source_fp: str, *, seed: int, template_version: int) -> str:
-    """Hex key of one prepared dataset."""
+def cache_key(cfg: DataConfig, tokenizer_fp: str, source_fp: str, *, seed: int, template_version: int,
+              chat_template: str | None = None) -> str:
+    """Hex key of one prepared dataset (``chat_template``: the text a chat run renders with)."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_KEY}
     blob = json.dumps(
         {
@@ -50,6 +51,7 @@ def cache_key(cfg: DataConfig, tokenizer_fp: str, source_fp: str, *, seed: int, 
             "tok": tokenizer_fp,
             "src": source_fp,
             "tv": template_version,
+            "chat": chat_template,
             # the seed only decides which records are held out for evaluation
             "seed": seed if cfg.validation_split is None else None,
         },

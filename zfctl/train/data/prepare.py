@@ -3,10 +3,12 @@
 ``prepare_data`` is called once, before any process group forms (torchrun ranks then find the
 cache entry and memory-map it). Its result holds the train and eval sequences as
 `datasets.Dataset`s with ``input_ids`` and ``labels`` columns (labels are -100 where no loss is
-taken) and a ``collate`` that right-pads a micro-batch.
+taken; packed blocks add ``position_ids``, restarting at each sequence) and a ``collate`` that
+right-pads a micro-batch.
 
     source (.source) -> slice [start_idx, end_idx) -> hold out eval -> template + tokenise
-    (.templates) -> truncate to max_length, or pack into max_length blocks -> cache (.cache)
+    (.templates; .chat for template chat) -> truncate to max_length -> pack into max_length
+    blocks (data.packing) -> cache (.cache)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from zfctl.errors import ConfigError
 from zfctl.plan.schema import DataConfig
 from zfctl.train.data import cache as data_cache
+from zfctl.train.data import chat
 from zfctl.train.data import source as data_source
 from zfctl.train.data.templates import IGNORE_INDEX, TEMPLATE_VERSION, pack, render, tokenize, truncate
 
@@ -34,9 +37,10 @@ class DataStats:
     records: int  # records used from the train split (after slicing, before holding out)
     train: int  # train sequences
     eval: int  # eval sequences
-    dropped: int  # sequences dropped because the prompt alone filled max_length
+    dropped: int  # sequences dropped because no trained token fit in max_length (the prompt filled it)
     train_tokens: int
     loss_tokens: int  # train tokens that carry a label (the rest are prompt / -100)
+    packed: int = 0  # sequences packed into the train blocks (data.packing); 0 when not packing
     from_cache: bool = False
 
 
@@ -56,26 +60,35 @@ class PreparedData:
         """Right-pad to the longest sequence of the micro-batch (pad labels -100, mask 0).
 
         Padding to the batch's longest, not to max_length, keeps short-sample batches cheap.
+        Packed blocks also carry ``position_ids``; the padding gets positions from 0 again, a
+        sequence of its own that no real token attends to.
         """
         width = max(len(e["input_ids"]) for e in examples)
         ids = torch.full((len(examples), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(examples), width), dtype=torch.long)
+        packed = "position_ids" in examples[0]
+        positions = torch.zeros((len(examples), width), dtype=torch.long)
         for row, e in enumerate(examples):
             n = len(e["input_ids"])
             ids[row, :n] = torch.as_tensor(e["input_ids"], dtype=torch.long)
             labels[row, :n] = torch.as_tensor(e["labels"], dtype=torch.long)
             mask[row, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+            if packed:
+                positions[row, :n] = torch.as_tensor(e["position_ids"], dtype=torch.long)
+                positions[row, n:] = torch.arange(width - n)
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        return {**batch, "position_ids": positions} if packed else batch
 
     def summary(self) -> str:
         """One line: sizes, tokens, share of tokens in the loss, cache state."""
         s = self.stats
         share = s.loss_tokens / max(1, s.train_tokens)
-        dropped = f", {s.dropped} dropped (prompt > max_length)" if s.dropped else ""
+        dropped = f", {s.dropped} dropped (no trained token within max_length)" if s.dropped else ""
         cached = " (from cache)" if s.from_cache else ""
+        kind = f"blocks ({s.packed} sequences packed)" if s.packed else "sequences"
         return (
-            f"{self.name}: {s.train} train / {s.eval} eval sequences from {s.records} records, "
+            f"{self.name}: {s.train} train / {s.eval} eval {kind} from {s.records} records, "
             f"{s.train_tokens:,} train tokens ({share:.0%} in the loss){dropped}{cached}"
         )
 
@@ -101,6 +114,7 @@ def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | Non
         fingerprint,
         seed=seed,
         template_version=TEMPLATE_VERSION,
+        chat_template=chat.chat_template(tokenizer) if cfg.template == "chat" else None,
     )
     path = data_cache.entry_dir(cache_dir, cfg.path or cfg.name, key)
     hit = data_cache.load(path)
@@ -152,18 +166,15 @@ def _build(cfg: DataConfig, tokenizer, source, raw_train, seed: int):
         raise ConfigError(
             "data.max_length",
             cfg.max_length,
-            f"{raw.where}: no training sequence is left: every prompt is longer than max_length; raise it",
+            f"{raw.where}: no training sequence is left: no trained token fits in max_length "
+            "(every prompt is longer); raise it",
         )
-    features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "labels": datasets.Sequence(datasets.Value("int32")),
-        }
-    )
+    columns = ["input_ids", "labels", "position_ids"] if cfg.packing else ["input_ids", "labels"]
+    features = datasets.Features({c: datasets.Sequence(datasets.Value("int32")) for c in columns})
 
     def table(seqs):
         return datasets.Dataset.from_dict(
-            {"input_ids": [s[0] for s in seqs], "labels": [s[1] for s in seqs]}, features=features
+            {c: [s[k] for s in seqs] for k, c in enumerate(columns)}, features=features
         )
 
     stats = DataStats(
@@ -173,6 +184,7 @@ def _build(cfg: DataConfig, tokenizer, source, raw_train, seed: int):
         dropped=dropped[0],
         train_tokens=sum(len(s[0]) for s in train),
         loss_tokens=sum(sum(1 for x in s[1] if x != IGNORE_INDEX) for s in train),
+        packed=sum(p.count(0) for _, _, p in train) if cfg.packing else 0,
     )
     # An empty split is left out: datasets cannot reload a saved zero-row table.
     splits = {"train": table(train), **({"eval": table(evals)} if evals else {})}
@@ -207,23 +219,33 @@ def _hold_out(indices: list[int], fraction: float, seed: int) -> tuple[list[int]
 
 
 def _sequences(cfg: DataConfig, tokenizer, raw, idx: list[int], dropped: list[int]) -> list:
-    """Template + tokenise the records `idx` of `raw`, then truncate or pack."""
+    """Template + tokenise the records `idx` of `raw`, then truncate and/or pack."""
+    if cfg.template == "chat":
+        convs = (chat.normalize(raw.records[i], raw.where, i) for i in idx)
+        seqs = chat.sequences(convs, tokenizer, cfg.max_length, raw.where, dropped)
+        return list(pack(seqs, cfg.max_length, split=False)) if cfg.packing else list(seqs)
     rendered = (render(raw.records[i], cfg, raw.where, i) for i in idx)
     seqs = tokenize(rendered, tokenizer, raw.where)
-    if cfg.packing:
-        return list(pack(seqs, cfg.max_length))
+    if cfg.packing:  # plain text: every token kept, a long document continues in the next block
+        return list(pack(seqs, cfg.max_length, split=True))
     return list(truncate(seqs, cfg.max_length, dropped))
 
 
 def format_debug_samples(prepared: PreparedData, tokenizer, n: int = 3) -> str:
     """Decoded train samples with their label masks, for ``--debug-data``.
 
-    Text inside ⟦ ⟧ carries labels (is in the loss); everything else is masked with -100.
+    Text inside ⟦ ⟧ carries labels (is in the loss); everything else is masked with -100. A
+    chat sample shows its conversation with the assistant's turns marked; a packed block says
+    where each of its sequences starts.
     """
     lines = [prepared.summary(), "text inside ⟦ ⟧ is in the loss; the rest is masked with -100"]
     for i in range(min(n, len(prepared.train))):
         ex = prepared.train[i]
         ids, in_loss = ex["input_ids"], [x != IGNORE_INDEX for x in ex["labels"]]
+        packed = ""
+        if "position_ids" in ex:
+            starts = [j for j, p in enumerate(ex["position_ids"]) if p == 0]
+            packed = f"; {len(starts)} sequences packed, starting at tokens {', '.join(map(str, starts))}"
         bounds = [0] + [j for j in range(1, len(ids)) if in_loss[j] != in_loss[j - 1]] + [len(ids)]
         text, mask = [], []
         for a, b in itertools.pairwise(bounds):
@@ -231,7 +253,7 @@ def format_debug_samples(prepared: PreparedData, tokenizer, n: int = 3) -> str:
             text.append(f"⟦{piece}⟧" if in_loss[a] else piece)
             mask.append(f"{b - a}×{'loss' if in_loss[a] else '-100'}")
         lines.append(
-            f"--- train[{i}]: {len(ids)} tokens, {sum(in_loss)} in the loss (labels: {', '.join(mask)})"
+            f"--- train[{i}]: {len(ids)} tokens, {sum(in_loss)} in the loss (labels: {', '.join(mask)}){packed}"
         )
         lines.append("".join(text))
     return "\n".join(lines)

@@ -21,7 +21,8 @@ from zfctl.resources import presets_root
 from zfctl.train.models import hub as model_hub
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-LOCAL_DATA = "the shipped samples (alpaca-sample, sst2-sample) or a local .json/.jsonl/.csv/.parquet file"
+LOCAL_DATA = ("the shipped samples (alpaca-sample, sst2-sample, chat-sample) or a local "
+              ".json/.jsonl/.csv/.parquet file")
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Prompt templates: raw records -> (input_ids, labels) with the loss only where it belongs.
 
+(Template ``chat`` renders with the tokenizer's own chat template instead: zfctl/train/data/chat.py.)
+
 Every template renders a record into a *prompt* and a *response*. The sequence is
 ``[<s>] + prompt tokens + response tokens + [</s>]``; labels are -100 on ``<s>`` and the prompt,
 so the loss covers exactly the response and the EOS that ends it. Prompt and response are
@@ -22,7 +24,7 @@ IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 CLASSIFICATION_PROMPT = "### Text:\n{text}\n\n### Label:\n"
-TEMPLATE_VERSION = 1  # bump when the rendering changes: it is part of the data cache key
+TEMPLATE_VERSION = 2  # bump when the rendering changes: it is part of the data cache key (2: packing)
 _CHUNK = 1024  # records per batched tokenizer call
 
 
@@ -111,7 +113,7 @@ def render(rec: object, cfg: DataConfig, where: str, index: int) -> Rendered:
             _label_word(rec, cfg, where, index),
             cfg.label_field,
         )
-    raise UserError(f"data.template={cfg.template!r}: use alpaca, text or classification")
+    raise UserError(f"data.template={cfg.template!r}: use alpaca, text, classification or chat")
 
 
 def tokenize(rendered: Iterable[Rendered], tokenizer, where: str) -> Iterator[tuple[list[int], list[int]]]:
@@ -151,22 +153,46 @@ def truncate(
         yield ids, labels
 
 
-def pack(
-    examples: Iterable[tuple[list[int], list[int]]], max_length: int
-) -> Iterator[tuple[list[int], list[int]]]:
-    """Concatenate sequences and cut the stream into max_length blocks (the last may be shorter).
+Packed = tuple[list[int], list[int], list[int]]  # input_ids, labels, position_ids of one block
 
-    No padding is ever needed and no token is lost; the price is that attention crosses the
-    boundary between two records inside a block (the usual trade-off of packing).
+
+def pack(
+    examples: Iterable[tuple[list[int], list[int]]], max_length: int, *, split: bool
+) -> Iterator[Packed]:
+    """Place sequences one after another into max_length blocks (the last may be shorter).
+
+    ``split`` (template text): a sequence that does not fit in what is left of a block fills it
+    and continues in the next, so no token is lost. Without it (chat, whose conversations are
+    truncated to max_length first) a sequence that does not fit starts the next block.
+    Positions restart at 0 for each sequence (and for each continued part), and the first token
+    of each gets no label: nothing before it in the block may predict it. The loop passes the
+    positions to the model without an attention mask, and transformers then keeps attention
+    inside each sequence (zfctl/train/loss.py, ``model_inputs``), so a block trains exactly as its
+    sequences would one by one. Blocks without a label are skipped.
     """
-    ids_buf: list[int] = []
-    lab_buf: list[int] = []
-    for ids, labels in examples:
-        ids_buf += ids
-        lab_buf += labels
-        while len(ids_buf) >= max_length:
-            if any(x != IGNORE_INDEX for x in lab_buf[:max_length]):  # else nothing to learn from
-                yield ids_buf[:max_length], lab_buf[:max_length]
-            del ids_buf[:max_length], lab_buf[:max_length]
-    if ids_buf and any(x != IGNORE_INDEX for x in lab_buf):
-        yield ids_buf, lab_buf
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+
+    def close() -> Iterator[Packed]:
+        if any(x != IGNORE_INDEX for x in labels):  # else nothing to learn from
+            yield ids[:], labels[:], positions[:]
+        ids.clear()
+        labels.clear()
+        positions.clear()
+
+    for seq_ids, seq_labels in examples:
+        while seq_ids:
+            room = max_length - len(ids)
+            if len(seq_ids) > room and ids and not split:
+                yield from close()
+                continue
+            take = min(room, len(seq_ids))
+            ids.extend(seq_ids[:take])
+            labels.extend([IGNORE_INDEX, *seq_labels[1:take]])
+            positions.extend(range(take))
+            seq_ids, seq_labels = seq_ids[take:], seq_labels[take:]
+            if len(ids) == max_length:
+                yield from close()
+    if ids:
+        yield from close()
