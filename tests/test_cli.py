@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import zfctl.train
 from zfctl.cli import _common, app
-from zfctl.plan import memory
+from zfctl.plan import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -28,7 +28,7 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def small_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """This project's CI machine: 24 GB RAM, no GPU (independent of where the test runs)."""
-    monkeypatch.setattr(memory, "this_machine", lambda: memory.Machine(host_ram=24 * memory.GB, cuda=False))
+    monkeypatch.setattr(machine, "this_machine", lambda: machine.Machine(host_ram=24 * machine.GB, cuda=False))
 
 
 def zf(*args: str):

@@ -40,6 +40,17 @@ from zfctl.offload.pcie import copy_async, timed_wait
 # Device memory `auto` leaves free besides the accumulator (activations of the next micro-batches,
 # allocator fragmentation): the accumulator must fit in what is free beyond this share.
 AUTO_HEADROOM = 0.25
+# `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
+# this share of its memory. The margin is wide because a plan's activation estimate is rough.
+AUTO_DEVICE_SHARE = 0.85
+
+
+def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) -> bool:
+    """``accumulate: auto``'s one rule: the device accumulator (``acc_bytes``) is used when it and
+    everything else the device holds for the run (``committed_bytes``) stay within
+    ``AUTO_DEVICE_SHARE`` of the device's memory (``total_bytes``). Pure arithmetic: the run
+    plan passes its estimate (zfctl/plan/memory.py)."""
+    return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
 
 
 def resolve(choice: str, device: torch.device, nbytes: int) -> str:

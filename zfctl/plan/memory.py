@@ -37,34 +37,33 @@ GPU's memory (the activation estimate is rough, so the margin is wider than the 
 optimizer is built with it.
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
-(``--gpu-memory``, ``--host-memory``), so a laptop can plan the GPU run. On a machine without
-CUDA the device side lives in host RAM too. Sizes are decimal GB (1e9 bytes), as GPU vendors and
-the ZenFlow paper quote them.
+(``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
+On a machine without CUDA the device side lives in host RAM too.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from zfctl.errors import UserError
 from zfctl.offload.bandwidth import inflight_bytes
+from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
 from zfctl.offload.layout import num_selected
 from zfctl.offload.ring import ring_slot_bytes
+from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
 
-GB = 1e9
-AUTO_DEVICE_SHARE = 0.85
+# GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported: callers (zfctl/cli, the plan's
+# renderer, tests) import them from here too.
+__all__ = ["AUTO_DEVICE_SHARE", "GB", "Counts", "Machine", "MemoryEstimate", "MemoryItem", "ModelSize",
+           "estimate", "host_limit", "layout_counts", "model_size", "parse_size"]
+
 DEVICE_MARGIN = 0.05  # the verdict keeps 5% of the GPU for the allocator's fragmentation
 HOST_RESERVE = 15 * GB  # left for the OS, the page cache, data and Python (a quarter of a smaller machine)
 CHECKPOINT_CHUNK = 64 * 2**20  # zfctl/train/tensorfile.py streams checkpoints through one chunk this size
 ASSUMED_D2H_GBPS = 55.0  # the hook path measures its rate at start; the plan assumes an H100's pinned D2H
 COLUMN_BYTES = 13  # per host column: fp32 step counter, bool owner flag, int64 element offset
 _LLAMA_LIKE = {"llama", "mistral"}
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass
@@ -96,14 +95,6 @@ class MemoryItem:
 
 
 @dataclass
-class Machine:
-    host_ram: float
-    cuda: bool
-    gpu_name: str = ""
-    gpu_mem: float = 0.0
-
-
-@dataclass
 class MemoryEstimate:
     """The estimate: per-item bytes, totals, the machine, and a verdict with reasons."""
 
@@ -128,19 +119,6 @@ class MemoryEstimate:
     def item(self, name: str) -> float:
         """Bytes of the item called `name` (0 if absent)."""
         return sum(i.bytes for i in self.items if i.name == name)
-
-
-def parse_size(text: str | float, what: str) -> float:
-    """Bytes of a size like ``80GB``, ``128 GiB`` or ``1.5TB``; UserError naming ``what`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise UserError(f"{what} {text!r}: not a size; give a number with a unit, e.g. 80GB or 128GiB "
-                        "(B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not value > 0:
-        raise UserError(f"{what} {text!r}: must be positive, e.g. 80GB")
-    return value
 
 
 def _llama_size(c: dict) -> ModelSize:
@@ -218,34 +196,6 @@ def model_size(plan: RunPlan) -> ModelSize | None:
     return None
 
 
-def this_machine() -> Machine:
-    """Host RAM and the first CUDA device, if any."""
-    try:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        ram = 0.0
-    import torch
-
-    try:
-        if torch.cuda.is_available():
-            prop = torch.cuda.get_device_properties(0)
-            return Machine(ram, True, prop.name, float(prop.total_memory))
-    except RuntimeError as e:  # a broken CUDA driver must not break `zfctl plan`
-        return Machine(ram, False, gpu_name=f"CUDA error: {e}")
-    return Machine(ram, False)
-
-
-def target_machine(plan: RunPlan) -> Machine:
-    """This machine, with the sizes the plan's ``machine`` section gives instead of the detected ones."""
-    m = this_machine()
-    t = plan.machine
-    if t.gpu_memory is not None:
-        m = Machine(m.host_ram, True, "target GPU (machine.gpu_memory)", parse_size(t.gpu_memory, "machine.gpu_memory"))
-    if t.host_memory is not None:
-        m = Machine(parse_size(t.host_memory, "machine.host_memory"), m.cuda, m.gpu_name, m.gpu_mem)
-    return m
-
-
 @dataclass
 class Counts:
     """The layout's sizes (zfctl/offload/layout.py ``plan_layout``), from shapes alone."""
@@ -288,7 +238,7 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
 
 def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this one)."""
-    machine = machine or target_machine(plan)
+    machine = machine or target_machine(plan.machine)
     device_kind = (
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
@@ -385,7 +335,7 @@ def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: 
     choice = z.accumulate
     if choice == "auto":
         device_total = sum(i.bytes for i in items if i.where == "device")
-        fits = device_kind == "cuda" and machine.cuda and device_total + nbytes <= AUTO_DEVICE_SHARE * machine.gpu_mem
+        fits = device_kind == "cuda" and machine.cuda and device_fits(device_total, nbytes, machine.gpu_mem)
         choice = "device" if fits else "host"
     if choice == "device":
         items.append(MemoryItem("device", "gradient accumulator", nbytes,

@@ -13,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from zfctl.plan.io import plan_to_dict
-from zfctl.plan.memory import GB, MemoryEstimate, host_limit
+from zfctl.plan.machine import GB
+from zfctl.plan.memory import MemoryEstimate, host_limit
 from zfctl.plan.schema import SECTIONS, RunPlan
 
 

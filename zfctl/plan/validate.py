@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from zfctl.errors import ConfigError
+from zfctl.plan.machine import parse_size
 from zfctl.plan.schema import (
     CheckpointConfig,
     DataConfig,
@@ -211,8 +212,7 @@ def check_combinations(p: RunPlan) -> None:
 
 
 def check_machine(m: MachineConfig) -> None:
-    from zfctl.plan.memory import parse_size  # memory.py imports the schema, not this module
-
+    """Target sizes (--gpu-memory, --host-memory) parse."""
     for key in ("gpu_memory", "host_memory"):
         value = getattr(m, key)
         if value is not None:
