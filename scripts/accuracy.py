@@ -1,8 +1,8 @@
 """Accuracy harness: does ZenFlow learn as fast as AdamW per step when fine-tuning a pretrained model?
 
     OMP_NUM_THREADS=1 python scripts/accuracy.py                      # the table (tiny base, CPU)
-    OMP_NUM_THREADS=1 python scripts/accuracy.py --variant sel16=paper+zenflow.select_strategy=step \\
-        +zenflow.select_interval=16 --variant adamw=off                # a study: any preset + --set keys
+    OMP_NUM_THREADS=1 python scripts/accuracy.py --variant sel16=paper+zenflow.select_interval=16 \\
+        --variant adamw=off                                            # a study: any preset + --set keys
     python scripts/accuracy.py --model smollm2-135m --steps 100 --tasks instruct,sst2  # optional extra
 
 Everything goes through the real engine (``zfctl.plan.resolve_plan`` + ``zfctl.train.run``, the

@@ -219,8 +219,11 @@ def test_plot_is_a_png(tmp_path):
         (["--zenflow", "fast"], "--zenflow 'fast': not a zenflow preset"),
         (["--set", "train.lr=1"], "--set train.lr=1: zfctl bench takes zenflow.* keys only"),
         (["--set", "zenflow.topk_ratio=0.2"], "sets zenflow.topk_ratio itself; use --topk"),
-        (["--set", "zenflow.install_lagg=1"], "zenflow.install_lagg=1: unknown key (did you mean zenflow.install_lag?)"),
-        (["--set", "zenflow.install_lag=-1"], "zenflow.install_lag=-1: must be an integer >= 0"),
+        (["--set", "zenflow.install_lagg=1"],
+         "zenflow.install_lagg=1: unknown key (did you mean zenflow.tuning.install_lag?)"),
+        (["--set", "zenflow.tuning.install_lag=-1"], "zenflow.tuning.install_lag=-1: must be an integer >= 0"),
+        (["--set", "zenflow.tuning.pin_memory=false"], "sets zenflow.tuning.pin_memory itself; use --pin"),
+        (["--set", "zenflow.pin_memory=false"], "sets zenflow.tuning.pin_memory itself; use --pin"),
         (["--set", "install_lag=1"], "use --set section.key=value"),
     ],
 )
@@ -288,13 +291,14 @@ def test_zenflow_preset_sets_the_keys_the_grid_does_not(tmp_path):
                  "--json", str(tmp_path / "b.json"))
     assert res.exit_code == 0, res.output
     base = json.loads((tmp_path / "b.json").read_text())["meta"]["zenflow_base"]
-    assert (base["select_strategy"], base["deferred_lr_scale"]) == ("auto", "off")
+    assert (base["select_interval"], base["deferred_lr_scale"]) == ("auto", "off")
     assert base["topk_ratio"] == 0.1  # the preset's, recorded as given; the grid ran topk 0.25
 
 
 def test_set_changes_one_zenflow_key_for_every_configuration(tmp_path):
-    """--set zenflow.install_lag=1: each overlapped CPU update lands one step after its boundary
-    (its H2D bytes move there) instead of at the next boundary; the rest of the run is the same."""
+    """--set zenflow.tuning.install_lag=1: each overlapped CPU update lands one step after its
+    boundary (its H2D bytes move there) instead of at the next boundary; the rest of the run is the
+    same."""
     def zenflow_steps(*extra: str) -> tuple[dict, list[tuple[bool, int]]]:
         out = tmp_path / f"b{len(extra)}.json"
         res = invoke("--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--topk", "0.25", "--interval", "4",
@@ -306,9 +310,9 @@ def test_set_changes_one_zenflow_key_for_every_configuration(tmp_path):
         return doc["meta"]["zenflow_base"], [(r["update"], r["h2d_bytes"]) for r in row["records"]]
 
     base, lag0 = zenflow_steps()
-    assert base is None  # no --zenflow, no --set: the library defaults
-    base, lag1 = zenflow_steps("--zenflow", "paper", "--set", "zenflow.install_lag=1")
-    assert base["install_lag"] == 1 and base["deferred_lr_scale"] == "off"  # the preset's other keys stay
+    assert base["select_interval"] == "auto"  # no --zenflow: paper, the reference benchmark's algorithm
+    base, lag1 = zenflow_steps("--set", "zenflow.tuning.install_lag=1")
+    assert base["tuning"]["install_lag"] == 1 and base["deferred_lr_scale"] == "off"  # the preset's other keys stay
     install = 32 * 32 * 4  # an install's H2D bytes on this 32x32 fp32 model (the same with either lag)
     assert [u for u, _ in lag0] == [u for u, _ in lag1] == [False, False, False, True] * 2
     assert [b for _, b in lag0] == [0, 0, 0, install] * 2  # installed at the next boundary

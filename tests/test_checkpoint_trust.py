@@ -261,7 +261,7 @@ def test_a_stale_tmp_folder_is_removed_on_the_next_start(trained: Path, tmp_path
     ("train.lr=.inf", "error: train.lr=inf: expected a finite number"),
     ("train.lr=-.inf", "error: train.lr=-inf: expected a finite number"),
     ("train.eps=.nan", "error: train.eps=nan: expected a finite number"),
-    ("zenflow.auto_ratio=.inf", "error: zenflow.auto_ratio=inf: expected a finite number"),
+    ("zenflow.tuning.auto_ratio=.inf", "error: zenflow.tuning.auto_ratio=inf: must be a number in (0, 1], e.g. 0.99"),
     ("train.betas=[0.9,.inf]", "error: train.betas[1]=inf: expected a finite number"),
     ("model.config.rope_theta=.inf", "error: model.config.rope_theta=inf: expected a finite number"),
     ("data.max_length=1000000000",

@@ -147,7 +147,7 @@ BAD_INPUTS = [
     ("interval not a number", ["--set", "zenflow.update_interval=often"], "zenflow.update_interval='often'"),
     (
         "select < update interval",
-        ["--set", "zenflow.select_strategy=step", "--set", "zenflow.select_interval=2"],
+        ["--set", "zenflow.select_interval=2"],
         "zenflow.select_interval=2",
     ),
     ("malformed --set", ["--set", "train.lr"], "--set='train.lr'"),
@@ -288,7 +288,7 @@ def test_python_m_zfctl_exit_code_and_single_stderr_line() -> None:
         cwd=ROOT,
     )
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be in [0, 1], e.g. 0.1"
+    assert bad.stderr.strip() == "error: zenflow.topk_ratio=2.0: must be a number in [0, 1], e.g. 0.1"
 
 
 def test_resume_and_export_call_the_engine_with_the_flags(
@@ -332,12 +332,12 @@ def test_finetune_warns_once_about_settings_that_lose_accuracy(monkeypatch: pyte
     paper = zf(*base, "--zenflow", "paper")
     assert paper.exit_code == 0, paper.output
     for needle in ("full_warm_up_rounds=0: the first steps on random init", "deferred_lr_scale=off",
-                   "select_strategy=auto", "vocab_select=columns"):
+                   "select_interval=auto", "vocab_select=columns"):
         assert paper.stderr.count(needle) == 1, paper.stderr
     # The rules are about the settings, not the preset's name: fixing each one silences it.
     fixed = zf(*base, "--zenflow", "paper", "--set", "zenflow.full_warm_up_rounds=10",
-               "--set", "zenflow.deferred_lr_scale=sqrt", "--set", "zenflow.select_strategy=step",
-               "--set", "zenflow.select_interval=32", "--set", "zenflow.vocab_select=rows")
+               "--set", "zenflow.deferred_lr_scale=sqrt", "--set", "zenflow.select_interval=32",
+               "--set", "zenflow.vocab_select=rows")
     assert fixed.exit_code == 0 and "warning" not in fixed.stderr, fixed.stderr
     assert "warning" not in zf(*base).stderr  # the default preset
     # A scaled CPU step without the warm-up: measured worse than no correction at all.

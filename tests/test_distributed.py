@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_offload_helpers import zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.checkpoint import FORMAT_V1
 from zfctl.offload.reshard import merge_states
 
@@ -35,7 +36,6 @@ CASES = {
         "topk_ratio": 0.25,
         "update_interval": 3,
         "overlap_step": True,
-        "select_strategy": "step",
         "select_interval": 6,
         "full_warm_up_rounds": 1,
     },
@@ -44,7 +44,6 @@ CASES = {
         "topk_ratio": 0.25,
         "update_interval": 3,
         "overlap_step": False,
-        "select_strategy": "step",
         "select_interval": 6,
         "full_warm_up_rounds": 1,
     },
@@ -53,7 +52,6 @@ CASES = {
         "topk_ratio": 0.25,
         "update_interval": "auto",
         "overlap_step": True,
-        "select_strategy": "step",
         "select_interval": 6,
         "full_warm_up_rounds": 1,
     },
@@ -64,7 +62,6 @@ CASES = {
         "topk_ratio": 0.25,
         "update_interval": 3,
         "overlap_step": True,
-        "select_strategy": "step",
         "select_interval": 6,
         "full_warm_up_rounds": 1,
         "vocab_select": "rows",
@@ -96,7 +93,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _optimizer(model: torch.nn.Module, case: str, group) -> ZenFlowOptimizer:
-    cfg = ZenFlowConfig(**CASES[case], cpu_threads=1, pin_memory=False)
+    cfg = zen(**CASES[case], cpu_threads=1, pin_memory=False)
     return ZenFlowOptimizer(
         model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5, process_group=group,
         vocab_params=["0.weight", "4.weight"],  # by row only where the case says vocab_select: rows

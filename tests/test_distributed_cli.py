@@ -28,7 +28,7 @@ TINY = [
     "data.end_idx=96", "data.max_length=64", "train.eval_batches=2", "train.eval_every=0",
     "train.device=cpu", "train.precision=fp32", "logging.every=1", "train.lr=3e-3",
     "train.max_steps=6", "checkpoint.every=3", "zenflow.topk_ratio=0.1", "zenflow.update_interval=2",
-    "zenflow.overlap_step=true", "zenflow.select_strategy=step", "zenflow.select_interval=4",
+    "zenflow.overlap_step=true", "zenflow.select_interval=4",
     "zenflow.cpu_threads=1", "zenflow.full_warm_up_rounds=0",
 ]
 # One thread per process: two ranks on this 2-core box must not oversubscribe it.

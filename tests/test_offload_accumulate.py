@@ -6,19 +6,19 @@ import io
 
 import pytest
 import torch
-from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, train
+from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, train, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.offload.device_acc import resolve
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
-BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_strategy": "step", "select_interval": 6}
+BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
 
 
 def run(accumulate: str, *, overlap: bool = True, clip=None, dtype=torch.float32, steps: int = 20):
     model = tiny_net(dtype=dtype)
-    cfg = ZenFlowConfig(accumulate=accumulate, overlap_step=overlap, full_warm_up_rounds=1, **BASE)
+    cfg = zen(accumulate=accumulate, overlap_step=overlap, full_warm_up_rounds=1, **BASE)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
         assert opt.accumulate == accumulate
         stats = train(model, opt, steps)
@@ -46,7 +46,7 @@ def test_device_and_host_accumulation_give_the_same_parameters(overlap, clip, dt
 
 
 def test_device_mode_resumes_mid_interval_bit_identically() -> None:
-    cfg, data = ZenFlowConfig(accumulate="device", overlap_step=True, **BASE), batches(14)
+    cfg, data = zen(accumulate="device", overlap_step=True, **BASE), batches(14)
 
     def steps(model, opt, chunk):
         for x, y in chunk:
@@ -77,7 +77,7 @@ def test_device_mode_resumes_mid_interval_bit_identically() -> None:
 def test_auto_resolves_to_host_without_cuda_and_bad_values_are_refused() -> None:
     assert resolve("auto", torch.device("cpu"), 10) == "host"
     assert resolve("device", torch.device("cpu"), 10) == "device"
-    with ZenFlowOptimizer(tiny_net().named_parameters(), ZenFlowConfig(**BASE)) as opt:
+    with ZenFlowOptimizer(tiny_net().named_parameters(), zen(**BASE)) as opt:
         assert opt.accumulate == "host"
     with pytest.raises(ConfigError, match="zenflow.accumulate"):
         ZenFlowConfig(accumulate="gpu").validate()
@@ -101,7 +101,7 @@ def test_device_path_keeps_one_host_accumulator_and_collects_before_it_copies_ou
 
     monkeypatch.setattr(CpuWorker, "run", slow)
     model = tiny_net()
-    cfg = ZenFlowConfig(accumulate="device", overlap_step=True, full_warm_up_rounds=1, **BASE)
+    cfg = zen(accumulate="device", overlap_step=True, full_warm_up_rounds=1, **BASE)
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         assert opt.host is not None and len(opt.host.acc) == 1
         train(model, opt, 20)

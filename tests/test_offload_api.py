@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_helpers import tiny_net, train
+from test_offload_helpers import tiny_net, train, zen
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload import StepStats, ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.config import TuningConfig
 
 
 def test_parameter_forms_and_rejections() -> None:
     model = tiny_net()
     params = list(model.parameters())
-    with ZenFlowOptimizer(params, ZenFlowConfig()) as opt:  # bare tensors get positional names
+    with ZenFlowOptimizer(params) as opt:  # bare tensors get positional names; the default config
         assert opt.names[:2] == ["param0", "param1"]
     with pytest.raises(TypeError, match="one parameter group"):
         ZenFlowOptimizer([{"params": params}], ZenFlowConfig())
@@ -30,15 +31,17 @@ def test_config_errors_name_the_key() -> None:
     params = list(tiny_net().named_parameters())
     with pytest.raises(ConfigError, match=r"zenflow\.topk_ratio"):
         ZenFlowOptimizer(params, ZenFlowConfig(topk_ratio=1.5))
-    with pytest.raises(ConfigError, match=r"zenflow\.ring_slot_mb=0\.0001: one column of 'fc1.weight'"):
-        ZenFlowOptimizer(params, ZenFlowConfig(ring_slot_mb=0.0001))  # a 48-row fp32 column is 192 B
+    with pytest.raises(ConfigError, match=r"zenflow\.tuning\.ring_slot_mb=0\.0001: one column of 'fc1.weight'"):
+        ZenFlowOptimizer(params, ZenFlowConfig(tuning=TuningConfig(ring_slot_mb=0.0001)))  # a 48-row fp32 column is 192 B
+    with pytest.raises(UserError, match="zenflow.select_interval=epoch needs the epoch length: pass steps_per_epoch"):
+        ZenFlowOptimizer(params, ZenFlowConfig(select_interval="epoch"))
     with pytest.raises(UserError, match="steps_per_epoch"):
-        ZenFlowOptimizer(params, ZenFlowConfig(select_strategy="epoch", select_interval=1))
+        ZenFlowOptimizer(params, ZenFlowConfig(select_interval="2 epochs"))
 
 
 def test_select_period_from_the_epoch_length() -> None:
     model = tiny_net()
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=False)
+    cfg = zen(topk_ratio=0.1, update_interval=4, overlap_step=False)
     with ZenFlowOptimizer(model.named_parameters(), cfg, steps_per_epoch=6) as opt:
         stats = train(model, opt, 14)
     assert [s.step for s in stats if s.selection] == [0, 6, 12]
@@ -48,11 +51,10 @@ def test_select_period_from_the_epoch_length() -> None:
 
 
 def test_select_period_in_steps_counts_from_the_end_of_warm_up() -> None:
-    # The default preset's refresh (select_strategy step): every 8 steps after W=2 warm-up steps,
+    # The default's refresh (select_interval 8 steps): every 8 steps after W=2 warm-up steps,
     # with U=4 intervals that line up with it, so no interval is cut short.
     model = tiny_net()
-    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=4, select_strategy="step", select_interval=8,
-                        full_warm_up_rounds=2)
+    cfg = zen(topk_ratio=0.25, update_interval=4, select_interval=8, full_warm_up_rounds=2)
     with ZenFlowOptimizer(model.named_parameters(), cfg) as opt:
         stats = train(model, opt, 20)
     assert [s.step for s in stats if s.selection] == [2, 10, 18]
@@ -62,7 +64,7 @@ def test_select_period_in_steps_counts_from_the_end_of_warm_up() -> None:
 
 def test_lifecycle_close_flush_and_closure() -> None:
     model = tiny_net()
-    opt = ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(topk_ratio=0.1, update_interval=2))
+    opt = ZenFlowOptimizer(model.named_parameters(), zen(topk_ratio=0.1, update_interval=2))
     x = torch.randn(4, 16)
 
     def closure():
@@ -85,7 +87,7 @@ def test_lifecycle_close_flush_and_closure() -> None:
 
 def test_stats_describe_the_step() -> None:
     model = tiny_net()
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4)
+    cfg = zen(topk_ratio=0.1, update_interval=4)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0) as opt:
         stats = train(model, opt, 8)
         assert opt.scale_loss(torch.tensor(3.0)).item() == 3.0  # fp32: no loss scaling

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_offload_helpers import zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.auto_interval import IntervalPolicy
 
 
@@ -81,7 +82,7 @@ def constant_grads(layer: torch.nn.Linear, step: int) -> None:
 def test_optimizer_auto_interval_fires_where_the_rule_says(bounds: dict, expected: list[int]) -> None:
     torch.manual_seed(0)
     layer = torch.nn.Linear(COLS, ROWS)
-    cfg = ZenFlowConfig(topk_ratio=0.125, update_interval="auto", overlap_step=False, **bounds)
+    cfg = zen(topk_ratio=0.125, update_interval="auto", overlap_step=False, **bounds)
     with ZenFlowOptimizer(layer.named_parameters(), cfg, lr=1e-3, max_grad_norm=1.0) as opt:
         stats = []
         for t in range(30):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from test_offload_helpers import tiny_net
+from test_offload_helpers import tiny_net, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.offload.bandwidth import MAX_BYTES, MIN_BYTES, inflight_bytes
+from zfctl.offload.config import TuningConfig
 
 MiB = 2**20
 
@@ -32,15 +33,15 @@ def test_inflight_bytes_clamp() -> None:
 def test_inflight_budget_follows_the_setting_and_defaults_on_cpu() -> None:
     base = {"topk_ratio": 0.1, "update_interval": 2, "stream_grads": True}
     model = tiny_net()
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**base), lr=1e-2) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**base), lr=1e-2) as opt:
         grad_bytes = opt.layout.host_numel * opt._itemsize
-        ring = opt.config.ring_slots * opt._d2h.slot_bytes
+        ring = opt.config.tuning.ring_slots * opt._d2h.slot_bytes
         assert opt.d2h_gbps is None  # no probe off CUDA
         assert opt._stream.budget_bytes == min(4 * ring, grad_bytes)
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**base, inflight_mb=1e-4), lr=1e-2) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**base, inflight_mb=1e-4), lr=1e-2) as opt:
         assert opt._stream.budget_bytes == min(int(1e-4 * MiB), grad_bytes)
 
 
 def test_inflight_mb_is_validated() -> None:
-    with pytest.raises(ConfigError, match="zenflow.inflight_mb"):
-        ZenFlowConfig(inflight_mb=-1).validate()
+    with pytest.raises(ConfigError, match="zenflow.tuning.inflight_mb"):
+        ZenFlowConfig(tuning=TuningConfig(inflight_mb=-1)).validate()

@@ -4,13 +4,14 @@ resuming into fresh objects continues the same trajectory bit for bit."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from test_offload_helpers import batches, snapshot, tiny_net
+from test_offload_helpers import batches, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 
 # fc2 and head are the "vocabulary" matrices: split by row where a config says vocab_select: rows.
 HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0, "vocab_params": ["fc2.weight", "head.weight"]}
@@ -30,16 +31,14 @@ def steps(model, opt, data) -> list:
 CONFIGS = {
     # boundaries 3, 7, 11; at the stop (after step 9) the update submitted at step 7 is in flight;
     # re-selection at step 12 drains the pipeline after the resume.
-    "overlap": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
-                             select_interval=12),
-    "sequential": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=False),
-    "auto": ZenFlowConfig(topk_ratio=0.1, update_interval="auto", overlap_step=True, auto_ratio=0.5),
-    "warmup": ZenFlowConfig(topk_ratio=0.1, update_interval=3, full_warm_up_rounds=12),
+    "overlap": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12),
+    "sequential": zen(topk_ratio=0.1, update_interval=4, overlap_step=False),
+    "auto": zen(topk_ratio=0.1, update_interval="auto", overlap_step=True, auto_ratio=0.5),
+    "warmup": zen(topk_ratio=0.1, update_interval=3, full_warm_up_rounds=12),
     # The update submitted at step 7 is due at step 10 (install_lag 3): in flight at the stop.
-    "lag": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
-                         select_interval=12, install_lag=3),
-    "by-row": ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, select_strategy="step",
-                            select_interval=12, vocab_select="rows", deferred_lr_scale="repeat"),
+    "lag": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, install_lag=3),
+    "by-row": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, vocab_select="rows",
+                  deferred_lr_scale="repeat"),
 }
 
 
@@ -110,10 +109,10 @@ def test_state_must_match_the_optimizer() -> None:
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), CONFIGS["sequential"]) as opt:
         sd = opt.state_dict()
-    other = ZenFlowConfig(topk_ratio=0.2)
+    other = zen(topk_ratio=0.2)
     with ZenFlowOptimizer(model.named_parameters(), other) as opt, pytest.raises(ValueError, match="topk_ratio"):
         opt.load_state_dict(sd)
-    rows = ZenFlowConfig(**{**CONFIGS["sequential"].__dict__, "vocab_select": "rows"})
+    rows = replace(CONFIGS["sequential"], vocab_select="rows")
     with ZenFlowOptimizer(model.named_parameters(), rows, vocab_params=["head.weight"]) as opt:
         with pytest.raises(ValueError, match=r"saved with zenflow.vocab_select=columns .*resume with zenflow.vocab_select=columns"):
             opt.load_state_dict(sd)

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_offload_helpers import zen
 from torch import nn
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 
 WORLD, STEPS, PER_RANK, MICRO = 3, 10, 4, 2
-CFG = {"topk_ratio": 0.25, "update_interval": 3, "overlap_step": True, "select_strategy": "step",
-       "select_interval": 6, "full_warm_up_rounds": 1, "cpu_threads": 1, "pin_memory": False}
+CFG = {"topk_ratio": 0.25, "update_interval": 3, "overlap_step": True, "select_interval": 6,
+       "full_warm_up_rounds": 1, "cpu_threads": 1, "pin_memory": False}
 
 
 class Net(nn.Module):
@@ -63,7 +64,7 @@ def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str
     model = Net().to(device)
     x, y = _data()
     n = len(ranks) * MICRO
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**CFG), lr=5e-3, weight_decay=0.01,
+    with ZenFlowOptimizer(model.named_parameters(), zen(**CFG), lr=5e-3, weight_decay=0.01,
                           max_grad_norm=0.5, process_group=group) as opt:
         for t in range(STEPS):
             micro = [(r, m) for r in ranks for m in range(MICRO)]

@@ -10,10 +10,11 @@ is exactly the old arithmetic.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
-from test_offload_helpers import snapshot, tiny_net, train
+from test_offload_helpers import snapshot, tiny_net, train, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
@@ -62,8 +63,8 @@ def _updates(cfg: ZenFlowConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 2
 @pytest.mark.parametrize("mode", ["off", "sqrt", "linear"])
 def test_each_cpu_update_gets_the_scaled_lr(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Warm-up (1-step intervals), a re-selection (drain: a shortened interval) and full intervals.
-    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=4, full_warm_up_rounds=2, select_strategy="step",
-                        select_interval=8, deferred_lr_scale=mode)
+    cfg = zen(topk_ratio=0.25, update_interval=4, full_warm_up_rounds=2, select_interval=8,
+              deferred_lr_scale=mode)
     seen, _ = _updates(cfg, monkeypatch)
     lengths = [round(1 / gs) for _, _, gs in seen]
     assert 1 in lengths and 4 in lengths
@@ -78,10 +79,10 @@ def test_each_cpu_update_gets_the_scaled_lr(mode: str, monkeypatch: pytest.Monke
 def test_repeat_takes_n_steps_at_the_scheduled_lr(monkeypatch: pytest.MonkeyPatch) -> None:
     """repeat: lr and wd reach the CPU untouched, the update takes as many steps as its interval
     had (1 in warm-up, 4, or fewer before a re-selection), and the host counters count them."""
-    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=4, full_warm_up_rounds=2, select_strategy="step",
-                        select_interval=8, deferred_lr_scale="repeat")
+    cfg = zen(topk_ratio=0.25, update_interval=4, full_warm_up_rounds=2, select_interval=8,
+              deferred_lr_scale="repeat")
     seen, _ = _updates(cfg, monkeypatch)
-    plain, _ = _updates(ZenFlowConfig(**{**cfg.__dict__, "deferred_lr_scale": "off"}), monkeypatch)
+    plain, _ = _updates(replace(cfg, deferred_lr_scale="off"), monkeypatch)
     assert [u[:3] for u in seen] == plain  # the same lr, wd and mean-gradient scale as 'off'
     reps = [u[3] if len(u) == 4 else 1 for u in seen]
     assert reps == [round(1 / gs) for _, _, gs, *_ in seen] and 4 in reps and 1 in reps
@@ -94,10 +95,10 @@ def test_repeat_takes_n_steps_at_the_scheduled_lr(monkeypatch: pytest.MonkeyPatc
 
 
 def test_off_is_bit_identical_to_the_uncorrected_update(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=4, select_strategy="step", select_interval=8)
-    assert cfg.deferred_lr_scale == "off"  # the default
+    cfg = zen(topk_ratio=0.25, update_interval=4, select_interval=8)
+    assert cfg.deferred_lr_scale == "off"  # the paper's (test_offload_helpers.PAPER)
     seen_off, off = _updates(cfg, monkeypatch)
-    _, scaled = _updates(ZenFlowConfig(**{**cfg.__dict__, "deferred_lr_scale": "sqrt"}), monkeypatch)
+    _, scaled = _updates(replace(cfg, deferred_lr_scale="sqrt"), monkeypatch)
     assert not all(torch.equal(scaled[n], off[n]) for n in off)  # the comparison can see a change
     # The engine as it was before the option: the boundary's lr and wd go to the CPU unchanged.
     monkeypatch.setattr(optimizer_module, "corrected_hyperparams", lambda mode, n, lr, wd: (lr, wd))
@@ -108,10 +109,10 @@ def test_off_is_bit_identical_to_the_uncorrected_update(monkeypatch: pytest.Monk
 
 def test_device_columns_and_dense_params_ignore_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
     # topk 1: no CPU columns at all, so the option can have no effect; U=1 (zero-offload): n is 1.
-    for base in (ZenFlowConfig(topk_ratio=1.0), ZenFlowConfig(topk_ratio=0.0, update_interval=1, overlap_step=False)):
+    for base in (zen(topk_ratio=1.0), zen(topk_ratio=0.0, update_interval=1, overlap_step=False)):
         _, a = _updates(base, monkeypatch, steps=8)
         for mode in ("linear", "repeat"):
-            _, b = _updates(ZenFlowConfig(**{**base.__dict__, "deferred_lr_scale": mode}), monkeypatch, steps=8)
+            _, b = _updates(replace(base, deferred_lr_scale=mode), monkeypatch, steps=8)
             assert all(torch.equal(a[n], b[n]) for n in a)
 
 

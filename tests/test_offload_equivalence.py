@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_helpers import max_rel_err, snapshot, tiny_net, train
+from test_offload_helpers import max_rel_err, snapshot, tiny_net, train, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.offload.layout import plan_layout
@@ -13,8 +13,8 @@ from zfctl.offload.layout import plan_layout
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 STEPS = 50
 
-ALL_DEVICE = ZenFlowConfig(topk_ratio=1.0)
-ZERO_OFFLOAD = ZenFlowConfig(topk_ratio=0.0, update_interval=1, overlap_step=False)
+ALL_DEVICE = zen(topk_ratio=1.0)
+ZERO_OFFLOAD = zen(topk_ratio=0.0, update_interval=1, overlap_step=False)
 
 
 def reference(steps: int = STEPS, clip: float | None = None, schedule: bool = False) -> dict[str, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_lr_scheduler_drives_both_paths() -> None:
 def test_warm_up_steps_are_full_offload_steps() -> None:
     # While step < full_warm_up_rounds every matrix goes through the CPU AdamW synchronously, so a
     # run that never leaves warm-up is AdamW whatever topk_ratio/update_interval/overlap say.
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=STEPS)
+    cfg = zen(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=STEPS)
     got, stats = zenflow(cfg)
     assert all(s.warmup and s.boundary and s.installed and not s.selection for s in stats)
     assert max_rel_err(got, reference()) <= 1e-5
@@ -108,8 +108,7 @@ def test_higher_rank_weights_are_matrices_over_flattened_trailing_dims() -> None
     assert max_rel_err(got, ref) <= 1e-5
     # With selection, the conv weight's device columns are whole (in, kh, kw) positions: before
     # the first boundary (step 7) exactly those 5 columns of the [6, 27] view have changed.
-    cfg = ZenFlowConfig(topk_ratio=0.2, update_interval=8, overlap_step=False, select_strategy="step",
-                        select_interval=64)
+    cfg = zen(topk_ratio=0.2, update_interval=8, overlap_step=False, select_interval=64)
     before, after = run(lambda n: ZenFlowOptimizer(n.named_parameters(), cfg, **HP), steps=5)
     per_col = (after["conv.weight"] != before).view(6, 27).sum(0)
     assert sorted(per_col.tolist()) == [0] * 22 + [6] * 5

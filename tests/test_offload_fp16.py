@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net
+from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.scaler import DynamicLossScaler
 
 
@@ -24,7 +24,7 @@ def fp16_step(model, opt, x, y, poison: bool = False):
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 def test_injected_inf_skips_both_paths_and_lowers_the_scale(overlap: bool) -> None:
     model = tiny_net(dtype=torch.float16)
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=overlap)
+    cfg = zen(topk_ratio=0.1, update_interval=4, overlap_step=overlap)
     data = batches(8, dtype=torch.float16)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, max_grad_norm=1.0) as opt:
         assert opt.scale_loss(torch.tensor(2.0)).item() == 2.0 * 2**16
@@ -56,7 +56,7 @@ def test_unscale_is_folded_into_the_coefficient() -> None:
     # eps = 1e-3 makes AdamW sensitive to the gradient's scale: a missing unscale would show.
     def run(loss_scaling: bool):
         model = tiny_net(dtype=torch.float16)
-        cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=2, overlap_step=False)
+        cfg = zen(topk_ratio=0.1, update_interval=2, overlap_step=False)
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, eps=1e-3, loss_scaling=loss_scaling) as opt:
             for x, y in batches(6, dtype=torch.float16):
                 assert not fp16_step(model, opt, x, y).skipped

@@ -8,11 +8,29 @@ is small enough that 100 steps take well under a second on one core.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
 
 import torch
 from torch import nn
 
+from zfctl.offload.config import TuningConfig, ZenFlowConfig
+
 IN, HID, OUT = 16, 48, 8
+
+# The paper's settings: ZenFlowConfig()'s defaults before the defaults became the `default`
+# preset's (select once per epoch, no warm-up, uncorrected CPU step, vocabulary by columns). The
+# engine tests build their configs on them, so each keeps testing exactly what it always tested.
+PAPER: dict[str, Any] = {"select_interval": "auto", "full_warm_up_rounds": 0, "deferred_lr_scale": "off",
+                         "vocab_select": "columns"}
+TUNING_KEYS = {f.name for f in fields(TuningConfig)}
+
+
+def zen(**kw: Any) -> ZenFlowConfig:
+    """``ZenFlowConfig`` on the paper's settings with ``kw`` over them; the tuning keys
+    (install_lag, ring_slots, stream_grads, ...) may be given flat, as the tests always did."""
+    tuning = {k: kw.pop(k) for k in list(kw) if k in TUNING_KEYS}
+    return ZenFlowConfig(**{**PAPER, **kw}, tuning=TuningConfig(**tuning))
 
 
 class TinyNet(nn.Module):

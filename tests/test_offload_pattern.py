@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from test_offload_helpers import snapshot, tiny_net, train
+from test_offload_helpers import snapshot, tiny_net, train, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.offload.worker import CpuWorker
@@ -18,8 +18,7 @@ STEPS = 16  # boundaries at steps 3, 7, 11, 15
 
 
 def cfg(overlap: bool, **kw) -> ZenFlowConfig:
-    return ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=overlap, select_strategy="step",
-                         select_interval=64, **kw)
+    return zen(topk_ratio=0.1, update_interval=4, overlap_step=overlap, select_interval=64, **kw)
 
 
 def record(c: ZenFlowConfig, steps: int = STEPS):
@@ -95,7 +94,7 @@ def test_bit_identical_across_runs_slot_sizes_and_worker_timing(monkeypatch: pyt
 
 @pytest.mark.parametrize(("lag", "installs"), [(1, {4, 8, 12}), (3, {6, 10, 14}), (4, {7, 11, 15}), (9, {7, 11, 15})])
 def test_install_lag_lands_the_update_lag_steps_after_its_boundary(lag: int, installs: set[int]) -> None:
-    """zenflow.install_lag: the update submitted at boundary b lands at the end of step b + lag,
+    """zenflow.tuning.install_lag: the update submitted at boundary b lands at the end of step b + lag,
     or at the next boundary when that is sooner; host columns change only then."""
     history, selection, stats, _ = record(cfg(True, install_lag=lag))
     assert [s.step for s in stats if s.boundary] == [3, 7, 11, 15]

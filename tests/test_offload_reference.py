@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net
+from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 
 LR, B1, B2, EPS, WD, U, R, STEPS = 1e-2, 0.9, 0.999, 1e-6, 0.01, 4, 0.1, 24
 
@@ -34,7 +34,7 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
     ``host_repeat`` (deferred_lr_scale: repeat): the CPU takes U AdamW steps, all with the
     interval-mean gradient, each counted. ``rows``: weights split by row (zenflow.vocab_select:
     rows), stated as the same rules on the transposed weight and gradient. ``lag``
-    (zenflow.install_lag): with overlap, the update lands at the end of the lag-th step after its
+    (zenflow.tuning.install_lag): with overlap, the update lands at the end of the lag-th step after its
     boundary instead of at the next boundary."""
     model = tiny_net()
     leaves = dict(model.named_parameters())
@@ -110,8 +110,8 @@ ROWS = frozenset({"fc2.weight", "head.weight"})  # square and [8, 48]: stand-ins
                               "overlap-repeat-rows", "sequential-rows", "overlap-repeat-rows-lag1", "overlap-lag2"])
 def test_optimizer_matches_the_literal_algorithm(overlap: bool, scale: str, vocab: str, lag: int) -> None:
     model = tiny_net()
-    cfg = ZenFlowConfig(topk_ratio=R, update_interval=U, overlap_step=overlap, select_strategy="step",
-                        select_interval=1000, deferred_lr_scale=scale, vocab_select=vocab, install_lag=lag)
+    cfg = zen(topk_ratio=R, update_interval=U, overlap_step=overlap, select_interval=1000,
+              deferred_lr_scale=scale, vocab_select=vocab, install_lag=lag)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD,
                           vocab_params=ROWS) as opt:
         for x, y in batches(STEPS):

@@ -4,8 +4,9 @@ exactly (master, both moments and its step counter) when the selection changes."
 from __future__ import annotations
 
 import torch
+from test_offload_helpers import zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.layout import column_runs, num_selected
 from zfctl.offload.optimizer import ZenFlowOptimizer as _Opt
 
@@ -41,7 +42,7 @@ def test_column_runs_merge_adjacent_columns() -> None:
 
 def test_planted_large_gradient_columns_are_selected() -> None:
     layer = linear()
-    with ZenFlowOptimizer(layer.named_parameters(), ZenFlowConfig(topk_ratio=0.125), lr=1e-3) as opt:
+    with ZenFlowOptimizer(layer.named_parameters(), zen(topk_ratio=0.125), lr=1e-3) as opt:
         planted_grads(layer, FIRST, step=0)
         stats = opt.step()
         assert stats.selection
@@ -53,8 +54,7 @@ def test_planted_large_gradient_columns_are_selected() -> None:
 
 def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> None:
     layer = linear()
-    cfg = ZenFlowConfig(topk_ratio=0.125, update_interval=2, overlap_step=True, select_strategy="step",
-                        select_interval=4)
+    cfg = zen(topk_ratio=0.125, update_interval=2, overlap_step=True, select_interval=4)
     captured: dict[str, object] = {}
     original = _Opt._select
 

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from test_offload_helpers import batches, snapshot, tiny_net
+from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
-BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_strategy": "step", "select_interval": 6}
+BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
 
 
 def run(model, opt, data, *, hooks: bool, micro: int = 2) -> list:
@@ -42,7 +42,7 @@ def train(cfg: ZenFlowConfig, *, hooks: bool, steps: int = 14, dtype=torch.float
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype) -> None:
-    cfg = ZenFlowConfig(overlap_step=overlap, full_warm_up_rounds=1, **BASE)
+    cfg = zen(overlap_step=overlap, full_warm_up_rounds=1, **BASE)
     ref, ref_stats = train(cfg, hooks=False, dtype=dtype, clip=clip)
     got, stats = train(cfg, hooks=True, dtype=dtype, clip=clip)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
@@ -52,11 +52,11 @@ def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype) -> None:
 
 
 def test_auto_interval_and_stream_grads_off() -> None:
-    cfg = ZenFlowConfig(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5)
+    cfg = zen(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5)
     ref, _ = train(cfg, hooks=False, clip=1.0)
     got, stats = train(cfg, hooks=True, clip=1.0)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
-    off, stats_off = train(ZenFlowConfig(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5,
+    off, stats_off = train(zen(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5,
                                          stream_grads=False), hooks=True, clip=1.0)
     assert all(torch.equal(ref[n], off[n]) for n in ref)
     assert all(s.early_chunks == 0 for s in stats_off) and any(s.early_chunks for s in stats)
@@ -67,7 +67,7 @@ def test_step_leaves_no_gradient_work_for_itself(clip) -> None:
     """The CPU-testable property: with the hook path, step() copies no gradient chunk itself; every
     chunk left during backward and was accumulated before step() (coefficient known in advance)
     or by the host thread after it (clip: the coefficient needs every gradient first)."""
-    cfg = ZenFlowConfig(overlap_step=True, **BASE)
+    cfg = zen(overlap_step=True, **BASE)
     _, ref = train(cfg, hooks=False, clip=clip)
     _, stats = train(cfg, hooks=True, clip=clip)
     for r, s in zip(ref, stats):
@@ -84,7 +84,7 @@ def test_step_leaves_no_gradient_work_for_itself(clip) -> None:
 
 def test_only_the_final_backward_streams() -> None:
     model = tiny_net()
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**BASE), **HP) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
         run(model, opt, batches(1, seed=3), hooks=True)  # step 0 selects (the step() path)
         (x, y), = batches(1)
         opt.zero_grad(set_to_none=True)
@@ -100,7 +100,7 @@ def test_only_the_final_backward_streams() -> None:
 
 def test_fp16_overflow_drops_the_streamed_gradient() -> None:
     model = tiny_net(dtype=torch.float16)
-    cfg = ZenFlowConfig(**BASE)
+    cfg = zen(**BASE)
     data = batches(6, dtype=torch.float16)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3) as opt:
         run(model, opt, data[:4], hooks=True)
@@ -122,7 +122,7 @@ def test_fp16_overflow_drops_the_streamed_gradient() -> None:
 
 @pytest.mark.parametrize("stop", [4, 5])
 def test_resume_with_accumulation_in_flight_is_bit_identical(stop: int) -> None:
-    cfg, data = ZenFlowConfig(overlap_step=True, **BASE), batches(12)
+    cfg, data = zen(overlap_step=True, **BASE), batches(12)
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
         run(model, opt, data, hooks=True)
@@ -145,7 +145,7 @@ def test_resume_with_accumulation_in_flight_is_bit_identical(stop: int) -> None:
 
 def test_a_second_final_backward_is_refused() -> None:
     model = tiny_net()
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**BASE), **HP) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
         run(model, opt, batches(1, seed=3), hooks=True)
         (x, y), = batches(1)
         opt.prepare_backward(final=True)
@@ -158,7 +158,7 @@ def test_a_second_final_backward_is_refused() -> None:
 def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool) -> None:
     """The interval's first step writes the accumulator instead of adding (no zeroing pass), so a
     matrix without a gradient at that step must write zeros, not keep an older interval's sum."""
-    cfg = ZenFlowConfig(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: acc0 again at 6
+    cfg = zen(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: acc0 again at 6
 
     def go(hook_path: bool, zeros: bool):
         model = tiny_net()
@@ -197,7 +197,7 @@ def test_the_inflight_budget_counts_the_previous_steps_copies() -> None:
     """At 7B the D2H of one step can outlast the next step's forward: its temporaries are still
     in flight when the next backward's hooks start, and the cap must count them (it is not reset
     per step), waiting for the oldest copies first."""
-    cfg = ZenFlowConfig(**BASE, accumulate="host", inflight_mb=1e-3)  # a cap of 1048 bytes
+    cfg = zen(**BASE, accumulate="host", inflight_mb=1e-3)  # a cap of 1048 bytes
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
         stream = opt._stream
         assert stream is not None and stream.budget_bytes == int(1e-3 * 2**20)
@@ -226,7 +226,7 @@ def test_helper_threads_bind_the_optimizer_device_first(monkeypatch) -> None:
 
     monkeypatch.setattr(stream_mod, "bind_device", record)
     monkeypatch.setattr(worker_mod, "bind_device", record)
-    cfg = ZenFlowConfig(**BASE, accumulate="host", overlap_step=True)
+    cfg = zen(**BASE, accumulate="host", overlap_step=True)
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0, **HP) as opt:  # clip: jobs on the thread
         run(model, opt, batches(6), hooks=True)
@@ -251,7 +251,7 @@ def test_a_matrix_whose_gradient_came_from_an_earlier_micro_batch_is_not_lost() 
     def train_branchy(hooks: bool):
         torch.manual_seed(0)
         model = Branchy()
-        cfg = ZenFlowConfig(**BASE, accumulate="host", full_warm_up_rounds=1)
+        cfg = zen(**BASE, accumulate="host", full_warm_up_rounds=1)
         with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
             stats = []
             for x, y in batches(10):

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_offload_helpers import zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 
 STEPS, BATCH, MICRO = 12, 8, 2
 
@@ -32,7 +33,7 @@ def _model() -> torch.nn.Module:
 def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int], list[int]]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(STEPS, BATCH, 16, generator=g), torch.randn(STEPS, BATCH, 8, generator=g)
-    cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=3, overlap_step=True, cpu_threads=1, pin_memory=False)
+    cfg = zen(topk_ratio=0.25, update_interval=3, overlap_step=True, cpu_threads=1, pin_memory=False)
     model, per = _model(), BATCH // world
     early, sent = [], []
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=0.5,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_helpers import batches, tiny_net
+from test_offload_helpers import batches, tiny_net, zen
 
 from zfctl import _native as N
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.config import TuningConfig
 from zfctl.offload.threads import ACC_POOL, split_threads
 
 
@@ -27,8 +28,8 @@ def test_explicit_split_overrides_and_clamps() -> None:
 
 def test_accumulate_threads_is_validated() -> None:
     for bad in (-1, 1.5, True):
-        with pytest.raises(ConfigError, match="zenflow.accumulate_threads"):
-            ZenFlowConfig(accumulate_threads=bad).validate()
+        with pytest.raises(ConfigError, match="zenflow.tuning.accumulate_threads"):
+            ZenFlowConfig(tuning=TuningConfig(accumulate_threads=bad)).validate()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -49,8 +50,8 @@ def test_option_reaches_the_native_calls(monkeypatch, stream: bool) -> None:
     monkeypatch.setattr(N, "accumulate", spy_acc)
     monkeypatch.setattr(N, "adamw_step", spy_adam)
     before = N.get_num_threads()
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3,
-                        accumulate_threads=1, stream_grads=stream)
+    cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3,
+              accumulate_threads=1, stream_grads=stream)
     model = tiny_net()
     try:
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
@@ -78,8 +79,8 @@ def test_without_overlap_the_update_takes_every_thread(monkeypatch) -> None:
 
     monkeypatch.setattr(N, "adamw_step", spy_adam)
     before = N.get_num_threads()
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3,
-                        overlap_step=False)
+    cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3,
+              overlap_step=False)
     model = tiny_net()
     try:
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_helpers import batches, snapshot, tiny_net, train
+from test_offload_helpers import batches, snapshot, tiny_net, train, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, vocab_matrices
@@ -51,8 +51,7 @@ def test_rows_puts_the_tokens_in_play_on_the_device() -> None:
     (k = 10) include all 6; the Linear in between still chooses columns."""
     used = [3, 7, 19, 42, 64, 90]
     model = TokenNet()
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=2,
-                        vocab_select="rows")
+    cfg = zen(topk_ratio=0.1, update_interval=2, select_interval=2, vocab_select="rows")
     with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=["embed.weight", "head.weight"], **HP) as opt:
         _token_steps(model, opt, 4, used)
         slots = {s.name: s for s in opt.layout.slots}
@@ -64,9 +63,8 @@ def test_rows_puts_the_tokens_in_play_on_the_device() -> None:
 
 
 def test_columns_ignores_the_vocab_names_bit_for_bit() -> None:
-    """'columns' (the engine's default) with the vocabulary named is the engine without them."""
-    cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
-                        deferred_lr_scale="repeat")
+    """'columns' (the paper's) with the vocabulary named is the engine without them."""
+    cfg = zen(topk_ratio=0.1, update_interval=4, select_interval=8, deferred_lr_scale="repeat")
     results = []
     for names in ([], ["fc2.weight", "head.weight"]):
         model = tiny_net()
@@ -86,7 +84,7 @@ def test_rows_changes_only_the_named_matrices() -> None:
     layouts, out = {}, {}
     for mode in ("columns", "rows"):
         model = tiny_net()
-        cfg = ZenFlowConfig(topk_ratio=0.25, update_interval=2, vocab_select=mode)
+        cfg = zen(topk_ratio=0.25, update_interval=2, vocab_select=mode)
         with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=names, **HP) as opt:
             train(model, opt, 8)
             opt.flush()
@@ -138,7 +136,7 @@ def test_a_row_split_matrix_wholly_on_the_device_is_adamw_bit_for_bit() -> None:
     out = []
     for mode in ("columns", "rows"):
         model = tiny_net()
-        cfg = ZenFlowConfig(topk_ratio=1.0, vocab_select=mode)
+        cfg = zen(topk_ratio=1.0, vocab_select=mode)
         with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=["fc2.weight", "head.weight"], **HP) as opt:
             for x, y in batches(6):
                 opt.zero_grad()

@@ -66,9 +66,9 @@ def test_values_are_coerced_to_schema_types() -> None:
             "train": {"lr": "2e-5", "betas": ["0.9", 0.98], "max_steps": 100.0, "max_grad_norm": None},
             "zenflow": {
                 "update_interval": "auto",
-                "select_interval": 8,
-                "select_strategy": "step",
+                "select_interval": "2 Epoch",
                 "overlap_step": "false",
+                "tuning": {"ring_slots": "2", "ring_slot_mb": 8},
             },
         }
     )
@@ -76,8 +76,10 @@ def test_values_are_coerced_to_schema_types() -> None:
     assert plan.train.betas == (0.9, 0.98)
     assert plan.train.max_steps == 100 and isinstance(plan.train.max_steps, int)
     assert plan.train.max_grad_norm is None
-    assert plan.zenflow.update_interval == "auto" and plan.zenflow.select_interval == 8
+    assert plan.zenflow.update_interval == "auto" and plan.zenflow.select_interval == "2 epochs"
     assert plan.zenflow.overlap_step is False
+    assert (plan.zenflow.tuning.ring_slots, plan.zenflow.tuning.ring_slot_mb) == (2, 8.0)
+    assert isinstance(plan.zenflow.tuning.ring_slot_mb, float)
 
 
 @pytest.mark.parametrize(
@@ -93,11 +95,12 @@ def test_values_are_coerced_to_schema_types() -> None:
         ({"train": {"lr": 0}}, "train.lr", "must be > 0"),
         ({"zenflow": {"topk_ratio": -0.1}}, "zenflow.topk_ratio", "[0, 1]"),
         ({"zenflow": {"update_interval": 0}}, "zenflow.update_interval", ">= 1"),
-        (
-            {"zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}},
-            "zenflow.select_interval",
-            ">= update_interval",
-        ),
+        ({"zenflow": {"select_interval": 2, "update_interval": 4}}, "zenflow.select_interval", ">= update_interval"),
+        ({"zenflow": {"select_interval": "0 epochs"}}, "zenflow.select_interval", "auto, epoch or 'N epochs'"),
+        ({"zenflow": {"tuning": {"ring_slot": 2}}}, "zenflow.tuning.ring_slot", "did you mean zenflow.tuning.ring_slots"),
+        ({"zenflow": {"ring_slot": 2}}, "zenflow.ring_slot", "did you mean zenflow.tuning.ring_slots"),
+        ({"zenflow": {"tuning": {"auto_min_interval": 4, "auto_max_interval": 2}}},
+         "zenflow.tuning.auto_max_interval", ">= tuning.auto_min_interval (4)"),
         ({"data": {"end_idx": 0}}, "data.end_idx", "greater than data.start_idx"),
         ({"data": {"template": "classification"}}, "data.label_names", ">= 2 label words"),
         ({"data": {"packing": True}}, "data.packing", "templates text and chat"),
@@ -159,20 +162,21 @@ def test_deepspeed_reference_config_resolves_to_expected_plan(tmp_path: Path) ->
     notes: list[str] = []
     plan = resolve_plan("llama2-7b", "alpaca", config=path, notes=notes)
     z, t = plan.zenflow, plan.train
-    assert (z.topk_ratio, z.update_interval, z.full_warm_up_rounds, z.overlap_step, z.pin_memory) == (
+    assert (z.topk_ratio, z.update_interval, z.full_warm_up_rounds, z.overlap_step, z.tuning.pin_memory) == (
         0.1,
         4,
         0,
         True,
         True,
     )
-    assert (z.select_strategy, z.select_interval) == ("auto", "auto")
+    assert (z.select_interval, z.deferred_lr_scale, z.vocab_select) == ("auto", "off", "columns")
     assert (t.lr, t.betas, t.eps, t.weight_decay) == (2e-5, (0.9, 0.999), 1e-8, 0.01)
     assert (t.precision, t.max_grad_norm, t.gradient_accumulation_steps) == ("bf16", 1.0, 1)
     assert t.micro_batch_size == 8  # train_batch_size 8 with no micro size: one process takes all 8
     joined = "\n".join(notes)
     assert "zero_allow_untested_optimizer" in joined and "wall_clock_breakdown" in joined
     assert "train_batch_size 8" in joined
+    assert "offload_optimizer.pin_memory read as zenflow.tuning.pin_memory" in joined
 
 
 def test_set_off_reaches_a_literal_that_has_off(tmp_path: Path) -> None:
@@ -192,10 +196,9 @@ def test_deepspeed_defaults_and_baselines() -> None:
     zf = from_deepspeed(
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}}
     )
-    assert zf.fragment["zenflow"] == {"overlap_step": False, "update_interval": "auto", "select_strategy": "auto",
-                                      "select_interval": "auto", "full_warm_up_rounds": 0,
-                                      "deferred_lr_scale": "off", "vocab_select": "columns",
-                                      "install_lag": 0}
+    assert zf.fragment["zenflow"] == {"overlap_step": False, "update_interval": "auto", "select_interval": "auto",
+                                      "full_warm_up_rounds": 0, "deferred_lr_scale": "off",
+                                      "vocab_select": "columns", "tuning": {"install_lag": 0}}
     # cpu offload without zenflow = ZeRO-Offload; no offload = everything on the device
     zo = from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert zo.fragment["zenflow"] == {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}

@@ -82,8 +82,8 @@ def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: i
 @pytest.mark.parametrize("stream", [True, False], ids=["hooks", "step-path"])
 def test_engine_allocates_what_the_plan_says(model, accumulate, overlap, stream) -> None:
     held, planned = engine_bytes([f"zenflow.accumulate={accumulate}", f"zenflow.overlap_step={overlap}",
-                                  f"zenflow.stream_grads={stream}", "zenflow.select_strategy=step",
-                                  "zenflow.select_interval=4", "zenflow.update_interval=2"], model)
+                                  f"zenflow.tuning.stream_grads={stream}", "zenflow.select_interval=4",
+                                  "zenflow.update_interval=2"], model)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
 
 

@@ -11,8 +11,11 @@ import pytest
 import tomllib
 import yaml
 
+from zfctl.offload.config import ZenFlowConfig
 from zfctl.plan import plan_from_dict, resolve_plan
+from zfctl.plan.coerce import section_from_dict
 from zfctl.plan.io import read_mapping
+from zfctl.plan.legacy import upgrade_zenflow
 from zfctl.plan.memory import Machine, estimate
 from zfctl.plan.presets import KINDS, list_presets
 from zfctl.plan.schema import RunPlan
@@ -24,6 +27,30 @@ EXPECTED = {
     "data": {"alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample", "chat-sample", "ultrachat"},
     "zenflow": {"default", "paper", "aggressive", "zero-offload", "off"},
 }
+
+
+# What each zenflow preset resolved to before the defaults became the `default` preset's (zfctl
+# 0.x with the flat zenflow.* keys), in that version's spelling: whatever the model and data, a
+# preset must still resolve to exactly these values, read through the mapping of old keys.
+_PAPER_OLD = {"select_strategy": "auto", "select_interval": "auto", "full_warm_up_rounds": 0,
+              "deferred_lr_scale": "off", "vocab_select": "columns"}
+_MACHINERY_OLD = {"install_lag": 0, "stream_grads": True, "accumulate": "auto", "pin_memory": True,
+                  "auto_ratio": 0.99, "auto_min_interval": 1, "auto_max_interval": 16, "cpu_threads": 0,
+                  "accumulate_threads": 0, "ring_slots": 4, "ring_slot_mb": 32.0, "inflight_mb": 0.0}
+BEFORE = {
+    "default": {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 8, "update_interval": 4,
+                "full_warm_up_rounds": 20, "overlap_step": True, "deferred_lr_scale": "repeat",
+                "vocab_select": "rows", **_MACHINERY_OLD},
+    "paper": {**_PAPER_OLD, "topk_ratio": 0.1, "update_interval": 4, "overlap_step": True, **_MACHINERY_OLD},
+    "aggressive": {**_PAPER_OLD, "topk_ratio": 0.05, "update_interval": 8, "overlap_step": True, **_MACHINERY_OLD},
+    "zero-offload": {**_PAPER_OLD, "topk_ratio": 0.0, "update_interval": 1, "overlap_step": False,
+                     **_MACHINERY_OLD},
+    "off": {**_PAPER_OLD, "topk_ratio": 1.0, "update_interval": 4, "overlap_step": False, **_MACHINERY_OLD},
+}
+
+
+def _before(name: str) -> ZenFlowConfig:
+    return section_from_dict(ZenFlowConfig, upgrade_zenflow(BEFORE[name]), "zenflow")
 
 
 def test_the_catalogue_is_complete() -> None:
@@ -50,6 +77,7 @@ def test_every_model_data_zenflow_combination_resolves(model: str) -> None:
         for zenflow in sorted(EXPECTED["zenflow"]):
             plan = resolve_plan(model, data, zenflow=zenflow)
             assert (plan.model.name, plan.data.name) == (model, data)
+            assert plan.zenflow == _before(zenflow), (model, data, zenflow)  # today's values, new spelling
     est = estimate(
         resolve_plan(model, "alpaca"), Machine(host_ram=1e12, cuda=True, gpu_name="x", gpu_mem=1e12)
     )
@@ -80,19 +108,15 @@ def test_zenflow_presets_mean_what_they_say() -> None:
         for name in EXPECTED["zenflow"]
     }
     d = z["default"]
-    assert (d.topk_ratio, d.update_interval, d.overlap_step, d.select_strategy, d.select_interval) == (
-        0.1,
-        4,
-        True,
-        "step",
-        8,
-    )
-    assert (d.full_warm_up_rounds, d.deferred_lr_scale, d.vocab_select, d.install_lag) == (20, "repeat", "rows", 0)
+    assert d == ZenFlowConfig()  # the library's defaults are the default preset
+    assert (d.topk_ratio, d.update_interval, d.overlap_step, d.select_interval) == (0.1, 4, True, 8)
+    assert (d.full_warm_up_rounds, d.deferred_lr_scale, d.vocab_select, d.tuning.install_lag) == (
+        20, "repeat", "rows", 0)
     # paper: the same split, selected once per epoch, no warm-up, uncorrected CPU step
     p = z["paper"]
-    assert (p.topk_ratio, p.update_interval, p.overlap_step, p.select_strategy, p.select_interval) == (
-        0.1, 4, True, "auto", "auto")
-    assert (p.full_warm_up_rounds, p.deferred_lr_scale, p.vocab_select, p.install_lag) == (0, "off", "columns", 0)
+    assert (p.topk_ratio, p.update_interval, p.overlap_step, p.select_interval) == (0.1, 4, True, "auto")
+    assert (p.full_warm_up_rounds, p.deferred_lr_scale, p.vocab_select, p.tuning.install_lag) == (
+        0, "off", "columns", 0)
     zo = z["zero-offload"]
     assert (zo.topk_ratio, zo.update_interval, zo.overlap_step) == (0.0, 1, False)
     assert z["off"].topk_ratio == 1.0

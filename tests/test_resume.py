@@ -56,7 +56,7 @@ def _tensors_equal(a, b, path="") -> None:
 
 
 ZENFLOW = ["zenflow.topk_ratio=0.1", "zenflow.update_interval=4", "zenflow.overlap_step=true",
-           "zenflow.select_strategy=step", "zenflow.select_interval=8", "zenflow.full_warm_up_rounds=1"]
+           "zenflow.select_interval=8", "zenflow.full_warm_up_rounds=1"]
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_offload_helpers import zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload import ZenFlowOptimizer
 from zfctl.plan import resolve_plan
 from zfctl.train.data.prepare import prepare_data
 from zfctl.train.models.load import load_model, load_tokenizer
@@ -52,12 +53,12 @@ def test_tiny_llama_zenflow_matches_adamw_final_loss(tmp_path) -> None:
     torch.set_num_threads(1)  # on a shared 2-core box, 2 intra-op threads run 15x slower
     try:
         adamw = run(lambda m: torch.optim.AdamW(m.parameters(), **hp), plan, data)
-        cfg = ZenFlowConfig(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=20)
-        zen = run(lambda m: ZenFlowOptimizer(m.named_parameters(), cfg, **hp), plan, data)
+        cfg = zen(topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=20)
+        zenflow = run(lambda m: ZenFlowOptimizer(m.named_parameters(), cfg, **hp), plan, data)
     finally:
         torch.set_num_threads(threads)
 
-    ref, got = sum(adamw[-TAIL:]) / TAIL, sum(zen[-TAIL:]) / TAIL
+    ref, got = sum(adamw[-TAIL:]) / TAIL, sum(zenflow[-TAIL:]) / TAIL
     print(f"final train loss (mean of last {TAIL} steps): AdamW {ref:.4f}, ZenFlow {got:.4f}, "
           f"start {adamw[0]:.3f}")
     assert adamw[0] - ref > 2.0  # both really trained (from ~ln 4096 = 8.3)

@@ -65,8 +65,9 @@ def _reshard(rank: int) -> tuple[dict | None, dict]:
     """2 ranks train 10 steps straight; 2 ranks train 5, save their states, and rank 0 alone
     continues from both states (merged pieces) for 5 more: the 1-process continuation."""
     from test_offload_collective_order import CFG, Net, _data
+    from test_offload_helpers import zen
 
-    from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+    from zfctl.offload import ZenFlowOptimizer
     from zfctl.offload.reshard import merge_states
 
     def steps(model, opt, lo, hi, ranks):
@@ -81,7 +82,7 @@ def _reshard(rank: int) -> tuple[dict | None, dict]:
     def make(group):
         torch.manual_seed(0)
         model = Net().cuda()
-        return model, ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**CFG), lr=5e-3,
+        return model, ZenFlowOptimizer(model.named_parameters(), zen(**CFG), lr=5e-3,
                                        max_grad_norm=0.5, process_group=group)
 
     model, opt = make(dist.group.WORLD)

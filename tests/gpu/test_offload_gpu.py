@@ -15,14 +15,14 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from test_offload_helpers import HID, IN, OUT, batches, max_rel_err, snapshot, tiny_net, train
+from test_offload_helpers import HID, IN, OUT, batches, max_rel_err, snapshot, tiny_net, train, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
 
 pytestmark = pytest.mark.gpu
 # fc2 and head stand in for the vocabulary matrices: split by row where a config says vocab_select: rows.
 HP = {"lr": 1e-2, "weight_decay": 0.01, "vocab_params": ["fc2.weight", "head.weight"]}
-ZEN = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step", "select_interval": 12}
+ZEN = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 12}
 PATHS = {"host-hooks": {"accumulate": "host", "stream_grads": True},
          "host-step": {"accumulate": "host", "stream_grads": False},
          "device": {"accumulate": "device"}}
@@ -71,8 +71,8 @@ def _exact_matmuls():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("cfg", [ZenFlowConfig(topk_ratio=1.0),
-                                 ZenFlowConfig(topk_ratio=0.0, update_interval=1, overlap_step=False,
+@pytest.mark.parametrize("cfg", [zen(topk_ratio=1.0),
+                                 zen(topk_ratio=0.0, update_interval=1, overlap_step=False,
                                                accumulate="host")],
                          ids=["r=1", "r=0,U=1"])
 @pytest.mark.parametrize("clip", [None, 0.25])
@@ -97,7 +97,7 @@ def test_cuda_limits_reproduce_torch_adamw(cfg, clip) -> None:
 def test_cuda_matches_cpu_implementation_fp32(path: str, overlap: bool, extra: dict) -> None:
     """Rings, transposes, hooks, the device sum and installs on CUDA against the same optimizer on
     CPU (where the same code runs synchronously): matmul kernels differ, the optimizer must not."""
-    cfg = ZenFlowConfig(overlap_step=overlap, **ZEN, **PATHS[path], **extra)
+    cfg = zen(overlap_step=overlap, **ZEN, **PATHS[path], **extra)
     cpu, cpu_stats = zen_run(cfg, "cpu")
     gpu, gpu_stats = zen_run(cfg, "cuda", hooks=path == "host-hooks")
     assert [s.installed for s in cpu_stats] == [s.installed for s in gpu_stats]
@@ -110,7 +110,7 @@ def test_cuda_matches_cpu_implementation_fp32(path: str, overlap: bool, extra: d
 def test_cuda_bf16_trains_like_the_fp32_reference(path: str) -> None:
     """bf16 on CUDA against the same optimizer in fp32 on CPU, within bf16's resolution (2^-8), on
     every path; and the host columns' gradients really crossed PCIe (bytes counted per step)."""
-    cfg = ZenFlowConfig(overlap_step=True, **ZEN, **PATHS[path])
+    cfg = zen(overlap_step=True, **ZEN, **PATHS[path])
     ref, _ = zen_run(cfg, "cpu", steps=16)
     got, stats = zen_run(cfg, "cuda", steps=16, dtype=torch.bfloat16, hooks=path == "host-hooks")
     init = {n: p.cpu() for n, p in snapshot(tiny_net()).items()}
@@ -134,18 +134,18 @@ def test_cuda_bf16_trains_like_the_fp32_reference(path: str) -> None:
 def test_cuda_bit_identical_across_slots_and_pinning() -> None:
     """The same optimizer with one tiny ring slot (every chunk through one slot: each refill waits
     for the previous copy) and with pageable memory (the staging path): the same bits."""
-    base, _ = zen_run(ZenFlowConfig(**ZEN, **PATHS["host-step"]), "cuda", hooks=False)
+    base, _ = zen_run(zen(**ZEN, **PATHS["host-step"]), "cuda", hooks=False)
     for kw in ({"ring_slots": 1, "ring_slot_mb": 0.0005}, {"pin_memory": False}):
-        other, _ = zen_run(ZenFlowConfig(**ZEN, **PATHS["host-step"], **kw), "cuda", hooks=False)
+        other, _ = zen_run(zen(**ZEN, **PATHS["host-step"], **kw), "cuda", hooks=False)
         assert all(torch.equal(base[n], other[n]) for n in base), kw
-    again, _ = zen_run(ZenFlowConfig(**ZEN, **PATHS["host-step"]), "cuda", hooks=False)
+    again, _ = zen_run(zen(**ZEN, **PATHS["host-step"]), "cuda", hooks=False)
     assert all(torch.equal(base[n], again[n]) for n in base)  # and run to run
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_resume_mid_interval_is_bit_identical(path: str, dtype) -> None:
-    cfg, data = ZenFlowConfig(**ZEN, **PATHS[path]), batches(20, dtype=dtype)
+    cfg, data = zen(**ZEN, **PATHS[path]), batches(20, dtype=dtype)
     hooks = path == "host-hooks"
     model = tiny_net(device="cuda", dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
@@ -188,7 +188,7 @@ def _tied_run(hooks: bool):
     model = TiedNet().cuda().half()
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(0, 64, (8, 6), generator=g) for _ in range(14)]
-    cfg = ZenFlowConfig(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, max_grad_norm=1.0,
                           vocab_params=["emb.weight"]) as opt:
         stats = []
@@ -219,8 +219,8 @@ def test_cuda_inflight_cap_makes_hooks_wait_and_changes_no_bit() -> None:
     waits are counted), and the result is the step() path's."""
     from zfctl.offload.pcie import delay_copies
 
-    cfg = ZenFlowConfig(**ZEN, **PATHS["host-hooks"], inflight_mb=1e-4, ring_slot_mb=0.0005)
-    ref, _ = zen_run(ZenFlowConfig(**ZEN, **PATHS["host-step"], ring_slot_mb=0.0005), "cuda", hooks=False)
+    cfg = zen(**ZEN, **PATHS["host-hooks"], inflight_mb=1e-4, ring_slot_mb=0.0005)
+    ref, _ = zen_run(zen(**ZEN, **PATHS["host-step"], ring_slot_mb=0.0005), "cuda", hooks=False)
     delay_copies(1_000_000)  # ~0.5 ms per copy: the previous chunk's copy is still running at each hook
     try:
         got, stats = zen_run(cfg, "cuda")
@@ -233,7 +233,7 @@ def test_cuda_inflight_cap_makes_hooks_wait_and_changes_no_bit() -> None:
 def test_cuda_d2h_probe_measures_a_plausible_rate_and_close_unpins_everything() -> None:
     model = tiny_net().cuda()
     before = pinned.registered_bytes()
-    with ZenFlowOptimizer(model.named_parameters(), ZenFlowConfig(**ZEN, **PATHS["host-hooks"]), lr=1e-2) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**ZEN, **PATHS["host-hooks"]), lr=1e-2) as opt:
         # PCIe gen3 x16 moves ~12 GB/s, gen5 x16 ~55, NVLink-C2C ~400: anything outside is a bad timing.
         assert opt.d2h_gbps is not None and 1.0 < opt.d2h_gbps < 1000.0
         assert pinned.registered_bytes() > before  # master, landing buffers, ring
@@ -256,7 +256,7 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     stream = path != "host-step"
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cuda", "train.precision=bf16", f"zenflow.accumulate={acc}", f"zenflow.stream_grads={stream}",
-        "zenflow.full_warm_up_rounds=0", "zenflow.select_strategy=step", "zenflow.select_interval=4",
+        "zenflow.full_warm_up_rounds=0", "zenflow.select_interval=4",
         "zenflow.update_interval=2"])
     import gc
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_offload_gpu import HP, PATHS, ZEN, loop
-from test_offload_helpers import batches, snapshot, tiny_net
+from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
 from zfctl.offload.pcie import delay_copies
@@ -55,9 +55,9 @@ def test_hook_path_under_slow_copies(slow_copies, dtype, clip) -> None:
     (``fences``); the copy reads a fresh temporary, never ``.grad`` itself (a by-row column range
     is contiguous already: reading ``.grad`` would race with the in-place zero of the next step);
     the CPU worker waits for the interval's last accumulation job (its fence)."""
-    cfg = ZenFlowConfig(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
     delay_copies(0)
-    ref, _ = _run(ZenFlowConfig(**ZEN, **PATHS["host-step"], vocab_select="rows", overlap_step=True),
+    ref, _ = _run(zen(**ZEN, **PATHS["host-step"], vocab_select="rows", overlap_step=True),
                   dtype=dtype, hooks=False, clip=clip, set_to_none=False)
     delay_copies(DELAY)
     got, stats = _run(cfg, dtype=dtype, hooks=True, clip=clip, set_to_none=False)
@@ -70,7 +70,7 @@ def test_step_path_one_ring_slot_under_slow_copies(slow_copies, dtype) -> None:
     """step() path through one tiny ring slot: every chunk reuses it. Covers: the host waits for a
     chunk's copy event before it accumulates the slot, and before the next chunk refills it
     (ring.py ``d2h``); the scalar fetch's event (``fetch``)."""
-    cfg = ZenFlowConfig(**ZEN, **PATHS["host-step"], ring_slots=1, ring_slot_mb=0.0005)
+    cfg = zen(**ZEN, **PATHS["host-step"], ring_slots=1, ring_slot_mb=0.0005)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False)
     delay_copies(DELAY)
@@ -85,7 +85,7 @@ def test_device_path_under_slow_copies(slow_copies, dtype, overlap) -> None:
     device sum waits (on the device) for that matrix's copy out (device_acc.py ``add``); the CPU
     worker waits for the last copy out before it reads the host accumulator (its fence); the
     boundary collects the previous update before the sum lands in the one host accumulator."""
-    cfg = ZenFlowConfig(**ZEN, **PATHS["device"], overlap_step=overlap)
+    cfg = zen(**ZEN, **PATHS["device"], overlap_step=overlap)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False, clip=0.5)
     delay_copies(DELAY)
@@ -102,7 +102,7 @@ def test_install_under_slow_copies(slow_copies, dtype, pin) -> None:
     waits for the install's DMA before it writes the master it reads (``HostState.install_fence``),
     else the params would receive the next update's values; without page-locking, a host slot is
     refilled only after its previous copy."""
-    cfg = ZenFlowConfig(**ZEN, **PATHS["host-step"], overlap_step=True, pin_memory=pin)
+    cfg = zen(**ZEN, **PATHS["host-step"], overlap_step=True, pin_memory=pin)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False)
     delay_copies(DELAY)

@@ -45,7 +45,7 @@ class BenchConfig:
             topk_ratio=self.topk,
             update_interval=self.interval,
             overlap_step=self.overlap,
-            pin_memory=self.pin,
+            tuning=replace(base.tuning, pin_memory=self.pin),
             full_warm_up_rounds=0,
         ).validate()
 

@@ -60,38 +60,47 @@ def _model_config(name: str):
 # be silently overwritten), so it names the flag instead.
 _FLAG_KEYS = {
     "topk_ratio": "--topk", "update_interval": "--interval", "overlap_step": "--overlap",
-    "pin_memory": "--pin", "cpu_threads": "--cpu-threads", "accumulate": "--accumulate",
+    "tuning.pin_memory": "--pin", "cpu_threads": "--cpu-threads", "accumulate": "--accumulate",
     "full_warm_up_rounds": "--warmup (the bench times after its own untimed steps; no warm-up rounds)",
 }
 
 
-def _zenflow_config(name: str | None, overrides: list[str]):
-    """The typed ZenFlowConfig every configuration starts from: a zenflow preset's keys (or the
-    library defaults) with ``--set zenflow.KEY=VALUE`` layered on top; None when neither is given."""
+# Without --zenflow the bench runs the reference benchmark's algorithm (the paper, as DeepSpeed runs
+# it), as it always has: its rows stay comparable with the reference and with earlier reports.
+BENCH_PRESET = "paper"
+
+
+def _zenflow_config(name: str | None, overrides: list[str], notes: list[str] | None = None):
+    """The typed ZenFlowConfig every configuration starts from: a zenflow preset's keys (default
+    ``BENCH_PRESET``) with ``--set zenflow.KEY=VALUE`` layered on top. Keys of an older zfctl are
+    mapped (zfctl/plan/legacy.py), a line each in ``notes``."""
     from zfctl.offload.config import ZenFlowConfig
     from zfctl.plan.coerce import section_from_dict
+    from zfctl.plan.legacy import upgrade_zenflow
     from zfctl.plan.overrides import deep_merge, parse_override
     from zfctl.plan.presets import find_preset, list_presets
 
-    if name is None and not overrides:
-        return None
-    keys: dict = {}
-    if name is not None:
-        preset = find_preset("zenflow", name)
-        if preset is None:
-            names = ", ".join(p.name for p in list_presets("zenflow"))
-            raise UserError(f"--zenflow {name!r}: not a zenflow preset; use one of {names}")
-        keys = preset.load()["zenflow"]
+    preset = find_preset("zenflow", name or BENCH_PRESET)
+    if preset is None:
+        names = ", ".join(p.name for p in list_presets("zenflow"))
+        raise UserError(f"--zenflow {name!r}: not a zenflow preset; use one of {names}")
+    keys: dict = preset.load()["zenflow"] or {}
+    sets: dict = {}
     for text in overrides:
         fragment = parse_override(text)  # a malformed --set is a ConfigError naming it
         section, inner = next(iter(fragment.items()))
         if section != "zenflow" or not isinstance(inner, dict):
             raise UserError(f"--set {text}: zfctl bench takes zenflow.* keys only (the model, batch and "
                             "the rest come from its own flags)")
-        key = next(iter(inner))
+        named = upgrade_zenflow(inner, below=keys)  # an old key names the flag under its new name
+        key = next(iter(named))
+        if isinstance(named[key], dict) and named[key]:
+            key = f"{key}.{next(iter(named[key]))}"
         if key in _FLAG_KEYS:
             raise UserError(f"--set {text}: zfctl bench sets zenflow.{key} itself; use {_FLAG_KEYS[key]}")
-        keys = deep_merge(keys, inner)
+        sets = deep_merge(sets, inner)
+    # The --set keys as one layer: an old select_strategy + select_interval pair maps as a pair.
+    keys = deep_merge(keys, upgrade_zenflow(sets, below=keys, where="--set", notes=notes))
     return section_from_dict(ZenFlowConfig, keys, "zenflow").validate()
 
 
@@ -161,7 +170,8 @@ def bench(
         typer.Option(
             help="ZenFlow preset (e.g. default, paper) whose other zenflow.* keys (selection, "
             "deferred_lr_scale, ...) every configuration starts from; --topk/--interval/--overlap/--pin "
-            "still set those four. Default: the library's ZenFlowConfig() defaults.",
+            "still set those four. Default: paper, the reference benchmark's algorithm (zfctl finetune's "
+            "default is the default preset).",
             rich_help_panel=GRID,
         ),
     ] = None,
@@ -180,7 +190,7 @@ def bench(
             "-s",
             metavar="KEY=VALUE",
             help="Override one zenflow.* key for every configuration, on top of --zenflow, e.g. --set "
-            "zenflow.install_lag=1 (repeatable; YAML values; the grid's own keys have their flags).",
+            "zenflow.tuning.install_lag=1 (repeatable; YAML values; the grid's own keys have their flags).",
             rich_help_panel=GRID,
         ),
     ] = None,
@@ -226,7 +236,7 @@ def bench(
     """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
 
     Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
-    One option against its default: zfctl bench --zenflow default --set zenflow.install_lag=1
+    One option against its default: zfctl bench --set zenflow.tuning.install_lag=1
     """
     from zfctl.bench.grid import parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
@@ -273,12 +283,15 @@ def bench(
 
         require_matplotlib()
     model_cfg = _model_config(model) if model is not None else None
-    zenflow_cfg = _zenflow_config(zenflow, set_ or [])
+    renamed: list[str] = []
+    zenflow_cfg = _zenflow_config(zenflow, set_ or [], renamed)
 
     from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
     from zfctl.bench.suite import BenchOptions, run_bench
-    from zfctl.cli._common import console
+    from zfctl.cli._common import console, note_line
 
+    for note in renamed:
+        note_line(note)
     opts = BenchOptions(
         topks=topks,
         intervals=intervals,

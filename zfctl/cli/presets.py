@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields, is_dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 from zfctl.cli._common import console
 from zfctl.errors import ConfigError, UserError
@@ -36,8 +37,9 @@ def ls() -> None:
 
 
 def _section_keys(section: str) -> Table:
-    from zfctl.plan.io import to_plain
-    from zfctl.plan.render import short_value
+    """Every key of a plan section with its default and meaning; a nested section (zenflow.tuning)
+    follows under its own heading."""
+    from zfctl.plan.coerce import field_types
     from zfctl.plan.schema import SECTIONS
 
     table = Table(
@@ -47,10 +49,26 @@ def _section_keys(section: str) -> Table:
     table.add_column("key", style="cyan", no_wrap=True)
     table.add_column("default")
     table.add_column("meaning", overflow="fold")
+    nested = []
     for f in fields(SECTIONS[section]):
-        default = f.default if f.default is not MISSING else None
-        table.add_row(f"{section}.{f.name}", short_value(to_plain(default)), f.metadata.get("help", ""))
+        tp = field_types(SECTIONS[section])[f.name][0]
+        if isinstance(tp, type) and is_dataclass(tp):
+            nested.append((f, tp))
+        else:
+            table.add_row(f"{section}.{f.name}", _default(f), f.metadata.get("help", ""))
+    for f, tp in nested:
+        table.add_section()
+        table.add_row(Text(f.name, style="bold magenta"), "", f.metadata.get("help", ""))
+        for sub in fields(tp):
+            table.add_row(f"{section}.{f.name}.{sub.name}", _default(sub), sub.metadata.get("help", ""))
     return table
+
+
+def _default(f: Field) -> str:
+    from zfctl.plan.io import to_plain
+    from zfctl.plan.render import short_value
+
+    return short_value(to_plain(f.default if f.default is not MISSING else None))
 
 
 @app.command("show")

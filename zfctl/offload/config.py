@@ -3,91 +3,63 @@
 This module belongs to the library layer (`offload/`), so it knows nothing of YAML or the CLI.
 `zfctl.plan` embeds `ZenFlowConfig` as the `zenflow` section of the run plan and turns each
 field's `help` metadata into `--help` text, preset comments and error messages.
+
+The defaults are the `default` preset (presets/zenflow/default.yaml sets nothing): a library user
+and `zfctl finetune` get the same optimizer. About nine options say what the algorithm does; the
+knobs of the machinery (transfer rings, thread split, the auto interval's bounds, ...) sit in
+`tuning` (`zenflow.tuning.*` in YAML and `--set`).
+
+What a field accepts is in its type hint (integer, number, true/false, the choices of a
+`Literal`, `auto`) and its metadata (`ge`, `gt`, `le` bounds, an `example`); `check_fields` reads
+both and words the error the same way for everyone: `ZenFlowConfig.validate()` in the library,
+and the plan (zfctl/plan/coerce.py words its type errors for these fields with `expectation`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Literal, Union
+import math
+import re
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
-from zfctl.errors import ConfigError
-from zfctl.offload.correction import MODES, DeferredLrScale
+from zfctl.errors import ConfigError, UserError
+from zfctl.offload.correction import DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
+# An integer (steps), or 'auto', 'epoch', 'N epochs': strings the validator checks (EPOCHS).
+SelectInterval = Union[int, str]  # noqa: UP007
+EPOCHS = re.compile(r"^(\d+)\s*epochs?$")
+AUTO_SELECT_STEPS = 256  # select_interval=auto without the epoch length: as DeepSpeed's default
 
 
-def _f(default, help: str, **kw):
-    """A dataclass field carrying its user-facing description."""
-    return field(default=default, metadata={"help": help, **kw})
+def _f(default: Any, help: str, **rule: Any) -> Any:
+    """A dataclass field carrying its user-facing description and, for the checked configs, what
+    it accepts besides its type: ``ge``/``gt``/``le`` bounds, ``words`` (strings allowed next to a
+    number), ``unit`` and ``example`` (for the message)."""
+    return field(default=default, metadata={"help": help, **rule})
 
 
 @dataclass
-class ZenFlowConfig:
-    """How the optimizer splits work between the device and the CPU."""
+class TuningConfig:
+    """Knobs of the machinery (`zenflow.tuning.*`): none changes the arithmetic except
+    `install_lag` (when a CPU update lands) and the auto interval's bounds."""
 
-    topk_ratio: float = _f(
-        0.1,
-        "Fraction of the columns of every 2-D weight updated on the device each step "
-        "(top-k by gradient L1 norm). 1.0 = everything on the device, 0.0 = plain CPU offload.",
-    )
-    select_strategy: Literal["auto", "step", "epoch"] = _f(
-        "auto",
-        "How select_interval is counted: 'step' = optimizer steps, 'epoch' = epochs, "
-        "'auto' = like 'epoch' (an integer select_interval counts epochs; 'auto' = 1 epoch).",
-    )
-    select_interval: Interval = _f(
-        "auto",
-        "Re-select the top-k columns every N steps/epochs (see select_strategy), or 'auto' = once "
-        "per epoch (every 256 steps when the optimizer is not told the epoch length).",
-    )
-    update_interval: Interval = _f(
-        4,
-        "Apply the CPU AdamW to the non-selected columns every N steps, or 'auto' "
-        "(adaptive, bounded by auto_min_interval..auto_max_interval).",
-    )
-    full_warm_up_rounds: int = _f(
-        0, "First N steps are full synchronous CPU-offload steps before any selection."
-    )
-    overlap_step: bool = _f(
-        True,
-        "Run the CPU update in the background while the device keeps training; its result is "
-        "installed at the next boundary (exactly one interval stale). Off: the step waits.",
-    )
+    CHECKED: ClassVar[bool] = True  # check_fields words every error about these fields
+
     install_lag: int = _f(
         0,
-        "With overlap_step: install each CPU update this many steps after the boundary that started "
-        "it (or at the next boundary, if sooner); the step waits if it has not finished by then. "
-        "0 = at the next boundary, one interval later (the paper). Fewer steps: fresher deferred "
-        "columns, less time to hide the update.",
-    )
-    deferred_lr_scale: DeferredLrScale = _f(
-        "off",
-        "Scale the CPU step's learning rate for the n steps a deferred column waited: 'off' = x1 "
-        "(the paper), 'sqrt' = x sqrt(n) (noisy gradients), 'linear' = x n (consistent gradients), "
-        "'repeat' = n AdamW steps with the interval-mean gradient (exact moments, bias correction "
-        "and weight decay; n x the CPU arithmetic, same memory traffic). Adam's step is ~lr "
-        "whatever the gradient's size, so without it deferred columns move up to n times less than "
-        "under AdamW. See zfctl/offload/correction.py.",
-    )
-    vocab_select: Literal["columns", "rows"] = _f(
-        "columns",
-        "How the vocabulary matrices (input embedding, output head) choose what the device updates: "
-        "'columns' = hidden dimensions across the whole vocabulary, like every other weight (the "
-        "paper); 'rows' = the top-k tokens by gradient L1 (the tokens in play, e.g. a classifier's "
-        "label words, get their update every step). Same memory and traffic either way.",
+        "Opt-in: with overlap_step, install each CPU update this many steps after the boundary that "
+        "started it (or at the next boundary, if sooner); the step waits if it has not finished by "
+        "then. 0 = at the next boundary, one interval later (the paper). 1-2 measured closer to AdamW "
+        "but need the CPU update to finish within 1-2 steps (docs/design.md, Defaults).",
+        ge=0,
     )
     stream_grads: bool = _f(
         True,
         "Copy the non-selected gradient columns to the host during the last backward of a step "
         "(gradient hooks; the training loop announces that backward) instead of inside step().",
-    )
-    accumulate: Literal["auto", "host", "device"] = _f(
-        "auto",
-        "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
-        "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
-        "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
-        "(device when the memory estimate says it fits).",
     )
     pin_memory: bool = _f(
         True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
@@ -96,84 +68,242 @@ class ZenFlowConfig:
         0.99,
         "update_interval=auto: fraction of 2-D weights whose deferred gradient mass must reach "
         "their per-step selected mass before a CPU update fires.",
+        gt=0, le=1, example=0.99,
     )
-    auto_min_interval: int = _f(1, "update_interval=auto: fewest steps between CPU updates.")
-    auto_max_interval: int = _f(16, "update_interval=auto: most steps between CPU updates.")
-    cpu_threads: int = _f(
-        0, "Threads for the native CPU AdamW; 0 = all cores this process may use."
-    )
+    auto_min_interval: int = _f(1, "update_interval=auto: fewest steps between CPU updates.", ge=1)
+    auto_max_interval: int = _f(16, "update_interval=auto: most steps between CPU updates.", ge=1)
     accumulate_threads: int = _f(
         0,
         "Of cpu_threads, how many the gradient accumulation uses while a CPU update runs (the "
         "update takes the rest); 0 = auto, ~10/38 of them by bytes moved per element.",
+        ge=0,
     )
-    ring_slots: int = _f(4, "Pinned slots in each transfer ring (D2H gradients, H2D params).")
+    ring_slots: int = _f(4, "Pinned slots in each transfer ring (D2H gradients, H2D params).", ge=1)
     ring_slot_mb: float = _f(
-        32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks."
+        32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",
+        gt=0, unit="MiB", example=32,
     )
     inflight_mb: float = _f(
         0.0,
         "Hook path: MiB of gradient temporaries the device may hold while their D2H copy runs; "
         "0 = from a D2H bandwidth probe at startup (~2 ms of copy, 16-1024 MiB; on CPU 4 rings).",
+        ge=0, unit="MiB", example=256,
     )
 
+
+@dataclass
+class ZenFlowConfig:
+    """How the optimizer splits work between the device and the CPU; the defaults are the
+    `default` preset."""
+
+    CHECKED: ClassVar[bool] = True
+
+    topk_ratio: float = _f(
+        0.1,
+        "Fraction of the columns of every 2-D weight updated on the device each step "
+        "(top-k by gradient L1 norm). 1.0 = everything on the device, 0.0 = plain CPU offload.",
+        ge=0, le=1, example=0.1,
+    )
+    select_interval: SelectInterval = _f(
+        8,
+        "Re-select the top-k columns every N optimizer steps (an integer; the important columns "
+        "drift, each re-selection costs a pipeline drain and a column migration), or by epochs: "
+        "'epoch' = once per epoch, 'N epochs' = every N (the optimizer needs steps_per_epoch; "
+        "zfctl's training loop passes it), 'auto' = once per epoch, every 256 steps when the epoch "
+        "length is unknown (DeepSpeed's select_interval: auto; the paper).",
+        ge=1, words=("auto", "epoch"), epochs=True,
+    )
+    update_interval: Interval = _f(
+        4,
+        "Apply the CPU AdamW to the non-selected columns every N steps, or 'auto' "
+        "(adaptive, bounded by tuning.auto_min_interval..tuning.auto_max_interval).",
+        ge=1,
+    )
+    full_warm_up_rounds: int = _f(
+        20,
+        "First N steps are full synchronous CPU-offload steps (plain AdamW) before any selection: "
+        "the fast first steps of a fine-tune. 0 = none (the paper).",
+        ge=0,
+    )
+    overlap_step: bool = _f(
+        True,
+        "Run the CPU update in the background while the device keeps training; its result is "
+        "installed at the next boundary (exactly one interval stale). Off: the step waits.",
+    )
+    deferred_lr_scale: DeferredLrScale = _f(
+        "repeat",
+        "Scale the CPU step's learning rate for the n steps a deferred column waited: 'off' = x1 "
+        "(the paper), 'sqrt' = x sqrt(n) (noisy gradients), 'linear' = x n (consistent gradients), "
+        "'repeat' = n AdamW steps with the interval-mean gradient (exact moments, bias correction "
+        "and weight decay; n x the CPU arithmetic, same memory traffic). Adam's step is ~lr "
+        "whatever the gradient's size, so without it deferred columns move up to n times less than "
+        "under AdamW. See zfctl/offload/correction.py.",
+    )
+    vocab_select: Literal["columns", "rows"] = _f(
+        "rows",
+        "How the vocabulary matrices (input embedding, output head) choose what the device updates: "
+        "'columns' = hidden dimensions across the whole vocabulary, like every other weight (the "
+        "paper); 'rows' = the top-k tokens by gradient L1 (the tokens in play, e.g. a classifier's "
+        "label words, get their update every step). Same memory and traffic either way.",
+    )
+    accumulate: Literal["auto", "host", "device"] = _f(
+        "auto",
+        "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
+        "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
+        "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
+        "(device when the memory estimate says it fits).",
+    )
+    cpu_threads: int = _f(
+        0, "Threads for the native CPU AdamW; 0 = all cores this process may use.", ge=0
+    )
+    tuning: TuningConfig = field(
+        default_factory=TuningConfig,
+        metadata={"help": "Knobs of the machinery (zenflow.tuning.*): rings, threads, the auto "
+                  "interval's bounds, install_lag."},
+    )
+
+    def __post_init__(self) -> None:
+        # One spelling per epoch count ('1 epochs' -> 'epoch', '2epoch' -> '2 epochs'), so plans
+        # that mean the same compare equal.
+        if isinstance(self.select_interval, str):
+            self.select_interval = _spell_epochs(self.select_interval)
+
     def validate(self, prefix: str = "zenflow") -> ZenFlowConfig:
-        """Check ranges and combinations; raise ConfigError naming the dotted key."""
-
-        def bad(name: str, fix: str) -> ConfigError:
-            return ConfigError(f"{prefix}.{name}", getattr(self, name), fix)
-
-        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)):
-            raise bad("topk_ratio", "must be a number in [0, 1], e.g. 0.1")
-        if not 0.0 <= float(self.topk_ratio) <= 1.0:
-            raise bad("topk_ratio", "must be in [0, 1], e.g. 0.1")
-        if self.accumulate not in ("auto", "host", "device"):
-            raise bad("accumulate", "use one of auto, host, device")
-        if self.select_strategy not in ("auto", "step", "epoch"):
-            raise bad("select_strategy", "use one of auto, step, epoch")
-        for name in ("select_interval", "update_interval"):
-            v = getattr(self, name)
-            if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise bad(name, "must be 'auto' or an integer >= 1")
-        if self.select_strategy != "auto" and self.select_interval == "auto":
-            raise bad("select_interval", f"give an integer when select_strategy is {self.select_strategy!r}")
-        if (
-            self.select_strategy == "step"
-            and isinstance(self.select_interval, int)
-            and isinstance(self.update_interval, int)
-            and self.select_interval < self.update_interval
-        ):
-            raise bad(
-                "select_interval",
-                f"must be >= update_interval ({self.update_interval}): "
-                "re-selection happens on a CPU-update boundary",
-            )
-        if self.vocab_select not in ("columns", "rows"):
-            raise bad("vocab_select", "use one of columns, rows")
-        if self.deferred_lr_scale not in MODES:
-            raise bad("deferred_lr_scale", f"use one of {', '.join(MODES)}")
-        for name in ("full_warm_up_rounds", "cpu_threads", "accumulate_threads", "install_lag"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise bad(name, "must be an integer >= 0")
-        for name in ("overlap_step", "pin_memory", "stream_grads"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be true or false")
-        if isinstance(self.auto_ratio, bool) or not isinstance(self.auto_ratio, (int, float)) or not 0 < self.auto_ratio <= 1:
-            raise bad("auto_ratio", "must be in (0, 1], e.g. 0.99")
-        for name in ("auto_min_interval", "auto_max_interval", "ring_slots"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "must be an integer >= 1")
-        if self.auto_max_interval < self.auto_min_interval:
-            raise bad("auto_max_interval", f"must be >= auto_min_interval ({self.auto_min_interval})")
-        if isinstance(self.ring_slot_mb, bool) or not isinstance(self.ring_slot_mb, (int, float)) or self.ring_slot_mb <= 0:
-            raise bad("ring_slot_mb", "must be a positive number of MiB, e.g. 32")
-        if isinstance(self.inflight_mb, bool) or not isinstance(self.inflight_mb, (int, float)) or self.inflight_mb < 0:
-            raise bad("inflight_mb", "must be a number of MiB >= 0 (0 = measured), e.g. 256")
+        """Check every field against its rule and the few combinations; raise ConfigError naming
+        the dotted key."""
+        check_fields(self, prefix)
+        t = self.tuning
+        if t.auto_max_interval < t.auto_min_interval:
+            raise ConfigError(f"{prefix}.tuning.auto_max_interval", t.auto_max_interval,
+                              f"must be >= tuning.auto_min_interval ({t.auto_min_interval})")
+        sel, upd = self.select_interval, self.update_interval
+        if isinstance(sel, int) and isinstance(upd, int) and sel < upd:
+            raise ConfigError(f"{prefix}.select_interval", sel,
+                              f"must be >= update_interval ({upd}): re-selection happens on a CPU-update "
+                              "boundary")
         return self
 
+    def select_epochs(self) -> int | None:
+        """Epochs between selections ('auto' and 'epoch' = 1), or None when counted in steps."""
+        if isinstance(self.select_interval, int):
+            return None
+        m = EPOCHS.match(self.select_interval)
+        return int(m.group(1)) if m else 1
 
-def field_help(cls: type) -> dict[str, str]:
-    """Map each field of a config dataclass to its help text."""
-    return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+    def select_period(self, steps_per_epoch: int | None) -> int:
+        """Steps between selections: an integer counts steps; epochs need ``steps_per_epoch``
+        ('auto' without it: every 256 steps)."""
+        epochs = self.select_epochs()
+        if epochs is None:
+            return int(self.select_interval)
+        if steps_per_epoch:
+            return epochs * int(steps_per_epoch)
+        if self.select_interval == "auto":
+            return AUTO_SELECT_STEPS
+        raise UserError(f"zenflow.select_interval={self.select_interval} needs the epoch length: pass "
+                        "steps_per_epoch to ZenFlowOptimizer, or give select_interval in steps")
+
+
+def _spell_epochs(text: str) -> str:
+    m = EPOCHS.match(text.strip().lower())
+    if m is None:
+        return text
+    n = int(m.group(1))
+    return "epoch" if n == 1 else f"{n} epochs"
+
+
+# -- the one validator --------------------------------------------------------------------------
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _parts(tp: Any, meta: typing.Mapping[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """(the number/bool/str type, the words allowed beside it) of a field's type hint."""
+    words = tuple(meta.get("words", ()))
+    if get_origin(tp) is Literal:
+        return None, get_args(tp)
+    if get_origin(tp) is Union:
+        base = None
+        for arg in get_args(tp):
+            if get_origin(arg) is Literal:
+                words += get_args(arg)
+            elif arg is not str:
+                base = arg
+        return base, words
+    return tp, words
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def expectation(tp: Any, meta: typing.Mapping[str, Any]) -> str:
+    """What a field accepts, in words: the fix of every error about its value."""
+    base, words = _parts(tp, meta)
+    if base is None:
+        return "use one of " + ", ".join(str(w) for w in words)
+    if base is bool:
+        return "must be true or false"
+    what = "an integer" if base is int else "a number"
+    if meta.get("unit"):
+        what += f" of {meta['unit']}"
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    if le is not None and ge is not None:
+        what += f" in [{_num(ge)}, {_num(le)}]"
+    elif le is not None and gt is not None:
+        what += f" in ({_num(gt)}, {_num(le)}]"
+    elif ge is not None:
+        what += f" >= {_num(ge)}"
+    elif gt is not None:
+        what += f" > {_num(gt)}"
+    if meta.get("epochs"):
+        what += " (steps), " + ", ".join(words) + " or 'N epochs'"
+    elif words:
+        what += " or " + " or ".join(str(w) for w in words)
+    if "example" in meta:
+        what += f", e.g. {meta['example']}"
+    return f"must be {what}"
+
+
+def accepts(tp: Any, meta: typing.Mapping[str, Any], value: Any) -> bool:
+    """Whether ``value`` is one of the field's words or a number of its type within its bounds."""
+    base, words = _parts(tp, meta)
+    if isinstance(value, str):
+        return value in words or (bool(meta.get("epochs")) and (m := EPOCHS.match(value)) is not None
+                                  and int(m.group(1)) >= 1)
+    if base is None:
+        return any(type(w) is type(value) and w == value for w in words)
+    if isinstance(value, bool) or base is bool:
+        return base is bool and isinstance(value, bool)
+    if not isinstance(value, int if base is int else (int, float)) or not math.isfinite(value):
+        return False
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    return ((ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le))
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """Check each field of a checked config (and its nested ones) against its type and metadata."""
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        key, value, tp = f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name]
+        if isinstance(tp, type) and is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(key, value, f"expected a mapping of {key}.* keys ({tp.__name__})")
+            check_fields(value, key)
+        elif not accepts(tp, f.metadata, value):
+            raise ConfigError(key, value, expectation(tp, f.metadata))
+
+
+def field_expectation(cls: type, name: str) -> str | None:
+    """The wording of a checked config's field rule; None for other dataclasses (zfctl.plan's
+    sections check themselves in zfctl/plan/validate.py)."""
+    if not getattr(cls, "CHECKED", False):
+        return None
+    f = next(f for f in fields(cls) if f.name == name)
+    tp = _hints(cls)[name]
+    return None if isinstance(tp, type) and is_dataclass(tp) else expectation(tp, f.metadata)

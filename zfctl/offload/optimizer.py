@@ -29,7 +29,7 @@ Per step t (``W`` = full_warm_up_rounds, ``U`` = update_interval), ``step()`` do
    exactly one interval stale, and which values land when depends only on step counts, never on
    thread timing. At a re-selection the drain installs the last update one step (instead of one
    interval) after its submission; that is the only place the staleness differs.
-   ``zenflow.install_lag: L`` installs it at the end of the L-th step after its boundary instead
+   ``zenflow.tuning.install_lag: L`` installs it at the end of the L-th step after its boundary instead
    (``pipeline.install_due``; the step waits if it is not done).
 
 Choices the algorithm leaves open, made here:
@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from zfctl.errors import ConfigError, UserError
+from zfctl.errors import ConfigError
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
 from zfctl.offload.checkpoint import check_state, pack_state, unpack_state
@@ -91,11 +91,12 @@ from zfctl.offload.worker import CpuUpdate
 class ZenFlowOptimizer(torch.optim.Optimizer):
     """AdamW with ZenFlow offload. See the module docstring for the exact per-step semantics."""
 
-    def __init__(self, params: Iterable[Any], config: ZenFlowConfig, *, lr: float = 1e-3,
+    def __init__(self, params: Iterable[Any], config: ZenFlowConfig | None = None, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None, loss_scaling: bool | None = None,
                  steps_per_epoch: int | None = None, process_group: Any = None,
                  vocab_params: Iterable[str] = ()) -> None:
+        config = ZenFlowConfig() if config is None else config  # the defaults: the `default` preset
         config.validate()
         named = _named_params(params)
         # Matrices indexed by token (``vocab_matrices(model)``): split by row under vocab_select: rows.
@@ -126,10 +127,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._selected = not self._selectable  # nothing to choose: every device column is fixed
         self._host_slots = self.layout.host_slots
         self._warmup = config.full_warm_up_rounds if self._host_slots else 0
-        self._period = _select_period(config, steps_per_epoch) if self._selectable else None
-        self._policy = IntervalPolicy(config.update_interval, auto_ratio=config.auto_ratio,
-                                      min_interval=config.auto_min_interval,
-                                      max_interval=config.auto_max_interval)
+        self._period = config.select_period(steps_per_epoch) if self._selectable else None
+        self._policy = IntervalPolicy(config.update_interval, auto_ratio=config.tuning.auto_ratio,
+                                      min_interval=config.tuning.auto_min_interval,
+                                      max_interval=config.tuning.auto_max_interval)
         self._exchange: GradExchange | None = None
         if self._part is not None:  # who receives which gradient columns (exchange.py)
             self._exchange = GradExchange(self._part, self.layout, self._params, self._device.index, self.device,
@@ -142,7 +143,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._setup_host()
         # Counters, accumulators, the CPU worker and the one-update-in-flight rule (pipeline.py).
         self.pipeline = Pipeline(self.host, self._policy, overlap=config.overlap_step, install=self._install,
-                                 lag=config.install_lag, device=self.device)
+                                 lag=config.tuning.install_lag, device=self.device)
         self._stream: GradStream | None = None
         self.d2h_gbps: float | None = None  # measured by _make_stream on CUDA (bandwidth.py)
         # The hook path's accumulation the next CPU update must wait for.
@@ -153,10 +154,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 native.set_num_threads(config.cpu_threads)
             # Accumulation and the in-flight update share the cores (threads.py); without overlap
             # the update runs alone while step() waits, so it takes them all.
-            self.threads = split_threads(native.get_num_threads(), config.accumulate_threads)
+            self.threads = split_threads(native.get_num_threads(), config.tuning.accumulate_threads)
             self.pipeline.worker.threads = self.threads[1] if config.overlap_step else 0
             self._accumulate = capped(native, self.threads[0])
-            if config.stream_grads and self._dev_acc is None:
+            if config.tuning.stream_grads and self._dev_acc is None:
                 self._stream = self._make_stream()
         self._closed = False
         self.last_stats: StepStats | None = None
@@ -170,7 +171,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         itemsize = dtype.itemsize
         self.accumulate = resolve(self.config.accumulate, self.device, 4 * self.layout.host_numel)
         on_device = self.accumulate == "device"
-        cuda_pin = self.device.type == "cuda" and self.config.pin_memory
+        cuda_pin = self.device.type == "cuda" and self.config.tuning.pin_memory
         # Two accumulators only where the next interval is summed on the host while the worker reads
         # the last one (overlap, host paths); the device path sums on the device and lands the sum
         # in its one host accumulator after the previous update was collected (_boundary).
@@ -180,18 +181,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if on_device:
             self._dev_acc = DeviceAccumulator(self.layout, self.device)
         biggest = max(self._host_slots, key=lambda s: s.rows)
-        want = int(self.config.ring_slot_mb * 2**20)
+        want = int(self.config.tuning.ring_slot_mb * 2**20)
         if biggest.rows * itemsize > want:
             need = biggest.rows * itemsize / 2**20
-            raise ConfigError("zenflow.ring_slot_mb", self.config.ring_slot_mb,
+            raise ConfigError("zenflow.tuning.ring_slot_mb", self.config.tuning.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
-        slot_bytes = ring_slot_bytes(want, self.config.ring_slots, biggest.rows, self.layout.host_numel, itemsize)
-        pin = self.config.pin_memory
+        slot_bytes = ring_slot_bytes(want, self.config.tuning.ring_slots, biggest.rows, self.layout.host_numel, itemsize)
+        pin = self.config.tuning.pin_memory
         # D2H: model-dtype gradient chunks (step() path, scalars). H2D: the same column ranges of the
         # fp32 master, 4/itemsize times the bytes; on CUDA with a page-locked master they DMA
         # straight from it (no host slots), else they stage through host slots.
-        self._d2h = Ring(self.device, self.config.ring_slots, slot_bytes, pin)
-        self._h2d = Ring(self.device, self.config.ring_slots, slot_bytes * 4 // itemsize, pin,
+        self._d2h = Ring(self.device, self.config.tuning.ring_slots, slot_bytes, pin)
+        self._h2d = Ring(self.device, self.config.tuning.ring_slots, slot_bytes * 4 // itemsize, pin,
                          host_slots=self.device.type == "cuda" and not cuda_pin)
         self._itemsize = itemsize
         self._refresh_chunks()
@@ -200,19 +201,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """The hook path (stream.py): a landing buffer pair and the accumulation thread."""
         dtype = self._params[self._host_slots[0].index].dtype
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
-        # here (bandwidth.py; a sync, at construction only), or zenflow.inflight_mb when set. Off
+        # here (bandwidth.py; a sync, at construction only), or zenflow.tuning.inflight_mb when set. Off
         # CUDA there is no link to measure: 4x the ring, as before. Never more than the host-path
         # gradient itself.
         self.d2h_gbps = measure_d2h_gbps(self.device)  # a sync, once
-        if self.config.inflight_mb:
-            budget = int(self.config.inflight_mb * 2**20)
+        if self.config.tuning.inflight_mb:
+            budget = int(self.config.tuning.inflight_mb * 2**20)
         elif self.d2h_gbps is not None:
             budget = inflight_bytes(self.d2h_gbps)
         else:
-            budget = 4 * self.config.ring_slots * self._d2h.slot_bytes
+            budget = 4 * self.config.tuning.ring_slots * self._d2h.slot_bytes
         budget = min(budget, self.layout.host_numel * self._itemsize)
         return GradStream(self._params, self._host_slots, numel=self.layout.host_numel, dtype=dtype,
-                          device=self.device, pin_memory=self.config.pin_memory, budget_bytes=max(budget, 1),
+                          device=self.device, pin_memory=self.config.tuning.pin_memory, budget_bytes=max(budget, 1),
                           accumulate=self._accumulate, exchange=self._exchange)
 
     def _refresh_chunks(self) -> None:
@@ -334,7 +335,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     stats.in_step_bytes = sum(ch.numel for ch in self._chunks) * self._itemsize
             stats.d2h_bytes += 4 * len(values)
             stats.offload_ms = (time.perf_counter() - c) * 1e3
-            # 5. zenflow.install_lag: the last boundary's update lands now (waiting for it: stall).
+            # 5. zenflow.tuning.install_lag: the last boundary's update lands now (waiting for it: stall).
             if self.pipeline.install_due():
                 self._collect(stats)
             # 6. Boundary: hand the interval to the CPU worker.
@@ -696,19 +697,6 @@ def _named_params(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
     return named
-
-
-def _select_period(config: ZenFlowConfig, steps_per_epoch: int | None) -> int:
-    """Steps between selections: 'step' counts steps, 'epoch'/'auto' count epochs (256 steps if unknown)."""
-    if config.select_strategy == "step":
-        return int(config.select_interval)
-    epochs = 1 if config.select_interval == "auto" else int(config.select_interval)
-    if steps_per_epoch:
-        return epochs * int(steps_per_epoch)
-    if config.select_strategy == "epoch":
-        raise UserError("zenflow.select_strategy=epoch needs the epoch length: pass steps_per_epoch "
-                        "to ZenFlowOptimizer, or use select_strategy=step")
-    return 256 * epochs
 
 
 def _count_device_waits(stats: StepStats, pairs: list[tuple[Any, Any]]) -> None:

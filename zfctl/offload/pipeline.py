@@ -10,7 +10,7 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
-* overlapped with a lag ``L`` (``zenflow.install_lag``): as above, but the result is installed at
+* overlapped with a lag ``L`` (``zenflow.tuning.install_lag``): as above, but the result is installed at
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
   next boundary if that comes first; the step waits if the update has not finished by then.
 

@@ -14,7 +14,7 @@ the other:
 So the default gives accumulation ~10/38 of the threads, 10 / (10 + 28) (at least 1, and 1 fewer than all so the
 update keeps one), and the update the rest. A few threads already saturate memory for a
 streaming kernel, so a small share is not a slowdown; on 16 cores that is 4 + 12.
-``zenflow.accumulate_threads`` overrides the first number. The native pool gives each side its
+``zenflow.tuning.accumulate_threads`` overrides the first number. The native pool gives each side its
 own pool (native/pool.c), so neither falls back to one thread when the other is running. Thread
 counts change timing only: the kernels' bits depend on the run lists alone (native/api.c).
 """

@@ -22,23 +22,24 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
         out.append(
             f"zenflow.full_warm_up_rounds=0: the first steps on {start} move every weight fast, and the "
             "deferred columns' update lands late and overshoots there; --set zenflow.full_warm_up_rounds=20 "
-            "(the default preset) runs them as plain AdamW"
+            "(the default) runs them as plain AdamW"
             + (" (a larger lr-scaled CPU step makes it worse)" if z.deferred_lr_scale != "off" else ""))
     if deferred and z.deferred_lr_scale == "off":
         out.append(
             "zenflow.deferred_lr_scale=off: the non-selected columns take one lr-sized Adam step per "
             "interval instead of one per step, so they learn up to update_interval times slower than "
-            "under AdamW; --set zenflow.deferred_lr_scale=repeat (the default preset, with its warm-up)")
-    if z.select_strategy != "step":
+            "under AdamW; --set zenflow.deferred_lr_scale=repeat (the default, with its warm-up)")
+    epochs = z.select_epochs()
+    if epochs is not None:
+        per, span = ("epoch", "an epoch") if epochs == 1 else (f"{epochs} epochs", f"{epochs} epochs")
         out.append(
-            f"zenflow.select_strategy={z.select_strategy}: the device columns are chosen once per epoch "
-            "(once in all, for runs shorter than an epoch) while the important columns drift; "
-            "--set zenflow.select_strategy=step --set zenflow.select_interval=8 re-chooses them every 8 steps "
-            "(the default preset)")
+            f"zenflow.select_interval={z.select_interval}: the device columns are chosen once per {per} "
+            f"(once in all, for runs shorter than {span}) while the important columns drift; "
+            "--set zenflow.select_interval=8 re-chooses them every 8 steps (the default)")
     if z.vocab_select == "columns":
         out.append(
             "zenflow.vocab_select=columns: the embedding and output head update only their selected hidden "
             "dimensions each step, so the tokens a batch uses (a classifier's label words) "
-            "mostly wait for the CPU update; --set zenflow.vocab_select=rows (the default preset) "
+            "mostly wait for the CPU update; --set zenflow.vocab_select=rows (the default) "
             "puts their rows on the device")
     return out

@@ -12,11 +12,12 @@ import difflib
 import math
 import types
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin
 
 from zfctl.errors import ConfigError
+from zfctl.offload.config import field_expectation
 
 # `Optional[X]` and `X | None` have different origins (typing.Union vs types.UnionType).
 _UNIONS = (Union, types.UnionType)
@@ -156,8 +157,23 @@ def field_types(cls: type) -> dict[str, tuple[Any, bool]]:
     return out
 
 
+def field_names(cls: type, prefix: str = "") -> list[str]:
+    """Every key of config dataclass `cls`, a nested section's as ``tuning.x`` (one level)."""
+    out = []
+    for name, (tp, _) in field_types(cls).items():
+        out.append(prefix + name)
+        if isinstance(tp, type) and is_dataclass(tp) and not prefix:
+            out += field_names(tp, f"{name}.")
+    return out
+
+
 def section_from_dict(cls: type, data: Any, prefix: str) -> Any:
-    """Build config dataclass `cls` from a mapping: unknown keys rejected, values coerced."""
+    """Build config dataclass `cls` from a mapping: unknown keys rejected, values coerced.
+
+    A field typed as a dataclass is a nested section (``zenflow.tuning``), built the same way.
+    For the configs that check themselves (zfctl/offload/config.py ``check_fields``) a value of
+    the wrong type is refused in their words, so the CLI and the library say the same thing.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -167,9 +183,19 @@ def section_from_dict(cls: type, data: Any, prefix: str) -> Any:
     for name, value in data.items():
         key = f"{prefix}.{name}"
         if name not in types:
-            hint = suggest(str(name), types, f"{prefix}.")
-            fix = f"unknown key{hint}" if hint else f"unknown key; valid {prefix} keys: {', '.join(types)}"
+            valid = field_names(cls)
+            hint = suggest(str(name), valid, f"{prefix}.")
+            fix = f"unknown key{hint}" if hint else f"unknown key; valid {prefix} keys: {', '.join(valid)}"
             raise ConfigError(key, value, fix)
         tp, nullable = types[name]
-        kwargs[name] = coerce(value, tp, key, nullable=nullable)
+        if isinstance(tp, type) and is_dataclass(tp):
+            kwargs[name] = section_from_dict(tp, value, key)
+            continue
+        try:
+            kwargs[name] = coerce(value, tp, key, nullable=nullable)
+        except ConfigError as e:
+            words = field_expectation(cls, name)
+            if words is None or e.key != key:
+                raise
+            raise ConfigError(key, value, words) from None
     return cls(**kwargs)

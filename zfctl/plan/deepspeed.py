@@ -8,11 +8,14 @@ overlap_comm, print cadence) is listed as ignored. Nothing is dropped silently.
 
 Where DeepSpeed's defaults differ from ours, an absent key means what it means in DeepSpeed: a
 `zenflow` block without `overlap_step` runs synchronously and without `update_interval` is
-'auto', selects once per epoch, never scales the CPU step (`deferred_lr_scale: off`) and splits the
-embedding and output head by columns like every weight (`vocab_select: columns`), installing each
-CPU update at the next boundary (`install_lag: 0`); a config with CPU optimizer offload but no `zenflow` block is plain ZeRO-Offload
-(topk_ratio 0, update_interval 1); a config without optimizer offload keeps everything on the
-device (topk_ratio 1).
+'auto', selects once per epoch (`select_interval: auto`), has no warm-up rounds, never scales
+the CPU step (`deferred_lr_scale: off`), splits the embedding and output head by columns like
+every weight (`vocab_select: columns`) and installs each CPU update at the next boundary
+(`tuning.install_lag: 0`); a config with CPU optimizer offload but no `zenflow` block is plain
+ZeRO-Offload (topk_ratio 0, update_interval 1); a config without optimizer offload keeps
+everything on the device (topk_ratio 1). DeepSpeed's `select_strategy` + `select_interval` become
+one `zenflow.select_interval` (zfctl/plan/legacy.py), `auto_ratio` and `pin_memory` are
+`zenflow.tuning.*`: a note names each.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
+from zfctl.plan.legacy import select_interval
 
 # Keys whose only effect is on DeepSpeed's own engine; zfctl has no equivalent to tune.
 _IGNORED_TOP = {
@@ -59,14 +63,15 @@ _IGNORED_ZERO = {
     "stage3_gather_16bit_weights_on_model_save",
 }
 _IGNORED_OFFLOAD = {"buffer_count", "fast_init", "ratio", "nvme_path", "pipeline_read", "pipeline_write"}
+# DeepSpeed's zenflow keys -> zfctl's (select_strategy and select_interval are read as a pair).
 _ZENFLOW_KEYS = {
-    "topk_ratio",
-    "select_strategy",
-    "select_interval",
-    "update_interval",
-    "full_warm_up_rounds",
-    "overlap_step",
-    "auto_ratio",
+    "topk_ratio": "zenflow.topk_ratio",
+    "select_strategy": "zenflow.select_interval",
+    "select_interval": "zenflow.select_interval",
+    "update_interval": "zenflow.update_interval",
+    "full_warm_up_rounds": "zenflow.full_warm_up_rounds",
+    "overlap_step": "zenflow.overlap_step",
+    "auto_ratio": "zenflow.tuning.auto_ratio",
 }
 _ZENFLOW_IGNORED = {"pt_reserved_cores_perc": "zfctl sizes its CPU pool with zenflow.cpu_threads"}
 _KNOWN_TOP = {
@@ -104,8 +109,15 @@ class DeepSpeedImport:
     notes: list[str] = field(default_factory=list)
 
     def put(self, dotted: str, value: Any) -> None:
-        section, key = dotted.split(".")
-        self.fragment.setdefault(section, {})[key] = value
+        *parents, key = dotted.split(".")
+        where = self.fragment
+        for name in parents:
+            where = where.setdefault(name, {})
+        where[key] = value
+
+    def mapped(self, key: str, dotted: str) -> None:
+        """A note for a DeepSpeed key whose zfctl name is not its own."""
+        self.notes.append(f"DeepSpeed key {key} read as {dotted}")
 
     def ignore(self, key: str, why: str = "no effect in zfctl") -> None:
         self.notes.append(f"DeepSpeed key {key} ignored: {why}")
@@ -229,7 +241,8 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
             "zero_optimization.offload_optimizer.device", device, "zfctl offloads to CPU memory only; use cpu"
         )
     if "pin_memory" in off:
-        out.put("zenflow.pin_memory", off["pin_memory"])
+        out.put("zenflow.tuning.pin_memory", off["pin_memory"])
+        out.mapped("zero_optimization.offload_optimizer.pin_memory", "zenflow.tuning.pin_memory")
     for key in set(off) - {"device", "pin_memory"}:
         if key not in _IGNORED_OFFLOAD:
             raise ConfigError(
@@ -257,16 +270,19 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
         out.put("zenflow.overlap_step", False)
         out.put("zenflow.update_interval", "auto")
         # Selection and warm-up as DeepSpeed does them, and its uncorrected CPU step (zfctl's
-        # default preset changes these; a DeepSpeed config should run as it does there).
-        out.put("zenflow.select_strategy", "auto")
+        # defaults differ; a DeepSpeed config should run as it does there).
         out.put("zenflow.select_interval", "auto")
         out.put("zenflow.full_warm_up_rounds", 0)
         out.put("zenflow.deferred_lr_scale", "off")
         out.put("zenflow.vocab_select", "columns")  # DeepSpeed splits embeddings by hidden dimension
-        out.put("zenflow.install_lag", 0)  # and installs each update at the next boundary
+        out.put("zenflow.tuning.install_lag", 0)  # and installs each update at the next boundary
         for key, value in zf.items():
+            if key in ("select_strategy", "select_interval"):
+                continue
             if key in _ZENFLOW_KEYS:
-                out.put(f"zenflow.{key}", value)
+                out.put(_ZENFLOW_KEYS[key], value)
+                if _ZENFLOW_KEYS[key] != f"zenflow.{key}":
+                    out.mapped(f"zero_optimization.zenflow.{key}", _ZENFLOW_KEYS[key])
             elif key in _ZENFLOW_IGNORED:
                 out.ignore(f"zero_optimization.zenflow.{key}", _ZENFLOW_IGNORED[key])
             else:
@@ -275,6 +291,17 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
                     value,
                     f"unsupported ZenFlow key{suggest(key, _ZENFLOW_KEYS)}",
                 )
+        if "select_strategy" in zf:  # DeepSpeed's default interval is 'auto'
+            new = select_interval(zf["select_strategy"], zf.get("select_interval", "auto"))
+            out.put("zenflow.select_interval", new)
+            out.mapped(f"zero_optimization.zenflow.select_strategy={zf['select_strategy']} with select_interval="
+                       f"{zf.get('select_interval', 'auto')}", f"zenflow.select_interval={new}")
+        elif "select_interval" in zf:  # DeepSpeed's default strategy is 'auto': an integer counts epochs
+            new = select_interval("auto", zf["select_interval"])
+            out.put("zenflow.select_interval", new)
+            if new != zf["select_interval"]:
+                out.mapped(f"zero_optimization.zenflow.select_interval={zf['select_interval']}",
+                           f"zenflow.select_interval={new}")
     elif device == "cpu":
         out.put("zenflow.topk_ratio", 0.0)  # plain ZeRO-Offload: every step through the CPU
         out.put("zenflow.update_interval", 1)

@@ -1,8 +1,8 @@
 """RunPlan <-> plain dicts <-> YAML files.
 
 `plan_from_dict` is the one door into a RunPlan from outside data: unknown keys are rejected with
-the nearest valid key suggested, values are coerced to the schema's types, and the result is
-validated. `dump_plan_yaml` writes the plan with each field's help text as a comment, so the
+the nearest valid key suggested, keys of older zfctl versions are mapped with a note
+(`legacy.py`), values are coerced to the schema's types, and the result is validated. `dump_plan_yaml` writes the plan with each field's help text as a comment, so the
 `plan.yaml` saved in every checkpoint documents itself; the write is atomic (temp file + rename)
 so a crash never leaves half a plan behind. This module imports nothing from the CLI.
 """
@@ -13,14 +13,15 @@ import json
 import os
 import textwrap
 import uuid
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from zfctl.errors import ConfigError, UserError
-from zfctl.plan.coerce import section_from_dict, suggest
+from zfctl.plan.coerce import field_types, section_from_dict, suggest
+from zfctl.plan.legacy import upgrade_fragment
 from zfctl.plan.schema import SECTIONS, RunPlan
 from zfctl.plan.validate import validate_plan
 
@@ -53,11 +54,34 @@ def check_sections(data: Any, where: str = "plan") -> dict:
     return data
 
 
-def plan_from_dict(data: dict) -> RunPlan:
-    """Build and validate a RunPlan from a (possibly partial) nested dict; missing keys default."""
+def plan_from_dict(data: dict, *, notes: list[str] | None = None, where: str = "") -> RunPlan:
+    """Build and validate a RunPlan from a (possibly partial) nested dict; missing keys default.
+
+    Keys of older zfctl versions are mapped to today's (zfctl/plan/legacy.py), one line each in
+    ``notes`` (``where`` names the source in them).
+    """
     check_sections(data)
+    data = upgrade_fragment(data, where=where, notes=notes)
     sections = {name: section_from_dict(cls, data.get(name), name) for name, cls in SECTIONS.items()}
     return validate_plan(RunPlan(**sections))
+
+
+def _yaml_lines(cls: type, values: dict, indent: str, comments: bool) -> list[str]:
+    """One section's keys as YAML, each after its help text; a nested section (zenflow.tuning)
+    as a block of its own one level deeper."""
+    lines = []
+    for f in fields(cls):
+        if comments and f.metadata.get("help"):
+            for wrapped in textwrap.wrap(f.metadata["help"], 100 - 2 * len(indent), break_on_hyphens=False):
+                lines.append(f"{indent}# {wrapped}")
+        tp = field_types(cls)[f.name][0]
+        if isinstance(tp, type) and is_dataclass(tp):
+            lines.append(f"{indent}{f.name}:")
+            lines.extend(_yaml_lines(tp, values[f.name], indent + "  ", comments))
+            continue
+        chunk = yaml.safe_dump({f.name: values[f.name]}, sort_keys=False, default_flow_style=False, width=100)
+        lines.extend(indent + ln for ln in chunk.rstrip("\n").splitlines())
+    return lines
 
 
 def plan_yaml_text(plan: RunPlan, *, comments: bool = True, header: str | None = None) -> str:
@@ -66,14 +90,7 @@ def plan_yaml_text(plan: RunPlan, *, comments: bool = True, header: str | None =
     data = plan_to_dict(plan)
     for name, cls in SECTIONS.items():
         lines.append(f"{name}:")
-        for f in fields(cls):
-            if comments and f.metadata.get("help"):
-                for wrapped in textwrap.wrap(f.metadata["help"], 96, break_on_hyphens=False):
-                    lines.append(f"  # {wrapped}")
-            chunk = yaml.safe_dump(
-                {f.name: data[name][f.name]}, sort_keys=False, default_flow_style=False, width=100
-            )
-            lines.extend("  " + ln for ln in chunk.rstrip("\n").splitlines())
+        lines.extend(_yaml_lines(cls, data[name], "  ", comments))
     return "\n".join(lines) + "\n"
 
 
@@ -134,6 +151,7 @@ def read_mapping(path: Path | str, what: str = "config file") -> dict:
     return data
 
 
-def load_plan_yaml(path: Path | str) -> RunPlan:
-    """Read a plan saved by `dump_plan_yaml` (or written by hand) and validate it."""
-    return plan_from_dict(read_mapping(path, "plan file"))
+def load_plan_yaml(path: Path | str, notes: list[str] | None = None) -> RunPlan:
+    """Read a plan saved by `dump_plan_yaml` (or written by hand) and validate it; ``notes`` gets a
+    line per key of an older zfctl that was mapped (zfctl/plan/legacy.py)."""
+    return plan_from_dict(read_mapping(path, "plan file"), notes=notes, where=Path(path).name)

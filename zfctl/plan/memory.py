@@ -25,7 +25,7 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
         gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         transfer ring         slots x slot bytes (D2H gradient chunks; H2D staging without pinning)
-        landing buffers       2 w H    hook path (stream_grads, accumulate=host): the last
+        landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
                                        backward's gradient columns, two steps alternating
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
 
@@ -261,6 +261,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
           machine: Machine) -> Literal["host", "device"]:
     t, z, d = plan.train, plan.zenflow, plan.data
+    tu = z.tuning
     w = 4 if t.precision == "fp32" else 2
     r = float(z.topk_ratio)
     c = layout_counts(size, r, z.vocab_select == "rows")
@@ -289,7 +290,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         return "host"
 
     choice = _accumulate(plan, c, items, device_kind, machine)
-    pinned = " (page-locked, exact size)" if cuda and z.pin_memory else ""
+    pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
@@ -300,24 +301,24 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
          "zfctl/offload/host.py HostState.acc")
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
          "zfctl/offload/host.py, layout.py")
-    want = int(z.ring_slot_mb * 2**20)
-    slot = ring_slot_bytes(want, z.ring_slots, c.max_rows, c.host, w)
+    want = int(tu.ring_slot_mb * 2**20)
+    slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
     h2d_slot = slot * 4 // w
-    staged = cuda and not z.pin_memory  # the install stages through host slots
-    ring = z.ring_slots * (slot + (h2d_slot if staged else 0))
-    host("transfer ring", ring, f"{z.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
+    staged = cuda and not tu.pin_memory  # the install stages through host slots
+    ring = tu.ring_slots * (slot + (h2d_slot if staged else 0))
+    host("transfer ring", ring, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
          (" + the install's staging" if staged else "") + pinned, "zfctl/offload/ring.py Ring")
     if cuda:
-        dev("install staging", z.ring_slots * h2d_slot, f"{z.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
+        dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
             "zfctl/offload/ring.py Ring.h2d")
-    hook = z.stream_grads and choice == "host"
+    hook = tu.stream_grads and choice == "host"
     if hook:
         host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
              "zfctl/offload/stream.py GradStream.landing")
         if cuda:
-            budget = int(z.inflight_mb * 2**20) if z.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
+            budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
             dev("gradient temporaries in flight", min(budget, w * c.host),
-                "hook path: chunks whose D2H runs (zenflow.inflight_mb, or measured at start)",
+                "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
                 "zfctl/offload/stream.py GradStream._make_room")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")

@@ -6,12 +6,13 @@ this run changes"; defaults are dimmed but still shown: the printout is the comp
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from zfctl.plan.coerce import field_types
 from zfctl.plan.io import plan_to_dict
 from zfctl.plan.machine import GB
 from zfctl.plan.memory import MemoryEstimate, host_limit
@@ -40,11 +41,21 @@ def plan_table(plan: RunPlan) -> Table:
     table.add_column("value", overflow="fold")
     for name, cls in SECTIONS.items():
         table.add_row(Text(name, style="bold magenta"), "")
-        for f in fields(cls):
-            value = data[name][f.name]
-            changed = value != defaults[name][f.name]
-            table.add_row(f"  {f.name}", Text(short_value(value), style="bold" if changed else "dim"))
+        _rows(table, cls, data[name], defaults[name], "  ")
     return table
+
+
+def _rows(table: Table, cls: type, values: dict, defaults: dict, indent: str) -> None:
+    """A section's keys; a nested section (zenflow.tuning) as its own block one level deeper."""
+    for f in fields(cls):
+        value = values[f.name]
+        tp = field_types(cls)[f.name][0]
+        if isinstance(tp, type) and is_dataclass(tp):
+            table.add_row(Text(f"{indent}{f.name}", style="magenta"), "")
+            _rows(table, tp, value, defaults[f.name], indent + "  ")
+            continue
+        changed = value != defaults[f.name]
+        table.add_row(f"{indent}{f.name}", Text(short_value(value), style="bold" if changed else "dim"))
 
 
 def print_plan(plan: RunPlan, console: Console) -> None:

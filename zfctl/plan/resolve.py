@@ -21,7 +21,8 @@ from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
 from zfctl.plan.deepspeed import from_deepspeed, looks_like_deepspeed
 from zfctl.plan.io import check_sections, plan_from_dict, read_mapping
-from zfctl.plan.overrides import apply_overrides, deep_merge
+from zfctl.plan.legacy import upgrade_fragment
+from zfctl.plan.overrides import apply_overrides, deep_merge, parse_override
 from zfctl.plan.precision import resolve_for_this_machine
 from zfctl.plan.presets import find_preset, get_preset, list_presets
 from zfctl.plan.schema import RunPlan
@@ -178,6 +179,18 @@ def check_paths(plan: RunPlan) -> None:
         raise ConfigError("model.hub_id", m.hub_id, "no config.json there; give a save_pretrained folder")
 
 
+def _apply_sets(base: dict, overrides: list[str] | tuple[str, ...], notes: list[str] | None) -> dict:
+    """`--set` over ``base``. The zenflow ones form one layer, mapped from older zfctl keys as a
+    whole (legacy.py: `--set zenflow.select_strategy=epoch --set zenflow.select_interval=2` is one
+    old pair); the rest apply in order, as `apply_overrides` does."""
+    zen = [text for text in overrides if "zenflow" in parse_override(text)]
+    merged = apply_overrides(base, [text for text in overrides if text not in zen])
+    if not zen:
+        return merged
+    layer = upgrade_fragment(apply_overrides({}, zen), below=merged, where="--set", notes=notes)
+    return deep_merge(merged, layer)
+
+
 def resolve_plan(
     model: str,
     data: str,
@@ -197,9 +210,12 @@ def resolve_plan(
     guessed: list[str] = []
     layers = [model_fragment(model), data_fragment(data, guessed),
               get_preset("zenflow", zenflow or "default").load()]
+    merged: dict = reduce(deep_merge, layers, {})
     if config is not None:
-        layers.append(config_fragment(Path(config), notes))
-    merged = apply_overrides(reduce(deep_merge, layers, {}), overrides)
+        fragment = upgrade_fragment(config_fragment(Path(config), notes), below=merged, where=f"--config {config}",
+                                    notes=notes)
+        merged = deep_merge(merged, fragment)
+    merged = _apply_sets(merged, overrides, notes)
     if flags:
         merged = deep_merge(merged, flags)
     plan = plan_from_dict(_default_output_dir(merged, model, data))

@@ -3,7 +3,8 @@
 Types are already right when these run (see `coerce.py`); here we check meaning: ranges,
 required companions (`model.source: hub` needs `model.hub_id`) and conflicts between sections.
 Each failure is a `ConfigError` naming the dotted key, the value and the fix. The `zenflow`
-section validates itself (`ZenFlowConfig.validate`) because the optimizer library owns it.
+section validates itself (`ZenFlowConfig.validate`, one validator reading each field's bounds and
+choices) because the optimizer library owns it: the CLI and the library refuse a value alike.
 Checks that touch the filesystem (does the data file exist?) live in `resolve.py`, so that a
 plan saved in a checkpoint still loads on a machine where the original data path moved.
 """

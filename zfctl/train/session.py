@@ -126,11 +126,12 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     the run folder's edited one with ``allow_changes``; refused if it changed without it."""
     ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, env.rank),
                                 ck.rng_file(env.rank)])
-    plan = load_plan_yaml(info.path / ck.PLAN_FILE)
+    renamed: list[str] = []  # keys of an older zfctl, mapped alike in both plans (zfctl/plan/legacy.py)
+    plan = load_plan_yaml(info.path / ck.PLAN_FILE, renamed)
     problems = []
     edited = run_dir / ck.PLAN_FILE
     if edited.is_file():
-        current = as_saved_world(load_plan_yaml(edited), plan)  # an earlier resume's nproc is no edit
+        current = as_saved_world(load_plan_yaml(edited, renamed), plan)  # an earlier resume's nproc is no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current
@@ -141,6 +142,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
     if resharded and env.rank == 0:
         _note(resharded)
+    if env.rank == 0:
+        for note in dict.fromkeys(renamed):
+            _note(note)
     if info.version != __version__ and env.rank == 0:
         Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
                                    f"{__version__}")
