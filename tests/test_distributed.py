@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload.checkpoint import FORMAT_V1
-from zfctl.offload.reshard import merge_states
+from zfctl.offload.pieces import merge_states
+from zfctl.offload.state import FORMAT_V1
 
 STEPS, BATCH = 20, 8
 CASES = {

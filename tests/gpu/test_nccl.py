@@ -67,7 +67,7 @@ def _reshard(rank: int) -> tuple[dict | None, dict]:
     from test_offload_collective_order import CFG, Net, _data
 
     from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-    from zfctl.offload.reshard import merge_states
+    from zfctl.offload.pieces import merge_states
 
     def steps(model, opt, lo, hi, ranks):
         x, y = _data()
