@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.checkpoint import FORMAT_V1
-from zfctl.offload.reshard import merge_states
+from zfctl.offload.pieces import merge_states
+from zfctl.offload.state import FORMAT_V1
 
 STEPS, BATCH = 20, 8
 CASES = {

@@ -88,7 +88,7 @@ def test_optimizer_auto_interval_fires_where_the_rule_says(bounds: dict, expecte
         for t in range(30):
             constant_grads(layer, t)
             stats.append(opt.step())
-        assert opt._device.index[0].tolist() == LOUD
+        assert opt.device_state.index[0].tolist() == LOUD
     assert [s.step for s in stats if s.boundary] == expected
     lengths = [b - a for a, b in zip([-1, *expected], expected)]
     assert [s.update_interval for s in stats if s.boundary] == lengths

@@ -34,12 +34,12 @@ def test_inflight_budget_follows_the_setting_and_defaults_on_cpu() -> None:
     base = {"topk_ratio": 0.1, "update_interval": 2, "stream_grads": True}
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), zen(**base), lr=1e-2) as opt:
-        grad_bytes = opt.layout.host_numel * opt._itemsize
-        ring = opt.config.tuning.ring_slots * opt._d2h.slot_bytes
-        assert opt.d2h_gbps is None  # no probe off CUDA
-        assert opt._stream.budget_bytes == min(4 * ring, grad_bytes)
+        grad_bytes = opt.layout.host_numel * opt.transfers.itemsize
+        ring = opt.config.tuning.ring_slots * opt.transfers.d2h.slot_bytes
+        assert opt.gradient_path.d2h_gbps is None  # no probe off CUDA
+        assert opt.gradient_path.stream.budget_bytes == min(4 * ring, grad_bytes)
     with ZenFlowOptimizer(model.named_parameters(), zen(**base, inflight_mb=1e-4), lr=1e-2) as opt:
-        assert opt._stream.budget_bytes == min(int(1e-4 * MiB), grad_bytes)
+        assert opt.gradient_path.stream.budget_bytes == min(int(1e-4 * MiB), grad_bytes)
 
 
 def test_inflight_mb_is_validated() -> None:

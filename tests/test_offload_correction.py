@@ -18,7 +18,7 @@ from test_offload_helpers import snapshot, tiny_net, train, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload import optimizer as optimizer_module
+from zfctl.offload import worker as worker_module
 from zfctl.offload.correction import corrected_hyperparams, inner_steps, lr_scale
 from zfctl.offload.worker import CpuWorker
 
@@ -101,7 +101,7 @@ def test_off_is_bit_identical_to_the_uncorrected_update(monkeypatch: pytest.Monk
     _, scaled = _updates(replace(cfg, deferred_lr_scale="sqrt"), monkeypatch)
     assert not all(torch.equal(scaled[n], off[n]) for n in off)  # the comparison can see a change
     # The engine as it was before the option: the boundary's lr and wd go to the CPU unchanged.
-    monkeypatch.setattr(optimizer_module, "corrected_hyperparams", lambda mode, n, lr, wd: (lr, wd))
+    monkeypatch.setattr(worker_module, "corrected_hyperparams", lambda mode, n, lr, wd: (lr, wd))
     seen_old, old = _updates(cfg, monkeypatch)
     assert seen_off == seen_old
     assert all(torch.equal(off[n], old[n]) for n in old)

@@ -33,19 +33,19 @@ def test_injected_inf_skips_both_paths_and_lowers_the_scale(overlap: bool) -> No
         params = snapshot(model)
         # Only the accumulator the main thread fills: with overlap the in-flight CPU update owns the
         # other one until the next boundary (zfctl/offload/host.py's table); reading it would race.
-        opt._drain()  # no accumulation job may still be writing it
+        opt.drain()  # no accumulation job may still be writing it
         acc = opt.pipeline.acc.clone()
-        dev = opt._device.master.clone(), opt._device.exp_avg_sq.clone(), opt._device.steps.clone()
+        dev = opt.device_state.master.clone(), opt.device_state.exp_avg_sq.clone(), opt.device_state.steps.clone()
         host_steps = opt.host.steps.clone()
 
         stats = fp16_step(model, opt, *data[5], poison=True)
         assert stats.skipped and stats.step == 5 and not stats.boundary
-        assert stats.loss_scale == 2**16 and opt._scaler.scale == 2**15
+        assert stats.loss_scale == 2**16 and opt.scaler.scale == 2**15
         after = snapshot(model)
         assert all(torch.equal(params[n], after[n]) for n in params)  # device path: nothing moved
         assert torch.equal(acc, opt.pipeline.acc)  # host path: nothing added
-        assert torch.equal(dev[0], opt._device.master) and torch.equal(dev[1], opt._device.exp_avg_sq)
-        assert torch.equal(dev[2], opt._device.steps) and torch.equal(host_steps, opt.host.steps)
+        assert torch.equal(dev[0], opt.device_state.master) and torch.equal(dev[1], opt.device_state.exp_avg_sq)
+        assert torch.equal(dev[2], opt.device_state.steps) and torch.equal(host_steps, opt.host.steps)
 
         stats = fp16_step(model, opt, *data[6])  # the same step index, taken for real
         assert not stats.skipped and stats.step == 5 and stats.loss_scale == 2**15

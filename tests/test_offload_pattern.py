@@ -27,8 +27,8 @@ def record(c: ZenFlowConfig, steps: int = STEPS):
     history = [snapshot(model)]
     with ZenFlowOptimizer(model.named_parameters(), c, **HP) as opt:
         stats = train(model, opt, steps, after_step=lambda i: history.append(snapshot(model)))
-        selection = {opt.names[s.index]: opt._device.index[s.index].clone() for s in opt._selectable}
-        nchunks = len(opt._chunks)
+        selection = {opt.names[s.index]: opt.device_state.index[s.index].clone() for s in opt.selector.selectable}
+        nchunks = len(opt.transfers.chunks)
     return history, selection, stats, nchunks
 
 

@@ -8,7 +8,7 @@ from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.layout import column_runs, num_selected
-from zfctl.offload.optimizer import ZenFlowOptimizer as _Opt
+from zfctl.offload.selector import Selector
 
 ROWS, COLS = 64, 32
 FIRST = [1, 5, 9, 13]
@@ -46,7 +46,7 @@ def test_planted_large_gradient_columns_are_selected() -> None:
         planted_grads(layer, FIRST, step=0)
         stats = opt.step()
         assert stats.selection
-        assert opt._device.index[0].tolist() == FIRST
+        assert opt.device_state.index[0].tolist() == FIRST
         assert stats.selected_fraction == 4 / 32
         owned = opt.host.device_owned.nonzero().flatten().tolist()
         assert owned == FIRST  # the host skips exactly those columns
@@ -56,15 +56,18 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
     layer = linear()
     cfg = zen(topk_ratio=0.125, update_interval=2, overlap_step=True, select_interval=4)
     captured: dict[str, object] = {}
-    original = _Opt._select
+    original = Selector.select
+    holder: list[ZenFlowOptimizer] = []
 
-    def select_and_capture(self, grads, stats):
-        captured["before"] = _state(self)
-        original(self, grads, stats)
-        captured["after"] = _state(self)  # right after migration, before this step's device update
+    def select_and_capture(self, grads, host, stats):
+        captured["before"] = _state(holder[0])
+        out = original(self, grads, host, stats)
+        captured["after"] = _state(holder[0])  # right after migration, before this step's device update
+        return out
 
-    monkeypatch.setattr(_Opt, "_select", select_and_capture)
+    monkeypatch.setattr(Selector, "select", select_and_capture)
     with ZenFlowOptimizer(layer.named_parameters(), cfg, lr=1e-2, weight_decay=0.1) as opt:
+        holder.append(opt)
         for step in range(4):
             planted_grads(layer, FIRST, step)
             opt.step()
@@ -96,11 +99,11 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
 
 
 def _state(opt: ZenFlowOptimizer) -> dict:
-    slot = opt._selectable[0]
-    dev, host = opt._device.column_state(slot), opt.host.column_state(slot)
+    slot = opt.selector.selectable[0]
+    dev, host = opt.device_state.column_state(slot), opt.host.column_state(slot)
     keys = ("master", "exp_avg", "exp_avg_sq", "steps")
     return {
-        "index": None if opt._device.index[0] is None else opt._device.index[0].tolist(),
+        "index": None if opt.device_state.index[0] is None else opt.device_state.index[0].tolist(),
         "dev": {k: v.clone() for k, v in zip(keys, dev)},
         "host": {k: v.clone() for k, v in zip(keys, host)},
     }

@@ -90,10 +90,10 @@ def test_only_the_final_backward_streams() -> None:
         opt.zero_grad(set_to_none=True)
         opt.prepare_backward(final=False)
         torch.nn.functional.mse_loss(model(x), y).backward()
-        assert not opt._stream.landed  # gradients are not final yet: nothing moved
+        assert not opt.gradient_path.stream.landed  # gradients are not final yet: nothing moved
         opt.prepare_backward(final=True)
         torch.nn.functional.mse_loss(model(x), y).backward()
-        assert opt._stream.landed
+        assert opt.gradient_path.stream.landed
         stats = opt.step()
     assert stats.early_chunks > 0 and stats.in_step_chunks == 0
 
@@ -106,7 +106,7 @@ def test_fp16_overflow_drops_the_streamed_gradient() -> None:
         run(model, opt, data[:4], hooks=True)
         # Step 3's accumulation job may still be running on the accumulation thread, which owns
         # acc until the job is done: drain it before taking the reference copy.
-        opt._drain()
+        opt.drain()
         acc = opt.pipeline.acc.clone()
         x, y = data[4]
         opt.zero_grad(set_to_none=True)
@@ -115,7 +115,7 @@ def test_fp16_overflow_drops_the_streamed_gradient() -> None:
         opt.scale_loss(loss * math.inf).backward()
         stats = opt.step()
         assert stats.skipped
-        opt._drain()
+        opt.drain()
         assert torch.equal(acc, opt.pipeline.acc)  # nothing was added
         assert not run(model, opt, data[5:], hooks=True)[0].skipped
 
@@ -199,7 +199,7 @@ def test_the_inflight_budget_counts_the_previous_steps_copies() -> None:
     per step), waiting for the oldest copies first."""
     cfg = zen(**BASE, accumulate="host", inflight_mb=1e-3)  # a cap of 1048 bytes
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
-        stream = opt._stream
+        stream = opt.gradient_path.stream
         assert stream is not None and stream.budget_bytes == int(1e-3 * 2**20)
         old, older = _Copy(), _Copy()
         stream.inflight.extend([(older, 600), (old, 400)])  # the last step's copies, still running

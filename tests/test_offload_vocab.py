@@ -55,7 +55,7 @@ def test_rows_puts_the_tokens_in_play_on_the_device() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=["embed.weight", "head.weight"], **HP) as opt:
         _token_steps(model, opt, 4, used)
         slots = {s.name: s for s in opt.layout.slots}
-        chosen = {s.name: opt._device.index[s.index] for s in opt.layout.slots if s.selects}
+        chosen = {s.name: opt.device_state.index[s.index] for s in opt.layout.slots if s.selects}
     assert (slots["embed.weight"].by_row, slots["head.weight"].by_row, slots["mid.weight"].by_row) == (True, True, False)
     assert (slots["embed.weight"].cols, slots["embed.weight"].k, slots["mid.weight"].k) == (VOCAB, 10, 1)
     for name in ("embed.weight", "head.weight"):

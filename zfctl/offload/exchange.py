@@ -203,6 +203,14 @@ class GradExchange:
             sent += self._finish_round(rnd)
         return sent
 
+    def average(self, done: set[int], selector: Any, stats: Any, *, masses: bool) -> tuple[Any, list | None]:
+        """``reduce`` for a step: bytes sent into ``stats``; returns the global sum of squares
+        and, with ``masses``, each selectable matrix's total L1 mass (``Selector.mass_totals``)."""
+        red = self.reduce(done, masses=masses)
+        stats.comm_bytes += red.sent
+        totals = selector.mass_totals(self.params, red.host_mass) if red.host_mass is not None else None
+        return red.sq, totals
+
     def reduce(self, done: set[int], *, masses: bool) -> Reduced:
         """Average this step's gradients to where they are read (see the module docstring).
 

@@ -34,7 +34,9 @@ columns) come first, so that before the first selection the device steps a prefi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -233,3 +235,27 @@ def column_runs(mask: torch.Tensor, col_offsets: torch.Tensor) -> torch.Tensor:
     ends = torch.nonzero(edges == -1).flatten()
     off = col_offsets[starts]
     return torch.stack([off, col_offsets[ends] - off], dim=1).contiguous()
+
+
+def named_params(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """Normalise tensors / (name, tensor) pairs; drop frozen ones; reject groups and duplicates."""
+    named, seen = [], set()
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            raise TypeError("ZenFlowOptimizer takes one parameter group: pass tensors or (name, tensor) pairs")
+        name, p = item if isinstance(item, tuple) else (f"param{i}", item)
+        if not isinstance(p, torch.Tensor) or not isinstance(name, str):
+            raise TypeError(f"expected a tensor or a (name, tensor) pair, got {type(item).__name__}")
+        if id(p) in seen:
+            raise ValueError(f"parameter {name!r} is given twice")
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; ZenFlow trains floating-point weights")
+        seen.add(id(p))
+        if p.requires_grad:
+            named.append((name, p))
+    if not named:
+        raise ValueError("ZenFlowOptimizer got no trainable parameters")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return named

@@ -77,3 +77,19 @@ def waited_ms(pairs: list[tuple[Any, Any]]) -> float:
         after.synchronize()  # long fired when read a step later; a sync only if read early
         total += before.elapsed_time(after)
     return total
+
+
+def count_waits(stats: Any, pairs: list[tuple[Any, Any]]) -> None:
+    """Add the device-side waits of one step (the compute stream idle until a copy landed,
+    :func:`timed_wait`) to its ``StepStats``: to ``device_wait_ms`` and to the stall, read one step
+    late like the device timings (``StepStats.defer``), so no sync now."""
+    if not pairs:
+        return
+    pairs = list(pairs)
+
+    def read(st: Any) -> None:
+        ms = waited_ms(pairs)
+        st.device_wait_ms += ms
+        st.stall_ms += ms
+
+    stats.defer(read)

@@ -40,7 +40,8 @@ class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
-                 install: Install, lag: int = 0, device: torch.device | None = None) -> None:
+                 install: Install, lag: int = 0, device: torch.device | None = None,
+                 update_threads: int = 0) -> None:
         self.host = host
         self.policy = policy
         self.overlap = overlap
@@ -48,6 +49,8 @@ class Pipeline:
         self.age = 0  # steps completed since the last background submit (counts while one is outstanding)
         self._install = install
         self.worker = CpuWorker(host, device or torch.device("cpu")) if host is not None else None
+        if self.worker is not None:
+            self.worker.threads = update_threads  # its share of the cores (threads.py); 0 = all
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
         self.interval_len = 0  # steps accumulated in the current interval
         self.last_interval = 0 if policy.auto else policy.fixed

@@ -1,4 +1,4 @@
-"""Dynamic loss scaling for fp16 models, owned by the optimizer.
+"""Dynamic loss scaling for fp16 models, and the gradient coefficient it takes part in.
 
 The scale lives on the host as a Python float: ``scale_loss`` multiplies by it without touching the
 device, and the unscale is folded into the single gradient coefficient (together with the clip
@@ -6,6 +6,8 @@ factor) that both the device and the CPU path apply. Constants follow ``torch.am
 """
 
 from __future__ import annotations
+
+import torch
 
 
 class DynamicLossScaler:
@@ -37,3 +39,54 @@ class DynamicLossScaler:
     def load_state_dict(self, sd: dict) -> None:
         self.scale = float(sd["scale"])
         self.good_steps = int(sd["good_steps"])
+
+
+class GradientScale:
+    """The one gradient coefficient both halves of the optimizer multiply by: the clip factor
+    ``min(1, max_norm / (norm + 1e-6))`` (torch.nn.utils.clip_grad_norm_'s formula, global L2 norm
+    over every gradient) divided by the fp16 loss scale. Device tensors, no host sync."""
+
+    def __init__(self, max_grad_norm: float | None, scaler: DynamicLossScaler | None, device: torch.device) -> None:
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.device = device
+
+    @property
+    def needs_norm(self) -> bool:
+        """A step needs the global gradient norm (clipping, or the fp16 overflow check)."""
+        return self.max_grad_norm is not None or self.scaler is not None
+
+    def coefficient(self, grads: list[torch.Tensor | None],
+                    sq: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(global grad norm, coefficient) as 0-dim fp32 device tensors; (None, None) if neither is
+        needed. ``sq``: the global sum of squares, when the data-parallel exchange assembled it."""
+        if not self.needs_norm:
+            return None, None
+        present = [g for g in grads if g is not None]
+        if sq is None and not present:
+            zero = torch.zeros((), device=self.device)
+            return zero, zero + 1.0
+        if sq is not None:
+            norm = sq.sqrt()
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2.0, dtype=torch.float32)))
+        coef = torch.ones((), device=self.device)
+        if self.scaler is not None:
+            norm = norm / self.scaler.scale  # the unscaled norm
+            coef = coef / self.scaler.scale
+        if self.max_grad_norm is not None:
+            coef = coef * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        return norm, coef
+
+    def overflowed(self, norm: torch.Tensor | None) -> bool:
+        """fp16 only: True (and the scale halved) when this step's gradients hold inf/NaN: the step
+        is skipped. A host sync, the one per-step sync that exists for fp16 alone."""
+        if self.scaler is None or norm is None or bool(torch.isfinite(norm).item()):
+            return False
+        self.scaler.update(overflow=True)
+        return True
+
+    def step_done(self) -> None:
+        """A step was taken without overflow (the scale may grow)."""
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)

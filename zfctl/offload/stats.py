@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -68,6 +71,19 @@ class StepStats:
     d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only
     _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
 
+    def set_grad_norm(self, host_norm: float | None, norm: torch.Tensor | None, *, cuda: bool) -> None:
+        """The gradient norm: as read with the step's scalars, or (topk 1: nothing was synced) read
+        from the device one step late on CUDA, at once on CPU."""
+        if host_norm is not None:
+            self.grad_norm = host_norm
+        elif norm is not None:
+            def read(st: StepStats, norm: torch.Tensor = norm) -> None:
+                st.grad_norm = float(norm.item())
+
+            self.defer(read)
+            if not cuda:
+                self.resolve()
+
     def defer(self, fill: Callable[[StepStats], None]) -> None:
         """Queue ``fill(self)`` for :meth:`resolve` (a read of device timing/values)."""
         self._late.append(fill)
@@ -78,3 +94,28 @@ class StepStats:
         for fill in late:
             fill(self)
         return self
+
+
+class DeviceClock:
+    """Times a device section: wall clock on CPU, CUDA events on GPU (read later, one sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self, stats: StepStats) -> None:
+        """Set ``stats.device_opt_ms``: now on CPU, at ``stats.resolve()`` on CUDA (no sync here)."""
+        if not self.cuda:
+            stats.device_opt_ms = (time.perf_counter() - self.t0) * 1e3
+            return
+        self.end.record()
+
+        def read(st: StepStats) -> None:
+            self.end.synchronize()  # a sync only if resolved before the device got here
+            st.device_opt_ms = self.start.elapsed_time(self.end)
+
+        stats.defer(read)

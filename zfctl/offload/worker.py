@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inner_steps
 from zfctl.offload.host import HostState
 from zfctl.offload.pcie import bind_device
 
@@ -37,6 +38,17 @@ class CpuUpdate:
     eps: float
     weight_decay: float
     repeat: int = 1  # AdamW steps per element, all with this gradient (correction.inner_steps)
+
+
+def cpu_update(mode: DeferredLrScale, n: int, acc: torch.Tensor, groups: Callable[[int], list],
+               hp: dict[str, float]) -> CpuUpdate:
+    """The update of an interval of ``n`` steps: the interval-mean gradient (``grad_scale = 1/n``),
+    the boundary's hyper-parameters with ``zenflow.deferred_lr_scale``'s correction for the ``n``
+    steps the deferred columns stood still (correction.py: a scaled lr, or ``repeat``: n steps),
+    and the step-counter groups (``groups(steps)``: HostState.update_groups, which advances them)."""
+    lr, wd = corrected_hyperparams(mode, n, hp["lr"], hp["weight_decay"])
+    reps = inner_steps(mode, n)
+    return CpuUpdate(acc, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd, reps)
 
 
 class CpuWorker:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zfctl.errors import UserError
-from zfctl.offload.checkpoint import FORMAT_V1
-from zfctl.offload.reshard import merge_states, owners
+from zfctl.offload.pieces import merge_states, owners
+from zfctl.offload.state import FORMAT_V1
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.optim import TrainingOptimizer

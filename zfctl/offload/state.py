@@ -1,8 +1,9 @@
 """The optimizer's complete state as one dict, for an exact resume (mid-interval, overlap on or off).
 
-Each component saves and loads itself; this module only assembles their dicts into the saved
-format and checks, before anything is overwritten, that a dict fits the optimizer loading it.
-It imports none of the components (the optimizer imports it), so there is no import cycle.
+Each component saves and loads itself; this module assembles their dicts into the saved format
+(``save``), checks, before anything is overwritten, that a dict fits the optimizer loading it, and
+puts a dict back into the components (``load``). It works on the optimizer's public parts and
+imports none of the engine's classes (the optimizer imports it), so there is no import cycle.
 
 What is saved, beyond torch.optim's param_groups (lr & co., scheduler-visible):
 
@@ -12,20 +13,20 @@ What is saved, beyond torch.optim's param_groups (lr & co., scheduler-visible):
 * ``selection`` and ``device`` (``DeviceAdam``): sorted column ids per matrix; fp32 master,
   moments and per-column step counters (flat, as laid out);
 * ``host`` (``HostState`` + ``Pipeline``): fp32 master, moments and per-column counters
-  (column-major), the accumulator of the unfinished interval, and, when an update is pending,
-  the bf16/fp16 values it will install;
+  (column-major) and the accumulator of the unfinished interval, as pieces (pieces.py);
 * ``policy`` (``IntervalPolicy``) and ``scaler`` (``DynamicLossScaler``).
 
 An update in flight is waited for first (a stall, at checkpoint time only); its result is then
 "pending": the saved model params do not contain it yet, and the next boundary after loading
-installs it exactly as the uninterrupted run would. Tensors are CPU copies, so the dict stays
-valid while training continues. The layout depends on the parameter list, on ``topk_ratio`` and
+installs it exactly as the uninterrupted run would, from the master. Like ``torch.optim``, the
+tensors are the live state, not copies (a checkpoint streams them to disk,
+zfctl/train/tensorfile.py); take copies to keep a snapshot while training goes on. The layout depends on the parameter list, on ``topk_ratio`` and
 on which matrices are split by row (``by_row``, from ``zenflow.vocab_select``; absent in older
 states: none): loading into an optimizer that differs in any of them raises ValueError.
 
 Data parallel: each rank's dict holds the replicated part (counters, selection, device state:
 identical on every rank) and its own share of the host state as pieces keyed by parameter name
-and column range (``reshard``), not by rank. ``partition`` records the world size, the rank, the
+and column range (``pieces``), not by rank. ``partition`` records the world size, the rank, the
 column cuts and ``ranges``: every rank's pieces as ``[name, owner, c0, c1]``, so a loader of any
 world size knows which ranks' files hold the columns it needs. An optimizer loads any set of
 pieces that covers its own columns, whichever world size wrote them.
@@ -36,7 +37,10 @@ same rank of the same world size; anything else raises ValueError naming the wor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from zfctl.offload.pieces import check_covers, gather_host, split_host
 
 STATE_FORMAT = "zfctl.zenflow/2"
 FORMAT_V1 = "zfctl.zenflow/1"  # flat per-rank host buffers: same rank and world size only
@@ -49,7 +53,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], by_row: list[str], 
     """The saved format from the components' own state dicts (see the module docstring).
 
     ``host``: the host state as name-keyed pieces, the pipeline's accumulator and pending upload
-    included (``reshard.split_host``); ``pipeline``: its counters and policy.
+    included (``pieces.split_host``); ``pipeline``: its counters and policy.
     """
     device = dict(device)
     selection = device.pop("selection")
@@ -110,3 +114,71 @@ def unpack_state(sd: dict[str, Any]) -> dict[str, Any]:
     return {"selected": selected, "pipeline": {"counters": counters, "policy": sd["policy"]},
             "device": {**sd["device"], "selection": sd["selection"]}, "host": sd["host"],
             "scaler": sd["scaler"], "param_groups": sd["param_groups"]}
+
+
+def save(opt: Any) -> dict[str, Any]:
+    """``opt.state_dict()``: queued accumulation and an in-flight update waited for first, the
+    unfinished sum made canonical in place (``HostState.canonicalize``), then assembled."""
+    opt.drain()
+    pipeline = opt.pipeline.state_dict(live_acc=opt.gradient_path.live_acc if opt.host is not None else None)
+    host = None
+    if opt.host is not None:
+        host = split_host(opt.layout, {**opt.host.state_dict(), "acc": pipeline.pop("acc")})
+    return pack_state(
+        names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
+        config=dataclasses.asdict(opt.config),
+        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        partition=opt.partition_info(), selected=opt.selector.selected, pipeline=pipeline,
+        device=opt.device_state.state_dict(), host=host,
+        scaler=opt.scaler.state_dict() if opt.scaler is not None else None)
+
+
+def load(opt: Any, state_dict: dict[str, Any]) -> None:
+    """``opt.load_state_dict()``: check, then copy into the live buffers piece by piece (values
+    may be tensors or lazy file tensors: no gathered copy of the state)."""
+    check_state(state_dict, names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
+                topk_ratio=opt.config.topk_ratio, partition=opt.partition_info())
+    parts = unpack_state(state_dict)
+    opt.drain()
+    if opt.host is not None:  # checked before anything is overwritten: a gap raises here
+        host = parts["host"]
+        pieces = host if isinstance(host, list) else split_host(opt.layout, host)  # format 1: flat
+        check_covers(opt.layout, pieces)
+    opt.gradient_path.begin(final=False, acc=None, first=False, coef=None)  # a half-armed window is void
+    for group, saved in zip(opt.param_groups, parts["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    pipeline = parts["pipeline"]
+    live = opt.gradient_path.live_acc if opt.host is not None else None
+    if opt.host is not None:
+        opt.host.wait_install()
+        # The unfinished sum goes where the pipeline reads it: its current host accumulator, or
+        # the device path's device buffer.
+        acc = live if live is not None else opt.host.acc[pipeline["counters"]["cur"] % len(opt.host.acc)]
+        gather_host(opt.layout, pieces, into={**opt.host.state_dict(), "acc": acc})
+        pipeline["acc"] = acc
+    opt.pipeline.load_state_dict(pipeline, live_acc=live)
+    opt.selector.selected = parts["selected"]
+    opt.device_state.load_state_dict(parts["device"])
+    if opt.host is not None:
+        opt.host.device_owned.zero_()
+        for s in opt.selector.selectable:
+            if (index := opt.device_state.index[s.index]) is not None:
+                opt.host.set_device_owned(s, index)
+        opt.transfers.replan()
+    if opt.scaler is not None and parts["scaler"] is not None:
+        opt.scaler.load_state_dict(parts["scaler"])
+
+
+def by_row(layout: Any) -> list[str]:
+    """Names of the matrices split by row (layout.py), in parameter order."""
+    return [s.name for s in layout.slots if s.by_row]
+
+
+def partition_info(layout: Any, part: Any) -> dict[str, Any]:
+    """Which share of the host state an optimizer holds (one process: all of it), and ``ranges``:
+    every rank's pieces as [name, owner, c0, c1] (identical on every rank)."""
+    if part is None:
+        return {"world_size": 1, "rank": 0, "ranges": [[s.name, 0, 0, s.cols] for s in layout.host_slots]}
+    names = [s.name for s in layout.slots]
+    return {"world_size": part.world_size, "rank": part.rank, "bounds": list(part.bounds),
+            "ranges": [[names[pc.index], pc.owner, pc.c0, pc.c1] for pc in part.pieces]}

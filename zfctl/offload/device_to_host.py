@@ -1,0 +1,292 @@
+"""Where the gradients are copied device to host: the three gradient paths, chosen once.
+
+Every step, the non-selected columns' gradients are added into the interval's fp32 sum, and at
+a boundary the CPU update reads that sum on the host. Three paths do it, with the same sum
+(docs/design.md, "Algorithm" and "Transfer scheduling"); the optimizer picks one when it is
+built and then only calls the :class:`GradientPath` methods, in its step's phases:
+
+* :class:`InStep` (``stream_grads: false``): ``step()`` copies the gradient columns device to
+  host through the D2H ring and accumulates them on the host (chunks.py ``offload_gradients``);
+* :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks copy them
+  device to host during the last backward and a host thread accumulates them (stream.py); steps
+  whose backward was not announced, and selection steps, fall back to :class:`InStep`;
+* :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
+  (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
+
+The column chunks and the two rings that move them inside ``step()`` (gradients D2H, installed
+params H2D) are :class:`Transfers`, shared by the paths and the install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from zfctl.errors import ConfigError
+from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
+from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
+from zfctl.offload.config import ZenFlowConfig
+from zfctl.offload.device_acc import DeviceAccumulator, resolve
+from zfctl.offload.host import HostState
+from zfctl.offload.layout import Layout
+from zfctl.offload.pcie import count_waits
+from zfctl.offload.ring import Ring, ring_slot_bytes
+from zfctl.offload.stats import StepStats
+from zfctl.offload.stream import GradStream
+from zfctl.offload.threads import capped, split_threads
+
+Fence = Callable[[], Any]
+
+
+class Transfers:
+    """The host-owned columns cut into slot-sized chunks, and the D2H and H2D rings (chunks.py)."""
+
+    def __init__(self, layout: Layout, host: HostState, device: torch.device, config: ZenFlowConfig,
+                 itemsize: int) -> None:
+        slots = layout.host_slots
+        biggest = max(slots, key=lambda s: s.rows)
+        want = int(config.tuning.ring_slot_mb * 2**20)
+        if biggest.rows * itemsize > want:
+            need = biggest.rows * itemsize / 2**20
+            raise ConfigError("zenflow.tuning.ring_slot_mb", config.tuning.ring_slot_mb,
+                              f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
+        slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
+        cuda_pin = device.type == "cuda" and config.tuning.pin_memory
+        # D2H: model-dtype gradient chunks (step() path, scalars). H2D: the same column ranges of the
+        # fp32 master, 4/itemsize times the bytes; on CUDA with a page-locked master they DMA
+        # straight from it (no host slots), else they stage through host slots.
+        self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory)
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory,
+                        host_slots=device.type == "cuda" and not cuda_pin)
+        self.layout, self.host, self.itemsize = layout, host, itemsize
+        self.replan()
+
+    def replan(self) -> None:
+        """Re-plan the chunks after the device-owned columns changed (a selection, a load)."""
+        self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
+        # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
+        self.host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self.chunks)
+
+    def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
+        """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
+        return install_params(self.h2d, self.chunks, self.host.master, params)
+
+    def release(self) -> None:
+        self.d2h.release()
+        self.h2d.release()
+
+
+class GradientPath(Protocol):
+    """How one step's non-selected gradient columns get into the interval's sum (module docstring).
+
+    Phases of a step: ``begin`` (``prepare_backward``), ``exchanged`` (data parallel: what the
+    hooks exchanged), ``add_device`` (in the device update), ``add_host`` (once the coefficient is
+    on the host), and at a boundary ``finish``: after the previous CPU update is collected, it
+    returns what the next one must wait for before it reads the sum (``None``: nothing).
+    """
+
+    d2h_gbps: float | None  # the D2H rate measured at construction (hook path on CUDA), else None
+    live_acc: torch.Tensor | None  # where the unfinished sum lives when not in the host accumulator
+
+    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None: ...
+
+    def exchanged(self) -> set[int]: ...
+
+    def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
+                   stats: StepStats) -> None: ...
+
+    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
+                 stats: StepStats) -> None: ...
+
+    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None: ...
+
+    def skip(self, stats: StepStats) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoHostColumns:
+    """Nothing to move: every column lives on the device (``topk_ratio: 1``). The base of the
+    paths below: each phase does nothing unless a path says otherwise."""
+
+    d2h_gbps: float | None = None
+    live_acc: torch.Tensor | None = None
+
+    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
+        pass
+
+    def exchanged(self) -> set[int]:
+        return set()
+
+    def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
+                   stats: StepStats) -> None:
+        pass
+
+    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
+                 stats: StepStats) -> None:
+        pass
+
+    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
+        return None
+
+    def skip(self, stats: StepStats) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class InStep(NoHostColumns):
+    """``step()`` copies the gradient columns device to host through the D2H ring, chunk by chunk,
+    and accumulates each one on the host as it lands (all of it inside step(): stall)."""
+
+    def __init__(self, transfers: Transfers, accumulate: Callable[..., None]) -> None:
+        self.transfers, self.accumulate = transfers, accumulate
+
+    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
+                 stats: StepStats) -> None:
+        t = self.transfers
+        # Host memory per element: read the gradient, write acc (and read it after the first step).
+        stats.host_bytes += t.host_elems * (t.itemsize + (4 if first else 8))
+        stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first)
+        stats.in_step_chunks = len(t.chunks)
+        stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
+
+
+class DuringBackward(InStep):
+    """The last backward's gradient hooks copy the columns device to host and a host thread adds
+    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps take
+    :class:`InStep`'s copy."""
+
+    def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
+                 device: torch.device, config: ZenFlowConfig, exchange: Any) -> None:
+        super().__init__(transfers, accumulate)
+        layout, itemsize = transfers.layout, transfers.itemsize
+        # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
+        # here (bandwidth.py; a sync, at construction only), or zenflow.inflight_mb when set. Off
+        # CUDA there is no link to measure: 4x the ring. Never more than the host-path gradient.
+        self.d2h_gbps = measure_d2h_gbps(device)
+        if config.tuning.inflight_mb:
+            budget = int(config.tuning.inflight_mb * 2**20)
+        elif self.d2h_gbps is not None:
+            budget = inflight_bytes(self.d2h_gbps)
+        else:
+            budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
+        budget = min(budget, layout.host_numel * itemsize)
+        dtype = params[layout.host_slots[0].index].dtype
+        self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
+                                 pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
+                                 exchange=exchange)
+        self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
+
+    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
+        if final and acc is not None:
+            self.stream.arm(self.transfers.chunks, acc, coef, first=first)
+        else:
+            self.stream.disarm()
+
+    def exchanged(self) -> set[int]:
+        return self.stream.complete_exchanges() if self.stream.armed else set()
+
+    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
+                 stats: StepStats) -> None:
+        if not self.stream.armed:  # an unannounced backward, or a selection step
+            self.stream.drain()  # the thread may still add the previous step into acc
+            self._fence = None
+            super().add_host(grads, acc, coef, first=first, stats=stats)
+            return
+        t = self.transfers
+        stats.host_bytes += t.host_elems * (t.itemsize + (4 if first else 8))
+        fence = self.stream.finish(stats, coef, t.itemsize)  # the hooks moved it; the thread adds it
+        self._fence = fence.result if fence is not None else None
+        stats.d2h_bytes += stats.early_bytes + stats.in_step_bytes
+
+    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
+        fence, self._fence = self._fence, None
+        return fence
+
+    def skip(self, stats: StepStats) -> None:
+        if self.stream.armed:
+            self.stream.finish(stats, None, self.transfers.itemsize)  # drop what the hooks moved
+
+    def drain(self) -> None:
+        self.stream.drain()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class SummedOnDevice(NoHostColumns):
+    """The interval's sum lives on the device (device_acc.py); only the sum is copied device to
+    host, once per interval, after the previous CPU update was collected (its one accumulator).
+    Nothing happens on the host per step (``add_host`` is the base's no-op)."""
+
+    def __init__(self, transfers: Transfers, device: torch.device) -> None:
+        self.transfers = transfers
+        self.sum = DeviceAccumulator(transfers.layout, device)
+        self.live_acc = self.sum.buf
+
+    def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
+                   stats: StepStats) -> None:
+        self.sum.add(grads, coef, first=first)
+        count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
+
+    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
+        stats.d2h_bytes += 4 * self.transfers.layout.host_numel  # the fp32 sum, once per interval
+        stats.host_bytes += 4 * self.transfers.host_elems
+        return self.sum.copy_out(acc)
+
+    def drain(self) -> None:
+        self.sum.wait()
+
+
+@dataclass
+class HostSide:
+    """What an optimizer with host columns adds: the state, the transfers, the gradient path, and
+    the split of the cores between accumulation and the CPU update (threads.py)."""
+
+    host: HostState
+    transfers: Transfers
+    path: GradientPath
+    accumulate: str  # zenflow.accumulate as resolved: "host" or "device"
+    threads: tuple[int, int]  # (accumulation, update) native threads
+
+
+def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
+                    exchange: Any) -> HostSide:
+    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here."""
+    from zfctl import _native  # raises UserError("run make setup") when the library is missing
+
+    dtypes = {params[s.index].dtype for s in layout.host_slots}
+    if len(dtypes) > 1:
+        raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
+    itemsize = dtypes.pop().itemsize
+    accumulate = resolve(config.accumulate, device, 4 * layout.host_numel)
+    on_device = accumulate == "device"
+    cuda_pin = device.type == "cuda" and config.tuning.pin_memory
+    # Two accumulators only where the next interval is summed on the host while the worker reads
+    # the last one (overlap, host paths); the device path sums on the device and lands the sum in
+    # its one host accumulator after the previous update was collected (SummedOnDevice.finish).
+    host = HostState(layout, params, accumulators=2 if config.overlap_step and not on_device else 1,
+                     pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
+    transfers = Transfers(layout, host, device, config, itemsize)
+    if config.cpu_threads:
+        _native.set_num_threads(config.cpu_threads)
+    threads = split_threads(_native.get_num_threads(), config.tuning.accumulate_threads)
+    add = capped(_native, threads[0])
+    path: GradientPath
+    if on_device:
+        path = SummedOnDevice(transfers, device)
+    elif config.tuning.stream_grads:
+        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange)
+    else:
+        path = InStep(transfers, add)
+    return HostSide(host, transfers, path, accumulate, threads)
