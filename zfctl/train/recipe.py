@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -53,19 +52,12 @@ from zfctl.train.reshard import load_optimizer_state
 from zfctl.train.rundir import check_output_dir, clear_run_dir
 from zfctl.train.schedule import build_scheduler, restore_scheduler
 from zfctl.train.signals import StopSignals, interrupted
+from zfctl.train.testhooks import fail_or_hang
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
 
     from zfctl.train.data.prepare import PreparedData
-
-# Test hook: "RANK:STEP" makes rank RANK raise RunFailed during optimizer step STEP, after its
-# backward and before optimizer.step()'s collectives (where its peers then wait), so tests can
-# check that one failing rank ends the whole job (tests/test_failures.py).
-FAIL_ENV = "ZFCTL_TEST_FAIL_STEP"
-# Test hook: "RANK:STEP" makes rank RANK stop answering (sleep for good) at the same point: a rank
-# that hangs without dying, for distributed.timeout (tests/test_failures.py).
-HANG_ENV = "ZFCTL_TEST_HANG_STEP"
 
 
 @dataclass
@@ -313,7 +305,7 @@ class FinetuneRecipe:
                     step_loss += micro_loss.detach()
                     del logits, micro_loss  # free the activations' largest tensor before the next one
                 timer.stop()
-                _fail_hook(self.env.rank, p.step + 1)
+                fail_or_hang(self.env.rank, p.step + 1)  # tests only: zfctl/train/testhooks.py
 
                 # -- optimizer: ZenFlow updates the selected columns on the device and hands the
                 #    rest to its CPU worker; stats say how long it waited for that worker.
@@ -442,15 +434,6 @@ class FinetuneRecipe:
         """Close what :meth:`setup` opened, newest first: the console, the metrics sinks, the
         optimizer's CPU worker thread, then the process group and the determinism flag."""
         self._cleanup.close()
-
-
-def _fail_hook(rank: int, step: int) -> None:
-    spec = os.environ.get(FAIL_ENV)
-    if spec and spec.split(":") == [str(rank), str(step)]:
-        raise RunFailed(f"step {step}: failure injected by {FAIL_ENV}={spec} (a test hook)")
-    if os.environ.get(HANG_ENV, "").split(":") == [str(rank), str(step)]:
-        while True:
-            time.sleep(1)
 
 
 def _finite(value: float | None) -> bool:
