@@ -83,11 +83,11 @@ def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> i
     """The world size recorded in the checkpoint; None if it cannot be read (resume reports why).
 
     ``nproc`` different from it: checked here, before N processes start, that the global batch can
-    be kept (zfctl/train/reshard.py), rather than by each rank after torchrun formed the group.
+    be kept (zfctl/train/world_size.py), rather than by each rank after torchrun formed the group.
     """
     from zfctl.plan.io import load_plan_yaml
     from zfctl.train.checkpoint import PLAN_FILE, resolve_checkpoint
-    from zfctl.train.reshard import fit_world_size
+    from zfctl.train.world_size import fit_world_size
 
     try:
         info = resolve_checkpoint(ckpt_dir, latest_good=latest_good)

@@ -48,11 +48,11 @@ from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, model_inputs
 from zfctl.train.metrics import MetricsWriter, StepTimer, build_sinks, memory_stats
 from zfctl.train.models.load import load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer
-from zfctl.train.reshard import load_optimizer_state
 from zfctl.train.rundir import check_output_dir, clear_run_dir
 from zfctl.train.schedule import build_scheduler, restore_scheduler
 from zfctl.train.signals import StopSignals, interrupted
 from zfctl.train.testhooks import fail_or_hang
+from zfctl.train.world_size import load_optimizer_state
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
@@ -139,7 +139,7 @@ class FinetuneRecipe:
         Refuses, before anything is built, a checkpoint this process cannot continue: training
         data with another number of records (the data position would be meaningless). A world
         size other than the checkpoint's was fitted into the plan already (``_resumed_plan`` in
-        session.py, zfctl/train/reshard.py); the optimizer state is re-cut for it in
+        session.py, zfctl/train/world_size.py); the optimizer state is re-cut for it in
         :meth:`setup`, which needs the built optimizer to know this rank's columns. Nothing is
         put into the parts yet: :meth:`setup` does that as it builds them.
         """

@@ -29,8 +29,8 @@ from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
 from zfctl.train.recipe import FinetuneRecipe, RunResult
-from zfctl.train.reshard import as_saved_world, fit_world_size
 from zfctl.train.rundir import check_output_dir, plan_differences
+from zfctl.train.world_size import as_saved_world, fit_world_size
 from zfctl.writable import check_writable
 
 __all__ = ["RunResult", "resume", "run"]
@@ -87,7 +87,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
     world size keeps the global batch by changing the gradient accumulation, or is refused when it
-    cannot (``zfctl.train.reshard``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
+    cannot (``zfctl.train.world_size``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
     state. ``max_steps`` moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     Every file this process reads is checked against its digest first (one read each); a damaged
@@ -135,7 +135,7 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         if diffs and allow_changes:
             plan = current
         problems += diffs
-    plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/reshard.py
+    plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/world_size.py
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
