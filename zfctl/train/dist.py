@@ -1,4 +1,5 @@
-"""Multi-process runs: who am I (torchrun's environment), relaunching under torchrun, rank errors.
+"""Processes: who am I (torchrun's environment), this process's device, seeds and process group,
+relaunching under torchrun, rank errors.
 
 zfctl wraps torchrun instead of replacing it. ``zfctl finetune ... --nproc N`` (not already under
 torchrun) checks what it can in the launching process - the output folder, the logger packages,
@@ -36,15 +37,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+
+import torch
 
 from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
@@ -82,6 +86,60 @@ def dist_env() -> DistEnv:
         int(os.environ.get("WORLD_SIZE", "1")),
         int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def resolve_device(want: str, *, no_cuda: str, index: int | None = None) -> torch.device:
+    """The device ``want`` names: ``auto`` (CUDA when visible, else the CPU), ``cuda`` or ``cpu``.
+
+    ``no_cuda``: the UserError's line when CUDA is asked for and none is visible (it names the
+    option as the user gave it). ``index``: which GPU (a rank's LOCAL_RANK); None: the current one.
+    """
+    cuda = torch.cuda.is_available()
+    if want == "cuda" and not cuda:
+        raise UserError(no_cuda)
+    if want == "cuda" or (want == "auto" and cuda):
+        return torch.device("cuda") if index is None else torch.device("cuda", index)
+    return torch.device("cpu" if want == "auto" else want)
+
+
+def train_device(plan: RunPlan, env: DistEnv) -> torch.device:
+    """``train.device`` for this rank: its own GPU (LOCAL_RANK) on a node, or the CPU."""
+    return resolve_device(plan.train.device, index=env.local_rank,
+                          no_cuda="train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
+
+
+@contextlib.contextmanager
+def process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator[None]:
+    """Seeds, the determinism flag and the process group for one run, restored/torn down on exit."""
+    import torch.distributed as torch_dist
+
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    random.seed(plan.train.seed)
+    torch.manual_seed(plan.train.seed)
+    # CPU kernels are deterministic for a fixed thread count already; the flag makes any op
+    # that is not warn instead of silently breaking bit-exact resume. On CUDA it would force
+    # slower kernels (and needs CUBLAS_WORKSPACE_CONFIG), so it stays off there.
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    own_group = False
+    if env.world_size > 1 and not torch_dist.is_initialized():
+        backend = plan.distributed.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # distributed.timeout: a collective that waits longer raises, and the survivors name the
+        # rank that did not answer (rank_error below); None = the backend's default.
+        timeout = plan.distributed.timeout
+        torch_dist.init_process_group(backend=backend,
+                                      timeout=None if timeout is None else timedelta(seconds=timeout))
+        own_group = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev_det)
+        if own_group:
+            torch_dist.destroy_process_group()
 
 
 def under_torchrun() -> bool:

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +39,7 @@ from zfctl.plan.validate import check_max_length
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import ResumableSampler, SamplerPosition
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line, format_train_line
-from zfctl.train.dist import DistEnv
+from zfctl.train.dist import DistEnv, process_setup, train_device
 from zfctl.train.lock import FolderLock
 from zfctl.train.loss import all_reduce_sum, evaluate, lm_loss_sum, model_inputs, targets, to_device
 from zfctl.train.metrics import MetricsWriter, StepTimer, build_sinks, memory_stats
@@ -112,7 +109,7 @@ class FinetuneRecipe:
     def __init__(self, plan: RunPlan, data: PreparedData, env: DistEnv, *, lock: FolderLock | None = None,
                  force: bool = False) -> None:
         self.plan, self.data, self.env = plan, data, env
-        self.device = _device(plan, env)
+        self.device = train_device(plan, env)
         self.run_dir = Path(plan.checkpoint.output_dir)
         self.lock = lock if lock is not None else FolderLock()
         self.force = force
@@ -167,7 +164,7 @@ class FinetuneRecipe:
         """Seeds and the process group, then model, sampler, optimizer and LR scheduler, each with
         the checkpoint's state when resuming; last, the output folder, metrics and console."""
         plan, t, env, restore = self.plan, self.plan.train, self.env, self._restore
-        self._cleanup.enter_context(_process(plan, env, self.device))
+        self._cleanup.enter_context(process_setup(plan, env, self.device))
         self.model = load_model(plan.model, precision=t.precision, device=self.device, seed=t.seed)
         check_max_length(plan.data.max_length, getattr(self.model, "config", None))  # hub/local models
         if restore is not None:
@@ -438,43 +435,3 @@ class FinetuneRecipe:
 
 def _finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
-
-
-def _device(plan: RunPlan, env: DistEnv) -> torch.device:
-    want = plan.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _process(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator[None]:
-    """Seeds, determinism flags and the process group, restored/torn down on exit."""
-    prev_det = torch.are_deterministic_algorithms_enabled()
-    random.seed(plan.train.seed)
-    torch.manual_seed(plan.train.seed)
-    # CPU kernels are deterministic for a fixed thread count already; the flag makes any op
-    # that is not warn instead of silently breaking bit-exact resume. On CUDA it would force
-    # slower kernels (and needs CUBLAS_WORKSPACE_CONFIG), so it stays off there.
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    own_group = False
-    if env.world_size > 1 and not dist.is_initialized():
-        backend = plan.distributed.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # distributed.timeout: a collective that waits longer raises, and the survivors name the
-        # rank that did not answer (zfctl/train/dist.py, rank_error); None = the backend's default.
-        timeout = plan.distributed.timeout
-        dist.init_process_group(backend=backend, timeout=None if timeout is None else timedelta(seconds=timeout))
-        own_group = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev_det)
-        if own_group:
-            dist.destroy_process_group()
