@@ -28,7 +28,8 @@ from zfctl.train.dist import DistEnv, dist_env
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
-from zfctl.train.recipe import FinetuneRecipe, RunResult
+from zfctl.train.progress import RunResult
+from zfctl.train.recipe import FinetuneRecipe
 from zfctl.train.rundir import check_output_dir, plan_differences
 from zfctl.train.world_size import as_saved_world, fit_world_size
 from zfctl.writable import check_writable
