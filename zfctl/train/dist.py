@@ -2,9 +2,9 @@
 relaunching under torchrun, rank errors.
 
 zfctl wraps torchrun instead of replacing it. ``zfctl finetune ... --nproc N`` (not already under
-torchrun) checks what it can in the launching process - the output folder, the logger packages,
-and the data, which it prepares into the cache so that the N ranks load it instead of tokenising
-it N times - and then runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+torchrun) checks what it can in the launching process (zfctl/train/launch.py) - the output folder,
+the logger packages, and the data, which it prepares into the cache so that the N ranks load it
+instead of tokenising it N times - and then runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 zfctl finetune <the same arguments>``. Each rank sees torchrun's RANK/WORLD_SIZE/LOCAL_RANK and
 trains; ``torchrun --nnodes ... --nproc-per-node N -m zfctl finetune ...`` (multi-node, slurm)
 takes the same path minus the relaunch. When any rank fails, torchrun stops the others; the
@@ -45,7 +45,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from types import FrameType
 
 import torch
@@ -335,23 +334,3 @@ def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exce
                          f"if it had one, is above; the collective said: {first}); once that is fixed, continue "
                          "from the newest checkpoint with `zfctl resume RUN_DIR`")
     return e
-
-
-def prepare_launch(plan: RunPlan, *, force: bool) -> None:
-    """Before relaunching: fail fast on the output folder, logger packages and data (exit 2).
-
-    The data is prepared into the cache here (the ranks then load it in milliseconds); the output
-    folder is only checked: rank 0 creates it once every rank has proven its inputs good.
-    """
-    from zfctl.train.inputs import load_inputs
-    from zfctl.train.lock import check_free
-    from zfctl.train.metrics import require_sinks
-    from zfctl.train.rundir import check_output_dir
-    from zfctl.writable import check_writable
-
-    out = Path(plan.checkpoint.output_dir)
-    check_output_dir(out, force)
-    check_free(out)  # a live run there: refuse now (rank 0 takes the lock itself)
-    check_writable(out, "--output")
-    require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    load_inputs(plan, rank=dist_env().rank)

@@ -42,14 +42,9 @@ class RunFolder:
     fresh: bool = True
     force: bool = False
 
-    def check(self, *, estimate: int | None = None) -> None:
+    def check(self) -> None:
         """Refuse now, touching nothing, what :meth:`claim` would refuse later: the folder's
-        contents (a fresh run), a live run holding it, a place this process cannot write.
-
-        ``estimate``: the expected checkpoint size; a disk that cannot hold one is refused too
-        (the newest checkpoint's size counts instead when the folder has one). Nothing is
-        cleaned: without the lock a ``.tmp-*`` folder may be a live run's save in progress.
-        """
+        contents (a fresh run), a live run holding it, a place this process cannot write."""
         if self.fresh:
             check_output_dir(self.path, self.force)
         check_free(self.path)  # a live run there: refused before anything else looks inside
@@ -57,8 +52,12 @@ class RunFolder:
             check_writable(self.path, "--output")
         else:
             check_writable(self.path, "CKPT_DIR", "resume needs to write checkpoints and metrics there")
-        if estimate is not None:
-            check_run_space(self.path, estimate, reclaim=self.fresh and self.force, clean=False)
+
+    def check_space(self, estimate: int) -> None:
+        """Refuse a disk that cannot hold one checkpoint of ``estimate`` bytes (the newest
+        checkpoint's size counts instead when the folder has one). Nothing is cleaned: without
+        the lock a ``.tmp-*`` folder may be a live run's save in progress."""
+        check_run_space(self.path, estimate, reclaim=self.fresh and self.force, clean=False)
 
     def hold(self, lock: FolderLock) -> None:
         """Take the folder's lock now if the folder exists, and keep it through data preparation:

@@ -30,9 +30,8 @@ from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
 from zfctl.train.progress import RunResult
 from zfctl.train.recipe import FinetuneRecipe
-from zfctl.train.rundir import check_output_dir, plan_differences
+from zfctl.train.rundir import RunFolder, plan_differences
 from zfctl.train.world_size import as_saved_world, fit_world_size
-from zfctl.writable import check_writable
 
 __all__ = ["RunResult", "resume", "run"]
 
@@ -63,10 +62,9 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
         if not debug_data and env.rank == 0:
             # Fail in a second, before minutes of data preparation: the folder's state, a live
             # run in it, a destination that cannot be written, missing logger packages.
-            check_output_dir(out, force)
-            check_writable(out, "--output")
-            if out.is_dir():
-                lock.take(out)  # hold it through data preparation: nobody starts in between
+            folder = RunFolder(out, force=force)
+            folder.check()
+            folder.hold(lock)
             require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         tokenizer, prepared = load_inputs(plan, rank=env.rank)
         if debug_data:
@@ -105,8 +103,9 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
             _note(note)
         if latest_good:
             _note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
-        check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")
-        lock.take(run_dir)  # before loading the checkpoint: a live run may be rotating it away
+        folder = RunFolder(run_dir, fresh=False)
+        folder.check()
+        folder.hold(lock)  # before loading the checkpoint: a live run may be rotating it away
     try:
         plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes)
         if on_plan is not None and env.rank == 0:
