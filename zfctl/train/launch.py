@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -31,9 +32,10 @@ from zfctl.train.dist import (
     under_torchrun,
     worker_argv,
 )
-from zfctl.train.progress import RunResult
 from zfctl.train.rundir import RunFolder
-from zfctl.train.world_size import fit_world_size
+
+if TYPE_CHECKING:
+    from zfctl.train.progress import RunResult
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> i
     ``nproc`` different from it: checked here, before N processes start, that the global batch can
     be kept (zfctl/train/world_size.py), rather than by each rank after torchrun formed the group.
     """
+    from zfctl.train.world_size import fit_world_size
+
     try:
         info = ck.resolve_checkpoint(ckpt_dir, latest_good=latest_good)
         plan = load_plan_yaml(info.path / ck.PLAN_FILE) if nproc not in (None, info.world_size) else None
