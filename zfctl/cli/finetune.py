@@ -58,12 +58,13 @@ def finetune(
     Resolution order: model preset < data preset < zenflow preset < --config < --set < flags.
     The resolved plan is printed first and saved as plan.yaml in the output folder.
     """
-    from zfctl.plan.advice import accuracy_warnings
     from zfctl.train.dist import PLAN_PRINTED_ENV, bind_to_launcher, dist_env
+
+    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
+    from zfctl.plan.advice import accuracy_warnings
     from zfctl.train.launch import Launched
     from zfctl.train.launch import finetune as start
 
-    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
     plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)

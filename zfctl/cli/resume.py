@@ -42,12 +42,13 @@ def resume(
     ] = None,
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
-    from zfctl.plan.render import print_plan
     from zfctl.train.dist import bind_to_launcher, dist_env
+
+    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
+    from zfctl.plan.render import print_plan
     from zfctl.train.launch import Launched
     from zfctl.train.launch import resume as start
 
-    bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
     # The plan is read from the checkpoint and printed through the callback, before any loading.
     result = start(ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, latest_good=latest_good,
                    nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console))
