@@ -23,6 +23,7 @@ from zfctl.cli import _common, app
 from zfctl.errors import RunFailed, UserError
 from zfctl.train import checkpoint as ck
 from zfctl.train import checksum, recipe
+from zfctl.train.checkpoint import space
 from zfctl.train.metrics import read_metrics
 
 runner = CliRunner()
@@ -230,7 +231,7 @@ def test_disk_full_during_a_save_is_one_line_and_leaves_no_tmp(tmp_path: Path, m
 def test_not_enough_space_is_refused_before_anything_is_written(trained: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
     out = tmp_path / "run"
     res = finetune(out)
     assert res.exit_code == 2, res.output
@@ -242,7 +243,7 @@ def test_not_enough_space_is_refused_before_anything_is_written(trained: Path, t
     run = _copy(trained, tmp_path)
     before = tree(run)
     res = zf("resume", run, "--max-steps", 6)
-    needed = ck._fmt_bytes(ck.last_size(run / "checkpoints"))  # the newest checkpoint's size
+    needed = space._fmt_bytes(ck.last_size(run / "checkpoints"))  # the newest checkpoint's size
     assert res.exit_code == 2 and f"needs {needed}, 1 MB free" in errors(res.output)[0], res.output
     assert tree(run) == before
 

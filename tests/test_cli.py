@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import zfctl.train
 from zfctl.cli import _common, app
 from zfctl.plan import machine
+from zfctl.train import session
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -224,7 +225,7 @@ def test_finetune_passes_the_resolved_plan_to_the_loop(
         calls.append((plan, force, debug_data))
         return Result()
 
-    monkeypatch.setattr(zfctl.train, "run", fake_run)
+    monkeypatch.setattr(session, "run", fake_run)
     result = zf(
         "finetune",
         "tiny-llama",
@@ -249,14 +250,6 @@ def test_finetune_passes_the_resolved_plan_to_the_loop(
     )
     assert (plan.zenflow.topk_ratio, plan.zenflow.update_interval, force, debug_data) == (0.0, 1, True, False)
     assert "run plan" in result.output and "2.5000" in result.output
-
-
-def test_verbs_without_engine_say_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(zfctl.train, "run", raising=False)
-    result = zf("finetune", "tiny-llama", "--data", "alpaca-sample")
-    assert result.exit_code == 2 and "training is not available yet" in result.stderr
-    multi = zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--nproc", "2")
-    assert multi.exit_code == 2 and "--nproc 2: multi-process training is not available yet" in multi.stderr
 
 
 def test_doctor_reports_without_crashing_when_pieces_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,7 +303,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(
         seen["export"] = (Path(ckpt_dir), Path(output), force, push_to_hub)
         return Path(output)
 
-    monkeypatch.setattr(zfctl.train, "resume", fake_resume)
+    monkeypatch.setattr(session, "resume", fake_resume)
     monkeypatch.setattr(zfctl.train, "export", fake_export)
     res = zf("resume", tmp_path, "--max-steps", "7", "--allow-changes")
     assert res.exit_code == 0, res.output
@@ -326,7 +319,7 @@ def test_finetune_warns_once_about_settings_that_lose_accuracy(monkeypatch: pyte
     class Result:
         output_dir, steps, final_train_loss, final_eval_loss, last_checkpoint = tmp_path, 1, 1.0, 1.0, None
 
-    monkeypatch.setattr(zfctl.train, "run", lambda plan, **kw: Result())
+    monkeypatch.setattr(session, "run", lambda plan, **kw: Result())
     base = ["finetune", "tiny-llama", "--data", "alpaca-sample", "--output", tmp_path / "o", "--force"]
     # tiny-llama is random init: the paper's settings hit every rule, each warned exactly once.
     paper = zf(*base, "--zenflow", "paper")

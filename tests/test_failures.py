@@ -1,6 +1,6 @@
 """One failing rank ends the whole job: 2 gloo ranks through the real ``--nproc 2`` launcher.
 
-A rank that raises mid-step (the loop's test hook, zfctl/train/recipe.py ``FAIL_ENV``) and a rank
+A rank that raises mid-step (the loop's test hook, zfctl/train/testhooks.py ``FAIL_ENV``) and a rank
 that is SIGKILLed mid-run must each end every process of the job within seconds (30 s allowed on a
 loaded box; the job's start-up, most of each test, is not counted), with a non-zero
 exit, the failing rank's own one-line error (or torchrun naming the killed rank), no traceback
@@ -25,7 +25,7 @@ from proc_helpers import alive, children, metric_steps
 
 from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
 from zfctl.train.dist import TIMEOUT_EXIT
-from zfctl.train.recipe import FAIL_ENV, HANG_ENV
+from zfctl.train.testhooks import FAIL_ENV, HANG_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [

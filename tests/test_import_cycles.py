@@ -3,7 +3,7 @@
 The imports are read statically (ast), including those inside functions: a lazy import hides a
 circle from Python's import machinery but not from a reader who has to hold both modules in
 mind. Imports under ``if TYPE_CHECKING:`` are left out: they never run, and naming a caller's
-class in an annotation (zfctl/offload/checkpoint.py names ZenFlowOptimizer) is no dependency.
+class in an annotation is no dependency.
 ``from package import name`` counts as an import of the submodule when ``name`` is one, else of
 the package.
 """

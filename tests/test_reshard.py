@@ -13,7 +13,7 @@ from zfctl.offload.layout import plan_layout
 from zfctl.offload.partition import partition_layout
 from zfctl.offload.pieces import gather_host, merge_states, owned_ranges, owners, split_host
 from zfctl.plan import resolve_plan
-from zfctl.train.reshard import as_saved_world, fit_world_size
+from zfctl.train.world_size import as_saved_world, fit_world_size
 
 
 def plan(accum: int, nproc: int = 1):

@@ -27,8 +27,9 @@ from typer.testing import CliRunner
 
 from zfctl.cli import _common, app
 from zfctl.train import lock
-from zfctl.train.checkpoint import SLOW_WRITE_ENV, read_checkpoint, resolve_checkpoint
+from zfctl.train.checkpoint import read_checkpoint, resolve_checkpoint
 from zfctl.train.rundir import check_output_dir
+from zfctl.train.testhooks import SLOW_WRITE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from zfctl.train.checkpoint import SLOW_WRITE_ENV, read_checkpoint, resolve_checkpoint
+from zfctl.train.checkpoint import read_checkpoint, resolve_checkpoint
 from zfctl.train.metrics import read_metrics
+from zfctl.train.testhooks import SLOW_WRITE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [

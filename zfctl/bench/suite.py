@@ -34,6 +34,7 @@ from zfctl.bench.summary import add_speedups, summarize
 from zfctl.errors import UserError
 from zfctl.offload.bandwidth import measure_d2h_gbps
 from zfctl.offload.config import ZenFlowConfig
+from zfctl.train.dist import resolve_device
 
 
 @dataclass
@@ -71,14 +72,6 @@ class BenchReport:
     results: list[ConfigResult]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: this torch build sees no CUDA device; use --device cpu or auto")
-    return torch.device(name)
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -98,7 +91,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     """Run baselines + grid and return the summarised report (nothing is printed but progress)."""
     if opts.accumulate not in ("auto", "host", "device"):
         raise UserError(f"--accumulate {opts.accumulate!r}: use auto, host or device")
-    device = resolve_device(opts.device)
+    device = resolve_device(
+        opts.device, no_cuda="--device cuda: this torch build sees no CUDA device; use --device cpu or auto")
 
     if opts.model is not None:
         build: Callable[[int], BenchModel] = PresetFactory(

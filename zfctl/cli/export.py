@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from zfctl.cli._common import CkptDirArg, ForceOpt, console
-from zfctl.errors import UserError
 
 
 def export(
@@ -23,9 +22,7 @@ def export(
     ] = None,
 ) -> None:
     """Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads."""
-    try:
-        from zfctl.train import export as train_export
-    except ImportError:
-        raise UserError("export is not available yet in this build (zfctl.train.export is missing)") from None
+    from zfctl.train import export as train_export
+
     path = train_export(ckpt_dir, output, force=force, push_to_hub=push_to_hub)
     console.print(f"[bold green]exported[/] {path}")

@@ -24,7 +24,6 @@ from zfctl.cli._common import (
     resolve_from_cli,
     warning_line,
 )
-from zfctl.errors import UserError
 
 
 def finetune(
@@ -59,19 +58,13 @@ def finetune(
     Resolution order: model preset < data preset < zenflow preset < --config < --set < flags.
     The resolved plan is printed first and saved as plan.yaml in the output folder.
     """
-    from zfctl.plan.advice import accuracy_warnings
-    from zfctl.plan.render import print_plan
-    from zfctl.train.dist import (
-        PLAN_PRINTED_ENV,
-        bind_to_launcher,
-        dist_env,
-        rank_error,
-        relaunch,
-        under_torchrun,
-        worker_argv,
-    )
+    from zfctl.train.dist import PLAN_PRINTED_ENV, bind_to_launcher, dist_env
 
     bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
+    from zfctl.plan.advice import accuracy_warnings
+    from zfctl.train.launch import Launched
+    from zfctl.train.launch import finetune as start
+
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
     plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)
@@ -79,44 +72,9 @@ def finetune(
         # Once per run: a torchrun relaunch sets PLAN_PRINTED_ENV, so its workers stay quiet.
         for line in accuracy_warnings(plan):
             warning_line(line)
-    try:
-        from zfctl.train import run
-    except ImportError:
-        what = (
-            "training"
-            if plan.distributed.nproc == 1
-            else f"--nproc {plan.distributed.nproc}: multi-process training"
-        )
-        raise UserError(
-            f"{what} is not available yet in this build (zfctl.train.run is missing); "
-            "`zfctl plan` shows the resolved plan and memory estimate"
-        ) from None
-    if env.is_main and not os.environ.get(PLAN_PRINTED_ENV):
-        from zfctl.train.preflight import preflight
-
-        preflight(plan, force=force, output=not debug_data)  # before the plan: one line, in a second
-    if plan.distributed.nproc > 1 and not under_torchrun() and not debug_data:
-        # Everything that can fail on user input is checked here, once, before N processes start;
-        # the data lands in the cache, so the ranks load it instead of tokenising it N times.
-        from zfctl.train.dist import prepare_launch
-
-        print_plan(plan, console)
-        _memory_line(plan)
-        prepare_launch(plan, force=force)
-        console.print(f"launching {plan.distributed.nproc} processes under torchrun (standalone)")
-        raise typer.Exit(
-            code=relaunch(plan.distributed.nproc, worker_argv(sys.argv[1:], "distributed.nproc"))
-        )
-    if env.is_main and not os.environ.get(PLAN_PRINTED_ENV):
-        print_plan(plan, console)
-        _memory_line(plan)
-    try:
-        result = run(plan, force=force, debug_data=debug_data)
-    except Exception as e:  # a user error or a lost peer: one line per rank; a bug: as is
-        named = rank_error(e, env, plan.distributed.timeout)
-        if named is e:
-            raise
-        raise named from None
+    result = start(plan, force=force, debug_data=debug_data, argv=sys.argv[1:], show_plan=_show_plan)
+    if isinstance(result, Launched):
+        raise typer.Exit(code=result.code)
     if debug_data or not env.is_main:
         return
     console.print(
@@ -125,6 +83,14 @@ def finetune(
     )
     if result.last_checkpoint:
         console.print(f"checkpoint: {result.last_checkpoint}  (continue: zfctl resume {result.output_dir})")
+
+
+def _show_plan(plan) -> None:
+    """The resolved plan, then the memory verdict under it."""
+    from zfctl.plan.render import print_plan
+
+    print_plan(plan, console)
+    _memory_line(plan)
 
 
 def _memory_line(plan) -> None:

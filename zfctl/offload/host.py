@@ -146,7 +146,7 @@ class HostState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Copy saved values into the live buffers (``sd``'s values: tensors, or lazy file tensors
-        with ``copy_to``, see reshard.py)."""
+        with ``copy_to``, see pieces.py)."""
         self.wait_install()
         for k in self.STATE_KEYS:
             fill(getattr(self, k), sd[k])

@@ -15,7 +15,6 @@ import json
 import re
 from functools import reduce
 from pathlib import Path
-from typing import Any
 
 from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
@@ -29,6 +28,7 @@ from zfctl.plan.schema import RunPlan
 from zfctl.resources import presets_root
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+_JSON_SNIFF_LIMIT = 64 << 20  # a .json list must be parsed whole: only peek into small ones
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -66,26 +66,35 @@ def model_fragment(model: str) -> dict:
     )
 
 
+def first_record(path: Path) -> object | None:
+    """The first record of a local .jsonl/.csv file (or of a .json list under 64 MiB: it is parsed
+    whole); None when there is none or it is not cheap to read. An unreadable or malformed file is
+    None too: the data pipeline reports it, naming the record. Read by the template guess below
+    and by the pre-flight check of ``zfctl finetune`` (zfctl/train/preflight.py)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                line = next((ln for ln in f if ln.strip()), None)
+            return None if line is None else json.loads(line)
+        if suffix == ".csv":
+            with open(path, newline="", encoding="utf-8") as f:
+                return next(csv.DictReader(f), None)
+        if suffix == ".json" and path.stat().st_size < _JSON_SNIFF_LIMIT:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data[0] if isinstance(data, list) and data else None
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    return None
+
+
 def _sniff_template(path: Path) -> dict:
     """Guess the template from the first record's fields; {} when unsure (defaults apply).
 
     ``messages`` / ``conversations`` (a list of turns) mean chat, ``instruction`` + ``output``
     alpaca, ``text`` plain text.
     """
-    try:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                first: Any = next((json.loads(line) for line in fh if line.strip()), {})
-        elif path.suffix == ".json" and path.stat().st_size < 64 << 20:
-            loaded = json.loads(path.read_text(encoding="utf-8"))
-            first = loaded[0] if isinstance(loaded, list) and loaded else {}
-        elif path.suffix == ".csv":
-            with path.open(encoding="utf-8", newline="") as fh:
-                first = dict.fromkeys(next(csv.reader(fh), []))
-        else:
-            return {}
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}  # the data pipeline reports a broken file with the record index
+    first = first_record(path)
     if not isinstance(first, dict):
         return {}
     if any(isinstance(first.get(f), list) for f in ("messages", "conversations")):

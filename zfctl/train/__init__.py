@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from zfctl.plan.schema import RunPlan
-    from zfctl.train.recipe import RunResult
+    from zfctl.train.progress import RunResult
 
 __all__ = ["RunResult", "export", "resume", "run"]
 
@@ -43,7 +43,7 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
 
 def __getattr__(name: str) -> object:
     if name == "RunResult":
-        from zfctl.train.recipe import RunResult
+        from zfctl.train.progress import RunResult
 
         return RunResult
     raise AttributeError(name)

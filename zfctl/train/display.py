@@ -31,7 +31,11 @@ class Display(Protocol):
     """What the loop calls; a rich implementation on rank 0, a no-op elsewhere."""
 
     def start(self, total_steps: int, start_step: int) -> None: ...
-    def advance(self, step: int, loss: float | None) -> None: ...
+
+    def step(self, rec: dict[str, Any], *, line: bool) -> None:
+        """A step's metrics record: the bar moves; ``line``: the dense line is printed too, its
+        loss the mean over the steps since the previous line."""
+
     def print(self, text: str) -> None: ...
     def close(self) -> None: ...
 
@@ -83,8 +87,11 @@ class RichDisplay:
         self.console = console or Console()
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+        self._total = 0
+        self._window: list[float] = []  # losses since the last line: the line shows their mean
 
     def start(self, total_steps: int, start_step: int) -> None:
+        self._total = total_steps
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -93,10 +100,15 @@ class RichDisplay:
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="")
         self._progress.start()
 
-    def advance(self, step: int, loss: float | None) -> None:
+    def step(self, rec: dict[str, Any], *, line: bool) -> None:
+        self._window.append(rec["loss"])
+        if line:
+            window = self._window
+            self.print(format_train_line({**rec, "loss": sum(window) / len(window), "loss_steps": len(window)},
+                                         self._total))
+            window.clear()
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=step,
-                                  loss="" if loss is None else f"loss {loss:.4f}")
+            self._progress.update(self._task, completed=rec["step"], loss=f"loss {rec['loss']:.4f}")
 
     def print(self, text: str) -> None:
         # Printed through the progress' console so the bar stays below the scrolling lines.
@@ -116,7 +128,7 @@ class NullDisplay:
     def start(self, total_steps: int, start_step: int) -> None:
         pass
 
-    def advance(self, step: int, loss: float | None) -> None:
+    def step(self, rec: dict[str, Any], *, line: bool) -> None:
         pass
 
     def print(self, text: str) -> None:

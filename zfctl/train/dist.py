@@ -1,9 +1,10 @@
-"""Multi-process runs: who am I (torchrun's environment), relaunching under torchrun, rank errors.
+"""Processes: who am I (torchrun's environment), this process's device, seeds and process group,
+relaunching under torchrun, rank errors.
 
 zfctl wraps torchrun instead of replacing it. ``zfctl finetune ... --nproc N`` (not already under
-torchrun) checks what it can in the launching process - the output folder, the logger packages,
-and the data, which it prepares into the cache so that the N ranks load it instead of tokenising
-it N times - and then runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+torchrun) checks what it can in the launching process (zfctl/train/launch.py) - the output folder,
+the logger packages, and the data, which it prepares into the cache so that the N ranks load it
+instead of tokenising it N times - and then runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 zfctl finetune <the same arguments>``. Each rank sees torchrun's RANK/WORLD_SIZE/LOCAL_RANK and
 trains; ``torchrun --nnodes ... --nproc-per-node N -m zfctl finetune ...`` (multi-node, slurm)
 takes the same path minus the relaunch. When any rank fails, torchrun stops the others; the
@@ -36,15 +37,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from types import FrameType
+
+import torch
 
 from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
@@ -82,6 +85,60 @@ def dist_env() -> DistEnv:
         int(os.environ.get("WORLD_SIZE", "1")),
         int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def resolve_device(want: str, *, no_cuda: str, index: int | None = None) -> torch.device:
+    """The device ``want`` names: ``auto`` (CUDA when visible, else the CPU), ``cuda`` or ``cpu``.
+
+    ``no_cuda``: the UserError's line when CUDA is asked for and none is visible (it names the
+    option as the user gave it). ``index``: which GPU (a rank's LOCAL_RANK); None: the current one.
+    """
+    cuda = torch.cuda.is_available()
+    if want == "cuda" and not cuda:
+        raise UserError(no_cuda)
+    if want == "cuda" or (want == "auto" and cuda):
+        return torch.device("cuda") if index is None else torch.device("cuda", index)
+    return torch.device("cpu" if want == "auto" else want)
+
+
+def train_device(plan: RunPlan, env: DistEnv) -> torch.device:
+    """``train.device`` for this rank: its own GPU (LOCAL_RANK) on a node, or the CPU."""
+    return resolve_device(plan.train.device, index=env.local_rank,
+                          no_cuda="train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
+
+
+@contextlib.contextmanager
+def process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator[None]:
+    """Seeds, the determinism flag and the process group for one run, restored/torn down on exit."""
+    import torch.distributed as torch_dist
+
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    random.seed(plan.train.seed)
+    torch.manual_seed(plan.train.seed)
+    # CPU kernels are deterministic for a fixed thread count already; the flag makes any op
+    # that is not warn instead of silently breaking bit-exact resume. On CUDA it would force
+    # slower kernels (and needs CUBLAS_WORKSPACE_CONFIG), so it stays off there.
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    own_group = False
+    if env.world_size > 1 and not torch_dist.is_initialized():
+        backend = plan.distributed.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # distributed.timeout: a collective that waits longer raises, and the survivors name the
+        # rank that did not answer (rank_error below); None = the backend's default.
+        timeout = plan.distributed.timeout
+        torch_dist.init_process_group(backend=backend,
+                                      timeout=None if timeout is None else timedelta(seconds=timeout))
+        own_group = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev_det)
+        if own_group:
+            torch_dist.destroy_process_group()
 
 
 def under_torchrun() -> bool:
@@ -277,23 +334,3 @@ def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exce
                          f"if it had one, is above; the collective said: {first}); once that is fixed, continue "
                          "from the newest checkpoint with `zfctl resume RUN_DIR`")
     return e
-
-
-def prepare_launch(plan: RunPlan, *, force: bool) -> None:
-    """Before relaunching: fail fast on the output folder, logger packages and data (exit 2).
-
-    The data is prepared into the cache here (the ranks then load it in milliseconds); the output
-    folder is only checked: rank 0 creates it once every rank has proven its inputs good.
-    """
-    from zfctl.train.inputs import load_inputs
-    from zfctl.train.lock import check_free
-    from zfctl.train.metrics import require_sinks
-    from zfctl.train.rundir import check_output_dir
-    from zfctl.writable import check_writable
-
-    out = Path(plan.checkpoint.output_dir)
-    check_output_dir(out, force)
-    check_free(out)  # a live run there: refuse now (rank 0 takes the lock itself)
-    check_writable(out, "--output")
-    require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
-    load_inputs(plan, rank=dist_env().rank)

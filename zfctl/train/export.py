@@ -63,14 +63,14 @@ def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
     """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
     from zfctl.train.models.load import load_model
     from zfctl.train.optim import build_optimizer
-    from zfctl.train.reshard import load_optimizer_state
+    from zfctl.train.world_size import load_optimizer_state
 
     model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
                        seed=plan.train.seed)
     ck.load_model_weights(info, model)
     trainer = ck.load_torch(info, ck.TRAINER_FILE)
     # One process holds every host column: the pieces of all saved ranks are merged (as a resume
-    # on one process would, reshard.py). Costs the optimizer's host memory briefly.
+    # on one process would, world_size.py). Costs the optimizer's host memory briefly.
     opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get("steps_per_epoch", 1)))
     try:
         load_optimizer_state(opt, info, rank=0, world=1)

@@ -1,6 +1,6 @@
 """The run's inputs: tokenizer and prepared data, proved good before anything else happens.
 
-Shared by the launcher (``zfctl.train.dist.prepare_launch``, before torchrun starts the ranks) and
+Shared by the launcher (``zfctl.train.launch``, before torchrun starts the ranks) and
 by every rank (``zfctl.train.session``). It imports neither of them, so the two never import each
 other (tests/test_import_cycles.py).
 """

@@ -1,16 +1,20 @@
-"""The training loss and what it takes across processes: next-token loss, evaluation, sums.
+"""The training loss and what it takes across processes: next-token loss, evaluation, sums, and
+the verdict on a loss that is not finite.
 
 Used by the loop (:meth:`zfctl.train.recipe.FinetuneRecipe.train`) and its tests.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zfctl.errors import RunFailed
 from zfctl.train.data.templates import IGNORE_INDEX
 
 
@@ -42,6 +46,22 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def targets(batch: dict[str, torch.Tensor]) -> int:
     """How many tokens of ``batch`` carry a loss (what :func:`lm_loss_sum` sums over)."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def loss_divisor(batches: Sequence[dict[str, torch.Tensor]], device: torch.device, world_size: int) -> float:
+    """What each micro-batch's summed loss is divided by: the step's target tokens.
+
+    The whole step's count, so each token weighs the same regardless of how the step is cut into
+    micro-batches. With several processes, the global count / world_size, not this rank's: after
+    the optimizer averages gradients over ranks, every token then weighs the same whichever rank
+    saw it (the 1-process loss of the global batch); one tiny all-reduce before the forward, on
+    NCCL a host<->device sync as well.
+    """
+    n_targets: float = max(1, sum(targets(b) for b in batches))
+    if world_size > 1:
+        n_targets = max(1.0, all_reduce_sum([float(n_targets)], device, world_size)[0])
+        n_targets /= world_size
+    return n_targets
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,3 +106,17 @@ def evaluate(model: torch.nn.Module, eval_data: Sequence[dict] | None, collate: 
     model.train(was_training)
     total, tokens = all_reduce_sum([float(loss_sum), float(n_tokens)], device, world_size)  # sync
     return total / tokens if tokens else None
+
+
+def non_finite(step: int, loss: float, grad_norm: float | None, lr: float,
+               last_checkpoint: Path | None) -> RunFailed | None:
+    """None when the step's loss and gradient norm (None: not measured) are finite; else the one
+    line that stops the run: which step, what went non-finite, the likely causes, where to go back to."""
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+        return None
+    what = f"loss {loss}" + ("" if grad_norm is None else f", gradient norm {grad_norm}")
+    back = (f"the last checkpoint {last_checkpoint} is from before it" if last_checkpoint
+            else "no checkpoint was written yet")
+    return RunFailed(f"step {step}: {what}: training diverged and was stopped, no checkpoint was "
+                     f"written from this state; likely causes: train.lr={lr:.3g} too high, a bad data "
+                     f"record, or a damaged checkpoint it resumed from; {back}")

@@ -12,12 +12,17 @@ import math
 import os
 import resource
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from zfctl.errors import UserError
+from zfctl.plan.schema import RunPlan
+
+if TYPE_CHECKING:
+    from zfctl.train.progress import StepResult
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # event files, under the run folder
@@ -153,6 +158,39 @@ def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: 
         except ImportError:
             raise _missing("wandb") from None
     return sinks
+
+
+def open_metrics(plan: RunPlan, run_dir: Path, *, resume_step: int | None) -> MetricsWriter:
+    """Rank 0's ``metrics.jsonl`` with the sinks ``plan.logging`` asks for. ``resume_step``: a
+    resumed run drops the records after its checkpoint's step (a crashed run wrote them)."""
+    log = plan.logging
+    sinks = build_sinks(wandb=log.wandb, wandb_project=log.wandb_project, tensorboard=log.tensorboard,
+                        run_dir=run_dir, config=asdict(plan))
+    return MetricsWriter(run_dir, resume_step=resume_step, sinks=sinks)
+
+
+def train_record(step: int, s: StepResult, *, tokens_seen: int, compute_ms: float, epoch: int,
+                 device: torch.device, world_size: int) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of optimizer step ``step`` (``kind: train``), which reported
+    ``s``; ``compute_ms`` is its forward and backward passes (:class:`StepTimer`)."""
+    stats, step_ms = s.stats, s.step_ms
+    rec = {"kind": "train", "step": step, "loss": s.loss, "lr": s.lr,
+           "tokens": s.tokens, "tokens_seen": tokens_seen,
+           "tokens_per_s": s.tokens / max(step_ms, 1e-6) * 1e3,
+           "step_ms": step_ms, "compute_ms": compute_ms,
+           "device_opt_ms": stats.device_opt_ms, "stall_ms": stats.stall_ms,
+           # share of the step the device had work: fwd/bwd + device optimizer
+           "gpu_busy": min(1.0, (compute_ms + stats.device_opt_ms) / max(step_ms, 1e-6)),
+           "cpu_step_ms": stats.cpu_step_ms, "boundary": stats.boundary,
+           "selection": stats.selection, "warmup": stats.warmup,
+           "skipped": stats.skipped, "selected_fraction": stats.selected_fraction,
+           "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
+           "update_interval": stats.update_interval, "d2h_bytes": stats.d2h_bytes,
+           "h2d_bytes": stats.h2d_bytes, "epoch": epoch,
+           **memory_stats(device)}
+    if world_size > 1:  # bytes rank 0 sent to the group (StepStats.comm_bytes)
+        rec["comm_bytes"] = stats.comm_bytes
+    return rec
 
 
 class StepTimer:

@@ -60,7 +60,7 @@ class TrainingOptimizer(Protocol):
 
     def host_ranges(self) -> list[tuple[str, int, int]]:
         """(parameter name, c0, c1) of the host column ranges this rank holds: which pieces of a
-        saved state a resume on another world size must read (zfctl/train/reshard.py)."""
+        saved state a resume on another world size must read (zfctl/train/world_size.py)."""
         ...
 
 

@@ -1,4 +1,6 @@
-"""Learning-rate schedules: linear warm-up, then cosine / linear decay or a constant.
+"""Schedules: the learning rate of each step, and which steps log, evaluate and checkpoint.
+
+The learning rate: linear warm-up, then cosine / linear decay or a constant.
 
 The schedule is a ``torch.optim.lr_scheduler.LambdaLR`` so that it drives
 ``param_groups[i]["lr"]`` of any ``torch.optim.Optimizer`` (the ZenFlow optimizer included) and
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from zfctl.plan.schema import RunPlan
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -64,3 +69,34 @@ def restore_scheduler(scheduler: LambdaLR, state: dict) -> None:
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reports; LambdaLR keeps it privately
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Which optimizer steps of a run that goes from ``start`` to ``total`` log a console line,
+    evaluate and checkpoint (``*_every`` 0: never inside the run).
+
+    The last step is evaluated and checkpointed after the loop, not by these (its checkpoint comes
+    first, then the in-flight CPU update is installed and the finished model evaluated).
+    """
+
+    start: int
+    total: int
+    log_every: int
+    eval_every: int
+    save_every: int
+
+    @classmethod
+    def of(cls, plan: RunPlan, *, start: int, total: int) -> Cadence:
+        return cls(start=start, total=total, log_every=max(1, plan.logging.every),
+                   eval_every=plan.train.eval_every, save_every=plan.checkpoint.every)
+
+    def should_log(self, step: int) -> bool:
+        """A console line: every ``log_every`` steps, and the first and last step of the run."""
+        return step % self.log_every == 0 or step == self.start + 1 or step == self.total
+
+    def should_eval(self, step: int) -> bool:
+        return self.eval_every > 0 and step % self.eval_every == 0 and step < self.total
+
+    def should_save(self, step: int) -> bool:
+        return self.save_every > 0 and step % self.save_every == 0 and step < self.total

@@ -28,10 +28,10 @@ from zfctl.train.dist import DistEnv, dist_env
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
-from zfctl.train.recipe import FinetuneRecipe, RunResult
-from zfctl.train.reshard import as_saved_world, fit_world_size
-from zfctl.train.rundir import check_output_dir, plan_differences
-from zfctl.writable import check_writable
+from zfctl.train.progress import RunResult
+from zfctl.train.recipe import FinetuneRecipe
+from zfctl.train.rundir import RunFolder, plan_differences
+from zfctl.train.world_size import as_saved_world, fit_world_size
 
 __all__ = ["RunResult", "resume", "run"]
 
@@ -62,10 +62,9 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
         if not debug_data and env.rank == 0:
             # Fail in a second, before minutes of data preparation: the folder's state, a live
             # run in it, a destination that cannot be written, missing logger packages.
-            check_output_dir(out, force)
-            check_writable(out, "--output")
-            if out.is_dir():
-                lock.take(out)  # hold it through data preparation: nobody starts in between
+            folder = RunFolder(out, force=force)
+            folder.check()
+            folder.hold(lock)
             require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         tokenizer, prepared = load_inputs(plan, rank=env.rank)
         if debug_data:
@@ -87,7 +86,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
     world size keeps the global batch by changing the gradient accumulation, or is refused when it
-    cannot (``zfctl.train.reshard``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
+    cannot (``zfctl.train.world_size``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
     state. ``max_steps`` moves the end of the run (the LR schedule follows it).
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     Every file this process reads is checked against its digest first (one read each); a damaged
@@ -104,8 +103,9 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
             _note(note)
         if latest_good:
             _note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
-        check_writable(run_dir, "CKPT_DIR", "resume needs to write checkpoints and metrics there")
-        lock.take(run_dir)  # before loading the checkpoint: a live run may be rotating it away
+        folder = RunFolder(run_dir, fresh=False)
+        folder.check()
+        folder.hold(lock)  # before loading the checkpoint: a live run may be rotating it away
     try:
         plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes)
         if on_plan is not None and env.rank == 0:
@@ -136,7 +136,7 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         if diffs and allow_changes:
             plan = current
         problems += diffs
-    plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/reshard.py
+    plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/world_size.py
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -84,6 +85,18 @@ class StopSignals:
         for s, prev in self._previous.items():
             signal.signal(s, prev)
         self._previous = {}
+
+
+def run_stop_signals(say: Callable[[str], None], *, rank: int, run_dir: Path,
+                     newest: Callable[[], int | None]) -> StopSignals:
+    """The loop's :class:`StopSignals`: ``say`` announces the first signal on the console; the
+    second one's line (rank 0 only) names the newest checkpoint, step ``newest()`` (None: none)."""
+    return StopSignals(
+        on_first=lambda s: say("[yellow]stop requested: finishing this step and writing a checkpoint "
+                               "(press Ctrl-C again to abort without one)"),
+        abort_message=lambda s: None if rank != 0 else "no checkpoint was written; " + (
+            f"the newest in {run_dir} is step {newest()} (continue: zfctl resume {run_dir})"
+            if newest() else f"{run_dir} has none yet"))
 
 
 def interrupted(signum: int, step: int, run_dir: str) -> Interrupted:

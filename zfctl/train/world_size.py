@@ -14,7 +14,7 @@ A checkpoint written by W processes can be resumed by W' (``zfctl resume RUN --n
   set does not fill whole global micro-batches, the sampler drops a different tail per world size
   (at most ``micro x world - 1`` samples per epoch), as any run with that world size would.
 * **Optimizer state.** The host state is saved as pieces keyed by parameter name and column range
-  (``zfctl/offload/reshard.py``); each new rank reads the replicated part from one saved file and
+  (``zfctl/offload/pieces.py``); each new rank reads the replicated part from one saved file and
   the pieces overlapping its own columns from the files that hold them, and verifies exactly
   those files' digests. Checkpoints of the older per-rank format resume on W processes only.
 * **RNG.** Each rank restores the RNG state of the saved rank with its number, if there was one;

@@ -1,0 +1,80 @@
+"""Crash-safe checkpoints: ``OUTPUT/checkpoints/step-XXXXXX/``, a ``latest`` pointer, rotation.
+
+A checkpoint folder holds everything a run needs to continue on the same trajectory:
+
+| file | content |
+| --- | --- |
+| ``model.safetensors`` | model weights as the optimizer left them (tied tensors stored once) |
+| ``optimizer-rankRRRRR.safetensors`` | the optimizer's full state_dict (ZenFlow: selection, device and host masters and moments, counters, unfinished-interval accumulators, auto-interval statistics, loss scaler), streamed from the live buffers (tensorfile.py); checkpoints written before that hold ``optimizer-rankRRRRR.pt`` (torch.save), which still loads |
+| ``rng-rankRRRRR.pt`` | torch CPU/CUDA, Python and NumPy RNG states of that rank |
+| ``trainer.pt`` | step, LR-scheduler state, data position, the run's counters (keys in format.py) |
+| ``plan.yaml`` | the resolved run plan |
+| ``meta.json`` | zfctl version, step, world size, every file's size and xxh3-128 digest: written last |
+
+One module per job; this package re-exports their public names (``from zfctl.train import
+checkpoint as ck; ck.save_checkpoint(...)``):
+
+* format.py: the file names, the keys of ``trainer.pt``, :class:`CheckpointInfo`;
+* write.py: the multi-rank save protocol, atomic installation, ``latest``, rotation;
+* find.py: listing, resolving a path to a checkpoint, digest checks (*listed* vs *intact*);
+* load.py: model weights, optimizer state and torch files back into the run;
+* space.py: the free-space check before a run and before each save, stale-folder cleaning;
+* rng.py: the RNG state of one rank.
+
+With ``overlap_step`` the model weights alone are one CPU update behind what the run would
+export (that update is in flight inside the optimizer state); ``zfctl export`` installs it.
+"""
+
+from __future__ import annotations
+
+from zfctl.train.checkpoint.find import (
+    damaged_files,
+    nearest_intact,
+    newest_listed,
+    read_checkpoint,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from zfctl.train.checkpoint.format import (
+    CHECKPOINTS,
+    LAST_LOSS_KEY,
+    LATEST,
+    META,
+    MODEL_FILE,
+    NUM_TRAIN_SAMPLES_KEY,
+    PLAN_FILE,
+    SAMPLER_KEY,
+    SCHEDULER_KEY,
+    STEP_KEY,
+    STEPS_PER_EPOCH_KEY,
+    TOKENS_SEEN_KEY,
+    TRAINER_FILE,
+    VERSION_KEY,
+    CheckpointInfo,
+    legacy_optimizer_file,
+    optimizer_file,
+    optimizer_file_in,
+    rng_file,
+    step_name,
+)
+from zfctl.train.checkpoint.load import load_model_weights, load_optimizer, load_torch
+from zfctl.train.checkpoint.rng import capture_rng, restore_rng
+from zfctl.train.checkpoint.space import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    check_free_space,
+    check_run_space,
+    clean_stale,
+    estimate_bytes,
+    last_size,
+)
+from zfctl.train.checkpoint.write import rotate, save_checkpoint
+
+__all__ = [
+    "CHECKPOINTS", "LAST_LOSS_KEY", "LATEST", "META", "MODEL_FILE", "NUM_TRAIN_SAMPLES_KEY",
+    "OPTIMIZER_BYTES_PER_PARAM", "PLAN_FILE", "SAMPLER_KEY", "SCHEDULER_KEY", "STEPS_PER_EPOCH_KEY",
+    "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "VERSION_KEY", "CheckpointInfo", "capture_rng",
+    "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "last_size",
+    "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch", "nearest_intact",
+    "newest_listed", "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint",
+    "restore_rng", "rng_file", "rotate", "save_checkpoint", "step_name", "verify_checkpoint",
+]

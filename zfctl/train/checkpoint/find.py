@@ -1,0 +1,152 @@
+"""Finding checkpoints and deciding whether to trust them.
+
+A checkpoint is *listed* when ``meta.json`` parses and every file has its recorded size (cheap:
+used to find checkpoints and before rotation) and *intact* when every file's xxh3-128 digest
+matches as well (one sequential read per file: done by resume and export on the files they load,
+before loading anything). ``.tmp-*`` and ``.trash-*`` folders are never listed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zfctl.errors import UserError
+from zfctl.train.checkpoint.format import CHECKPOINTS, LATEST, META, CheckpointInfo
+from zfctl.train.checksum import HASH_NAME, file_digest
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-XXXXXX`` folder under ``root``, unordered, unchecked."""
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p))
+    return out
+
+
+def read_checkpoint(path: Path) -> CheckpointInfo:
+    """Validate a checkpoint folder; a UserError says what is wrong and what to do."""
+    path = Path(path)
+    hint = "pick another checkpoint (see the checkpoints/ folder) or start a new run"
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+        files = meta["files"]
+        step, world = int(meta["step"]), int(meta["world_size"])
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path} is unreadable: {META} is missing (incomplete write?); {hint}") from None
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise UserError(f"checkpoint {path} is unreadable: {META} is corrupt ({e}); {hint}") from None
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            raise UserError(f"checkpoint {path} is unreadable: {name} is missing; {hint}")
+        if f.stat().st_size != size:
+            raise UserError(
+                f"checkpoint {path} is unreadable: {name} has {f.stat().st_size} bytes, "
+                f"expected {size} (truncated or overwritten); {hint}"
+            )
+    return CheckpointInfo(path=path, step=step, world_size=world,
+                          version=str(meta.get("zfctl_version", "?")), meta=meta)
+
+
+def newest_listed(root: Path, before: int | None = None) -> CheckpointInfo | None:
+    """The newest checkpoint under ``root`` (before step ``before``) whose listing is complete."""
+    for step, p in sorted(step_dirs(root), reverse=True):
+        if before is not None and step >= before:
+            continue
+        try:
+            return read_checkpoint(p)
+        except UserError:
+            continue
+    return None
+
+
+def damaged_files(info: CheckpointInfo, names: list[str] | None = None) -> list[str]:
+    """Files of ``info`` (all, or ``names``) whose content does not match meta.json's digest.
+
+    One sequential read of each file. A checkpoint written before digests existed has none to
+    check (its sizes were checked by :func:`read_checkpoint`).
+    """
+    digests = info.meta.get("digests") or {}
+    if info.meta.get("hash", HASH_NAME) != HASH_NAME:
+        raise UserError(f"checkpoint {info.path}: meta.json uses hash {info.meta['hash']!r}, this zfctl "
+                        f"knows {HASH_NAME}; use the zfctl version that wrote it ({info.version})")
+    bad = []
+    for name in names if names is not None else sorted(digests):
+        want = digests.get(name)
+        if want is not None and (info.path / name).is_file() and file_digest(info.path / name) != want:
+            bad.append(name)
+    return bad
+
+
+def nearest_intact(root: Path, before: int | None = None) -> CheckpointInfo | None:
+    """The newest checkpoint under ``root`` (older than step ``before``, if given) whose every file
+    verifies."""
+    for step, p in sorted(step_dirs(root), reverse=True):
+        if before is not None and step >= before:
+            continue
+        try:
+            info = read_checkpoint(p)
+        except UserError:
+            continue
+        if not damaged_files(info):
+            return info
+    return None
+
+
+def verify_checkpoint(info: CheckpointInfo, names: list[str] | None = None) -> None:
+    """Raise one line naming the damaged file and the nearest intact older checkpoint, if any."""
+    bad = damaged_files(info, names)
+    if not bad:
+        return
+    root = info.path.parent
+    older = nearest_intact(root, info.step)
+    if older is not None:
+        fix = (f"the nearest intact checkpoint is {older.path} (step {older.step}): resume from it with "
+               f"`zfctl resume {older.path}` (or `zfctl resume {root.parent} --latest-good`)")
+    else:
+        fix = "no older intact checkpoint exists under the run folder; start a new run"
+    raise UserError(f"checkpoint {info.path} is damaged: {', '.join(bad)} does not match the digest in "
+                    f"{META} (same size, different bytes: corrupted on disk); {fix}")
+
+
+def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
+                       latest_good: bool = False) -> CheckpointInfo:
+    """A checkpoint folder, a run folder (its newest checkpoint) or a ``checkpoints/`` folder.
+
+    ``latest_good``: for a run or ``checkpoints/`` folder, the newest checkpoint whose every file
+    verifies against its digests (newer damaged ones are skipped on purpose; each costs one read).
+    ``notes`` receives one line when ``latest`` is missing or broken and an older checkpoint is
+    used instead, so the caller can say so (resume, export).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint path {path} does not exist; give a run folder or one of its "
+                        "checkpoints/step-XXXXXX folders")
+    if (path / META).exists():
+        return read_checkpoint(path)
+    root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    if latest_good:
+        good = nearest_intact(root)
+        if good is not None:
+            return good
+        raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); "
+                        "start a new run")
+    pointer = root / LATEST
+    why = f"{pointer} is missing"
+    if pointer.is_file():
+        target = root / pointer.read_text(encoding="utf-8").strip()
+        if (target / META).exists():
+            return read_checkpoint(target)
+        why = f"{pointer} names {target.name}, which does not exist or has no {META}"
+    # No usable pointer (killed between the rename and the pointer update, or edited by hand):
+    # fall back to the newest folder that validates.
+    newest = newest_listed(root)
+    if newest is None:
+        raise UserError(f"no readable checkpoint under {path}; give a run folder with checkpoints/ or a "
+                        "checkpoints/step-XXXXXX folder")
+    if notes is not None:
+        notes.append(f"{why}; falling back to the newest readable checkpoint, {newest.path.name}")
+    return newest

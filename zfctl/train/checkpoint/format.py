@@ -1,0 +1,63 @@
+"""What a checkpoint folder is: its file names, the keys of ``trainer.pt``, and its parsed form.
+
+Every name here is part of the on-disk format: a checkpoint written by an earlier zfctl must keep
+loading, so a name is added, never changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"  # under the run folder
+LATEST = "latest"  # one-line pointer file in checkpoints/
+META = "meta.json"
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+PLAN_FILE = "plan.yaml"
+
+# The keys of trainer.pt, each named once (torchtune names its recipe-state keys the same way).
+STEP_KEY = "step"  # optimizer steps done
+TOKENS_SEEN_KEY = "tokens_seen"  # missing in early checkpoints: 0
+LAST_LOSS_KEY = "last_loss"  # missing in early checkpoints: None
+SCHEDULER_KEY = "scheduler"  # LambdaLR.state_dict()
+SAMPLER_KEY = "sampler"  # SamplerPosition.to_dict(): the data position
+NUM_TRAIN_SAMPLES_KEY = "num_train_samples"  # the training set's size, to refuse changed data
+STEPS_PER_EPOCH_KEY = "steps_per_epoch"
+VERSION_KEY = "zfctl_version"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def optimizer_file(rank: int) -> str:
+    """The optimizer state file a save writes for ``rank`` (tensorfile.py format)."""
+    return f"optimizer-rank{rank:05d}.safetensors"
+
+
+def legacy_optimizer_file(rank: int) -> str:
+    """The torch.save file of checkpoints written before the state was streamed."""
+    return f"optimizer-rank{rank:05d}.pt"
+
+
+def optimizer_file_in(info: CheckpointInfo, rank: int) -> str:
+    """The name of ``rank``'s optimizer file in the checkpoint ``info`` (either format)."""
+    legacy = legacy_optimizer_file(rank)
+    return legacy if legacy in info.meta.get("files", {}) else optimizer_file(rank)
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+@dataclass
+class CheckpointInfo:
+    """A validated checkpoint folder and its ``meta.json``."""
+
+    path: Path
+    step: int
+    world_size: int
+    version: str
+    meta: dict[str, Any]

@@ -1,0 +1,215 @@
+"""Writing a checkpoint: the multi-rank save protocol, atomic installation, ``latest``, rotation.
+
+Atomicity: everything is written into ``checkpoints/.tmp-step-XXXXXX/``, each file fsynced, then
+the folder is renamed into place and the parent fsynced; only then does ``latest`` (a one-line
+text file, replaced atomically) move. A process killed at any point leaves either the old state
+or the new one: a ``.tmp-*`` folder is never read and is cleared by the next start or save.
+
+Every file is hashed while it is written (``zfctl.train.checksum``). Model weights holding
+NaN/inf are never written, and rotation runs only once the new checkpoint is installed and its
+listing re-read, so keep-last-K cannot delete the last good checkpoint in favour of a bad one.
+Any ``OSError`` while writing becomes one line with the errno's meaning and the ``.tmp-*``
+folder is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zfctl import __version__
+from zfctl.errors import RunFailed, UserError
+from zfctl.train.checkpoint.find import newest_listed, read_checkpoint, step_dirs
+from zfctl.train.checkpoint.format import (
+    CHECKPOINTS,
+    LATEST,
+    META,
+    MODEL_FILE,
+    PLAN_FILE,
+    TRAINER_FILE,
+    optimizer_file,
+    rng_file,
+    step_name,
+)
+from zfctl.train.checkpoint.rng import capture_rng
+from zfctl.train.checkpoint.space import check_free_space, clean_stale, last_size
+from zfctl.train.checksum import (
+    HASH_NAME,
+    NonFiniteTensorError,
+    file_digest,
+    save_model_hashed,
+    save_torch_hashed,
+)
+from zfctl.train.tensorfile import save_state_hashed
+from zfctl.train.testhooks import slow_checkpoint_write
+
+
+def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimizer_state: dict,
+                    trainer_state: dict, write_plan: Callable[[Path], None], keep_last: int,
+                    rank: int = 0, world_size: int = 1,
+                    barrier: Callable[[], None] = lambda: None, estimate: int = 0) -> Path:
+    """Write ``run_dir/checkpoints/step-XXXXXX`` atomically; every rank calls this.
+
+    Rank 0 writes the model, the trainer state, the plan and meta.json, renames the folder into
+    place, moves ``latest`` and rotates old checkpoints; every rank writes its own optimizer and
+    RNG files. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
+    the expected size in bytes when no earlier checkpoint says it (see ``estimate_bytes``).
+
+    Raises :class:`RunFailed` (nothing installed, ``.tmp-*`` removed) when the disk lacks the
+    space, a write fails, or the model weights hold NaN/inf.
+    """
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / step_name(step)
+    tmp = root / f".tmp-{step_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        clean_stale(root)
+    barrier()  # stale folders are gone before any rank measures the free space
+    # Every rank checks the same numbers, so all refuse together instead of some waiting in a
+    # barrier for a rank that stopped.
+    try:
+        check_free_space(root, last_size(root) or estimate, when=f"before the checkpoint of step {step}")
+    except UserError as e:
+        raise RunFailed(f"{e}; {_last_good(root)}") from None
+    if rank == 0:
+        tmp.mkdir()
+    barrier()  # tmp exists before any rank writes into it
+
+    digests: dict[str, str] = {}
+    try:
+        # Streamed from the live state: no copy of it in memory (tensorfile.py).
+        digests[optimizer_file(rank)] = save_state_hashed(optimizer_state, tmp / optimizer_file(rank))
+        digests[rng_file(rank)] = save_torch_hashed(capture_rng(), tmp / rng_file(rank))
+        if rank == 0:
+            digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
+                                                    {"format": "pt", "step": str(step)})
+            slow_checkpoint_write(step)
+            digests[TRAINER_FILE] = save_torch_hashed(trainer_state, tmp / TRAINER_FILE)
+            write_plan(tmp / PLAN_FILE)
+            digests[PLAN_FILE] = file_digest(tmp / PLAN_FILE)  # a few KB: hashed by reading it back
+        else:  # rank 0 collects every rank's digests for meta.json
+            _write_json(tmp / _digest_file(rank), digests)
+    except (OSError, NonFiniteTensorError) as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(e, step, root) from None
+    barrier()  # every rank's files are durable
+
+    if rank == 0:
+        try:
+            for r in range(1, world_size):
+                part = tmp / _digest_file(r)
+                digests.update(json.loads(part.read_text(encoding="utf-8")))
+                part.unlink()
+            files = {name: (tmp / name).stat().st_size for name in sorted(digests)}
+            _write_json(tmp / META, {
+                "zfctl_version": __version__, "step": step, "world_size": world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+                "hash": HASH_NAME, "digests": {n: digests[n] for n in sorted(digests)}})
+            _fsync_dir(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_failed(e, step, root) from None
+        _install(tmp, final)
+        _write_latest(root, final.name)
+        # Retention only after the new checkpoint is in place and lists completely (every file
+        # at its recorded size); its digests were computed from the bytes written and its weights
+        # checked finite, so the newest checkpoint kept is always a good one. Re-hashing it here
+        # would only read back the page cache.
+        read_checkpoint(final)
+        rotate(root, keep_last=keep_last, newest=step)
+    barrier()
+    return final
+
+
+def rotate(root: Path, *, keep_last: int, newest: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints at or before step ``newest``.
+
+    Checkpoints *after* ``newest`` exist only when a run was resumed from an older checkpoint;
+    they belong to the abandoned timeline and are replaced as the run reaches their step, so
+    rotation leaves them alone. Returns the deleted folders.
+    """
+    if keep_last < 1:
+        return []
+    done = sorted((s, p) for s, p in step_dirs(root) if s <= newest)
+    removed = []
+    for _, path in done[:-keep_last]:
+        # Rename first: a half-deleted folder must never look like a checkpoint.
+        trash = path.with_name(f".trash-{path.name}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename/creation of entries in `path` durable; without it a power loss can
+    # forget a rename that already happened in the page cache.
+    _fsync_file(path)
+
+
+def _digest_file(rank: int) -> str:
+    return f".digests-rank{rank:05d}.json"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path) -> RunFailed:
+    """One line for a save that could not complete; the previous checkpoint is untouched."""
+    keep = _last_good(root)
+    if isinstance(e, NonFiniteTensorError):
+        return RunFailed(f"step {step}: the model weights hold NaN or inf ({e.name}); no checkpoint was "
+                         f"written from this state; {keep}; lower train.lr or check the data")
+    where = e.filename or root
+    what = os.strerror(e.errno) if e.errno else str(e)
+    return RunFailed(f"cannot write the checkpoint of step {step}: {what} (errno {e.errno}) at {where}; "
+                     f"the partial folder was removed; {keep}; free space or choose another --output")
+
+
+def _last_good(root: Path) -> str:
+    prev = newest_listed(root)
+    return (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
+            else "no earlier checkpoint exists")
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; a same-named older folder (abandoned timeline) is replaced."""
+    trash = None
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)

@@ -1,0 +1,138 @@
+"""What ``zfctl finetune`` and ``zfctl resume`` do with a resolved request: train in this process,
+or check everything once and launch the ranks under torchrun.
+
+Each verb is one call here. A process that trains drives ``zfctl.train.session`` (``run`` or
+``resume``); a failure there becomes one line naming the rank (``rank_error``, zfctl/train/dist.py).
+With ``--nproc N`` outside torchrun the launch sequence is the same for both verbs: the run
+folder passes :meth:`RunFolder.check <zfctl.train.rundir.RunFolder.check>` (and ``finetune``
+prepares the data into the cache, so that the ranks load it instead of tokenising it N times),
+then ``zfctl <the same arguments>`` is relaunched on N processes and its exit code returned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from zfctl.errors import UserError
+from zfctl.plan.io import load_plan_yaml
+from zfctl.plan.schema import RunPlan
+from zfctl.train import checkpoint as ck
+from zfctl.train.dist import (
+    PLAN_PRINTED_ENV,
+    DistEnv,
+    dist_env,
+    rank_error,
+    relaunch,
+    under_torchrun,
+    worker_argv,
+)
+from zfctl.train.rundir import RunFolder
+
+if TYPE_CHECKING:
+    from zfctl.train.progress import RunResult
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The job ran under torchrun on this node; ``code`` is its exit code."""
+
+    code: int
+
+
+def finetune(plan: RunPlan, *, force: bool, debug_data: bool, argv: Sequence[str],
+             show_plan: Callable[[RunPlan], None]) -> RunResult | Launched:
+    """Fine-tune as ``plan`` says (``argv``: the command line, for a relaunch).
+
+    Rank 0 of a job checks the output folder and the data's first record before ``show_plan``
+    prints the plan (once per job: relaunched ranks stay quiet), so a mistake is one line in a
+    second, not after the plan and a model load.
+    """
+    env = dist_env()
+    first = env.is_main and not os.environ.get(PLAN_PRINTED_ENV)
+    if first:
+        from zfctl.train.preflight import preflight
+
+        preflight(plan, force=force, output=not debug_data)
+    if plan.distributed.nproc > 1 and not under_torchrun() and not debug_data:
+        show_plan(plan)
+
+        def prepare() -> None:  # the data lands in the cache: the ranks load it, never tokenise it again
+            from zfctl.train.inputs import load_inputs
+            from zfctl.train.metrics import require_sinks
+
+            require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
+            load_inputs(plan, rank=env.rank)
+
+        folder = RunFolder(Path(plan.checkpoint.output_dir), force=force)  # only checked: rank 0 claims it
+        return _launch(plan.distributed.nproc, worker_argv(argv, "distributed.nproc"), folder, prepare)
+    if first:
+        show_plan(plan)
+    from zfctl.train import session  # the training side: imported only by a process that trains
+
+    return _as_rank(env, plan.distributed.timeout, lambda: session.run(plan, force=force, debug_data=debug_data))
+
+
+def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest_good: bool, nproc: int | None,
+           argv: Sequence[str], show_plan: Callable[[RunPlan], None]) -> RunResult | Launched:
+    """Continue a run from ``ckpt_dir`` on ``nproc`` processes (default: the checkpoint's world
+    size; more than one relaunches under torchrun). ``show_plan`` prints the plan that will run,
+    read from the checkpoint, before any data is loaded."""
+    if not under_torchrun():
+        saved = _saved_world_size(ckpt_dir, latest_good, nproc)
+        n = nproc if nproc is not None else (saved or 1)
+        if n > 1:
+            run_dir = ck.resolve_checkpoint(ckpt_dir, latest_good=latest_good).path.parent.parent
+            return _launch(n, worker_argv(argv), RunFolder(run_dir, fresh=False))
+    from zfctl.train import session
+
+    return _as_rank(dist_env(), None, lambda: session.resume(
+        ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, on_plan=show_plan, latest_good=latest_good))
+
+
+def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
+            prepare: Callable[[], None] | None = None) -> Launched:
+    """Everything that can fail on user input, checked here once before N processes start; then
+    the job. The folder is only checked: rank 0 locks and claims it once every rank is ready."""
+    folder.check()
+    if prepare is not None:
+        prepare()
+    Console().print(f"launching {nproc} processes under torchrun (standalone)")
+    return Launched(relaunch(nproc, argv))
+
+
+def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult]) -> RunResult:
+    """``work()``; a user error or a lost peer becomes one line naming this rank, a bug stays as is."""
+    try:
+        return work()
+    except Exception as e:
+        named = rank_error(e, env, timeout)
+        if named is e:
+            raise
+        raise named from None
+
+
+def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> int | None:
+    """The world size recorded in the checkpoint; None if it cannot be read (resume reports why).
+
+    ``nproc`` different from it: checked here, before N processes start, that the global batch can
+    be kept (zfctl/train/world_size.py), rather than by each rank after torchrun formed the group.
+    """
+    from zfctl.train.world_size import fit_world_size
+
+    try:
+        info = ck.resolve_checkpoint(ckpt_dir, latest_good=latest_good)
+        plan = load_plan_yaml(info.path / ck.PLAN_FILE) if nproc not in (None, info.world_size) else None
+    except UserError:
+        return None
+    if plan is not None and nproc is not None:
+        try:
+            fit_world_size(plan, info.world_size, nproc)
+        except UserError as e:
+            raise UserError(f"--nproc {nproc}: {e}") from None
+    return info.world_size
