@@ -75,8 +75,9 @@ def test_device_mode_resumes_mid_interval_bit_identically() -> None:
 
 
 def test_auto_resolves_to_host_without_cuda_and_bad_values_are_refused() -> None:
-    assert resolve("auto", torch.device("cpu"), 10) == "host"
-    assert resolve("device", torch.device("cpu"), 10) == "device"
+    params = list(tiny_net().parameters())
+    assert resolve("auto", torch.device("cpu"), 10, params) == "host"
+    assert resolve("device", torch.device("cpu"), 10, params) == "device"
     with ZenFlowOptimizer(tiny_net().named_parameters(), zen(**BASE)) as opt:
         assert opt.accumulate == "host"
     with pytest.raises(ConfigError, match="zenflow.accumulate"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import pytest
@@ -231,6 +231,9 @@ def test_an_old_saved_plan_loads_as_today_with_a_note_per_key(tmp_path: Path) ->
     # both written by the old version: mapped alike
     again = load_plan_yaml(_old_plan_file(tmp_path / "again.yaml", OLD_DEFAULT))
     assert plan_differences(old, again) == []
+    # an edited tuning key is named by its own dotted key
+    edited = replace(old, zenflow=replace(old.zenflow, tuning=replace(old.zenflow.tuning, install_lag=2)))
+    assert plan_differences(old, edited) == ["zenflow.tuning.install_lag: 0 -> 2"]
 
 
 @pytest.mark.parametrize(("strategy", "interval", "today"), [

@@ -37,9 +37,6 @@ import torch
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix
 from zfctl.offload.pcie import copy_async, timed_wait
 
-# Device memory `auto` leaves free besides the accumulator (activations of the next micro-batches,
-# allocator fragmentation): the accumulator must fit in what is free beyond this share.
-AUTO_HEADROOM = 0.25
 # `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
 # this share of its memory. The margin is wide because a plan's activation estimate is rough.
 AUTO_DEVICE_SHARE = 0.85
@@ -53,19 +50,22 @@ def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) ->
     return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
 
 
-def resolve(choice: str, device: torch.device, nbytes: int) -> str:
-    """``host`` or ``device`` for ``zenflow.accumulate`` (``auto``: device when it fits now).
+def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.Tensor]) -> str:
+    """``host`` or ``device`` for ``zenflow.accumulate`` (``auto``: the one rule, ``device_fits``).
 
     The run plan resolves ``auto`` from its memory estimate before the optimizer is built
-    (``zfctl.plan.memory``); this is the library's own rule when used without a plan: the device
-    only on CUDA, and only if ``nbytes`` fit in the free memory minus ``AUTO_HEADROOM`` of the total.
+    (zfctl/plan/memory.py). A library user without a plan gets the same rule with what the
+    optimizer can know when it is built: the memory allocated on the device now (the model and
+    the device optimizer state, built before this) plus the gradients ``params`` will get, against
+    the device's total memory. Activations are not known here; the plan's estimate counts them.
     """
     if choice != "auto":
         return choice
     if device.type != "cuda":
         return "host"
-    free, total = torch.cuda.mem_get_info(device)
-    return "device" if nbytes <= free - AUTO_HEADROOM * total else "host"
+    _, total = torch.cuda.mem_get_info(device)
+    committed = torch.cuda.memory_allocated(device) + sum(p.numel() * p.element_size() for p in params)
+    return "device" if device_fits(committed, nbytes, total) else "host"
 
 
 class DeviceAccumulator:

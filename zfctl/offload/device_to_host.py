@@ -269,7 +269,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     if len(dtypes) > 1:
         raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
     itemsize = dtypes.pop().itemsize
-    accumulate = resolve(config.accumulate, device, 4 * layout.host_numel)
+    accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
     # Two accumulators only where the next interval is summed on the host while the worker reads

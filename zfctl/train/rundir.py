@@ -111,13 +111,17 @@ def clear_run_dir(out: Path) -> None:
             p.unlink()
 
 
+NESTED_SECTIONS = ("zenflow.tuning",)  # dataclass sections inside sections (zfctl/offload/config.py)
+
+
 def plan_differences(old: RunPlan, new: RunPlan, ignore: tuple[str, ...] = RESUME_FREE_KEYS) -> list[str]:
-    """Dotted keys whose values differ, as ``key: old -> new``."""
+    """Dotted keys whose values differ, as ``key: old -> new`` (sections and nested sections such
+    as ``zenflow.tuning`` by key; free-form dicts such as ``model.config`` as one value)."""
     def flat(d: dict, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in d.items():
             key = f"{prefix}{k}"
-            if isinstance(v, dict) and prefix == "":
+            if isinstance(v, dict) and (prefix == "" or key in NESTED_SECTIONS):
                 out.update(flat(v, key + "."))
             else:
                 out[key] = list(v) if isinstance(v, tuple) else v
