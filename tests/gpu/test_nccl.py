@@ -1,7 +1,7 @@
 """Data parallel on NCCL, 2 GPUs (skipped with fewer): the hook exchange, uneven reduce-scatter, a
 parameter without a gradient on one rank, resharding 2 -> 1, and helper threads on the right GPU.
 
-The CPU counterparts run on gloo (tests/test_offload_collective_order.py, tests/test_distributed.py);
+The CPU counterparts run on gloo (tests/offload/test_offload_collective_order.py, tests/offload/test_distributed.py);
 these check what only NCCL does: collectives on their own stream, a device-side ``work.wait()``.
 """
 

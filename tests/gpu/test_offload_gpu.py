@@ -244,7 +244,7 @@ def test_cuda_d2h_probe_measures_a_plausible_rate_and_close_unpins_everything() 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     """The tensors the optimizer holds on the device and in page-locked host memory, on CUDA,
-    against the plan's lines for the engine (tests/test_plan_memory.py does the same on CPU), and
+    against the plan's lines for the engine (tests/plan/test_plan_memory.py does the same on CPU), and
     nothing pinned through the caching allocator's power-of-two rounding but a few scalars."""
     from test_plan_memory import held_bytes
 

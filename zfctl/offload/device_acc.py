@@ -24,7 +24,7 @@ when that fits.
 Rounding: the host path adds with one fma per element (the native kernel); here the first step
 is exact-then-one-rounding (``copy_`` then ``mul_``, like the fma into zero) and the later steps
 use ``addcmul_`` (torch's rounding, an fma on most GPUs). Same sum order, so the two modes agree
-bit for bit where both fuse, else to within an ulp per step (tests/test_offload_accumulate.py).
+bit for bit where both fuse, else to within an ulp per step (tests/offload/test_offload_accumulate.py).
 """
 
 from __future__ import annotations

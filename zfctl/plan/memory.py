@@ -2,7 +2,7 @@
 
 Every buffer that the engine, the checkpoint code and the data pipeline allocate in proportion to
 the model is one line here, with its bytes and the code that allocates it (``MemoryItem.code``).
-tests/test_plan_memory.py builds the optimizer for real models and checks that the tensors it
+tests/plan/test_plan_memory.py builds the optimizer for real models and checks that the tensors it
 holds add up to these lines within 2%, on every gradient path; scripts/memory_proof.py checks a
 whole CPU run's peak RSS (checkpoint save and resume included) against them.
 

@@ -11,7 +11,7 @@ takes the same path minus the relaunch. When any rank fails, torchrun stops the 
 failing rank prefixes its message with ``rank R:`` so the user knows whose data or disk it was.
 A peer waiting for it in a collective learns of it from gloo/NCCL at once (the dead process's
 sockets close) and ends with one line too (:func:`rank_error`), and a rank killed without a word
-is named by ``zfctl.train._torchrun``: the whole job ends within seconds (tests/test_failures.py).
+is named by ``zfctl.train._torchrun``: the whole job ends within seconds (tests/e2e/test_failures.py).
 Checkpoints stay whole: a save interrupted anywhere leaves only a ``.tmp-*`` folder, never read.
 
 The launcher owns what it starts. torchrun runs in its own session (the terminal's Ctrl-C and a

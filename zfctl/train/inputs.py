@@ -2,7 +2,7 @@
 
 Shared by the launcher (``zfctl.train.launch``, before torchrun starts the ranks) and
 by every rank (``zfctl.train.session``). It imports neither of them, so the two never import each
-other (tests/test_import_cycles.py).
+other (tests/train/test_import_cycles.py).
 """
 
 from __future__ import annotations

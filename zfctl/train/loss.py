@@ -35,7 +35,7 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     positions and *no* attention mask: transformers then builds the attention from the positions
     (masking_utils' ``find_packed_sequence_indices``), a block-diagonal causal mask for sdpa and
     eager attention and per-sequence (varlen) kernels for flash attention, so no token attends
-    across a sequence boundary (tests/test_chat_packing.py: same per-token loss as unpacked). Its
+    across a sequence boundary (tests/train/test_chat_packing.py: same per-token loss as unpacked). Its
     right padding needs no mask either: under the causal mask no real token sees a later pad.
     """
     if "position_ids" in batch:

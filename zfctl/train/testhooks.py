@@ -15,14 +15,14 @@ from zfctl.errors import RunFailed
 
 # "RANK:STEP": rank RANK raises RunFailed during optimizer step STEP, after its backward and
 # before optimizer.step()'s collectives (where its peers then wait), so tests can check that one
-# failing rank ends the whole job (tests/test_failures.py).
+# failing rank ends the whole job (tests/e2e/test_failures.py).
 FAIL_ENV = "ZFCTL_TEST_FAIL_STEP"
 # "RANK:STEP": rank RANK stops answering (sleeps for good) at the same point: a rank that hangs
-# without dying, for distributed.timeout (tests/test_failures.py).
+# without dying, for distributed.timeout (tests/e2e/test_failures.py).
 HANG_ENV = "ZFCTL_TEST_HANG_STEP"
 # "STEP:SECONDS": sleep inside the write of that step's checkpoint (after the model file, before
 # meta.json), so a test can SIGKILL or signal the process mid-write deterministically
-# (tests/test_train_cli.py, tests/test_run_safety.py).
+# (tests/cli/test_train_cli.py, tests/e2e/test_run_safety.py).
 SLOW_WRITE_ENV = "ZFCTL_TEST_SLOW_CHECKPOINT"
 
 

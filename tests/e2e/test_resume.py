@@ -134,6 +134,7 @@ def test_a_checkpoint_in_the_torch_save_format_still_resumes_exactly(tmp_path):
                    load_file(branch / f"step-{n:06d}" / "model.safetensors"), "model")
 
 
+@pytest.mark.slow
 def test_k_steps_then_resume_max_steps_matches_straight(tmp_path):
     """The literal user flow: a run that ends at k, then `zfctl resume --max-steps N`. With a
     constant schedule the LR does not depend on the planned length, so N straight must match."""
@@ -151,6 +152,7 @@ def test_k_steps_then_resume_max_steps_matches_straight(tmp_path):
     assert load_plan_yaml(tmp_path / "b" / "plan.yaml").train.max_steps == 8
 
 
+@pytest.mark.slow
 def test_changed_plan_is_refused_then_allowed(tmp_path):
     out = tmp_path / "run"
     run(tiny_plan(out, "train.max_steps=2", "zenflow.topk_ratio=1.0"))

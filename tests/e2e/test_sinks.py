@@ -22,7 +22,7 @@ import pytest
 
 from zfctl.train.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -47,6 +47,7 @@ def f32(x: float) -> float:
     return float(np.float32(x))
 
 
+@pytest.mark.slow
 def test_tensorboard_events_hold_the_metrics(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")  # in the dev extra: `make test` always runs this
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -69,6 +70,7 @@ def test_tensorboard_events_hold_the_metrics(tmp_path: Path) -> None:
         assert [e.value for e in events] == [f32(r[key]) for r in records], tag
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_folder_holds_the_metrics(tmp_path: Path) -> None:
     pytest.importorskip("wandb")  # in the dev extra: `make test` always runs this
     out = tmp_path / "run"
@@ -132,6 +134,7 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield rec
 
 
+@pytest.mark.slow
 def test_missing_sink_package_is_one_line_with_the_install_command(tmp_path: Path) -> None:
     # A sitecustomize that hides the packages from importlib's finder, as on a fresh install.
     shim = tmp_path / "shim"

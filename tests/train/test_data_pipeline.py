@@ -138,7 +138,7 @@ def test_shipped_samples_classification_and_named_split(tmp_path, tok):
     d = prepare_data(cfg, tok, seed=0, cache_dir=tmp_path)
     assert (len(d.train), len(d.eval)) == (900, 100)
     first = json.loads(
-        (Path(__file__).parent.parent / "presets/samples/sst2-sample/train.jsonl").read_text().splitlines()[0]
+        (Path(__file__).resolve().parents[2] / "presets/samples/sst2-sample/train.jsonl").read_text().splitlines()[0]
     )
     ex = d.train[0]
     assert tok.decode(ex["input_ids"]) == (

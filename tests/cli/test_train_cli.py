@@ -20,7 +20,7 @@ from zfctl.train.checkpoint import read_checkpoint, resolve_checkpoint
 from zfctl.train.metrics import read_metrics
 from zfctl.train.testhooks import SLOW_WRITE_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",

@@ -137,6 +137,7 @@ def test_latest_good_resumes_from_the_newest_intact_checkpoint(trained: Path, tm
     assert (info.path / "model.safetensors").read_bytes() == (ref.path / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_nan_step_stops_the_run_and_keep_last_keeps_the_good_checkpoints(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     real, calls = recipe.lm_loss_sum, {"n": 0}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "presets" / "samples"
 EMBEDDED = REPO / "presets" / "tokenizers" / "embedded"
 

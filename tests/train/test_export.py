@@ -52,6 +52,7 @@ def trained(tmp_path_factory):
     return plan, result, captured[0]
 
 
+@pytest.mark.slow
 def test_exported_logits_equal_trained_model(trained, tmp_path):
     plan, result, model = trained
     pending = load_state(result.last_checkpoint / "optimizer-rank00000.safetensors")

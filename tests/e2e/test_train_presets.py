@@ -39,6 +39,7 @@ def test_presets_shipped():
     assert {"default", "paper", "off", "zero-offload", "aggressive"} <= set(PRESETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_trains(runs, preset):
     result, recs, plan = runs[preset]
@@ -61,6 +62,7 @@ def test_every_preset_trains(runs, preset):
         assert all(0 < r["selected_fraction"] < 1 for r in recs[w:])
 
 
+@pytest.mark.slow
 def test_off_and_zero_offload_agree(runs):
     """Both are plain AdamW (one on the device, one on the CPU): the same losses to float noise."""
     off = [r["loss"] for r in runs["off"][1]]

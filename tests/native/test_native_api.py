@@ -174,6 +174,7 @@ def test_two_pools_and_caps_give_the_same_bits(acc_role, adam_role):
     assert torch.equal(acc, ref_acc) and norms == [ref_norm]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_pool_survives_fork():
     """A forked child (e.g. a DataLoader worker) inherits no pool threads; it must not hang."""
@@ -195,6 +196,7 @@ def test_pool_survives_fork():
     assert done.returncode == 0
 
 
+@pytest.mark.slow
 def test_missing_library_is_a_user_error():
     code = (
         "import sys; sys.modules['zfctl._zfnative'] = None\n"

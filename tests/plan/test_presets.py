@@ -20,7 +20,7 @@ from zfctl.plan.memory import Machine, estimate
 from zfctl.plan.presets import KINDS, list_presets
 from zfctl.plan.schema import RunPlan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL = [p for kind in KINDS for p in list_presets(kind)]
 EXPECTED = {
     "model": {"llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama", "smollm2-135m"},

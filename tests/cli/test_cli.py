@@ -15,7 +15,7 @@ from zfctl.cli import _common, app
 from zfctl.plan import machine
 from zfctl.train import session
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
@@ -262,6 +262,7 @@ def test_doctor_reports_without_crashing_when_pieces_are_missing(monkeypatch: py
     assert broken.exit_code == 0 and "native CPU-Adam binding missing" in broken.output
 
 
+@pytest.mark.slow
 def test_python_m_zfctl_exit_code_and_single_stderr_line() -> None:
     bad = subprocess.run(
         [

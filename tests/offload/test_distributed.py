@@ -223,6 +223,7 @@ def _rel_err(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_rank(two_ranks, case):
     ref = _train(case)[0]
@@ -234,6 +235,7 @@ def test_two_ranks_match_one_rank(two_ranks, case):
         assert torch.equal(two_ranks[0][case][0][k], two_ranks[1][case][0][k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_host_state_is_partitioned(two_ranks, case):
     total = _train(case)[1]
@@ -304,6 +306,7 @@ def test_rounds_cover_each_owners_host_columns_once():
             assert got == want, (world, owner)
 
 
+@pytest.mark.slow
 def test_two_rank_resume_is_exact(two_ranks):
     for r in range(2):
         straight, resumed = two_ranks[r]["zenflow"][0], two_ranks[r]["resumed"]
@@ -311,6 +314,7 @@ def test_two_rank_resume_is_exact(two_ranks):
             assert torch.equal(straight[k], resumed[k]), (r, k)
 
 
+@pytest.mark.slow
 def test_two_rank_state_continues_on_one_rank(two_ranks):
     """Saved mid-interval on 2 ranks (update in flight), resumed on 1: each piece of host state is
     found by name and column range; the rest of the run matches the uninterrupted 2-rank run."""
@@ -321,6 +325,7 @@ def test_two_rank_state_continues_on_one_rank(two_ranks):
     assert _rel_err(resumed, two_ranks[0]["zenflow"][0]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_one_rank_state_continues_on_two_ranks(two_ranks):
     ref = _train("zenflow")[0]
     for r in range(2):
@@ -329,6 +334,7 @@ def test_one_rank_state_continues_on_two_ranks(two_ranks):
             assert torch.equal(two_ranks[r]["from_one"][k], two_ranks[0]["from_one"][k]), k
 
 
+@pytest.mark.slow
 def test_uncovered_columns_and_old_format_from_another_rank_are_refused(two_ranks):
     for r in range(2):
         assert "optimizer state lacks columns of" in two_ranks[r]["gap"] and "this process holds" in two_ranks[r]["gap"]

@@ -374,7 +374,7 @@ def test_tests_part_on_cpu_counts_every_gpu_test_as_skipped(tmp_path):
     assert t["passed"] == 0 and t["failed"] == 0 and t["skipped"] >= 11  # tests/gpu and the bench's CUDA test
     assert all(s["reason"] == "needs CUDA" for s in t["skipped_ids"])
     ids = [s["id"] for s in t["skipped_ids"]]
-    assert "tests/test_bench_cli.py::test_cuda_events_time_the_step_and_agree_with_the_wall_clock" in ids
+    assert "tests/cli/test_bench_cli.py::test_cuda_events_time_the_step_and_agree_with_the_wall_clock" in ids
     assert any(i.startswith("tests/gpu/test_offload_gpu.py::test_cuda_limits_reproduce_torch_adamw[") for i in ids)
 
 

@@ -111,7 +111,7 @@ def test_three_ranks_with_an_ungraded_parameter_finish_and_match_one_rank(tmp_pa
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         hooks, step = res["hooks"], res["step"]
         assert all(torch.equal(hooks[k], step[k]) for k in ref), rank  # both paths: the same sums
-        for k in ref:  # relative error as the other data-parallel tests measure it (tests/test_distributed.py)
+        for k in ref:  # relative error as the other data-parallel tests measure it (tests/offload/test_distributed.py)
             err = float((hooks[k] - ref[k]).norm() / ref[k].norm())
             assert err <= 1e-6, (rank, k, err)
     assert not torch.equal(ref["side.weight"], Net().side.weight)  # side trained (ranks 0 and 2)

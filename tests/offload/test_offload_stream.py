@@ -51,6 +51,7 @@ def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype) -> None:
     assert sum(s.boundary for s in stats) >= 4 and sum(s.selection for s in stats) >= 2
 
 
+@pytest.mark.slow
 def test_auto_interval_and_stream_grads_off() -> None:
     cfg = zen(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5)
     ref, _ = train(cfg, hooks=False, clip=1.0)

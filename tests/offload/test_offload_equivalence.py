@@ -34,6 +34,7 @@ def zenflow(cfg: ZenFlowConfig, steps: int = STEPS, clip: float | None = None, s
     return snapshot(model), stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [ALL_DEVICE, ZERO_OFFLOAD], ids=["r=1", "r=0,U=1"])
 @pytest.mark.parametrize("clip", [None, 0.25], ids=["noclip", "clip"])
 def test_limits_reproduce_torch_adamw(cfg: ZenFlowConfig, clip: float | None) -> None:
@@ -58,6 +59,7 @@ def test_zero_offload_moves_every_matrix_through_the_cpu() -> None:
     assert all(s.d2h_bytes == 0 and s.h2d_bytes == 0 and s.selected_fraction == 1.0 for s in stats)
 
 
+@pytest.mark.slow
 def test_lr_scheduler_drives_both_paths() -> None:
     ref = reference(schedule=True)
     for cfg in (ALL_DEVICE, ZERO_OFFLOAD):
@@ -65,6 +67,7 @@ def test_lr_scheduler_drives_both_paths() -> None:
         assert max_rel_err(got, ref) <= 1e-5
 
 
+@pytest.mark.slow
 def test_warm_up_steps_are_full_offload_steps() -> None:
     # While step < full_warm_up_rounds every matrix goes through the CPU AdamW synchronously, so a
     # run that never leaves warm-up is AdamW whatever topk_ratio/update_interval/overlap say.

@@ -21,13 +21,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from proc_helpers import alive, children, metric_steps
 
 from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
 from zfctl.train.dist import TIMEOUT_EXIT
 from zfctl.train.testhooks import FAIL_ENV, HANG_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
@@ -97,6 +98,7 @@ def assert_checkpoints_whole(run: Path) -> int:
     return resolve_checkpoint(run).step
 
 
+@pytest.mark.slow
 def test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error(tmp_path):
     run = tmp_path / "run"
     job = Job(run, env={FAIL_ENV: "1:3"})
@@ -120,6 +122,7 @@ def test_a_rank_raising_mid_step_ends_every_rank_with_its_one_line_error(tmp_pat
     assert assert_checkpoints_whole(run) == 2
 
 
+@pytest.mark.slow
 def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoints(tmp_path):
     run = tmp_path / "run"
     job = Job(run)
@@ -138,6 +141,7 @@ def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoin
     assert assert_checkpoints_whole(run) >= 1
 
 
+@pytest.mark.slow
 def test_a_sigkilled_launcher_leaves_no_process_of_its_job(tmp_path):
     run = tmp_path / "run"
     job = Job(run)
@@ -157,6 +161,7 @@ def test_a_sigkilled_launcher_leaves_no_process_of_its_job(tmp_path):
     assert not survivors, f"still running: {survivors}\n{job.out}"
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_job_under_distributed_timeout_with_one_line_naming_it(tmp_path):
     run = tmp_path / "run"
     job = Job(run, env={HANG_ENV: "1:3"}, extra=("distributed.timeout=20",))

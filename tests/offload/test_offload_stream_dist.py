@@ -71,6 +71,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_hook_path_equals_step_path(tmp_path) -> None:
     ctx = mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 240

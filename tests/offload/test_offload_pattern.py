@@ -73,6 +73,7 @@ def _final(c: ZenFlowConfig) -> tuple[dict[str, torch.Tensor], int]:
     return history[-1], nchunks
 
 
+@pytest.mark.slow
 def test_bit_identical_across_runs_slot_sizes_and_worker_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     base, n_base = _final(cfg(True))
     again, _ = _final(cfg(True))
