@@ -31,11 +31,12 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
 
 native: $(NATIVE_STAMP)
 
-# The full suite (what CI runs), then the kernel tests again against an ASan/UBSan build
-# (check-native) and the Python-free kernel driver on every ISA and on aarch64 under qemu
-# (check-arch; both in native/native.mk).
+# The full suite (what CI runs), then ruff and mypy (lint), the kernel tests again against an
+# ASan/UBSan build (check-native) and the Python-free kernel driver on every ISA and on aarch64
+# under qemu (check-arch; both in native/native.mk).
 test: setup
 	$(PY) -m pytest -q
+	$(MAKE) lint
 	$(MAKE) check-native
 	$(MAKE) check-arch
 

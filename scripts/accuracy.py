@@ -30,7 +30,7 @@ that many fine-tunes at a time (one process each, ``--threads`` threads each; de
    The fine-tuning lr is 1e-4 (cosine, 5 warm-up steps): the base's weights have a std of ~0.03,
    so an Adam step moves them ~0.3% per step, already more than a usual LLM fine-tune (smollm2 at
    5e-5: ~0.1%). At 1e-3 (~3% per step, the pre-training regime) every optimizer's staleness
-   dominates the result; ``--lr 1e-3`` still measures that regime (README, section Accuracy).
+   dominates the result; ``--lr 1e-3`` still measures that regime (docs/accuracy.md).
    sst2 runs at ``--sst2-lr`` 3e-4, the lowest of 1e-4/3e-4/1e-3 at which AdamW learns it in 240
    steps (58% / 71% / 84%).
 3. Per task and variant, mean over the seeds: eval loss at fixed steps (the loop's own evaluation, from
@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated fine-tuning seeds of instruct/text (the base keeps --seed); the table "
                         "shows their mean")
     p.add_argument("--sst2-seeds", default="42,1,2,3,4",
-                   help="fine-tuning seeds of sst2: one seed moves its accuracy by up to 10 points (README, "
-                        "section Accuracy), so the table shows the mean and min-max over five")
+                   help="fine-tuning seeds of sst2: one seed moves its accuracy by up to 10 points "
+                        "(docs/accuracy.md), so the table shows the mean and min-max over five")
     p.add_argument("--threads", type=int, default=1, help="torch and CPU-Adam threads (shared machines: 1)")
     p.add_argument("--jobs", type=int, default=2,
                    help="runs at a time, one process each (x --threads cores; step times then share the CPU)")

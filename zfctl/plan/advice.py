@@ -1,6 +1,6 @@
 """Settings known to cost accuracy: the warnings `zfctl finetune` prints once before training.
 
-Each rule is a measured finding (README, section Accuracy; scripts/accuracy.py reproduces the
+Each rule is a measured finding (docs/accuracy.md; scripts/accuracy.py reproduces the
 numbers), not a guess: a run that matches one still trains, it just learns less per step than
 AdamW would. Pure functions of the plan, so `zfctl plan` and tests can ask too.
 """
