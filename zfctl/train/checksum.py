@@ -103,18 +103,10 @@ def save_model_hashed(model: torch.nn.Module, path: Path, metadata: dict[str, st
     for dropped in _remove_duplicate_names(state).values():  # tied weights: keep one name
         for name in dropped:
             del state[name]
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header so tensor data starts 8-aligned
+    head = safetensors_header(list(state.items()), metadata)
 
     def fill(w: HashingWriter) -> None:
-        w.write(struct.pack("<Q", len(raw)))
-        w.write(raw)
+        w.write(head)
         for name, t in state.items():
             t = t.detach()
             if t.is_floating_point() and not _all_finite(t):  # on the tensor's own device
@@ -122,6 +114,20 @@ def save_model_hashed(model: torch.nn.Module, path: Path, metadata: dict[str, st
             write_tensor(w, t)  # a host tensor from its memory, a device one chunk by chunk
 
     return write_hashed(path, fill)
+
+
+def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+    """The safetensors header of ``tensors`` written one after another: its 8-byte length, then
+    the JSON of names, dtypes, shapes and byte ranges, padded so that tensor data starts 8-aligned."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def write_tensor(w: HashingWriter | BinaryIO, t: torch.Tensor) -> None:

@@ -33,11 +33,10 @@ from typing import Any
 import torch
 from safetensors.torch import _TYPES
 
-from zfctl.train.checksum import CHUNK_BYTES, HashingWriter, write_hashed, write_tensor
+from zfctl.train.checksum import CHUNK_BYTES, HashingWriter, safetensors_header, write_hashed, write_tensor
 
 SMALL_BYTES = 1 * 2**20  # tensors up to this size are read at once; larger ones stay FileTensors
 META_KEY = "zfctl.state"
-_DTYPE_NAMES = {dtype: name for name, dtype in _TYPES.items()}
 
 
 def save_state_hashed(state: Any, path: Path) -> str:
@@ -62,19 +61,11 @@ def save_state_hashed(state: Any, path: Path) -> str:
             return x
         raise TypeError(f"cannot store a {type(x).__name__} in a checkpoint state")
 
-    skeleton = encode(state)
-    header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(skeleton)}}
-    offset = 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header so tensor data starts 8-aligned
+    skeleton = json.dumps(encode(state))  # fills ``tensors``
+    head = safetensors_header(tensors, {META_KEY: skeleton})
 
     def fill(w: HashingWriter) -> None:
-        w.write(struct.pack("<Q", len(raw)))
-        w.write(raw)
+        w.write(head)
         for _, t in tensors:
             write_tensor(w, t)
 
