@@ -15,7 +15,7 @@ from zfctl.train.tensorfile import SMALL_BYTES, FileTensor, load_state, save_sta
 def _state() -> dict:
     big = torch.randn(SMALL_BYTES // 4 + 1008, generator=torch.Generator().manual_seed(0))  # read lazily
     return {"format": "x", "betas": (0.9, 0.999), "steps": [1, 2.5, None, True],
-            "host": [{"name": "w", "master": big[:SMALL_BYTES // 4 + 8].view(-1, 8), "acc": big.to(torch.bfloat16)}],
+            "host": [{"name": "w", "master": big[:SMALL_BYTES // 4 + 8].view(-1, 8), "acc": torch.cat([big, big]).to(torch.bfloat16)}],
             "mask": torch.tensor([True, False]), "ids": torch.arange(5), "big": big}
 
 
@@ -35,9 +35,9 @@ def test_round_trip_values_types_and_digest(tmp_path: Path) -> None:
     part = torch.empty(30, 8)
     rows[40:70].copy_to(part)  # a range of rows only
     assert torch.equal(part, st["host"][0]["master"][40:70])
-    acc = torch.empty(st["big"].numel(), dtype=torch.float32)
+    acc = torch.empty(2 * st["big"].numel(), dtype=torch.float32)
     got["host"][0]["acc"].copy_to(acc)  # another dtype: through a chunk, converted
-    assert torch.equal(acc, st["big"].to(torch.bfloat16).float())
+    assert torch.equal(acc, st["host"][0]["acc"].float())
     with safe_open(str(path), framework="pt") as f:  # a plain safetensors file
         assert len(list(f.keys())) == 6
 
