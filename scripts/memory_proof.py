@@ -7,8 +7,8 @@ Two runs of the embedded tiny-llama widened to ``--hidden``/``--intermediate`` (
 ZenFlow `default` preset with ``full_warm_up_rounds=0``): one with ``--layers`` layers (about 160M
 parameters by default), one with 1 layer. Each run is `zfctl finetune` to step 6 (a checkpoint
 is written at the end) and then `zfctl resume` to step 9 (it loads that checkpoint, trains, and
-writes another). The peak RSS of every process is read from the kernel when it exits
-(``os.wait4``: ``ru_maxrss``, which counts every page the process ever had resident at once).
+writes another). The peak RSS of every process is its own ``VmHWM`` (every page it ever had
+resident at once), read when it exits (``peak_rss`` says why not ``ru_maxrss``).
 
 On CPU the plan's device lines live in host RAM too, so the plan's figure is its host total plus
 its device total. What does not grow with the model (Python, torch, the tokenizer, the data)
@@ -44,16 +44,20 @@ def model_flags(layers: int, hidden: int, intermediate: int, extra: list[str] = 
     return [a for s in sets for a in ("--set", s)]
 
 
-def peak_rss(cmd: list[str], env: dict[str, str]) -> int:
-    """Run ``cmd`` to completion; its peak resident set in bytes (raises if it failed)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    err = proc.stderr.read()  # drain before waiting (a full pipe would block the child)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+def peak_rss(args: list[str], env: dict[str, str], stats: Path) -> int:
+    """Run ``zfctl ARGS`` to completion; its peak resident set in bytes (raises if it failed).
+
+    Read by the process itself when it exits (``VmHWM`` of its own address space, through
+    scripts/zf_memstats.py), not from ``wait4``'s ``ru_maxrss``: Linux carries the maxrss of the
+    address space a process replaced at ``exec`` over into the new program's, and a subprocess
+    starts as a copy of its parent, so ``ru_maxrss`` never reads below the parent's own RSS (a
+    pytest process 1.2 GB into a suite made a 1.07 GB run read 1.218 GB).
+    """
+    cmd = [sys.executable, str(Path(__file__).with_name("zf_memstats.py")), str(stats), *args]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err[-2000:]}")
-    return usage.ru_maxrss * 1024  # kilobytes on Linux
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return int(json.loads(stats.read_text())["vm_hwm_bytes"])
 
 
 def measure(layers: int, hidden: int, intermediate: int, work: Path, extra: list[str] = ()) -> dict:
@@ -65,9 +69,9 @@ def measure(layers: int, hidden: int, intermediate: int, work: Path, extra: list
                                      env=env, capture_output=True, text=True, check=True).stdout)
     mem = plan["memory"]
     out = work / f"run-{layers}"
-    finetune = peak_rss([*py, "finetune", "tiny-llama", "--data", "alpaca-sample", *flags, "--output", str(out),
-                         "--max-steps", str(STEPS), "--force"], env)
-    resume = peak_rss([*py, "resume", str(out), "--max-steps", str(RESUME_TO)], env)
+    finetune = peak_rss(["finetune", "tiny-llama", "--data", "alpaca-sample", *flags, "--output", str(out),
+                         "--max-steps", str(STEPS), "--force"], env, work / f"finetune-{layers}.json")
+    resume = peak_rss(["resume", str(out), "--max-steps", str(RESUME_TO)], env, work / f"resume-{layers}.json")
     return {"layers": layers, "params": mem["size"]["params"], "plan_bytes": mem["host_total"] + mem["device_total"],
             "plan_items": {i["name"]: i["bytes"] for i in mem["items"]},
             "peak_rss_finetune": finetune, "peak_rss_resume": resume}

@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _measure(proof, tmp_path: Path) -> tuple[dict, dict, dict]:
-    tmp_path.mkdir()
     big = proof.measure(6, 768, 2048, tmp_path)
     small = proof.measure(1, 768, 2048, tmp_path)
     return big, small, proof.compare(big, small)
@@ -32,18 +31,14 @@ def _line(big: dict, small: dict, c: dict, process: str) -> str:
 
 @pytest.mark.slow
 def test_peak_rss_difference_matches_the_plan(tmp_path: Path) -> None:
-    """Twenty runs here measured within 1.0% (as many again with the machine loaded by other
-    jobs); one CI run on a fresh clone measured the finetune process outside 10% and was not
-    reproduced. A measurement outside the tolerance is therefore taken again once, and both are
-    reported: a buffer the plan misses is outside it both times."""
+    """Each process's own VmHWM (scripts/memory_proof.py ``peak_rss``): ``ru_maxrss`` would read
+    the pytest process's RSS as the floor of every subprocess, which late in a full suite is more
+    than the small run's own peak."""
     spec = importlib.util.spec_from_file_location("memory_proof", ROOT / "scripts" / "memory_proof.py")
     assert spec is not None and spec.loader is not None
     proof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(proof)
-    big, small, c = _measure(proof, tmp_path / "a")
+    big, small, c = _measure(proof, tmp_path)
     assert c["plan_difference"] > 1e9  # large enough that the baseline's noise (~10 MB) is small
-    if not c["ok"]:
-        first = "; ".join(_line(big, small, c, p) for p in ("finetune", "resume"))
-        big, small, c = _measure(proof, tmp_path / "b")
-        for process in ("finetune", "resume"):
-            assert c[process]["within_tolerance"], f"{_line(big, small, c, process)} (first measurement: {first})"
+    for process in ("finetune", "resume"):
+        assert c[process]["within_tolerance"], _line(big, small, c, process)
