@@ -12,7 +12,7 @@ bench-results/gpu-7b-<commit>.json) with `zfctl plan --json`'s memory figures be
 
 - peak host RSS of the training process: its VmHWM, read from /proc from outside every 0.5 s
   (also for any process it starts) and by the process itself at exit (scripts/zf_memstats.py),
-  plus metrics.jsonl's `host_peak_gib` (ru_maxrss);
+  plus metrics.jsonl's `host_peak_gib` (the process's VmHWM);
 - pinned host bytes: the caching host allocator's peak plus the peak of the bytes zfctl
   registers itself (zfctl.offload.pinned.registered_bytes(), null where this build lacks it);
   the two peaks may not coincide, so their sum is an upper bound;

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -228,7 +229,23 @@ class StepTimer:
 
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Peak device memory (CUDA) and peak host RSS, in GiB."""
-    out = {"host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    out = {"host_peak_gib": peak_rss_bytes() / 2**30}
     if device.type == "cuda":
         out["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: ``VmHWM`` of its own address space on Linux. Not
+    ``ru_maxrss``, which Linux carries over ``exec`` from the address space a process replaced, so
+    a run started by a large process would report at least that process's RSS; ``ru_maxrss`` is
+    the fallback where /proc is missing (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
