@@ -320,6 +320,12 @@ def test_one_rule_decides_accumulate_auto() -> None:
     assert memory.AUTO_DEVICE_SHARE is AUTO_DEVICE_SHARE
     assert device_fits(60.0, 25.0, 100.0) and not device_fits(60.0, 25.5, 100.0)
     plan = resolve_plan("llama3.2-1b", "alpaca", overrides=["train.device=cuda"])
+    # Concrete outcomes, so that a rule that always (or never) says "device" fails: llama3.2-1b
+    # commits 11.83 GB before the choice (bf16 weights + grads, selected state, activations) and
+    # its fp32 accumulator is 4.94 GB, so the device takes it from (11.83 + 4.94) / 0.85 = 19.74 GB.
+    chosen = {gb: memory.estimate(plan, memory.Machine(1e12, True, "gpu", gb * 1e9)).accumulate
+              for gb in (16, 19.7, 19.8, 24, 80)}
+    assert chosen == {16: "host", 19.7: "host", 19.8: "device", 24: "device", 80: "device"}
     for gpu_gb in (16, 24, 40, 80):
         est = memory.estimate(plan, memory.Machine(1e12, True, "gpu", gpu_gb * 1e9))
         acc = est.item("gradient accumulator") or 4.0 * memory.layout_counts(
