@@ -106,7 +106,7 @@ def part_record(code: int | None, secs: float, log: Path, tree: TreeSampler, sta
         "peak_host_rss_bytes": {"outside_vmhwm": tree.result()["max_process_vmhwm_bytes"],
                                 "tree_rss_sum": tree.result()["tree_rss_peak_bytes"],
                                 "own_vmhwm": own.get("vm_hwm_bytes"),
-                                "metrics_ru_maxrss": metrics["metrics_host_peak_bytes"]},
+                                "metrics_host_peak": metrics["metrics_host_peak_bytes"]},
         "pinned_host_bytes": {"caching_allocator_peak": cache, "zfctl_registered_peak": reg,
                               "zfctl_registered_available": own.get("registered_available"),
                               "total_upper_bound": None if cache is None and reg is None
