@@ -9,6 +9,7 @@ gradient path. Plus the acceptance numbers of Llama-2-7B on one 80 GB GPU and a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import deque
@@ -126,14 +127,9 @@ def test_plan_json_carries_the_verdict_numbers() -> None:
     assert "shapes" not in mem["size"]
     text = subprocess.run([sys.executable, "-m", "zfctl", "plan", "llama2-7b", "--data", "alpaca",
                            "--gpu-memory", "80GB", "--host-memory", "128GB"],
-                          capture_output=True, text=True, check=True, env={"COLUMNS": "200", **_env()}).stdout
+                          capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "it fits" in text and f"{mem['host_total'] / GB:.1f} GB" in text
 
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--gpu-memory", "80XB"), ("--gpu-memory", "0GB"),
