@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from zfctl.train.metrics import read_metrics
@@ -32,3 +34,24 @@ def metric_steps(run: Path) -> list[int]:
     """The steps of the train records in ``run``'s metrics.jsonl ([] before the first)."""
     path = run / "metrics.jsonl"
     return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
+
+
+def rendezvous(folder: Path) -> str:
+    """A ``file://`` init_method in ``folder`` for the ranks of one test. A file, not a TCP port:
+    a port picked free here could be taken by another process before rank 0 binds it."""
+    return f"file://{Path(folder).resolve() / 'rendezvous'}"
+
+
+def spawn_ranks(worker: Callable[..., None], nprocs: int, args: tuple, *, timeout: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for all of them; past
+    ``timeout`` seconds kill them and fail the test with ``what`` (a hang is mismatched collectives)."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish within {timeout:.0f} s")

@@ -8,25 +8,17 @@ these check what only NCCL does: collectives on their own stream, a device-side 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from proc_helpers import rendezvous, spawn_ranks
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py); with one GPU, skipped below
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpus_of(pid: int) -> set[int]:
@@ -45,12 +37,12 @@ def _gpus_of(pid: int) -> set[int]:
     return used
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, init: str, out: str) -> None:
     from test_offload_collective_order import _train
 
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD)
     try:
         res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD, device="cuda"),
                "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda")}
@@ -124,13 +116,8 @@ def test_nccl_hook_exchange_reshard_and_thread_devices(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 
-    ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two NCCL ranks did not finish within 300 s: their collectives did not match")
+    spawn_ranks(_worker, WORLD, (rendezvous(tmp_path), str(tmp_path)), timeout=300,
+                what="the two NCCL ranks (their collectives did not match)")
     ref = _train(list(range(WORLD)), 1, hooks=False, device="cuda")
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from proc_helpers import rendezvous, spawn_ranks
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
@@ -162,9 +160,9 @@ def _buckets(nbytes: int):
         partition.BUCKET_BYTES = exchange.BUCKET_BYTES = saved
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         res = {case: _train(case, rank, world, dist.group.WORLD) for case in CASES}
         # Buckets of 1 KiB: the reduce-scatter and the install broadcasts run in many rounds, some
@@ -196,12 +194,6 @@ def _refusal(opt: ZenFlowOptimizer, sd: dict) -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dist")
@@ -209,13 +201,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     with _optimizer(model, "zenflow", None) as opt:
         _steps(model, opt, 0, 1, 0, 10)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / "one.pt")
-    ctx = mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2-rank training did not finish in 240 s")
+    spawn_ranks(_worker, 2, (2, rendezvous(out), str(out)), timeout=240, what="2-rank training")
     return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "dir": out} for r in range(2)]
 
 

@@ -13,15 +13,13 @@ ranks, zfctl/offload/exchange.py).
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from proc_helpers import rendezvous, spawn_ranks
 from test_offload_helpers import zen
 from torch import nn
 
@@ -80,9 +78,9 @@ def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD),
                "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD)}
@@ -91,21 +89,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_three_ranks_with_an_ungraded_parameter_finish_and_match_one_rank(tmp_path: Path) -> None:
-    ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the three ranks did not finish within 240 s: their collectives did not match")
+    spawn_ranks(_worker, WORLD, (rendezvous(tmp_path), str(tmp_path)), timeout=240,
+                what="the three ranks (their collectives did not match)")
     ref = _train(list(range(WORLD)), 1, hooks=False)
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

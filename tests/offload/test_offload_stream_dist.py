@@ -8,15 +8,13 @@ bytes, and the hook run must really have streamed.
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from proc_helpers import rendezvous, spawn_ranks
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
@@ -55,9 +53,9 @@ def _train(rank: int, world: int, hooks: bool) -> tuple[dict, list[int], list[in
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, early, sent
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         res = {"step": _train(rank, world, hooks=False), "hooks": _train(rank, world, hooks=True)}
         torch.save(res, Path(out) / f"rank{rank}.pt")
@@ -65,21 +63,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_hook_path_equals_step_path(tmp_path) -> None:
-    ctx = mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two ranks did not finish within 240 s")
+    spawn_ranks(_worker, 2, (2, rendezvous(tmp_path), str(tmp_path)), timeout=240, what="the two ranks")
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         (ref, ref_early, ref_sent), (got, early, sent) = res["step"], res["hooks"]
