@@ -62,7 +62,8 @@ class TuningConfig:
         "(gradient hooks; the training loop announces that backward) instead of inside step().",
     )
     pin_memory: bool = _f(
-        True, "Use page-locked host buffers for the transfer rings (faster, async PCIe copies)."
+        True, "Page-lock the host buffers PCIe copies read or write (fp32 master, the device "
+        "path's accumulator, landing buffers, transfer ring): async DMAs instead of staged copies."
     )
     auto_ratio: float = _f(
         0.99,
@@ -78,7 +79,7 @@ class TuningConfig:
         "update takes the rest); 0 = auto, ~10/38 of them by bytes moved per element.",
         ge=0,
     )
-    ring_slots: int = _f(4, "Pinned slots in each transfer ring (D2H gradients, H2D params).", ge=1)
+    ring_slots: int = _f(4, "Slots in each transfer ring (host slots for D2H gradients, device slots for H2D params).", ge=1)
     ring_slot_mb: float = _f(
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",
         gt=0, unit="MiB", example=32,

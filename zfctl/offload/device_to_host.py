@@ -45,7 +45,7 @@ class Transfers:
     """The host-owned columns cut into slot-sized chunks, and the D2H and H2D rings (chunks.py)."""
 
     def __init__(self, layout: Layout, host: HostState, device: torch.device, config: ZenFlowConfig,
-                 itemsize: int) -> None:
+                 itemsize: int, *, on_device: bool) -> None:
         slots = layout.host_slots
         biggest = max(slots, key=lambda s: s.rows)
         want = int(config.tuning.ring_slot_mb * 2**20)
@@ -54,13 +54,13 @@ class Transfers:
             raise ConfigError("zenflow.tuning.ring_slot_mb", config.tuning.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
-        cuda_pin = device.type == "cuda" and config.tuning.pin_memory
-        # D2H: model-dtype gradient chunks (step() path, scalars). H2D: the same column ranges of the
-        # fp32 master, 4/itemsize times the bytes; on CUDA with a page-locked master they DMA
-        # straight from it (no host slots), else they stage through host slots.
-        self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory)
+        # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
+        # lives on the device, which only fetches scalars). H2D: the same column ranges of the fp32
+        # master, 4/itemsize times the bytes, copied straight from it into device slots.
+        self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
+                        host_slots=not on_device)
         self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory,
-                        host_slots=device.type == "cuda" and not cuda_pin)
+                        host_slots=False)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
 
@@ -277,7 +277,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     # its one host accumulator after the previous update was collected (SummedOnDevice.finish).
     host = HostState(layout, params, accumulators=2 if config.overlap_step and not on_device else 1,
                      pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
-    transfers = Transfers(layout, host, device, config, itemsize)
+    transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     if config.cpu_threads:
         _native.set_num_threads(config.cpu_threads)
     threads = split_threads(_native.get_num_threads(), config.tuning.accumulate_threads)

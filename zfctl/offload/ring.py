@@ -12,16 +12,17 @@ host slot i (page-locked at its exact size, pinned.py) and records slot i's even
 native kernel). Slot i is refilled only after its chunk was consumed. The host slots are
 allocated when the ring is built: ``slots x slot_bytes`` of host memory, counted by the plan.
 
-H2D (updated params, an install): the sources are ranges of the fp32 host master. When it is
-page-locked (CUDA, ``pin_memory``) the ring's stream DMAs each range straight into device slot i
-(no host copy at all: the main thread only enqueues); the compute stream waits for that copy,
-``deliver(slot)`` scatters it into the params (casting to the model dtype on the device), and an
-event after the scatter frees the device slot for chunk i + slots: a device-side wait of the
-copy stream, so the host never blocks. The event after the last copy is the install's fence: the
-master may not be written (by the next CPU update, a migration, a load) before it fired
-(``HostState.install_fence``). Without page-locked memory (``pin_memory: false``) each range is
-first copied into a host slot (the host waits for that slot's previous copy), as pageable memory
-cannot be read by a DMA that outlives the call.
+H2D (updated params, an install): the sources are ranges of the fp32 host master, copied by the
+ring's stream straight into device slot i (no host copy: the main thread only enqueues); the
+compute stream waits for that copy, ``deliver(slot)`` scatters it into the params (casting to the
+model dtype on the device), and an event after the scatter frees the device slot for chunk
+i + slots: a device-side wait of the copy stream, so the host never blocks. The device slots are
+allocated on the copy stream, their first writer, so the caching allocator never hands them a
+block the compute stream may still be reading. When the master is page-locked (CUDA,
+``pin_memory``) the copy is a DMA that reads it after the call returned: the event after the last
+copy is the install's fence, and the master may not be written (by the next CPU update, a
+migration, a load) before it fired (``HostState.install_fence``). From pageable memory
+(``pin_memory: false``) CUDA stages the source before the copy call returns, so there is no fence.
 
 Without CUDA the same code runs synchronously: ``fill`` writes straight into a host slot and
 ``deliver`` reads straight from the master. That is how CI exercises this module.
@@ -44,8 +45,9 @@ Fill = Callable[[torch.Tensor], None]
 class Ring:
     """``nslots`` slots of ``slot_bytes`` each, one copy stream and one event per slot.
 
-    ``host_slots``: allocate the host slots (page-locked when ``pin_memory`` on CUDA) now; a ring
-    that only DMAs from page-locked sources (the install's, on CUDA) needs none.
+    ``host_slots``: allocate the host slots of the D2H direction (page-locked when ``pin_memory`` on
+    CUDA) now; a ring that only copies host to device (the install's) or only ``fetch``es scalars
+    (the device accumulation path's) needs none.
     """
 
     def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool, *,
@@ -56,22 +58,12 @@ class Ring:
         self.slot_bytes = slot_bytes
         self.pin = pin_memory and self.cuda
         # One flat allocation, page-locked at its exact size: no power-of-two rounding per slot.
-        self._host = pinned.empty(nslots * slot_bytes if host_slots else 0, torch.uint8, pin=self.pin)
-        self._device: torch.Tensor | None = None  # device slots of the direct H2D path, made on first use
+        self._host = pinned.empty(nslots * slot_bytes if host_slots else 0, torch.uint8, pin=self.pin,
+                                  device=device)
+        self._device: torch.Tensor | None = None  # device slots of the H2D direction, made on first use
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._events: list[Any] = [None] * nslots  # per host slot: its last copy
         self._freed: list[Any] = [None] * nslots  # per device slot: the scatter that last read it
         self.stall_pairs: list[tuple[Any, Any]] = []  # the last h2d's timed compute waits (pcie.timed_wait)
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory held by the slots."""
-        return self._host.numel()
-
-    @property
-    def device_bytes(self) -> int:
-        """Device memory held by the direct H2D path's slots (0 until the first such install)."""
-        return 0 if self._device is None else self._device.numel()
 
     def _slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of host slot ``i`` for ``numel`` elements."""
@@ -124,7 +116,7 @@ class Ring:
 
         ``deliver`` runs on the host but only enqueues work on the compute stream, which waits for
         that chunk's copy first. Returns (bytes copied, the event after the last copy that reads a
-        source: None when every source was read before this returned).
+        page-locked source: None when every source was read before this returned).
         """
         total = 0
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -137,33 +129,30 @@ class Ring:
                 deliver(src, tag)  # the same memory: a synchronous host copy in ``deliver``
                 continue
             assert self.stream is not None and compute is not None  # CUDA: both exist
+            dev = self._device_slot(i, src.numel(), src.dtype, compute)
+            # Device slot i is rewritten only after the scatter that last read it: a device-side
+            # wait of the copy stream (the host never blocks here). A page-locked source is a DMA
+            # that reads the master later (the fence); a pageable one is staged by CUDA in the call.
+            copied = copy_async(self.stream, dev, src, after=self._freed[i])  # PCIe H2D: the master's columns
             if src.is_pinned():
-                dev = self._device_slot(i, src.numel(), src.dtype)
-                # Device slot i is rewritten only after the scatter that last read it: a device-side
-                # wait of the copy stream (the host never blocks here).
-                copied = last = copy_async(self.stream, dev, src, after=self._freed[i])  # PCIe H2D: DMA from the master
-            else:
-                view = self._slot(i, src.numel(), src.dtype)
-                if self._events[i] is not None:
-                    self._events[i].synchronize()  # sync point: the slot's previous H2D copy
-                view.copy_(src)  # host memcpy into the slot: the source is pageable
-                dev = torch.empty(view.numel(), dtype=view.dtype, device=self.device)
-                copied = self._events[i] = copy_async(self.stream, dev, view, after=None)  # PCIe H2D of one chunk
-                dev.record_stream(compute)
+                last = copied
             self.stall_pairs.append(timed_wait(compute, copied))  # the compute stream waits for the copy
             deliver(dev, tag)  # compute stream: scatter into the params
-            if src.is_pinned():
-                freed = torch.cuda.Event()
-                freed.record(compute)
-                self._freed[i] = freed
+            freed = torch.cuda.Event()
+            freed.record(compute)
+            self._freed[i] = freed
         return total, last
 
-    def _device_slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _device_slot(self, i: int, numel: int, dtype: torch.dtype, compute: Any) -> torch.Tensor:
         per = self.slot_bytes // dtype.itemsize
         if numel > per:
             raise ValueError(f"chunk of {numel * dtype.itemsize} B exceeds the ring slot size of {self.slot_bytes} B")
         if self._device is None:
-            self._device = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            # Allocated on the copy stream, which writes it first: a block from the compute
+            # stream's pool could still be read by compute kernels queued before this install.
+            with torch.cuda.stream(self.stream):
+                self._device = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._device.record_stream(compute)  # the scatters read it: freeing waits for them too
         return self._device[i * self.slot_bytes : i * self.slot_bytes + numel * dtype.itemsize].view(dtype)
 
     def fetch(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:

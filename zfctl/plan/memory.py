@@ -24,7 +24,7 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
-        transfer ring         slots x slot bytes (D2H gradient chunks; H2D staging without pinning)
+        transfer ring         slots x slot bytes: D2H gradient chunks (the host paths)
         landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
                                        backward's gradient columns, two steps alternating
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
@@ -304,10 +304,9 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     want = int(tu.ring_slot_mb * 2**20)
     slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
     h2d_slot = slot * 4 // w
-    staged = cuda and not tu.pin_memory  # the install stages through host slots
-    ring = tu.ring_slots * (slot + (h2d_slot if staged else 0))
-    host("transfer ring", ring, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
-         (" + the install's staging" if staged else "") + pinned, "zfctl/offload/ring.py Ring")
+    if choice != "device":  # the device path copies its sum out whole (device_acc.py), not through the ring
+        host("transfer ring", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
+             pinned, "zfctl/offload/ring.py Ring")
     if cuda:
         dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
             "zfctl/offload/ring.py Ring.h2d")
