@@ -45,7 +45,7 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     # Page-locked at its exact size and unpinned again below (the caching host allocator would keep
     # the block pinned for the life of the process).
-    dst = pinned.empty(nbytes, torch.uint8, pin=True)
+    dst = pinned.empty(nbytes, torch.uint8, pin=True, device=device)
     stream = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stream.wait_stream(torch.cuda.current_stream(device))

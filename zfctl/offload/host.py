@@ -51,15 +51,16 @@ class HostState:
                  pin_master: bool = False, pin_acc: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
-        self.master = pinned.empty(n, f32, pin=pin_master)
+        device = params[layout.host_slots[0].index].device if layout.host_slots else None
+        self.master = pinned.empty(n, f32, pin=pin_master, device=device)
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
-        self.acc = [pinned.empty(n, f32, pin=pin_acc, zero=True) for _ in range(accumulators)]
+        self.acc = [pinned.empty(n, f32, pin=pin_acc, device=device, zero=True) for _ in range(accumulators)]
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
         # The event after the last H2D copy that reads ``master`` (an install, chunks.py), or None.
         # Whoever writes master next waits for it first: the CPU worker (its fence), a selection's
-        # migration and load_state_dict (main thread), through ``wait_install``.
+        # migration and a checkpoint load (main thread), through ``wait_install``.
         self.install_fence: Any = None
         for slot in layout.host_slots:
             # One D2H copy of each matrix at construction (transposed to column-major on the device).
@@ -143,13 +144,6 @@ class HostState:
             if ids.numel():
                 self.view(acc, slot).index_fill_(0, ids.to(acc.device), 0.0)
         return acc
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Copy saved values into the live buffers (``sd``'s values: tensors, or lazy file tensors
-        with ``copy_to``, see pieces.py)."""
-        self.wait_install()
-        for k in self.STATE_KEYS:
-            fill(getattr(self, k), sd[k])
 
 
 def fill(dst: torch.Tensor, src: Any) -> None:

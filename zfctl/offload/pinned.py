@@ -30,6 +30,7 @@ import weakref
 import torch
 
 PAGE = 4096
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # page-aligned address -> bytes registered there
 
@@ -40,9 +41,13 @@ def registered_bytes() -> int:
         return sum(_registered.values())
 
 
-def empty(numel: int, dtype: torch.dtype, *, pin: bool, zero: bool = False) -> torch.Tensor:
+def empty(numel: int, dtype: torch.dtype, *, pin: bool, device: torch.device | None = None,
+          zero: bool = False) -> torch.Tensor:
     """A flat host tensor of ``numel`` elements; page-locked at its exact size when ``pin`` and
-    CUDA is available. ``zero``: filled with zeros (else uninitialised)."""
+    CUDA is available. ``device``: the GPU whose copies use it; the registration is made with
+    that device current (else with the thread's current one, which may create a context on
+    GPU 0) and is portable (every context may DMA it). ``zero``: filled with zeros (else
+    uninitialised)."""
     if not (pin and torch.cuda.is_available()) or numel == 0:
         return torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
     nbytes = numel * dtype.itemsize
@@ -51,8 +56,9 @@ def empty(numel: int, dtype: torch.dtype, *, pin: bool, zero: bool = False) -> t
     skip = -raw.data_ptr() % PAGE
     buf = raw[skip : skip + span]
     addr = buf.data_ptr()
-    cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(addr, span, 0))  # 0 = cudaHostRegisterDefault
+    on = device if device is not None and device.type == "cuda" else None
+    with torch.cuda.device(on):  # None: the current device, unchanged
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(addr, span, HOST_REGISTER_PORTABLE))
     with _lock:
         _registered[addr] = span
     out = buf[:nbytes].view(dtype)

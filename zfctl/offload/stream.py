@@ -73,12 +73,12 @@ Accumulate = Callable[..., None]
 
 
 class ExchangeOrder:
-    """The one order in which every rank exchanges the streamed matrices: reverse parameter order
-    (the order backward produces gradients in, roughly). ``ready(index)`` returns the matrices
-    that may be exchanged now: the next ones in the order whose gradients are all final."""
+    """Walks the one order in which every rank exchanges the streamed matrices (the exchange's own
+    ``exchange_order``, which ``reduce`` follows too). ``ready(index)`` returns the matrices that
+    may be exchanged now: the next ones in the order whose gradients are all final."""
 
-    def __init__(self, indices: list[int]) -> None:
-        self.order = sorted(indices, reverse=True)
+    def __init__(self, order: list[int]) -> None:
+        self.order = list(order)
         self.reset()
 
     def reset(self) -> None:
@@ -104,13 +104,13 @@ class GradStream:
         self.device = device
         self.params = params
         pin = pin_memory and self.cuda
-        self.landing = [pinned.empty(numel, dtype, pin=pin) for _ in range(2)]
+        self.landing = [pinned.empty(numel, dtype, pin=pin, device=device) for _ in range(2)]
         self.fences: list[Future | None] = [None, None]  # the last job that reads landing[w]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.budget_bytes = budget_bytes
         self._accumulate = accumulate
         self._exchange = exchange  # data parallel: exchange.GradExchange (launch / complete)
-        self._order = ExchangeOrder([s.index for s in slots]) if exchange is not None else None
+        self._order = ExchangeOrder(exchange.exchange_order) if exchange is not None else None
         # The thread binds itself to the optimizer's device first: its event waits would otherwise
         # create a CUDA context on GPU 0 (pcie.bind_device).
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -143,9 +143,8 @@ class GradStream:
         self.comm_bytes = 0  # data parallel: bytes this rank sent in the hooks' collectives
         self.wait_ms = 0.0  # host waits on the hook thread (stall)
         self.started = False
-        order = getattr(self, "_order", None)  # None before __init__ set it, and without data parallel
-        if order is not None:
-            order.reset()
+        if self._order is not None:  # data parallel
+            self._order.reset()
 
     def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
         """Stream the next backward's final gradients; ``coef`` known in advance, else None;
@@ -182,7 +181,7 @@ class GradStream:
             self._launched.append((i, self._exchange.launch(i)))
         # Complete all but the newest exchange: it overlaps the next matrix's backward.
         while len(self._launched) > 1:
-            self._complete_oldest(land=True)
+            self._complete_oldest()
 
     def _start_window(self) -> None:
         if self.started:
@@ -195,19 +194,18 @@ class GradStream:
             fence.result()  # host wait: the accumulation of two steps ago still reads it
             self.wait_ms += (time.perf_counter() - t0) * 1e3
 
-    def _complete_oldest(self, *, land: bool) -> None:
+    def _complete_oldest(self) -> None:
         assert self._exchange is not None
         i, pending = self._launched.popleft()
         self.comm_bytes += self._exchange.complete(pending)  # device-side wait, then the write-back
         self.exchanged.add(i)
-        if land:
-            self._land(i)
+        self._land(i)
 
     def complete_exchanges(self) -> set[int]:
         """Inside step(): finish the exchanges the hooks started (in order); returns every param
         whose exchange is complete (step() exchanges the others, in the same order)."""
         while self._launched:
-            self._complete_oldest(land=True)
+            self._complete_oldest()
         return self.exchanged
 
     def _land(self, index: int) -> None:
