@@ -149,8 +149,9 @@ class GradExchange:
         self.index = index  # DeviceAdam.index, updated in place by selections and checkpoint loads
         self.norm, self.masses = norm, masses
         self.selectable = [s for s in layout.slots if s.selects]
-        # The matrices with host columns, in the one order every rank exchanges them (the hook
-        # path's ExchangeOrder: reverse parameter order).
+        # The matrices with host columns, in the one order every rank exchanges them, here and in
+        # the hook path (stream.py ExchangeOrder walks this list): reverse parameter order, the
+        # order backward produces gradients in, roughly.
         self.exchange_order = sorted((s.index for s in layout.host_slots), reverse=True)
         self._pos = {s.index: i for i, s in enumerate(self.selectable)}
         host = layout.host_slots
@@ -173,7 +174,7 @@ class GradExchange:
 
     def _grad(self, index: int) -> torch.Tensor:
         g = self.params[index].grad
-        assert g is not None, "reduce() and exchange_one() give a missing gradient zeros first"
+        assert g is not None, "reduce() and launch() give a missing gradient zeros first"
         return g
 
     # -- every step ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ update waited to be installed; loading ignores it (the master holds the same val
 
 ``owners`` says which saved ranks hold columns a new cut needs, so a resharding resume reads only
 those files. Format 1 (flat per-rank buffers) is converted to pieces when it is loaded by the same
-rank of the same world size; any other world size is refused (see ``checkpoint.check_state``).
+rank of the same world size; any other world size is refused (see ``state.check_state``).
 """
 
 from __future__ import annotations

@@ -97,23 +97,21 @@ class Pipeline:
         return n
 
     def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
-               after: Callable[[], Any] | None = None,
-               prepare: Callable[[], Callable[[], Any] | None] | None = None) -> None:
+               prepare: Callable[[], Callable[[], Any] | None]) -> None:
         """Hand one interval to the CPU worker; see the module docstring for the two modes.
 
-        ``after``: the accumulation still running into ``update.acc`` (hook path). ``prepare``:
-        called once the previous update is collected and before this one starts, it fills
-        ``update.acc`` and returns the wait for that (the device path's copy of the interval sum
-        into its one host accumulator, which the previous update may still have been reading).
-        The worker also waits for the install DMA that may still read the master (HostState).
+        ``prepare``: called once the previous update is collected and before this one starts, it
+        returns the wait for what is still writing ``update.acc`` (the gradient path's ``finish``:
+        the hook path's last accumulation job, or the device path's copy of the interval sum into
+        its one host accumulator, which the previous update may still have been reading). The
+        worker also waits for the install DMA that may still read the master (HostState).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-        if prepare is not None:
-            after = prepare()
+        after = prepare()
         worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
         if background:  # ... then this one runs in the background
             self.cur = (self.cur + 1) % len(host.acc)

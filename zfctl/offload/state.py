@@ -52,7 +52,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], by_row: list[str], 
                scaler: dict[str, Any] | None) -> dict[str, Any]:
     """The saved format from the components' own state dicts (see the module docstring).
 
-    ``host``: the host state as name-keyed pieces, the pipeline's accumulator and pending upload
+    ``host``: the host state as name-keyed pieces, the pipeline's accumulator
     included (``pieces.split_host``); ``pipeline``: its counters and policy.
     """
     device = dict(device)
