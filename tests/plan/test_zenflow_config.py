@@ -333,3 +333,16 @@ def test_one_rule_decides_accumulate_auto() -> None:
         committed = sum(est.item(n) for n in ("weights", "gradients", "selected optimizer state",
                                               "activations (rough)"))  # the lines before the choice
         assert est.accumulate == ("device" if device_fits(committed, acc, gpu_gb * 1e9) else "host")
+
+
+def test_the_run_decides_accumulate_auto_for_its_own_gpu(monkeypatch) -> None:
+    """``machine.gpu_memory`` is the target a user planned for (the verdict), not the GPU the run
+    has: on a 16 GB card a plan made for 80 GB must not take the device accumulator."""
+    from zfctl.plan import machine as machine_mod
+    from zfctl.train.optim import run_accumulate
+
+    plan = resolve_plan("llama3.2-1b", "alpaca", overrides=["train.device=cuda", "machine.gpu_memory=80GB"])
+    assert memory.estimate(plan).accumulate == "device"  # what `zfctl plan` shows for the target
+    for gb, want in ((16, "host"), (80, "device")):
+        monkeypatch.setattr(machine_mod, "this_machine", lambda gb=gb: memory.Machine(1e12, True, "gpu", gb * 1e9))
+        assert run_accumulate(plan) == want, gb

@@ -1,7 +1,9 @@
 """The machine a plan is checked against: this one, or the sizes the plan's `machine` section names.
 
 `--gpu-memory 80GB` / `--host-memory 128GB` (`machine.gpu_memory`, `machine.host_memory`) let a
-laptop plan the GPU run; without them the detected host RAM and first CUDA device count. Sizes
+laptop plan the GPU run; without them the detected host RAM and first CUDA device count. They
+change the verdict only: a run resolves ``accumulate: auto`` against :func:`this_machine`
+(train/optim.py ``run_accumulate``). Sizes
 are decimal GB (1e9 bytes), as GPU vendors and the ZenFlow paper quote them; the binary units
 are accepted too.
 """

@@ -81,12 +81,20 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     zen = plan.zenflow
     if zen.accumulate == "auto" and params and params[0][1].device.type == "cuda":
-        from zfctl.plan.memory import estimate
-
-        # The plan's memory estimate decides (the same choice `zfctl plan` shows).
-        zen = replace(zen, accumulate=estimate(plan).accumulate)
+        zen = replace(zen, accumulate=run_accumulate(plan))
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
         process_group=process_group, vocab_params=vocab_matrices(model),
     )
+
+
+def run_accumulate(plan: RunPlan) -> str:
+    """``zenflow.accumulate: auto`` for the GPU this process runs on: the plan's memory estimate
+    (the rule `zfctl plan` shows) against this machine. The plan's ``machine.*`` sizes are the
+    target a user planned for (the printed verdict); a run on a smaller GPU must not take the
+    accumulator that target would hold."""
+    from zfctl.plan.machine import this_machine
+    from zfctl.plan.memory import estimate
+
+    return estimate(plan, this_machine()).accumulate
