@@ -9,7 +9,7 @@ in ``zfctl/offload``: the loop, the checkpoints and the run lifecycle use nothin
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -89,7 +89,7 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     )
 
 
-def run_accumulate(plan: RunPlan) -> str:
+def run_accumulate(plan: RunPlan) -> Literal["host", "device"]:
     """``zenflow.accumulate: auto`` for the GPU this process runs on: the plan's memory estimate
     (the rule `zfctl plan` shows) against this machine. The plan's ``machine.*`` sizes are the
     target a user planned for (the printed verdict); a run on a smaller GPU must not take the
