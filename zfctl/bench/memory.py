@@ -4,7 +4,7 @@ much did it take (peaks measured while it ran).
 The numbers follow the state layout of docs/design.md, section "Defaults and the numbers behind
 them": every offloaded element costs the host an fp32 master, two fp32 moments and an fp32
 gradient accumulator (16 B); every element updated on the device costs the device the same
-master and moments (12 B). `off` puts all of them on the device.
+master and moments plus an fp32 gradient buffer (16 B). `off` puts all of them on the device.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from zfctl.errors import UserError
+from zfctl.train.metrics import peak_rss_bytes
 
 GiB = 1024**3
 HOST_BYTES_PER_OFFLOADED_PARAM = 16  # fp32 master + exp_avg + exp_avg_sq + accumulator
-DEVICE_BYTES_PER_DEVICE_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+DEVICE_BYTES_PER_DEVICE_PARAM = 16  # fp32 master + exp_avg + exp_avg_sq + gradient buffer (plan/memory.py)
 MARGIN = 0.10  # keep 10% free for activations, allocator slack, pinned rings
 
 
@@ -86,7 +87,7 @@ def read_peaks(device: torch.device) -> dict[str, int | None]:
     weights every trial starts from, and pinned blocks the caching host allocator kept.
     """
     out: dict[str, int | None] = {
-        "peak_host_rss_bytes": _vm_hwm_bytes(),
+        "peak_host_rss_bytes": peak_rss_bytes(),
         "peak_device_allocated_bytes": None,
         "peak_device_reserved_bytes": None,
     }
@@ -94,14 +95,3 @@ def read_peaks(device: torch.device) -> dict[str, int | None]:
         out["peak_device_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
         out["peak_device_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
     return out
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
-    except OSError:
-        pass
-    return None

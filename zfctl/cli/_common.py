@@ -154,7 +154,7 @@ DataOpt = Annotated[
 ]
 ZenflowOpt = Annotated[
     str | None,
-    typer.Option("--zenflow", "-z", help="ZenFlow preset: default, aggressive, zero-offload, off."),
+    typer.Option("--zenflow", "-z", help="ZenFlow preset: default, paper, aggressive, zero-offload, off."),
 ]
 ConfigOpt = Annotated[
     Path | None,
