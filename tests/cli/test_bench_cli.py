@@ -225,6 +225,11 @@ def test_plot_is_a_png(tmp_path):
         (["--set", "zenflow.tuning.pin_memory=false"], "sets zenflow.tuning.pin_memory itself; use --pin"),
         (["--set", "zenflow.pin_memory=false"], "sets zenflow.tuning.pin_memory itself; use --pin"),
         (["--set", "install_lag=1"], "use --set section.key=value"),
+        (["--set", "zenflow.tuning={ring_slots: 8, pin_memory: false}"],
+         "sets zenflow.tuning.pin_memory itself; use --pin"),  # every key of a mapping, not the first
+        (["--zenflow", "default", "--interval", "4,16"],  # refused before the first point runs
+         ("the grid point 'topk 0.1, U 16, overlap on, pin on': zenflow.select_interval=8: must be >= "
+          "update_interval (16)")),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(args, needle):

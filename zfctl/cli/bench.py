@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zfctl.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from zfctl.bench.grid import BenchConfig
+    from zfctl.offload.config import ZenFlowConfig
 
 SYNTH = "Synthetic model (default: the reference benchmark's shape)"
 PRESET = "Preset model (--model)"
@@ -70,6 +74,14 @@ _FLAG_KEYS = {
 BENCH_PRESET = "paper"
 
 
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of ``tree`` (``{"tuning": {"pin_memory": 0}}`` -> ``tuning.pin_memory``)."""
+    out: list[str] = []
+    for k, v in tree.items():
+        out += _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
+
+
 def _zenflow_config(name: str | None, overrides: list[str], notes: list[str] | None = None):
     """The typed ZenFlowConfig every configuration starts from: a zenflow preset's keys (default
     ``BENCH_PRESET``) with ``--set zenflow.KEY=VALUE`` layered on top. Keys of an older zfctl are
@@ -93,15 +105,23 @@ def _zenflow_config(name: str | None, overrides: list[str], notes: list[str] | N
             raise UserError(f"--set {text}: zfctl bench takes zenflow.* keys only (the model, batch and "
                             "the rest come from its own flags)")
         named = upgrade_zenflow(inner, below=keys)  # an old key names the flag under its new name
-        key = next(iter(named))
-        if isinstance(named[key], dict) and named[key]:
-            key = f"{key}.{next(iter(named[key]))}"
-        if key in _FLAG_KEYS:
-            raise UserError(f"--set {text}: zfctl bench sets zenflow.{key} itself; use {_FLAG_KEYS[key]}")
+        for key in _dotted(named):  # every key: a mapping value (zenflow.tuning={...}) sets several
+            if key in _FLAG_KEYS:
+                raise UserError(f"--set {text}: zfctl bench sets zenflow.{key} itself; use {_FLAG_KEYS[key]}")
         sets = deep_merge(sets, inner)
     # The --set keys as one layer: an old select_strategy + select_interval pair maps as a pair.
     keys = deep_merge(keys, upgrade_zenflow(sets, below=keys, where="--set", notes=notes))
     return section_from_dict(ZenFlowConfig, keys, "zenflow").validate()
+
+
+def _check_grid(points: list[BenchConfig], base: ZenFlowConfig) -> None:
+    """Every configuration of the grid valid before the first one runs: a --topk or --interval
+    that the base preset's keys refuse (an interval above its select_interval) fails here."""
+    for point in points:
+        try:
+            point.zenflow_config(base)
+        except ConfigError as e:
+            raise UserError(f"the grid point '{point.label}': {e}") from None
 
 
 def bench(
@@ -238,7 +258,7 @@ def bench(
     Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
     One option against its default: zfctl bench --set zenflow.tuning.install_lag=1
     """
-    from zfctl.bench.grid import parse_baselines, parse_intervals, parse_switch, parse_topks
+    from zfctl.bench.grid import build_grid, parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
 
     # Everything the user typed is checked here, before a model is built or a file is touched.
@@ -285,6 +305,7 @@ def bench(
     model_cfg = _model_config(model) if model is not None else None
     renamed: list[str] = []
     zenflow_cfg = _zenflow_config(zenflow, set_ or [], renamed)
+    _check_grid(build_grid(topks, intervals, overlaps, pins, with_off=True), zenflow_cfg)
 
     from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
     from zfctl.bench.suite import BenchOptions, run_bench

@@ -176,12 +176,13 @@ class ZenFlowConfig:
         t = self.tuning
         if t.auto_max_interval < t.auto_min_interval:
             raise ConfigError(f"{prefix}.tuning.auto_max_interval", t.auto_max_interval,
-                              f"must be >= tuning.auto_min_interval ({t.auto_min_interval})")
+                              f"must be >= tuning.auto_min_interval ({t.auto_min_interval}); raise "
+                              "auto_max_interval or lower auto_min_interval")
         sel, upd = self.select_interval, self.update_interval
         if isinstance(sel, int) and isinstance(upd, int) and sel < upd:
             raise ConfigError(f"{prefix}.select_interval", sel,
                               f"must be >= update_interval ({upd}): re-selection happens on a CPU-update "
-                              "boundary")
+                              f"boundary; raise {prefix}.select_interval or lower {prefix}.update_interval")
         return self
 
     def select_epochs(self) -> int | None:
