@@ -66,6 +66,7 @@ def test_rotation_keeps_last_k_and_ignores_abandoned_future(tmp_path):
     _save(tmp_path, 7, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000006", "step-000007", "step-000008"]
     assert ck.resolve_checkpoint(tmp_path).step == 7
+    assert ck.resolve_checkpoint(tmp_path, latest_good=True).step == 7  # not the abandoned step 8
     _save(tmp_path, 8, keep=2)  # replaces the abandoned step-8 folder
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000007", "step-000008"]
 

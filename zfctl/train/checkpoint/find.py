@@ -8,6 +8,7 @@ before loading anything). ``.tmp-*`` and ``.trash-*`` folders are never listed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -128,19 +129,28 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
     if (path / META).exists():
         return read_checkpoint(path)
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    pointer = root / LATEST
+    why = f"{pointer} is missing"
+    target = None
+    if pointer.is_file():
+        target = root / pointer.read_text(encoding="utf-8").strip()
+        if not (target / META).exists():
+            why = f"{pointer} names {target.name}, which does not exist or has no {META}"
+            target = None
     if latest_good:
-        good = nearest_intact(root)
+        # Never past what ``latest`` names: a run resumed from an earlier step keeps the later
+        # checkpoints of the timeline it left (rotation keeps them), which are not its past.
+        limit = None
+        if target is not None:
+            with contextlib.suppress(UserError):  # an unreadable target bounds nothing
+                limit = read_checkpoint(target).step + 1
+        good = nearest_intact(root, before=limit)
         if good is not None:
             return good
         raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); "
                         "start a new run")
-    pointer = root / LATEST
-    why = f"{pointer} is missing"
-    if pointer.is_file():
-        target = root / pointer.read_text(encoding="utf-8").strip()
-        if (target / META).exists():
-            return read_checkpoint(target)
-        why = f"{pointer} names {target.name}, which does not exist or has no {META}"
+    if target is not None:
+        return read_checkpoint(target)
     # No usable pointer (killed between the rename and the pointer update, or edited by hand):
     # fall back to the newest folder that validates.
     newest = newest_listed(root)

@@ -26,7 +26,7 @@ import torch
 
 from zfctl import __version__
 from zfctl.errors import RunFailed, UserError
-from zfctl.train.checkpoint.find import newest_listed, read_checkpoint, step_dirs
+from zfctl.train.checkpoint.find import read_checkpoint, resolve_checkpoint, step_dirs
 from zfctl.train.checkpoint.format import (
     CHECKPOINTS,
     LATEST,
@@ -34,6 +34,7 @@ from zfctl.train.checkpoint.format import (
     MODEL_FILE,
     PLAN_FILE,
     TRAINER_FILE,
+    CheckpointInfo,
     optimizer_file,
     rng_file,
     step_name,
@@ -84,12 +85,13 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
 
     digests: dict[str, str] = {}
     try:
+        if rank == 0:  # the model first: its NaN check refuses the save before the optimizer state is written
+            digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
+                                                    {"format": "pt", "step": str(step)})
         # Streamed from the live state: no copy of it in memory (tensorfile.py).
         digests[optimizer_file(rank)] = save_state_hashed(optimizer_state, tmp / optimizer_file(rank))
         digests[rng_file(rank)] = save_torch_hashed(capture_rng(), tmp / rng_file(rank))
         if rank == 0:
-            digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
-                                                    {"format": "pt", "step": str(step)})
             slow_checkpoint_write(step)
             digests[TRAINER_FILE] = save_torch_hashed(trainer_state, tmp / TRAINER_FILE)
             write_plan(tmp / PLAN_FILE)
@@ -99,7 +101,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
     except (OSError, NonFiniteTensorError) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_failed(e, step, root) from None
+        raise _save_failed(e, step, root, rank) from None
     barrier()  # every rank's files are durable
 
     if rank == 0:
@@ -116,7 +118,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
             _fsync_dir(tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failed(e, step, root) from None
+            raise _save_failed(e, step, root, rank) from None
         _install(tmp, final)
         _write_latest(root, final.name)
         # Retention only after the new checkpoint is in place and lists completely (every file
@@ -174,7 +176,7 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path) -> RunFailed:
+def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path, rank: int) -> RunFailed:
     """One line for a save that could not complete; the previous checkpoint is untouched."""
     keep = _last_good(root)
     if isinstance(e, NonFiniteTensorError):
@@ -183,11 +185,15 @@ def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path) -> Ru
     where = e.filename or root
     what = os.strerror(e.errno) if e.errno else str(e)
     return RunFailed(f"cannot write the checkpoint of step {step}: {what} (errno {e.errno}) at {where}; "
-                     f"the partial folder was removed; {keep}; free space or choose another --output")
+                     f"{'the partial folder was removed' if rank == 0 else 'rank 0 removes the partial folder'}; {keep}; "
+                     "free space or choose another --output")
 
 
 def _last_good(root: Path) -> str:
-    prev = newest_listed(root)
+    try:  # what a resume would take: ``latest``, not a later step of an abandoned timeline
+        prev: CheckpointInfo | None = resolve_checkpoint(root)
+    except UserError:
+        prev = None
     return (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
             else "no earlier checkpoint exists")
 
