@@ -55,3 +55,33 @@ def test_a_truncated_file_is_an_error_not_garbage(tmp_path: Path) -> None:
 def test_objects_that_are_not_data_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="cannot store"):
         save_state_hashed({"f": object()}, tmp_path / "s.safetensors")
+
+
+
+def _strided(shape: tuple[int, ...]) -> torch.Tensor:
+    """A non-contiguous tensor of ``shape`` with distinct values."""
+    n = torch.Size(shape).numel()
+    if len(shape) == 1:
+        return torch.arange(2 * n, dtype=torch.float32)[::2]
+    return torch.arange(2 * n, dtype=torch.float32).reshape(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (3, 4, 6), (40,)])
+def test_a_strided_tensor_is_written_in_row_blocks_through_a_small_chunk(tmp_path: Path, monkeypatch, shape) -> None:
+    """write_tensor of a non-contiguous tensor: the bytes of its contiguous copy, written through
+    the chunk (48 B here: blocks of 2 rows of (7, 5) with a partial last one, rows of (3, 4, 6)
+    larger than the chunk, 12-element blocks of (40,)); copy_to refuses a strided destination."""
+    from zfctl.train import checksum
+
+    monkeypatch.setattr(checksum, "CHUNK_BYTES", 48)
+    t = _strided(shape)
+    assert not t.is_contiguous()
+    path = tmp_path / "t.bin"
+    with open(path, "wb") as f:
+        checksum.write_tensor(f, t)
+    assert path.read_bytes() == t.contiguous().numpy().tobytes()
+    back = torch.empty(shape, dtype=torch.float32)
+    FileTensor(path, 0, torch.float32, shape).copy_to(back)
+    assert torch.equal(back, t)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        FileTensor(path, 0, torch.float32, shape).copy_to(_strided(shape))

@@ -52,6 +52,7 @@ from zfctl.offload.layout import num_selected
 from zfctl.offload.ring import ring_slot_bytes
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
+from zfctl.train.checksum import CHUNK_BYTES
 
 # GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported: callers (zfctl/cli, the plan's
 # renderer, tests) import them from here too.
@@ -60,7 +61,7 @@ __all__ = ["AUTO_DEVICE_SHARE", "GB", "Counts", "Machine", "MemoryEstimate", "Me
 
 DEVICE_MARGIN = 0.05  # the verdict keeps 5% of the GPU for the allocator's fragmentation
 HOST_RESERVE = 15 * GB  # left for the OS, the page cache, data and Python (a quarter of a smaller machine)
-CHECKPOINT_CHUNK = 64 * 2**20  # zfctl/train/tensorfile.py streams checkpoints through one chunk this size
+CHECKPOINT_CHUNK = CHUNK_BYTES  # zfctl/train/checksum.py streams checkpoints through one chunk this size
 ASSUMED_D2H_GBPS = 55.0  # the hook path measures its rate at start; the plan assumes an H100's pinned D2H
 COLUMN_BYTES = 13  # per host column: fp32 step counter, bool owner flag, int64 element offset
 _LLAMA_LIKE = {"llama", "mistral"}

@@ -2,17 +2,21 @@
 
 ``meta.json`` records an xxh3-128 digest per file (xxhash: ~10x the speed of blake2b, so hashing
 while writing costs a few percent of a save, not a second pass over the bytes). Resume and export
-re-hash every file before they load anything: same-size corruption (a flipped sector, a garbled
+re-hash the files they read before they load anything: same-size corruption (a flipped sector, a garbled
 tensor) is caught there instead of training on NaN.
 
-Two writers feed the hash as the bytes go out:
+Three writers feed the hash as the bytes go out:
 
 * ``torch.save`` into a :class:`HashingWriter`: torch streams the zip archive through ``write``.
 * :func:`save_model_hashed`, a streaming safetensors writer. ``safetensors.torch.save_model``
   only writes to a path (no second read allowed means no hashing afterwards), and
   ``safetensors.torch.save`` builds the whole file in memory (one more copy of the model in host
-  RAM). Here one tensor at a time is copied to the host, checked for non-finite values, hashed and
-  written; the file is byte-for-byte the format ``safetensors.torch.load_model`` reads.
+  RAM). Here each tensor is checked for non-finite values on its own device, then hashed and
+  written through :func:`write_tensor`; the file is byte-for-byte the format
+  ``safetensors.torch.load_model`` reads.
+* ``tensorfile.save_state_hashed``, the optimizer state, through :func:`write_tensor` too.
+
+Resume and export re-hash every file they load before loading it.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[s
 
 def write_tensor(w: HashingWriter | BinaryIO, t: torch.Tensor) -> None:
     """Write ``t``'s bytes in row-major order: from its memory for a contiguous host tensor, else
-    through a ``CHUNK_BYTES`` copy at a time (a device tensor: one synchronous D2H per chunk)."""
+    through one reused ``CHUNK_BYTES`` host buffer (a device tensor: one synchronous D2H per chunk;
+    a strided tensor: whole leading-dimension blocks, so no full contiguous copy is ever made)."""
     if t.numel() == 0:
         return
     if t.device.type == "cpu" and t.is_contiguous():
@@ -140,12 +145,15 @@ def write_tensor(w: HashingWriter | BinaryIO, t: torch.Tensor) -> None:
         for a in range(0, flat.numel(), CHUNK_BYTES):
             w.write(flat[a : a + CHUNK_BYTES].numpy().data)
         return
-    flat = t.contiguous().reshape(-1) if t.device.type == "cpu" else t.reshape(-1)
-    per = max(1, CHUNK_BYTES // t.element_size())
-    for a in range(0, flat.numel(), per):
-        # On CUDA: one pageable D2H copy of at most CHUNK_BYTES, at checkpoint time only.
-        chunk = flat[a : a + per].to("cpu").contiguous()
-        w.write(chunk.view(torch.uint8).numpy().data)
+    # Contiguous: element ranges of the flat view; strided: blocks of whole rows of dim 0 (a row
+    # larger than the chunk is one block, its own size).
+    t = t.reshape(-1) if t.is_contiguous() else t
+    per = max(1, CHUNK_BYTES // (t[0].numel() * t.element_size()))
+    staging = torch.empty((min(per, t.shape[0]), *t.shape[1:]), dtype=t.dtype)
+    for a in range(0, t.shape[0], per):
+        part = staging[: min(per, t.shape[0] - a)]
+        part.copy_(t[a : a + part.shape[0]])  # CUDA: one pageable D2H copy, at checkpoint time only
+        w.write(part.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -71,7 +71,7 @@ def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
     trainer = ck.load_torch(info, ck.TRAINER_FILE)
     # One process holds every host column: the pieces of all saved ranks are merged (as a resume
     # on one process would, world_size.py). Costs the optimizer's host memory briefly.
-    opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get("steps_per_epoch", 1)))
+    opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get(ck.STEPS_PER_EPOCH_KEY, 1)))
     try:
         load_optimizer_state(opt, info, rank=0, world=1)
         opt.flush()

@@ -117,16 +117,15 @@ class FileTensor:
             if dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == self.dtype:
                 _read_exactly(f, dst.reshape(-1).view(torch.uint8), self.path)
                 return
-            flat = dst.reshape(-1) if dst.is_contiguous() else None
+            if not dst.is_contiguous():  # every caller fills a live buffer or a slice of one
+                raise ValueError(f"{self.path.name}: the destination must be contiguous")
+            flat = dst.reshape(-1)
             per = max(1, CHUNK_BYTES // self.dtype.itemsize)
             staging = torch.empty(min(per, self.numel()), dtype=self.dtype)
             for a in range(0, self.numel(), per):
                 part = staging[: min(per, self.numel() - a)]
                 _read_exactly(f, part.view(torch.uint8), self.path)
-                if flat is not None:
-                    flat[a : a + part.numel()].copy_(part)
-                else:  # a strided destination: small ones only (model tensors are contiguous)
-                    dst.view(-1)[a : a + part.numel()].copy_(part)
+                flat[a : a + part.numel()].copy_(part)
 
     def load(self) -> torch.Tensor:
         """A new host tensor with the values."""
