@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zfctl.errors import ConfigError
 from zfctl.plan.schema import DataConfig, ModelConfig
+from zfctl.plan.validate import PACKING_MODEL_TYPES, check_packing
 from zfctl.train.data.prepare import format_debug_samples, prepare_data
 from zfctl.train.loss import lm_loss_sum, model_inputs
 from zfctl.train.models.load import build_from_config, load_tokenizer
@@ -84,10 +86,23 @@ def test_blocks_hold_whole_conversations_with_restarting_positions(data, tok):
     assert f"2 sequences packed, starting at tokens {starts}\n" in format_debug_samples(packed, tok, n=1)
 
 
+# The architectures of the model presets (llama: tiny-llama, smollm2, llama*; gpt2; opt-350m).
+ARCHS = {
+    "llama": TINY,
+    "gpt2": {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},
+    "opt": {"model_type": "opt", "vocab_size": 4096, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 256, "word_embed_proj_dim": 64},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_batch_gives_the_per_token_loss_of_its_sequences_unpacked(data, tok, attn):
+def test_packed_batch_gives_the_per_token_loss_of_its_sequences_unpacked(data, tok, attn, arch):
+    """For every model type data.packing accepts (plan/validate.py PACKING_MODEL_TYPES); one it
+    refuses must really give other losses packed, else the refusal is not needed."""
     unpacked, packed = data
-    model = build_from_config(TINY, seed=3)
+    supported = arch in PACKING_MODEL_TYPES
+    model = build_from_config(ARCHS[arch], seed=3)
     model.set_attn_implementation(attn)
     model.eval()
 
@@ -113,6 +128,12 @@ def test_packed_batch_gives_the_per_token_loss_of_its_sequences_unpacked(data, t
         assert unpacked.train[i]["labels"] == oracle_labels(tok, conversation(i))
     want = torch.cat([token_losses(unpacked.collate([unpacked.train[i]]))[0] for i in alone])
     assert got.shape == want.shape and got.numel() > 20
+    if not supported:
+        assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3), f"{arch} packs correctly: accept it"
+        with pytest.raises(ConfigError, match=r"data\.packing=True: model type .* set data\.packing=false"):
+            check_packing(True, model.config)
+        return
+    check_packing(True, model.config)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the summed loss the loop optimises, over the same tokens
     with torch.no_grad():
@@ -140,3 +161,12 @@ def test_text_packing_keeps_every_token_and_restarts_positions_per_document(tmp_
             want += range(take)
             n, room = n - take, room - take or 16
     assert positions == want
+
+
+def test_a_plan_that_packs_for_a_refused_model_type_is_refused_before_loading() -> None:
+    from zfctl.plan import plan_from_dict
+
+    data = {"template": "text", "packing": True}
+    with pytest.raises(ConfigError, match=r"data\.packing=True: model type 'opt'"):
+        plan_from_dict({"model": {"source": "config", "config": ARCHS["opt"]}, "data": data})
+    plan_from_dict({"model": {"source": "config", "config": ARCHS["gpt2"]}, "data": data})  # accepted

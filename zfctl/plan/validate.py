@@ -66,6 +66,24 @@ def check_max_length(max_length: int, model_config: object) -> None:
                           f"exceeds the model's {key} ({limit}); set data.max_length <= {limit}")
 
 
+# Model types whose forward keeps packed sequences apart by their restarting ``position_ids``
+# (transformers builds the block-diagonal attention from them, masking_utils), each tested against
+# the same sequences unpacked (tests/train/test_chat_packing.py). OPT, measured there, does not
+# (attention crosses sequences); an untested type is refused rather than trained wrong.
+PACKING_MODEL_TYPES = ("gpt2", "llama")
+
+
+def check_packing(packing: bool, model_config: object) -> None:
+    """data.packing needs a model type from :data:`PACKING_MODEL_TYPES` (unknown type: not checked)."""
+    if not packing or model_config is None:
+        return
+    kind = model_config.get("model_type") if isinstance(model_config, dict) else getattr(model_config, "model_type", None)
+    if kind is not None and kind not in PACKING_MODEL_TYPES:
+        raise ConfigError("data.packing", packing,
+                          f"model type {kind!r} does not keep packed sequences apart (attention would cross "
+                          f"them; packing is tested for {', '.join(PACKING_MODEL_TYPES)}); set data.packing=false")
+
+
 def check_model(m: ModelConfig) -> None:
     """The model section: each source names what it loads from."""
     if m.source in ("hub", "local", "gguf-package"):
@@ -210,6 +228,7 @@ def check_combinations(p: RunPlan) -> None:
     # Known without loading anything for source=config (and an `arch` summary); hub and local
     # models are checked against their loaded config before training (zfctl.train.recipe).
     check_max_length(p.data.max_length, p.model.config if p.model.source == "config" else p.model.arch)
+    check_packing(p.data.packing, p.model.config if p.model.source == "config" else p.model.arch)
 
 
 def check_machine(m: MachineConfig) -> None:

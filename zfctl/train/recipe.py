@@ -27,7 +27,7 @@ from typing_extensions import Self
 
 from zfctl.plan.io import dump_plan_yaml
 from zfctl.plan.schema import RunPlan
-from zfctl.plan.validate import check_max_length
+from zfctl.plan.validate import check_max_length, check_packing
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import ResumableSampler
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line
@@ -117,6 +117,7 @@ class FinetuneRecipe:
         self._cleanup.enter_context(process_setup(plan, env, self.device))
         self.model = load_model(plan.model, precision=t.precision, device=self.device, seed=t.seed)
         check_max_length(plan.data.max_length, getattr(self.model, "config", None))  # hub/local models
+        check_packing(plan.data.packing, getattr(self.model, "config", None))
         if restore is not None:
             ck.load_model_weights(restore.checkpoint, self.model)
         self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
