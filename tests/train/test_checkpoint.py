@@ -109,3 +109,23 @@ def test_nonexistent_and_empty_paths(tmp_path):
         ck.resolve_checkpoint(tmp_path / "nope")
     with pytest.raises(UserError, match="no readable checkpoint"):
         ck.resolve_checkpoint(tmp_path)
+
+
+def test_a_resume_launcher_resolves_once_and_hands_its_ranks_the_folder(tmp_path, monkeypatch):
+    """``resume --nproc 2 --latest-good``: the launcher resolves (and verifies) the checkpoint once
+    and the ranks load that folder (RESUME_FROM_ENV) instead of hashing the run folder again."""
+    from zfctl.train import launch
+    from zfctl.train.dist import RESUME_FROM_ENV
+
+    for s in (2, 4):
+        _save(tmp_path, s)
+    calls, launched = [], []
+    real = ck.resolve_checkpoint
+    monkeypatch.setattr(ck, "resolve_checkpoint", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(launch, "under_torchrun", lambda: False)
+    monkeypatch.setattr(launch, "relaunch", lambda n, argv, extra_env=None: launched.append((n, extra_env)) or 0)
+    monkeypatch.setattr(launch, "_saved_world_size", lambda info, nproc: info.world_size)
+    launch.resume(tmp_path, max_steps=None, allow_changes=False, latest_good=True, nproc=2,
+                  argv=["resume", str(tmp_path), "--latest-good", "--nproc", "2"], show_plan=print)
+    assert len(calls) == 1
+    assert launched == [(2, {RESUME_FROM_ENV: str(tmp_path / "checkpoints" / "step-000004")})]

@@ -59,6 +59,9 @@ PLAN_PRINTED_ENV = "ZFCTL_PLAN_PRINTED"
 # The pid each process of an --nproc job must die with: the launcher's for torchrun (set by
 # `relaunch`), torchrun's for the ranks (set by zfctl.train._torchrun).
 PARENT_ENV = "ZFCTL_DIE_WITH_PID"
+# The checkpoint a ``resume`` launcher resolved (and, with --latest-good, verified) once: its ranks
+# load that folder instead of resolving (and hashing) the run folder again, each of them.
+RESUME_FROM_ENV = "ZFCTL_RESUME_CHECKPOINT"
 # The exit code of a rank that waited distributed.timeout for a peer (coreutils' `timeout` uses it).
 TIMEOUT_EXIT = 124
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -225,7 +228,7 @@ def bind_to_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def relaunch(nproc: int, argv: Sequence[str]) -> int:
+def relaunch(nproc: int, argv: Sequence[str], extra_env: dict[str, str] | None = None) -> int:
     """Run ``zfctl <argv>`` under torchrun on this node and wait; returns the ranks' exit code.
 
     torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
@@ -233,7 +236,7 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     SIGTERM are forwarded to the ranks (module docstring); the launcher returns only once
     torchrun has exited, so nothing it started outlives it.
     """
-    env = {**os.environ, PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, **(extra_env or {}), PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())}
     proc: subprocess.Popen | None = None
     pending: list[int] = []
 

@@ -25,6 +25,7 @@ from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
 from zfctl.train.dist import (
     PLAN_PRINTED_ENV,
+    RESUME_FROM_ENV,
     DistEnv,
     dist_env,
     rank_error,
@@ -84,11 +85,23 @@ def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest
     size; more than one relaunches under torchrun). ``show_plan`` prints the plan that will run,
     read from the checkpoint, before any data is loaded."""
     if not under_torchrun():
-        saved = _saved_world_size(ckpt_dir, latest_good, nproc)
+        notes: list[str] = []
+        try:
+            info: ck.CheckpointInfo | None = ck.resolve_checkpoint(ckpt_dir, notes, latest_good=latest_good)
+        except UserError:
+            info = None  # resume reports why, in one process
+        saved = _saved_world_size(info, nproc)
         n = nproc if nproc is not None else (saved or 1)
-        if n > 1:
-            run_dir = ck.resolve_checkpoint(ckpt_dir, latest_good=latest_good).path.parent.parent
-            return _launch(n, worker_argv(argv), RunFolder(run_dir, fresh=False))
+        if n > 1 and info is not None:
+            from zfctl.train.session import note
+
+            for line in notes:
+                note(line)
+            if latest_good:
+                note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
+            # Resolved (and with --latest-good verified) once, here: the ranks load this folder.
+            return _launch(n, worker_argv(argv), RunFolder(info.path.parent.parent, fresh=False),
+                           extra_env={RESUME_FROM_ENV: str(info.path)})
     from zfctl.train import session
 
     return _as_rank(dist_env(), None, lambda: session.resume(
@@ -96,14 +109,14 @@ def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest
 
 
 def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
-            prepare: Callable[[], None] | None = None) -> Launched:
+            prepare: Callable[[], None] | None = None, extra_env: dict[str, str] | None = None) -> Launched:
     """Everything that can fail on user input, checked here once before N processes start; then
     the job. The folder is only checked: rank 0 locks and claims it once every rank is ready."""
     folder.check()
     if prepare is not None:
         prepare()
     Console().print(f"launching {nproc} processes under torchrun (standalone)")
-    return Launched(relaunch(nproc, argv))
+    return Launched(relaunch(nproc, argv, extra_env))
 
 
 def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult]) -> RunResult:
@@ -117,7 +130,7 @@ def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult])
         raise named from None
 
 
-def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> int | None:
+def _saved_world_size(info: ck.CheckpointInfo | None, nproc: int | None) -> int | None:
     """The world size recorded in the checkpoint; None if it cannot be read (resume reports why).
 
     ``nproc`` different from it: checked here, before N processes start, that the global batch can
@@ -125,8 +138,9 @@ def _saved_world_size(ckpt_dir: Path, latest_good: bool, nproc: int | None) -> i
     """
     from zfctl.train.world_size import fit_world_size
 
+    if info is None:
+        return None
     try:
-        info = ck.resolve_checkpoint(ckpt_dir, latest_good=latest_good)
         plan = load_plan_yaml(info.path / ck.PLAN_FILE) if nproc not in (None, info.world_size) else None
     except UserError:
         return None

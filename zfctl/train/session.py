@@ -13,6 +13,7 @@ creation to the end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from zfctl.errors import UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
-from zfctl.train.dist import DistEnv, dist_env
+from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
@@ -36,7 +37,7 @@ from zfctl.train.world_size import as_saved_world, fit_world_size
 __all__ = ["RunResult", "resume", "run"]
 
 
-def _note(message: str) -> None:
+def note(message: str) -> None:
     Console(stderr=True).print(f"note: {message}", style="yellow", highlight=False, markup=False,
                                soft_wrap=True)
 
@@ -57,7 +58,7 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     """
     out = Path(plan.checkpoint.output_dir)
     env = dist_env()
-    lock = FolderLock(note=_note)
+    lock = FolderLock(note=note)
     try:
         if not debug_data and env.rank == 0:
             # Fail in a second, before minutes of data preparation: the folder's state, a live
@@ -95,19 +96,23 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     """
     env = dist_env()
     notes: list[str] = []
-    info = ck.resolve_checkpoint(Path(ckpt_dir), notes, latest_good=latest_good)
+    launched = os.environ.get(RESUME_FROM_ENV)  # the launcher's resolution (launch.py), one for all ranks
+    info = ck.read_checkpoint(Path(launched)) if launched else ck.resolve_checkpoint(Path(ckpt_dir), notes,
+                                                                                   latest_good=latest_good)
     run_dir = info.path.parent.parent
-    lock = FolderLock(note=_note)
+    lock = FolderLock(note=note)
     if env.rank == 0:
-        for note in notes:
-            _note(note)
-        if latest_good:
-            _note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
+        for line in notes:
+            note(line)
+        if latest_good and not launched:  # the launcher said it
+            note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
         folder = RunFolder(run_dir, fresh=False)
         folder.check()
         folder.hold(lock)  # before loading the checkpoint: a live run may be rotating it away
     try:
-        plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes)
+        # --latest-good chose a checkpoint whose every file verified just now (here or in the launcher)
+        plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes,
+                             verified=latest_good)
         if on_plan is not None and env.rank == 0:
             on_plan(plan)
         if env.rank == 0:
@@ -121,11 +126,13 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
 
 
 def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_steps: int | None,
-                  allow_changes: bool) -> RunPlan:
-    """The plan a resume runs: the checkpoint's (its files this rank reads verified first), or
-    the run folder's edited one with ``allow_changes``; refused if it changed without it."""
-    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, env.rank),
-                                ck.rng_file(env.rank)])
+                  allow_changes: bool, verified: bool = False) -> RunPlan:
+    """The plan a resume runs: the checkpoint's (its files this rank reads verified first, unless
+    ``verified``: every file was), or the run folder's edited one with ``allow_changes``; refused
+    if it changed without it."""
+    if not verified:
+        ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE,
+                                    ck.optimizer_file_in(info, env.rank), ck.rng_file(env.rank)])
     renamed: list[str] = []  # keys of an older zfctl, mapped alike in both plans (zfctl/plan/legacy.py)
     plan = load_plan_yaml(info.path / ck.PLAN_FILE, renamed)
     problems = []
@@ -141,10 +148,10 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
     if resharded and env.rank == 0:
-        _note(resharded)
+        note(resharded)
     if env.rank == 0:
-        for note in dict.fromkeys(renamed):
-            _note(note)
+        for line in dict.fromkeys(renamed):
+            note(line)
     if info.version != __version__ and env.rank == 0:
         Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
                                    f"{__version__}")
