@@ -147,15 +147,18 @@ def cpu_update_hidden(bench: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def verdict(doc: dict[str, Any]) -> dict[str, Any]:
-    """'fail' if a part failed or a target was missed; 'pass' once every part ran and every
-    target passed; 'incomplete' otherwise, naming what is left."""
+    """'fail' if a part failed or a target was missed; 'pass' once every part ran (or was skipped
+    for a reason the machine gives, e.g. the NCCL run on one GPU) and every target passed;
+    'incomplete' otherwise, naming what is left. ``skipped`` names the parts that did not run, so
+    a 'pass' never hides them."""
     parts = doc.get("parts", {})
     failed = [p for p, r in parts.items() if r["status"] not in ("passed", "skipped")]
     failed += [a["name"] for a in doc.get("acceptance", []) if a["status"] == "fail"]
     missing = [p for p in PARTS if p not in parts]
     missing += [a["name"] for a in doc.get("acceptance", []) if a["status"] == "missing"]
+    skipped = [p for p, r in parts.items() if r["status"] == "skipped"]
     result = "fail" if failed else "incomplete" if missing else "pass"
-    return {"result": result, "failed": failed, "missing": missing}
+    return {"result": result, "failed": failed, "missing": missing, "skipped": skipped}
 
 
 def merge(doc: dict[str, Any], part: str, result: dict[str, Any], host: dict[str, Any]) -> dict[str, Any]:
@@ -198,5 +201,6 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
                          f"{h['device_ms_per_step']:.0f} ms of device work: {'hidden' if h['hidden'] else 'NOT hidden'}")
     v = doc["verdict"]
     lines.append(f"verdict: {v['result']}" + (f"; failed: {', '.join(v['failed'])}" if v["failed"] else "")
-                 + (f"; not yet: {', '.join(v['missing'])}" if v["missing"] else ""))
+                 + (f"; not yet: {', '.join(v['missing'])}" if v["missing"] else "")
+                 + (f"; skipped: {', '.join(v['skipped'])}" if v.get("skipped") else ""))
     return lines

@@ -138,7 +138,7 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     assert doc["parts"]["bench-b4"]["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
     assert doc["verdict"] == {"result": "fail", "failed": ["accumulate device / off", "ZenFlow default / off at batch 1"],
-                              "missing": ["nccl"]}
+                              "missing": ["nccl"], "skipped": []}
 
     # bench-b4 again with a faster device-accumulation run: b4 is replaced, b1 and the tests stay.
     fake_part(tmp_path / "b4-again", 4, device_ms=140.0)
@@ -148,9 +148,11 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     nccl = {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1",
             "section": {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}}
     doc = gpu_results.merge(doc, "nccl", nccl, HOST)
-    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"], "missing": []}
+    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"], "missing": [],
+                              "skipped": ["nccl"]}  # named: a 'pass' must not hide that NCCL never ran
     lines = gpu_results.summary_lines(doc)
     assert "nccl: skipped (0 s), needs 2 CUDA GPUs, this machine has 1" in lines
+    assert lines[-1].endswith("; skipped: nccl")
     assert any(line.startswith("b1/default-host: CPU update 700 ms vs 4 x 152 ms") and "NOT hidden" in line
                for line in lines)
 

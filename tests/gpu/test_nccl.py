@@ -7,8 +7,6 @@ these check what only NCCL does: collectives on their own stream, a device-side 
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,19 +19,19 @@ pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py); with o
 WORLD = 2
 
 
-def _gpus_of(pid: int) -> set[int]:
-    """Indices of the GPUs on which process ``pid`` holds a CUDA context (nvidia-smi)."""
-    bus = {}
-    for line in subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=True).stdout.splitlines():
-        index, bus_id = (x.strip() for x in line.split(","))
-        bus[bus_id] = int(index)
+def _gpus_with_context() -> set[int]:
+    """Indices of the GPUs on which this process holds a CUDA (primary) context, asked of the
+    driver in-process: nvidia-smi's process list shows host PIDs, or none, inside a container."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")  # loaded by torch already; cuInit done
     used = set()
-    for line in subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=True).stdout.splitlines():
-        p, bus_id = (x.strip() for x in line.split(","))
-        if int(p) == pid:
-            used.add(bus[bus_id])
+    for i in range(torch.cuda.device_count()):
+        dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        assert libcuda.cuDeviceGet(ctypes.byref(dev), i) == 0, i
+        assert libcuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0, i
+        if active.value:
+            used.add(i)
     return used
 
 
@@ -47,7 +45,7 @@ def _worker(rank: int, init: str, out: str) -> None:
         res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD, device="cuda"),
                "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda")}
         res["resumed"], res["straight"] = _reshard(rank)
-        res["gpus"] = sorted(_gpus_of(os.getpid()))
+        res["gpus"] = sorted(_gpus_with_context())
         torch.save(res, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

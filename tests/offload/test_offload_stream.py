@@ -212,9 +212,10 @@ def test_the_inflight_budget_counts_the_previous_steps_copies() -> None:
         assert stream.inflight_bytes == 400 and stream.budget_waits == 1
 
 
-def test_helper_threads_bind_the_optimizer_device_first(monkeypatch) -> None:
+def test_helper_threads_bind_the_optimizer_device(monkeypatch) -> None:
     """The accumulation thread and the CPU worker wait for CUDA events; each binds itself to the
-    optimizer's device before anything else (else a context on GPU 0 per rank, pcie.bind_device)."""
+    optimizer's device as its pool's initializer, before any job (else a context on GPU 0 per rank,
+    pcie.bind_device)."""
     import threading
 
     from zfctl.offload import stream as stream_mod
