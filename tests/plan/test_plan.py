@@ -242,6 +242,11 @@ def test_deepspeed_defaults_and_baselines() -> None:
             },
             "zero_optimization.zenflow.topk",
         ),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                "zenflow": {"select_strategy": "bogus"}}}, "zero_optimization.zenflow.select_strategy"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                "zenflow": {"select_strategy": "step"}}},  # DeepSpeed's interval default: auto
+         "zero_optimization.zenflow.select_interval"),
         ({"gradient_clipings": 1.0}, "gradient_clipings"),
         ({"optimizer": {"type": "SGD"}}, "optimizer.type"),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),

@@ -292,12 +292,12 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
                     f"unsupported ZenFlow key{suggest(key, _ZENFLOW_KEYS)}",
                 )
         if "select_strategy" in zf:  # DeepSpeed's default interval is 'auto'
-            new = select_interval(zf["select_strategy"], zf.get("select_interval", "auto"))
+            new = select_interval(zf["select_strategy"], zf.get("select_interval", "auto"), DS_ZENFLOW)
             out.put("zenflow.select_interval", new)
             out.mapped(f"zero_optimization.zenflow.select_strategy={zf['select_strategy']} with select_interval="
                        f"{zf.get('select_interval', 'auto')}", f"zenflow.select_interval={new}")
         elif "select_interval" in zf:  # DeepSpeed's default strategy is 'auto': an integer counts epochs
-            new = select_interval("auto", zf["select_interval"])
+            new = select_interval("auto", zf["select_interval"], DS_ZENFLOW)
             out.put("zenflow.select_interval", new)
             if new != zf["select_interval"]:
                 out.mapped(f"zero_optimization.zenflow.select_interval={zf['select_interval']}",
@@ -308,6 +308,9 @@ def _zero(ds: dict, out: DeepSpeedImport) -> None:
         out.put("zenflow.overlap_step", False)
     else:
         out.put("zenflow.topk_ratio", 1.0)  # no offload: the whole optimizer on the device
+
+
+DS_ZENFLOW = "zero_optimization.zenflow"  # where a DeepSpeed config keeps the ZenFlow keys
 
 
 def from_deepspeed(ds: dict) -> DeepSpeedImport:

@@ -41,17 +41,18 @@ def _count(interval: Any) -> Any:
     return interval
 
 
-def select_interval(strategy: Any, interval: Any) -> Any:
-    """Today's ``select_interval`` for an old (select_strategy, select_interval) pair."""
+def select_interval(strategy: Any, interval: Any, where: str = "zenflow") -> Any:
+    """Today's ``select_interval`` for an old (select_strategy, select_interval) pair; errors name
+    the keys under ``where`` (a DeepSpeed config's ``zero_optimization.zenflow``)."""
     if strategy not in STRATEGIES:
-        raise ConfigError("zenflow.select_strategy", strategy,
+        raise ConfigError(f"{where}.select_strategy", strategy,
                           "use one of auto, step, epoch (it is read into zenflow.select_interval)")
     n = _count(interval)
     if not isinstance(n, int) or isinstance(n, bool):
         if strategy == "auto" and n == "auto":
             return "auto"
         if n == "auto":
-            raise ConfigError("zenflow.select_interval", interval,
+            raise ConfigError(f"{where}.select_interval", interval,
                               f"give an integer when select_strategy is {strategy!r}")
         return interval  # not a count: zenflow.select_interval's own check words the error
     if strategy == "step" or n < 1:
