@@ -295,7 +295,8 @@ def check_fields(obj: Any, prefix: str) -> None:
         key, value, tp = f"{prefix}.{f.name}", getattr(obj, f.name), hints[f.name]
         if isinstance(tp, type) and is_dataclass(tp):
             if not isinstance(value, tp):
-                raise ConfigError(key, value, f"expected a mapping of {key}.* keys ({tp.__name__})")
+                raise ConfigError(key, value, f"expected a {tp.__name__} (zfctl.offload.config); from a mapping "
+                                              f"of {key}.* keys build {tp.__name__}(**mapping)")
             check_fields(value, key)
         elif not accepts(tp, f.metadata, value):
             raise ConfigError(key, value, expectation(tp, f.metadata))
