@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.pcie import copy_async, timed_wait
 
 # `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
@@ -82,9 +82,6 @@ class DeviceAccumulator:
         self.stall_pairs: list[tuple[Any, Any]] = []  # timed device waits of the last add (pcie.timed_wait)
         self.device = device
 
-    def _view(self, buf: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        return buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0, slot.rows)
-
     def add(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool) -> None:
         """``buf (=|+=) coef * grad`` over every host slot's owned columns (compute stream, no sync)."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -95,7 +92,7 @@ class DeviceAccumulator:
             copied = self._copied.pop(slot.index, None)
             if copied is not None:  # this slot's rows are still being copied out: wait for them only
                 self.stall_pairs.append(timed_wait(compute, copied))  # device-side wait
-            view = self._view(self.buf, slot)
+            view = slot.host_view(self.buf)
             g = grads[slot.index]
             if g is None:  # a missing gradient counts as zero
                 if first:

@@ -70,6 +70,11 @@ class Transfers:
         # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
         self.host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self.chunks)
 
+    def accumulate_bytes(self, first: bool) -> int:
+        """Host memory one step's accumulation touches: per host-owned element, read the gradient,
+        write acc (and read it too after the interval's first step)."""
+        return self.host_elems * (self.itemsize + (4 if first else 8))
+
     def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
         """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
         return install_params(self.h2d, self.chunks, self.host.master, params)
@@ -154,8 +159,7 @@ class InStep(NoHostColumns):
     def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
                  stats: StepStats) -> None:
         t = self.transfers
-        # Host memory per element: read the gradient, write acc (and read it after the first step).
-        stats.host_bytes += t.host_elems * (t.itemsize + (4 if first else 8))
+        stats.host_bytes += t.accumulate_bytes(first)
         stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first)
         stats.in_step_chunks = len(t.chunks)
         stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
@@ -204,7 +208,7 @@ class DuringBackward(InStep):
             super().add_host(grads, acc, coef, first=first, stats=stats)
             return
         t = self.transfers
-        stats.host_bytes += t.host_elems * (t.itemsize + (4 if first else 8))
+        stats.host_bytes += t.accumulate_bytes(first)
         fence = self.stream.finish(stats, coef, t.itemsize)  # the hooks moved it; the thread adds it
         self._fence = fence.result if fence is not None else None
         stats.d2h_bytes += stats.early_bytes + stats.in_step_bytes

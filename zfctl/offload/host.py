@@ -65,17 +65,12 @@ class HostState:
         for slot in layout.host_slots:
             # One D2H copy of each matrix at construction (transposed to column-major on the device).
             src = as_matrix(params[slot.index].detach(), slot)[:, slot.host_c0 : slot.host_c1]
-            self.view(self.master, slot).copy_(src.t().contiguous().to("cpu"))
-
-    def view(self, buf: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        """A slot's owned columns of a flat buffer (host, or the device accumulator laid out the
-        same way) as ``[ncols, rows]`` (row = column)."""
-        return buf[slot.host_off : slot.host_off + slot.host_numel].view(slot.host_c1 - slot.host_c0, slot.rows)
+            slot.host_view(self.master).copy_(src.t().contiguous().to("cpu"))
 
     def column_state(self, slot: ParamSlot) -> ColumnState:
         cols = self.steps[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
-        return ColumnState(self.view(self.master, slot), self.view(self.exp_avg, slot),
-                           self.view(self.exp_avg_sq, slot), cols)
+        return ColumnState(slot.host_view(self.master), slot.host_view(self.exp_avg),
+                           slot.host_view(self.exp_avg_sq), cols)
 
     def release(self) -> None:
         """Unpin the page-locked buffers (``close()``); they stay valid as pageable memory."""
@@ -142,7 +137,7 @@ class HostState:
         for slot in self.layout.host_slots:
             ids = torch.nonzero(self._owned(slot)).flatten()
             if ids.numel():
-                self.view(acc, slot).index_fill_(0, ids.to(acc.device), 0.0)
+                slot.host_view(acc).index_fill_(0, ids.to(acc.device), 0.0)
         return acc
 
 

@@ -89,6 +89,11 @@ class ParamSlot:
     def host_numel(self) -> int:
         return (self.host_c1 - self.host_c0) * self.rows
 
+    def host_view(self, buf: torch.Tensor) -> torch.Tensor:
+        """This matrix's owned columns of a flat buffer laid out like the host state (the host
+        buffers, the device accumulator, a checkpoint piece's buffer) as ``[ncols, rows]``."""
+        return buf[self.host_off : self.host_off + self.host_numel].view(self.host_c1 - self.host_c0, self.rows)
+
 
 @dataclass(frozen=True)
 class DeviceBlock:

@@ -45,7 +45,7 @@ def split_host(layout: Layout, flat: dict[str, torch.Tensor]) -> list[dict[str, 
             if key in COLUMN_KEYS:
                 piece[key] = buf[s.host_col0 : s.host_col0 + n]
             else:
-                piece[key] = buf[s.host_off : s.host_off + n * s.rows].view(n, s.rows)
+                piece[key] = s.host_view(buf)
         pieces.append(piece)
     return pieces
 
