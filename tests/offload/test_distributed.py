@@ -364,3 +364,30 @@ def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_tra
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert rank_error(bug, env) is bug
     assert rank_error(gone, DistEnv()) is gone  # one process: there is no peer to lose
+
+
+def _bucket_worker(rank: int, init: str, out: str) -> None:
+    from zfctl.offload import partition
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        partition.BUCKET_BYTES = 64  # 16 fp32: the 20-element tensor is a bucket of its own
+        big = torch.full((4, 5), float(rank + 1))
+        small = [torch.full((3,), 10.0 * (rank + 1)), torch.full((2, 2), 100.0 * (rank + 1))]
+        buckets = partition.launch_buckets([big, *small], dist.group.WORLD)
+        shape = [(b.in_place, len(b.tensors), b.flat.data_ptr() == big.data_ptr()) for b in buckets]
+        partition.finish_buckets(buckets, 2, divide=True)
+        torch.save({"shape": shape, "big": big, "small": small}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_bucket_of_one_tensor_is_reduced_in_place_and_the_others_through_one_flat_copy(tmp_path: Path) -> None:
+    spawn_ranks(_bucket_worker, 2, (rendezvous(tmp_path), str(tmp_path)), timeout=120, what="2 gloo ranks")
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert res["shape"] == [(True, 1, True), (False, 2, False)]
+        assert torch.equal(res["big"], torch.full((4, 5), 1.5))  # the mean of 1 and 2, in the tensor itself
+        assert torch.equal(res["small"][0], torch.full((3,), 15.0))
+        assert torch.equal(res["small"][1], torch.full((2, 2), 150.0))

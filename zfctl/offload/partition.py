@@ -158,6 +158,7 @@ class Bucket:
     flat: torch.Tensor
     work: Any
     tensors: list[torch.Tensor]
+    in_place: bool = False  # ``flat`` is the one tensor itself: nothing to copy back
 
 
 def launch_buckets(tensors: list[torch.Tensor], group: Any) -> list[Bucket]:
@@ -166,17 +167,21 @@ def launch_buckets(tensors: list[torch.Tensor], group: Any) -> list[Bucket]:
 
     Every rank must pass the same shapes in the same order. One flat copy per bucket in, one out:
     two extra passes over the data, next to the network time; one collective per bucket, not per
-    tensor. The bucket boundaries decide the summation order of a ring all-reduce on 3+ ranks, so
-    callers that must agree bit for bit pass the same tensors in the same groups.
+    tensor. A bucket of one contiguous tensor (the hook path sends one matrix at a time) is summed
+    in place instead: the tensor is not read or written by anyone else until the bucket is
+    finished. The bucket boundaries decide the summation order of a ring all-reduce on 3+ ranks,
+    so callers that must agree bit for bit pass the same tensors in the same groups (in place or
+    not, the buffer is the same bytes).
     """
     buckets: list[Bucket] = []
     size = 0
     group_of: list[torch.Tensor] = []
 
     def launch() -> None:
-        flat = torch.cat([t.reshape(-1) for t in group_of])
+        in_place = len(group_of) == 1 and group_of[0].is_contiguous()
+        flat = group_of[0].view(-1) if in_place else torch.cat([t.reshape(-1) for t in group_of])
         work = dist.all_reduce(flat, group=group, async_op=True)  # sum over ranks
-        buckets.append(Bucket(flat, work, list(group_of)))
+        buckets.append(Bucket(flat, work, list(group_of), in_place))
 
     for t in tensors:
         if group_of and (t.dtype != group_of[0].dtype or size + t.numel() * t.element_size() > BUCKET_BYTES):
@@ -198,7 +203,7 @@ def finish_buckets(buckets: list[Bucket], world_size: int, *, divide: bool) -> i
         if divide:
             b.flat.div_(world_size)
         o = 0
-        for t in b.tensors:
+        for t in b.tensors if not b.in_place else ():
             t.view(-1).copy_(b.flat[o : o + t.numel()])
             o += t.numel()
         total += all_reduce_bytes(b.flat.numel() * b.flat.element_size(), world_size)
