@@ -308,7 +308,7 @@ def unanswered_ranks(env: DistEnv, grace: float) -> list[int] | None:
 def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exception:
     """What a rank reports for ``e`` when several processes run.
 
-    A UserError gets ``rank R:`` in front (the same class and exit code). A collective that
+    A UserError gets ``rank R:`` in front (a plain UserError with the same exit code). A collective that
     failed because another rank ended first becomes one line (RunFailed, exit 1) instead of a
     traceback per survivor: the rank that failed printed its own error, or torchrun names the
     rank that was killed. A collective that waited ``timeout`` (distributed.timeout) for a rank

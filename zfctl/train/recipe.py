@@ -133,7 +133,7 @@ class FinetuneRecipe:
                                          total_steps=self.total_steps)
         if restore is not None:
             restore.install(self.optimizer, self.scheduler, rank=env.rank, world_size=env.world_size)
-            self._restore = None  # the optimizer state read from disk is not needed any more
+            self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
 
     def _claim_run_folder(self) -> None:
