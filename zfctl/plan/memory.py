@@ -54,8 +54,8 @@ from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checksum import CHUNK_BYTES
 
-# GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported: callers (zfctl/cli, the plan's
-# renderer, tests) import them from here too.
+# GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported: estimate() takes a Machine and
+# applies the share, so its callers (zfctl/cli/_common.py, tests) import them from here too.
 __all__ = ["AUTO_DEVICE_SHARE", "GB", "Counts", "Machine", "MemoryEstimate", "MemoryItem", "ModelSize",
            "estimate", "host_limit", "layout_counts", "model_size", "parse_size"]
 
