@@ -26,6 +26,7 @@ import torch
 
 from zfctl import __version__
 from zfctl.errors import RunFailed, UserError
+from zfctl.plan.io import atomic_write_text
 from zfctl.train.checkpoint.find import read_checkpoint, resolve_checkpoint, step_dirs
 from zfctl.train.checkpoint.format import (
     CHECKPOINTS,
@@ -212,10 +213,5 @@ def _install(tmp: Path, final: Path) -> None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")  # fsynced file, then the rename ...
+    _fsync_dir(root)  # ... made durable
