@@ -144,6 +144,9 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         host = parts["host"]
         pieces = host if isinstance(host, list) else split_host(opt.layout, host)  # format 1: flat
         check_covers(opt.layout, pieces)
+    # A CPU update in flight (a live optimizer rolled back) writes master, moments and reads the
+    # accumulator: it must be done before any of them is overwritten below; its result is discarded.
+    opt.pipeline.settle()
     opt.gradient_path.begin(final=False, acc=None, first=False, coef=None)  # a half-armed window is void
     for group, saved in zip(opt.param_groups, parts["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
