@@ -163,3 +163,34 @@ def _deep(sd: dict) -> dict:
         return v
 
     return cp(sd)
+
+
+def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) -> None:
+    """Item 3 of issue 28: at a boundary the compute stream already holds the install (it waits
+    for every H2D chunk) when the device path's sum is copied out. The copy stream must wait for
+    the event after the interval's last add only, so the D2H overlaps the H2D; a wait for the
+    compute stream would order it after the whole install."""
+    cfg = zen(**BASE, accumulate="device", overlap_step=True, full_warm_up_rounds=0)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        grads = [torch.randn_like(p) for p in opt.params]
+        acc = opt.gradient_path.sum
+        shim = fake_cuda(monkeypatch)
+        as_cuda(acc, "copy_stream")
+        acc.add(grads, None, first=True)
+        acc.add(grads, None, first=False)
+        added = acc._added
+        install = torch.cuda.Event()
+        install.record(shim.compute)  # what the boundary's install enqueues on compute meanwhile
+        fence = acc.copy_out(opt.host.acc[0])
+        waits = acc.copy_stream.waits
+        assert waits == [("wait_event", added)], waits  # one wait, for the adds
+        assert ("record", added) in shim.compute.log and added.after.count(("record", install)) == 0
+        assert fence is not None  # the worker's wait: the last copy's event
+        assert torch.equal(opt.host.acc[0], acc.buf)
+        # The next interval's first add into a matrix waits (on the device) for its copy out only.
+        acc.add(grads, None, first=True)
+        copied = [what for op, what in shim.compute.log if op == "wait_event"]
+        assert len(copied) == sum(s.host_numel > 0 for s in opt.layout.host_slots)
+        acc.wait()
+        acc.cuda = False  # close() on CPU
