@@ -9,7 +9,8 @@ import threading
 
 import torch
 from cuda_shim import as_cuda, fake_cuda
-from test_offload_helpers import batches, tiny_net, zen
+from slow_readers import slow_readers
+from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowOptimizer, pinned
 from zfctl.offload.ring import Ring
@@ -194,3 +195,38 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         assert len(copied) == sum(s.host_numel > 0 for s in opt.layout.host_slots)
         acc.wait()
         acc.cuda = False  # close() on CPU
+
+
+def _train_with(cfg, *, clip=None, accumulate_s=0.0, update_s=0.0, hooks: bool, steps: int = 10):
+    from test_offload_stream import run as run_loop
+
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
+        slow_readers(opt, accumulate_s=accumulate_s, update_s=update_s)
+        run_loop(model, opt, batches(steps), hooks=hooks)
+        opt.flush()
+    return snapshot(model)
+
+
+def test_hook_path_with_late_accumulation_jobs_is_bit_identical() -> None:
+    """The hook path with clipping: step() queues one job per step that reads ``landing[w]``; the
+    hooks two steps later rewrite it only after that job (stream.py ``_start_window``, ``fences``),
+    and the boundary's CPU update reads the accumulator only after the last job (the path's
+    ``finish`` fence). Each job here starts late, so either wait removed gives other bits."""
+    hook = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=1)
+    step = zen(**BASE, accumulate="host", stream_grads=False, overlap_step=True, full_warm_up_rounds=1)
+    ref = _train_with(step, clip=0.5, hooks=False)
+    got = _train_with(hook, clip=0.5, hooks=True, accumulate_s=0.03)
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n
+
+
+def test_device_path_with_a_late_cpu_update_is_bit_identical() -> None:
+    """The device path has one host accumulator: the boundary collects the previous CPU update
+    before the new sum lands in it (pipeline.py ``submit``: collect, then ``prepare``, which copies
+    the sum out). Each update here reads late, so a copy out before the collect overwrites its input."""
+    cfg = zen(**BASE, accumulate="device", overlap_step=True, full_warm_up_rounds=1)
+    ref = _train_with(cfg, clip=0.5, hooks=False)
+    got = _train_with(cfg, clip=0.5, hooks=False, update_s=0.05)
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n
