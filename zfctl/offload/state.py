@@ -168,6 +168,8 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
             if (index := opt.device_state.index[s.index]) is not None:
                 opt.host.set_device_owned(s, index)
         opt.transfers.replan()
+    if opt.exchange is not None:
+        opt.exchange.replan()  # the loaded selection's rounds, before the next backward's hooks
     if opt.scaler is not None and parts["scaler"] is not None:
         opt.scaler.load_state_dict(parts["scaler"])
 
