@@ -137,6 +137,30 @@ def test_the_7b_plan_resolves_to_one_512_token_sequence_per_step_on_cuda():
     assert memory["device_total"] == pytest.approx(67.4e9, rel=0.02)
 
 
+def test_the_small_disk_mode_keeps_the_7b_shapes_and_its_checkpoint_fits_64_gib():
+    """--disk small: the 7B's hidden size, vocabulary and per-layer shapes with 8 layers; its
+    checkpoint (19 B per param: bf16 weights + the optimizer state, as preflight counts it) and
+    the plan fit a lent machine (64 GiB disk, 128 GiB host, 80 GB GPU)."""
+    def plan(mode: str) -> dict:
+        sets = [a for o in gpu_7b.DISK_MODES[mode][0] for a in ("--set", o)]
+        res = subprocess.run([sys.executable, "-m", "zfctl", "plan", *gpu_7b.BASE, *sets, "--max-steps", "20",
+                              "--json", "--gpu-memory", "80GB", "--host-memory", "128GB"],
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                             timeout=180, check=False)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)["memory"]
+
+    full, small = plan("full")["size"], plan("small")
+    size = small["size"]
+    assert (size["hidden"], size["vocab"], size["layers"]) == (full["hidden"], full["vocab"], 8)
+    # Only whole layers were cut: 24 x (attention 4 h^2 + MLP 3 h x 11008 + two norms 2 h).
+    h = size["hidden"]
+    assert full["params"] - size["params"] == 24 * (4 * h * h + 3 * h * 11008 + 2 * h)
+    assert size["params"] == pytest.approx(1.88e9, rel=0.01)
+    assert size["params"] * (2 + 17) < 40e9 < 64 * GIB  # with room for the run folder's other files
+    assert small["fits"] and small["host_total"] < 64 * GIB
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what happens without CUDA")
 def test_without_cuda_the_7b_script_prints_one_line(tmp_path):
     out = tmp_path / "r.json"
