@@ -8,7 +8,9 @@ Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU chec
   bench-b1  scripts/bench_zenflow_gpu.sh llama at batch 1: llama3.2-1b shape, seq 1024, bf16,
             presets off, zero-offload, paper, default (host accumulation), default (device)
   bench-b4  the same at batch 4
-  nccl      `zfctl finetune tiny-llama --nproc 2` on CUDA with NCCL; skipped below 2 GPUs
+  nccl      `zfctl finetune tiny-llama --nproc 2` on CUDA with NCCL, once per gradient path that
+            exchanges differently (NCCL_VARIANTS: accumulate host with the gradient hooks and
+            page-locked memory, accumulate device); skipped below 2 GPUs
   all       the four in turn (more than one slot)
 
 Each part adds its results to ONE JSON file (default bench-results/gpu-check-<commit>.json; a
@@ -42,6 +44,12 @@ from gpu_results import PARTS, PRESETS, collect_bench, merge, summary_lines
 # Steps of the NCCL smoke run: default's 20 full-CPU warm-up steps, then 20 ZenFlow steps (5 CPU
 # updates, each broadcast by its owner rank).
 NCCL_STEPS = 40
+# The NCCL runs, named: on CUDA `accumulate: auto` picks `device` for tiny-llama, so a run left to
+# auto would never exchange inside the gradient hooks nor DMA from page-locked host memory.
+NCCL_VARIANTS = {
+    "host": ["zenflow.accumulate=host", "zenflow.tuning.stream_grads=true", "zenflow.tuning.pin_memory=true"],
+    "device": ["zenflow.accumulate=device", "zenflow.tuning.pin_memory=true"],
+}
 
 
 # -- the parts -----------------------------------------------------------------------------------------
@@ -142,13 +150,23 @@ def part_nccl(ctx: Context) -> dict[str, Any]:
     if why:
         return {"status": "skipped", "reason": why, "seconds": 0.0, "section": {"status": "skipped", "reason": why}}
     raw = _fresh(ctx.raw / "nccl")
-    cmd = [ctx.py, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample", "--nproc", "2",
-           "--max-steps", str(NCCL_STEPS), "--set", "train.device=cuda", "--set", "distributed.backend=nccl",
-           "--output", str(raw / "run"), "--force"]
-    code, secs = run_logged(cmd, raw / "finetune.log", timeout=ctx.timeout, env=ctx.env)
-    section = nccl_summary(raw / "run" / "metrics.jsonl", code, NCCL_STEPS)
-    return {"status": section["status"], "seconds": round(secs, 1), "log": str(raw / "finetune.log"),
-            "section": section}
+    variants: dict[str, Any] = {}
+    total = 0.0
+    for name, sets in NCCL_VARIANTS.items():
+        left = ctx.timeout - total
+        if left <= 0:
+            variants[name] = {"status": "timed out", "exit_code": None, "sets": sets}
+            continue
+        cmd = [ctx.py, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample", "--nproc", "2",
+               "--max-steps", str(NCCL_STEPS), "--set", "train.device=cuda", "--set", "distributed.backend=nccl",
+               *(a for s in sets for a in ("--set", s)), "--output", str(raw / f"run-{name}"), "--force"]
+        code, secs = run_logged(cmd, raw / f"finetune-{name}.log", timeout=left, env=ctx.env)
+        total += secs
+        variants[name] = {**nccl_summary(raw / f"run-{name}" / "metrics.jsonl", code, NCCL_STEPS), "sets": sets}
+    statuses = {v["status"] for v in variants.values()}
+    status = "passed" if statuses == {"passed"} else "timed out" if "timed out" in statuses else "failed"
+    return {"status": status, "seconds": round(total, 1), "log": str(raw),
+            "section": {"status": status, "variants": variants}}
 
 
 def run_part(ctx: Context, part: str) -> dict[str, Any]:

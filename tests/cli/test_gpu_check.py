@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gpu_script_helpers import REPO, SCRIPTS, bench_file, gpu_check, gpu_common, gpu_results
@@ -417,3 +418,66 @@ def test_prepare_installs_the_carried_wheels_once_and_names_what_is_missing(tmp_
     with pytest.raises(gpu_common.Failed, match=r"cannot import zz_not_there \(ModuleNotFoundError.*"
                                                 r"scripts/fetch_gpu_wheels.sh"):
         gpu_common.prepare(sys.executable, suffix, site)
+
+
+def test_build_prerequisites_are_named_all_at_once():
+    """Issue 28, item 9: every missing prerequisite of the native build, each with its fix, in one
+    list (prepare joins it into one line)."""
+    none = {"cc": "gcc", "cc_found": False, "python_h": "/usr/include/python3.12/Python.h", "python_h_found": False,
+            "python": "3.12", "setuptools": False, "cffi": False}
+    missing = gpu_common.missing_build_prerequisites(none)
+    assert [m.split(" (")[0] for m in missing] == ["a C compiler", "Python.h", "setuptools", "cffi"]
+    assert "'gcc' not found" in missing[0] and "python3.12-dev" in missing[1]
+    every = {**none, "cc_found": True, "python_h_found": True, "setuptools": True, "cffi": True}
+    assert gpu_common.missing_build_prerequisites(every) == []
+    assert [m.split(" (")[0] for m in gpu_common.missing_build_prerequisites({**every, "setuptools": False})] == \
+        ["setuptools"]
+
+
+def test_prepare_names_the_missing_build_prerequisites_in_one_line_before_building(tmp_path, monkeypatch):
+    """A checkout whose native library must be built, with no C compiler: prepare stops with one
+    line naming it (the facts come from the interpreter that would build), and builds nothing."""
+    root = tmp_path / "repo"
+    (root / "native").mkdir(parents=True)
+    (root / "zfctl").mkdir()
+    (root / "native" / "api.c").write_text("")
+    (root / "native" / "build.py").write_text("raise SystemExit('the build ran')\n")
+    monkeypatch.setattr(gpu_common, "ROOT", root)
+    monkeypatch.setattr(gpu_common, "WHEELS", tmp_path / "no-wheels")
+    monkeypatch.setattr(gpu_common, "RUNTIME_MODULES", ("json",))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(gpu_common.Failed) as err:
+        gpu_common.prepare(sys.executable, ".so", tmp_path / "site")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"the native CPU-Adam cannot be built with {sys.executable}, it needs: ")
+    assert f"a C compiler ('{tmp_path / 'no-such-cc'}' not found" in msg
+    monkeypatch.delenv("CC")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    gpu_common.check_build_prerequisites(sys.executable, env)  # this checkout built it: nothing missing
+
+
+def test_nccl_part_runs_the_host_hook_path_page_locked_and_the_device_path(tmp_path, monkeypatch):
+    """Issue 28, item 7: the NCCL part names its gradient paths (on CUDA `auto` would pick the
+    device path for tiny-llama every time): accumulate host with the hooks and page-locked
+    memory, then accumulate device; each run's verdict, and the part's."""
+    runs = []
+
+    def fake_run(cmd, log, *, timeout, env):
+        runs.append(cmd)
+        out = Path(cmd[cmd.index("--output") + 1])
+        out.mkdir(parents=True)
+        bad = "zenflow.accumulate=device" in cmd  # this run diverges
+        _metrics(out / "metrics.jsonl", [5.0 - i / 100 if not bad or i < 30 else "nan"
+                                         for i in range(gpu_check.NCCL_STEPS)])
+        return 0, 12.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", fake_run)
+    ctx = gpu_check.Context(py="python3", env={}, raw=tmp_path / "raw", gpus=2, timeout=480)
+    res = gpu_check.run_part(ctx, "nccl")
+    sets = [{cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"} for cmd in runs]
+    assert {"zenflow.accumulate=host", "zenflow.tuning.stream_grads=true", "zenflow.tuning.pin_memory=true",
+            "distributed.backend=nccl"} <= sets[0]
+    assert {"zenflow.accumulate=device", "distributed.backend=nccl"} <= sets[1] and len(runs) == 2
+    v = res["section"]["variants"]
+    assert (v["host"]["status"], v["device"]["status"]) == ("passed", "failed")
+    assert res["status"] == "failed" and res["seconds"] == 24.0
