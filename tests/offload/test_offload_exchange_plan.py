@@ -90,3 +90,111 @@ class _LocalRows(OwnedRows):
         mine = self._mine(cols)
         out[mine] = self.rows.index_select(0, cols[mine] - self.c0)
         return out
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+def _pending_bytes(pending) -> int:
+    """Bytes of the distinct buffers a launched exchange holds until it completes."""
+    held = {}
+    for _, t, _ in pending.replicated.items:
+        held[t.data_ptr()] = t.numel() * t.element_size()
+    for b in pending.replicated.buckets:
+        held[b.flat.data_ptr()] = b.flat.numel() * b.flat.element_size()
+    for rnd in pending.rounds:
+        for t in (*rnd.send, rnd.out):
+            held[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(held.values())
+
+
+def test_an_exchange_in_flight_holds_what_the_plan_counts(monkeypatch) -> None:
+    """Issue 28, item 6: a launched exchange holds its gathered send buffers and this rank's
+    received share, at most twice the matrix (before the first selection every column is on the
+    host path; a matrix one rank owns whole comes back whole). The plan's line is two of the
+    largest: 4 w M."""
+    from zfctl.offload import partition as partition_mod
+    from zfctl.plan.memory import ModelSize, layout_counts
+
+    monkeypatch.setattr(exchange_mod.dist, "reduce_scatter", lambda *a, **kw: _Work())
+    monkeypatch.setattr(partition_mod.dist, "all_reduce", lambda *a, **kw: _Work())
+    model = _model()
+    named = list(model.named_parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    layout = plan_layout(named, 0.25)
+    per_matrix: dict[int, int] = {}
+    for rank in range(2):
+        local, part = partition_layout(layout, None, rank, 2)
+        params = [p for _, p in named]
+        dev = DeviceAdam(local, params, torch.device("cpu"))
+        ex = GradExchange(part, local, params, dev.index, torch.device("cpu"), norm=False, masses=False)
+        for s in local.host_slots:
+            got = _pending_bytes(ex.launch(s.index))
+            bound = 2 * s.rows * s.cols * 4
+            assert got <= bound, (s.name, got, bound)
+            per_matrix[s.index] = max(per_matrix.get(s.index, 0), got)
+    whole = [s for s in layout.host_slots if per_matrix[s.index] == 2 * s.rows * s.cols * 4]
+    assert whole  # a matrix one rank owns whole: the bound is reached
+    size = ModelSize(params=sum(p.numel() for _, p in named), params_2d=0,
+                     shapes=[(n, tuple(p.shape)) for n, p in named])
+    counts = layout_counts(size, 0.25, False)
+    assert counts.largest == max(s.rows * s.cols for s in layout.host_slots)
+    assert 4 * 4 * counts.largest >= sum(sorted(per_matrix.values())[-2:])  # two pending, fp32
+
+
+def test_the_hooks_keep_at_most_two_exchanges_pending() -> None:
+    """A hook that releases held-back matrices (the first in the exchange order got its gradient
+    last) launches them one by one, completing the older ones as it goes: never more than two
+    exchanges (and their buffers) pending, the plan's count."""
+    from test_offload_helpers import tiny_net, zen
+
+    from zfctl.offload import ZenFlowOptimizer
+    from zfctl.offload.stream import ExchangeOrder
+
+    class Exchange:
+        live = peak = 0
+
+        def launch(self, index: int) -> int:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            return index
+
+        def complete(self, pending: int) -> int:
+            self.live -= 1
+            return 0
+
+    model = tiny_net()
+    cfg = zen(topk_ratio=0.1, accumulate="host", stream_grads=True)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
+        stream = opt.gradient_path.stream
+        order = [s.index for s in opt.layout.host_slots][::-1]
+        assert len(order) >= 3
+        stream._exchange, stream._order = Exchange(), ExchangeOrder(order)
+        for p in opt.params:
+            p.grad = torch.randn_like(p)
+        opt.prepare_backward(final=True)
+        for index in [*order[1:], order[0]]:  # the first in the order comes last: all held back
+            stream._on_grad(index, opt.params[index])
+        assert stream._exchange.peak == 2 and len(stream._launched) == 1
+        stream.complete_exchanges()
+        stream.disarm()
+
+
+def test_the_plan_counts_the_exchange_only_under_data_parallel() -> None:
+    """zfctl plan: 'gradient exchange in flight' = 4 w M with distributed.nproc > 1 (M: the largest
+    matrix with host columns, bf16 here), no line for one process."""
+    from zfctl.plan import resolve_plan
+    from zfctl.plan.memory import GB, Machine, estimate, model_size
+
+    machine = Machine(512 * GB, True, "GPU", 80 * GB)
+    one = estimate(resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.precision=bf16"]), machine)
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.precision=bf16", "distributed.nproc=2"])
+    two = estimate(plan, machine)
+    size = model_size(plan)
+    assert size is not None and size.shapes
+    largest = max(s[0] * s[1] for _, s in size.shapes if len(s) == 2)
+    assert one.item("gradient exchange in flight") == 0
+    assert two.item("gradient exchange in flight") == 4 * 2 * largest

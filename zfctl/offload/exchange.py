@@ -406,7 +406,12 @@ class GradExchange:
 def _gather(tensor: Callable[[int], torch.Tensor], units: list[Cols], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """The columns of ``units`` (of ``tensor(slot index)``) as one flat buffer, each unit
-    ``[rows, n]`` row-major (a device gather per unit)."""
-    if not units:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([as_matrix(tensor(u.slot.index), u.slot).index_select(1, u.ids).reshape(-1) for u in units])
+    ``[rows, n]`` row-major: a device gather per unit, written straight into its place (no
+    per-unit temporaries and no ``cat`` of them, which held the gathered bytes twice)."""
+    out = torch.empty(sum(u.numel for u in units), dtype=dtype, device=device)
+    o = 0
+    for u in units:
+        n = int(u.ids.numel())
+        torch.index_select(as_matrix(tensor(u.slot.index), u.slot), 1, u.ids, out=out[o : o + u.numel].view(-1, n))
+        o += u.numel
+    return out
