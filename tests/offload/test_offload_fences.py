@@ -188,6 +188,7 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         assert waits == [("wait_event", added)], waits  # one wait, for the adds
         assert ("record", added) in shim.compute.log and added.after.count(("record", install)) == 0
         assert fence is not None  # the worker's wait: the last copy's event
+        assert shim.host_syncs == []  # the adds and the copy out make the host wait for nothing
         assert torch.equal(opt.host.acc[0], acc.buf)
         # The next interval's first add into a matrix waits (on the device) for its copy out only.
         acc.add(grads, None, first=True)
@@ -230,3 +231,33 @@ def test_device_path_with_a_late_cpu_update_is_bit_identical() -> None:
     got = _train_with(cfg, clip=0.5, hooks=False, update_s=0.05)
     for n in ref:
         assert torch.equal(ref[n], got[n]), n
+
+
+def test_host_waits_of_the_transfer_calls_are_the_listed_ones(monkeypatch) -> None:
+    """How often each transfer call makes the host wait (docs/design.md, "Transfer scheduling",
+    sync points), counted through the shim: an install and the device path's sum make none
+    (device-side waits only), the scalar fetch one when its result is read, the step() path's
+    D2H one per chunk (when the ring is full, and the last ones)."""
+    shim = fake_cuda(monkeypatch)
+    n, per = 5, 64
+    ring = as_cuda(Ring(torch.device("cpu"), 2, per * 4, True), "stream")
+    src = pinned.empty(n * per, torch.float32, pin=True)
+    src.copy_(torch.arange(n * per, dtype=torch.float32))
+    ring.h2d(((src[i * per : (i + 1) * per], i) for i in range(n)), lambda dev, i: None)
+    assert shim.host_syncs == []  # the install: waited for on the device only
+    result = ring.fetch(torch.tensor([1.0, 2.0]))
+    assert shim.host_syncs == []  # started, not waited for
+    assert result().tolist() == [1.0, 2.0] and len(shim.host_syncs) == 1
+    got = torch.zeros(n * per)
+
+    def chunk(i: int):
+        return per, torch.float32, lambda dst: dst.copy_(src[i * per : (i + 1) * per]), i
+
+    def consume(view: torch.Tensor, i: int) -> None:
+        got[i * per : (i + 1) * per] = view
+
+    shim.host_syncs.clear()
+    ring.d2h((chunk(i) for i in range(n)), consume)
+    assert torch.equal(got, src) and len(shim.host_syncs) == n
+    pinned.release(src)
+    ring.release()
