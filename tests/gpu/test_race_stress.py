@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload_gpu import HP, PATHS, ZEN, loop
 from slow_readers import slow_readers
+from test_offload_gpu import HP, PATHS, ZEN, loop
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
