@@ -109,18 +109,30 @@ def test_step_path_one_ring_slot_under_slow_copies(slow_copies, dtype) -> None:
 
 @DTYPES
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
-@pytest.mark.parametrize("late", ["copies", "reader"])
-def test_device_path_under_slow_copies_or_reader(slow_copies, dtype, overlap, late) -> None:
+@pytest.mark.parametrize("late", ["copies", "reader", "adds"])
+def test_device_path_under_slow_copies_or_reader(slow_copies, monkeypatch, dtype, overlap, late) -> None:
     """Device accumulation. Slow copies cover: the next interval's first write into a matrix's
     rows of the device sum waits (on the device) for that matrix's copy out (device_acc.py
     ``add``); the CPU worker waits for the last copy out before it reads the host accumulator,
     and for the install's DMA before it writes the master (its fences). A slow CPU update
     covers: the boundary collects the previous update before the new sum lands in the one host
-    accumulator (pipeline.py ``submit``: collect, then ``prepare``)."""
+    accumulator (pipeline.py ``submit``: collect, then ``prepare``). Slow adds (the compute
+    stream spins before each step's adds) cover: the copy out waits for the event after the
+    interval's last add (device_acc.py ``copy_out``), else it copies the sum without them."""
+    from zfctl.offload.device_acc import DeviceAccumulator
+
     cfg = zen(**ZEN, **PATHS["device"], overlap_step=overlap)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False, clip=0.5)
     delay_copies(DELAY if late == "copies" else 0)
+    if late == "adds":
+        add = DeviceAccumulator.add
+
+        def late_add(self, *args, **kw):
+            torch.cuda._sleep(DELAY)  # compute stream: the adds land late
+            add(self, *args, **kw)
+
+        monkeypatch.setattr(DeviceAccumulator, "add", late_add)
     got, stats = _run(cfg, dtype=dtype, hooks=False, clip=0.5, update_s=0.05 if late == "reader" else 0.0)
     assert sum(s.boundary for s in stats) >= 3
     assert _same(ref, got)
