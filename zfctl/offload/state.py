@@ -134,8 +134,9 @@ def save(opt: Any) -> dict[str, Any]:
 
 
 def load(opt: Any, state_dict: dict[str, Any]) -> None:
-    """``opt.load_state_dict()``: check, then copy into the live buffers piece by piece (values
-    may be tensors or lazy file tensors: no gathered copy of the state)."""
+    """``opt.load_state_dict()``: check, wait for a CPU update in flight (a live optimizer rolled
+    back: it writes the host state), then copy into the live buffers piece by piece (values may
+    be tensors or lazy file tensors: no gathered copy of the state)."""
     check_state(state_dict, names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
                 topk_ratio=opt.config.topk_ratio, partition=opt.partition_info())
     parts = unpack_state(state_dict)
