@@ -30,7 +30,6 @@ class FakeEvent:
         self.id = next(_ids)
         self.stream: FakeStream | None = None
         self.timing = enable_timing
-        self.shim: Shim | None = None
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream if stream is not None else SHIM.current
