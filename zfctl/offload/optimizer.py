@@ -13,7 +13,9 @@ Choices the algorithm leaves open (dense params always on the device, a missing 
 as zeros, one parameter group, a skipped fp16 step is no step) are listed in docs/design.md,
 "Algorithm". ``vocab_params`` names the token-indexed matrices (``vocab_matrices(model)``), split
 by row under ``zenflow.vocab_select: rows``. With a ``process_group`` of several ranks, ``step()``
-first averages the gradients where they are read (do not also wrap the model in DDP).
+first averages the gradients where they are read (do not also wrap the model in DDP). With a
+``shard_group`` instead, the parameters are FSDP2 shards and the optimizer steps its local rows
+(sharded.py: FSDP2 has already averaged the gradients; scores and norms are summed over the group).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from zfctl.offload.pieces import owned_ranges
 from zfctl.offload.pipeline import Pipeline
 from zfctl.offload.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.selector import Selector
+from zfctl.offload.sharded import ShardedParams
 from zfctl.offload.stats import DeviceClock, StepStats
 from zfctl.offload.worker import cpu_update
 
@@ -51,22 +55,32 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None, loss_scaling: bool | None = None,
                  steps_per_epoch: int | None = None, process_group: Any = None,
-                 vocab_params: Iterable[str] = ()) -> None:
+                 vocab_params: Iterable[str] = (), shard_group: Any = None) -> None:
         config = (config if config is not None else ZenFlowConfig()).validate()
         named = named_params(params)
         vocab = set(vocab_params)  # matrices indexed by token: split by row under vocab_select: rows
         if unknown := vocab - {n for n, _ in named}:
             raise ValueError(f"vocab_params names no trainable parameter: {sorted(unknown)}")
+        by_row = frozenset(vocab if config.vocab_select == "rows" else ())
         self._constructing = True
+        # The groups hold what the caller passed (DTensors under FSDP2): zero_grad clears their grads.
         super().__init__([p for _, p in named], {"lr": lr, "betas": tuple(betas), "eps": eps,
                                                  "weight_decay": weight_decay})
         self._constructing = False
+        self.sharded: ShardedParams | None = None
+        if shard_group is not None:  # FSDP2: the engine plans and steps the local shards (sharded.py)
+            if process_group is not None:
+                raise ValueError("give process_group (zero2) or shard_group (fsdp), not both")
+            self.sharded = ShardedParams(named, shard_group, by_row)
+            named = self.sharded.local
+            # Gradients exist only once FSDP2's reduce-scatter ran, after backward: no hook path.
+            config = replace(config, tuning=replace(config.tuning, stream_grads=False))
         self.config, self.names, self.params = config, [n for n, _ in named], [p for _, p in named]
         self.device = self.params[0].device
         fp16 = any(p.dtype == torch.float16 for p in self.params)
         self.scaler = DynamicLossScaler() if (fp16 if loss_scaling is None else loss_scaling) else None
         self.scale = GradientScale(max_grad_norm, self.scaler, self.device)
-        self.layout = plan_layout(named, config.topk_ratio, frozenset(vocab if config.vocab_select == "rows" else ()))
+        self.layout = plan_layout(named, config.topk_ratio, by_row)
         self.rank, self.world_size = group_info(process_group)
         self.partition: Partition | None = None
         if self.world_size > 1:  # this rank's host columns only; device offsets are unchanged
@@ -79,7 +93,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.exchange = GradExchange(self.partition, self.layout, self.params, self.device_state.index, self.device,
                                          norm=self.scale.needs_norm, masses=self.policy.auto)
         self.selector = Selector(self.layout, self.device_state, config, steps_per_epoch=steps_per_epoch,
-                                 part=self.partition, exchange=self.exchange)
+                                 part=self.partition, exchange=self.exchange, sharded=self.sharded)
         self.host: HostState | None = None
         self.transfers: Transfers | None = None
         self.gradient_path: GradientPath = NoHostColumns()  # replaced below when there are host columns
@@ -127,7 +141,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
                           d2h_gbps=self.gradient_path.d2h_gbps)
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
+        if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
+            self.sharded.pull_grads()
         grads = [p.grad for p in self.params]
+        if self.sharded is not None and self.scale.needs_norm:  # the global norm: one all-reduce
+            sq = self.sharded.sum_of_squares(grads, self.device)
         norm, coef = self.scale.coefficient(grads, sq)  # 1. clip factor / loss scale, on the device
         if self.scale.overflowed(norm):  # fp16: skip the whole step (a host sync, fp16 only)
             self.gradient_path.skip(stats)
@@ -147,6 +165,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if scalars is not None:  # 4-6. the rest of the gradient, and the boundary
             host_norm, tail = self._host_update(scalars, grads, warm, hp, stats)
         self._finish(stats, norm, host_norm, tail)
+        if self.sharded is not None:
+            self.sharded.release_grads()
         return stats
 
     def flush(self) -> None:
@@ -216,7 +236,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         one = torch.ones((), device=self.device)
         parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
         if self.policy.auto and self.selector.selected and not warm:
-            parts += self.selector.masses(grads, totals)
+            masses = self.selector.masses(grads, totals)
+            parts += self.sharded.sum_list(masses) if self.sharded is not None else masses  # whole matrices
         return self.transfers.d2h.fetch(torch.stack(parts))
 
     def _host_update(self, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,

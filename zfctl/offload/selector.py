@@ -9,7 +9,8 @@ never races the worker, and re-plans the column chunks after it (device-owned co
 
 Data parallel: the scores come from every owner (one all-reduce, exchange.py), the state of an
 entering column from its owner (partition.py ``OwnedRows``), and the gradients of the entering
-columns, which only their owners had, from them.
+columns, which only their owners had, from them. FSDP2 (sharded.py): each rank scores its rows
+and the scores are summed over the group.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.partition import OwnedRows, Partition
 from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
+from zfctl.offload.sharded import ShardedParams
 from zfctl.offload.stats import StepStats
 
 
@@ -33,9 +35,9 @@ class Selector:
 
     def __init__(self, layout: Layout, device: DeviceAdam, config: ZenFlowConfig, *,
                  steps_per_epoch: int | None, part: Partition | None = None,
-                 exchange: GradExchange | None = None) -> None:
+                 exchange: GradExchange | None = None, sharded: ShardedParams | None = None) -> None:
         self.layout, self.device = layout, device
-        self.part, self.exchange = part, exchange
+        self.part, self.exchange, self.sharded = part, exchange, sharded
         self.selectable = [s for s in layout.slots if s.selects]
         self.selected = not self.selectable  # nothing to choose: every device column is fixed
         self.warmup = config.full_warm_up_rounds if layout.host_slots else 0
@@ -60,6 +62,8 @@ class Selector:
         if self.exchange is not None:
             shared, sent = self.exchange.scores()
             stats.comm_bytes += sent
+        elif self.sharded is not None:  # FSDP2: each rank scored its rows; the sum is the matrix's
+            shared = self.sharded.column_scores(grads, self.selectable, dev.master.device)
         for i, slot in enumerate(self.selectable):
             g = grads[slot.index]
             if shared is not None:

@@ -1,0 +1,79 @@
+"""``distributed.strategy: fsdp``: the model sharded with torch's FSDP2, applied the torchtitan way.
+
+:func:`parallelize` wraps each decoder layer, then the root, with ``fully_shard``: a layer's
+parameters are all-gathered just before its forward (and again for backward) and freed after,
+and its gradients are reduce-scattered (averaged, in fp32) as soon as its backward ends, so a rank
+holds ``1/W`` of the weights and gradients plus about two layers gathered (the current and the
+prefetched one). Every weight is sharded on ZenFlow's row dim (zfctl/offload/sharded.py): dim 0,
+except the vocabulary matrices ZenFlow reads by row (``zenflow.vocab_select: rows``), sharded on
+dim 1, so every rank holds every column of its rows and selection needs one summed score vector.
+
+:func:`check_shardable` is the refusal before anything is built: FSDP2 needs the layer list to
+wrap, and zfctl needs every sharded dim to divide evenly (equal local rows on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from zfctl.errors import ConfigError
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The repeated blocks FSDP2 wraps one by one: the ``nn.ModuleList`` holding the most
+    parameters (``model.layers`` of Llama/Mistral/Qwen, ``transformer.h`` of GPT-2,
+    ``decoder.layers`` of OPT); None for a model without one."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return None
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def shard_dims(model: torch.nn.Module, by_row: Iterable[str]) -> dict[str, int]:
+    """The dim each trainable parameter is sharded on (``parallelize``): ZenFlow's row dim."""
+    rows = set(by_row)
+    return {n: 1 if n in rows and p.dim() >= 2 else 0 for n, p in model.named_parameters() if p.requires_grad}
+
+
+def check_shardable(model: torch.nn.Module, world_size: int, by_row: Iterable[str]) -> None:
+    """Raise ``ConfigError`` (one line, the option to change) when FSDP2 cannot shard ``model``
+    over ``world_size`` ranks the way ZenFlow needs: no decoder layer list to wrap, or a sharded
+    dim that ``world_size`` does not divide."""
+    if decoder_layers(model) is None:
+        raise ConfigError("distributed.strategy", "fsdp",
+                          f"{type(model).__name__} has no list of decoder layers for FSDP2 to wrap; "
+                          "use distributed.strategy: zero2")
+    params = dict(model.named_parameters())
+    for name, dim in shard_dims(model, by_row).items():
+        size = params[name].shape[dim]
+        if size % world_size:
+            raise ConfigError("distributed.nproc", world_size,
+                              f"fsdp shards {name} (dim {dim} of size {size}) evenly over the ranks; "
+                              "use a world size that divides it, or distributed.strategy: zero2")
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, by_row: Iterable[str] = ()) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2 over the 1-D data-parallel ``mesh``: each decoder layer,
+    then the root (embeddings, final norm, head). Gradients are reduced in fp32 whatever the model
+    dtype (``MixedPrecisionPolicy``: the sum of W bf16 shards would lose bits); weights stay in the
+    model dtype. Returns ``model`` (now an ``FSDPModule``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layer list (check_shardable)")
+    dims = shard_dims(model, by_row)
+    by_id = {id(p): dims.get(n, 0) for n, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+    def placement(p: torch.nn.Parameter) -> Shard:
+        return Shard(by_id.get(id(p), 0))
+
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+    return model
