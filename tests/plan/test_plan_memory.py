@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from zfctl.plan import resolve_plan
 from zfctl.plan.memory import GB, Machine, estimate, parse_size
@@ -39,7 +40,9 @@ def held_bytes(root: object, exclude: set[int]) -> int:
         if id(obj) in seen_obj:
             continue
         seen_obj.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, DTensor):  # an FSDP2 parameter (tests/offload/test_fsdp.py): its local shard
+            todo.append(obj.to_local())
+        elif isinstance(obj, torch.Tensor):
             st = obj.untyped_storage()
             if st.data_ptr() not in exclude and st.nbytes():
                 storages[(str(obj.device), st.data_ptr())] = st.nbytes()

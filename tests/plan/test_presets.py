@@ -23,7 +23,7 @@ from zfctl.plan.schema import RunPlan
 ROOT = Path(__file__).resolve().parents[2]
 ALL = [p for kind in KINDS for p in list_presets(kind)]
 EXPECTED = {
-    "model": {"llama2-7b", "llama2-13b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama", "smollm2-135m"},
+    "model": {"llama2-7b", "llama2-13b", "llama2-70b", "llama3.2-1b", "opt-350m", "gpt2", "tiny-llama", "smollm2-135m"},
     "data": {"alpaca", "glue-sst2", "arxiv-abstract", "alpaca-sample", "sst2-sample", "chat-sample", "ultrachat"},
     "zenflow": {"default", "paper", "aggressive", "zero-offload", "off"},
 }

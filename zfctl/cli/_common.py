@@ -91,7 +91,8 @@ class ZfctlGroup(TyperGroup):
 
 
 def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None, *,
-               gpu_memory: str | None = None, host_memory: str | None = None) -> dict:
+               gpu_memory: str | None = None, host_memory: str | None = None, nodes: int | None = None,
+               gpus_per_node: int | None = None) -> dict:
     """The dedicated flags as a plan fragment; they win over --set (applied last)."""
     from zfctl.plan.memory import parse_size
 
@@ -106,6 +107,10 @@ def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = N
         flags.setdefault("train", {})["max_steps"] = max_steps
     if nproc is not None:
         flags.setdefault("distributed", {})["nproc"] = nproc
+    if gpus_per_node is not None:  # the planning name of nproc (processes per node)
+        flags.setdefault("distributed", {})["nproc"] = gpus_per_node
+    if nodes is not None:
+        flags.setdefault("distributed", {})["nodes"] = nodes
     return flags
 
 
@@ -191,4 +196,12 @@ HostMemoryOpt = Annotated[
     str | None,
     typer.Option("--host-memory", metavar="SIZE",
                  help="Plan for this much host RAM, e.g. 128GB (machine.host_memory); default: this machine's."),
+]
+NodesOpt = Annotated[
+    int | None,
+    typer.Option("--nodes", min=1, help="Plan for this many nodes (distributed.nodes): per-GPU and per-node lines."),
+]
+GpusPerNodeOpt = Annotated[
+    int | None,
+    typer.Option("--gpus-per-node", min=1, help="Plan for this many GPUs (processes) per node (distributed.nproc)."),
 ]

@@ -10,9 +10,11 @@ from zfctl.cli._common import (
     ConfigOpt,
     DataOpt,
     GpuMemoryOpt,
+    GpusPerNodeOpt,
     HostMemoryOpt,
     MaxStepsOpt,
     ModelArg,
+    NodesOpt,
     OutputOpt,
     SetOpt,
     ZenflowOpt,
@@ -33,6 +35,8 @@ def plan(
     max_steps: MaxStepsOpt = None,
     gpu_memory: GpuMemoryOpt = None,
     host_memory: HostMemoryOpt = None,
+    nodes: NodesOpt = None,
+    gpus_per_node: GpusPerNodeOpt = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {plan, memory, notes} as JSON instead.")
     ] = False,
@@ -47,7 +51,8 @@ def plan(
     from zfctl.plan.memory import estimate
     from zfctl.plan.render import print_memory, print_plan
 
-    flags = plan_flags(output, max_steps, gpu_memory=gpu_memory, host_memory=host_memory)
+    flags = plan_flags(output, max_steps, gpu_memory=gpu_memory, host_memory=host_memory, nodes=nodes,
+                       gpus_per_node=gpus_per_node)
     resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=as_json)
     est = estimate(resolved)
     if as_json:

@@ -31,6 +31,20 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
                                        backward's gradient columns, two steps alternating
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
 
+Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
+device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host
+lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-rank shares:
+
+* ``zero2``: every GPU holds the whole model, its gradients and the selected state; each rank
+  holds ``1/W`` of the host columns (zfctl/offload/partition.py), plus the exchange in flight;
+* ``fsdp``: FSDP2 shards weights and gradients by row (zfctl/train/fsdp.py): each GPU holds
+  ``1/W`` of them, of the selected state and of the host elements (every column of its rows, so
+  the per-column bookkeeping is not divided), plus what FSDP2 gathers: the root's parameters
+  (embeddings, head, final norm: kept from forward to backward) and two decoder layers (the
+  current and the prefetched one), and one layer's unsharded gradients with their fp32 reduce copy;
+* ``auto``: ``fsdp`` when ``W > 1`` and the GPU cannot hold the ``zero2`` lines, else ``zero2``
+  (``MemoryEstimate.strategy``).
+
 Page-locked buffers are pinned at their exact size (zfctl/offload/pinned.py), so no line carries
 the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
 ``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
@@ -45,7 +59,7 @@ On a machine without CUDA the device side lives in host RAM too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from zfctl.offload.bandwidth import inflight_bytes
@@ -111,6 +125,10 @@ class MemoryEstimate:
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for the machine
+    strategy: Literal["zero2", "fsdp"] = "zero2"  # distributed.strategy as resolved (auto: module docstring)
+    world_size: int = 1
+    ranks_per_node: int = 1
+    node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -245,6 +263,14 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
 def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this one)."""
     machine = machine or target_machine(plan.machine)
+    d = plan.distributed
+    strategy = d.strategy
+    if strategy == "auto":  # fsdp only where zero2's whole model per GPU does not fit
+        zero2 = estimate(replace(plan, distributed=replace(d, strategy="zero2")), machine)
+        device_short = any(r.startswith("device memory") for r in zero2.reasons)
+        if d.nproc * d.nodes == 1 or not device_short:
+            return zero2
+        strategy = "fsdp"
     device_kind = (
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
@@ -252,25 +278,71 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     items: list[MemoryItem] = []
     notes: list[str] = []
     accumulate: Literal["host", "device"] = "host"
+    world, per_node = d.nproc * d.nodes, d.nproc
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        accumulate = _fill(plan, size, items, notes, device_kind, machine)
+        accumulate = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
-    reasons = _verdict(items, device_kind, device_total, host_total, machine, plan.train.device)
+    node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
+    reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node)
+    if d.strategy == "auto" and strategy == "fsdp":
+        notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
-                          accumulate=accumulate)
+                          accumulate=accumulate, strategy=strategy, world_size=world, ranks_per_node=per_node,
+                          node_host_total=node_host)
+
+
+def shard_shapes(size: ModelSize, world: int, by_row: bool) -> ModelSize:
+    """One FSDP2 rank's share of ``size``: every shape with its ZenFlow row dim (dim 0; dim 1 of a
+    by-row vocabulary matrix, zfctl/train/fsdp.py) divided by ``world``, rounded up as FSDP2 pads."""
+    rowwise = set(size.vocab_names) if by_row else set()
+
+    def local(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        dim = 1 if name in rowwise and len(shape) >= 2 else 0
+        return tuple(-(-n // world) if i == dim else n for i, n in enumerate(shape))
+
+    shapes = [(n, local(n, s)) for n, s in size.shapes]
+    if not shapes:  # counts only: an even split
+        return replace(size, params=-(-size.params // world), params_2d=-(-size.params_2d // world))
+    return replace(size, params=sum(_numel(s) for _, s in shapes),
+                   params_2d=sum(_numel(s) for _, s in shapes if len(s) == 2), shapes=shapes)
+
+
+def _fsdp_gathered(size: ModelSize) -> tuple[int, int]:
+    """(elements of the root's own parameters, of the largest decoder layer): what FSDP2 gathers."""
+    if not size.shapes:
+        layer = (size.params - (2 * (size.vocab or 0) * (size.hidden or 0))) // max(1, size.layers or 1)
+        return size.params - layer * (size.layers or 1), layer
+    layers: dict[str, int] = {}
+    root = 0
+    for name, shape in size.shapes:
+        parts = name.split(".")
+        idx = next((i for i, x in enumerate(parts[:-1]) if x.isdigit()), None)
+        if idx is None:
+            root += _numel(shape)
+        else:
+            key = ".".join(parts[: idx + 1])
+            layers[key] = layers.get(key, 0) + _numel(shape)
+    return root, max(layers.values(), default=0)
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
-          machine: Machine) -> Literal["host", "device"]:
+          machine: Machine, *, strategy: str) -> Literal["host", "device"]:
     t, z, d = plan.train, plan.zenflow, plan.data
     tu = z.tuning
     w = 4 if t.precision == "fp32" else 2
     r = float(z.topk_ratio)
+    world = plan.distributed.nproc * plan.distributed.nodes
+    fsdp = strategy == "fsdp" and world > 1
+    whole = size
+    if fsdp:  # this rank's shards: the layout ZenFlow plans for them (zfctl/offload/sharded.py)
+        size = shard_shapes(size, world, z.vocab_select == "rows")
     c = layout_counts(size, r, z.vocab_select == "rows")
+    if world > 1 and not fsdp:  # zero2: 1/W of the host columns per rank (zfctl/offload/partition.py)
+        c = replace(c, host=-(-c.host // world), host_cols=-(-c.host_cols // world))
     p = size.params
     cuda = device_kind == "cuda"
 
@@ -280,8 +352,17 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     def host(name: str, nbytes: float, note: str, code: str) -> None:
         items.append(MemoryItem("host", name, float(nbytes), note, code))
 
-    dev("weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params", "the model (zfctl/train/models/load.py)")
-    dev("gradients", w * p, f"{t.precision}, .grad of every param", "autograd")
+    share = f", fsdp: 1/{world} shard" if fsdp else ""
+    dev("weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params{share}", "the model (zfctl/train/models/load.py)")
+    dev("gradients", w * p, f"{t.precision}, .grad of every param{share}", "autograd")
+    if fsdp:
+        root, layer = _fsdp_gathered(whole)
+        dev("fsdp gathered parameters", w * (root + 2 * layer),
+            f"the root's ({root / 1e6:.4g}M: embeddings, head, norm) and two layers' ({layer / 1e6:.4g}M each: "
+            "current + prefetched)", "FSDP2 all-gather (zfctl/train/fsdp.py parallelize)")
+        dev("fsdp layer gradients", (w + 4) * layer if w != 4 else 4 * layer,
+            "one layer's unsharded gradients and their fp32 reduce-scatter copy",
+            "FSDP2 reduce-scatter (MixedPrecisionPolicy reduce_dtype fp32)")
     dev("selected optimizer state", 16 * c.device + 4 * c.device_cols,
         f"fp32 master, moments, gradient buffer: topk_ratio {r:g} of columns + 1-D params",
         "zfctl/offload/device_adam.py DeviceAdam")
@@ -316,7 +397,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     if cuda:
         dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
             "zfctl/offload/ring.py Ring.h2d")
-    hook = tu.stream_grads and choice == "host"
+    hook = tu.stream_grads and choice == "host" and not fsdp  # fsdp: the in-step path (zfctl/offload/sharded.py)
     if hook:
         host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
              "zfctl/offload/stream.py GradStream.landing")
@@ -325,12 +406,12 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             dev("gradient temporaries in flight", min(budget, w * c.host),
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
                 "zfctl/offload/stream.py GradStream._make_room")
-    if plan.distributed.nproc > 1:
+    if world > 1 and not fsdp:
         # exchange.py: a matrix's exchange holds its gathered send buffers (every host-path column,
         # the whole matrix before the first selection) and this rank's received share (at most the
         # whole matrix); the hook path keeps two pending (stream.py), so the two largest count.
         dev("gradient exchange in flight", 4 * w * c.largest,
-            f"distributed.nproc {plan.distributed.nproc}: two pending exchanges of the largest matrix, "
+            f"zero2 over {world} ranks: two pending exchanges of the largest matrix, "
             "send + receive",
             "zfctl/offload/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
@@ -368,9 +449,10 @@ def _largest(items: list[MemoryItem], where: set[str]) -> str:
     return ", ".join(f"{i.name} {i.bytes / GB:.1f} GB" for i in top)
 
 
-def _verdict(items: list[MemoryItem], device_kind: str, device_total: float, host_total: float,
-             machine: Machine, requested: str) -> list[str]:
-    """Why the machine cannot run the plan ([] = it fits), naming the largest lines."""
+def _verdict(items: list[MemoryItem], device_kind: str, device_total: float, node_host: float,
+             machine: Machine, requested: str, per_node: int) -> list[str]:
+    """Why the machine cannot run the plan ([] = it fits), naming the largest lines. ``node_host``:
+    the host RAM one node needs (its ``per_node`` ranks' host lines)."""
     reasons = []
     if requested == "cuda" and not machine.cuda:
         reasons.append("train.device is cuda but the machine has no CUDA device")
@@ -379,12 +461,13 @@ def _verdict(items: list[MemoryItem], device_kind: str, device_total: float, hos
             f"device memory: needs {device_total / GB:.1f} GB, {machine.gpu_name} has "
             f"{machine.gpu_mem / GB:.1f} GB (largest: {_largest(items, {'device'})})"
         )
-    host_need = host_total + (device_total if device_kind == "cpu" else 0.0)
+    host_need = node_host
     limit = host_limit(machine)
     if machine.host_ram and host_need > limit:
         where = {"host"} if device_kind == "cuda" else {"host", "device"}
+        ranks = f" for {per_node} ranks" if per_node > 1 else ""
         reasons.append(
-            f"host RAM: needs {host_need / GB:.1f} GB, the machine has {machine.host_ram / GB:.1f} GB of which "
+            f"host RAM: needs {host_need / GB:.1f} GB{ranks}, the machine has {machine.host_ram / GB:.1f} GB of which "
             f"{limit / GB:.1f} GB may be used (largest: {_largest(items, where)})"
         )
     return reasons

@@ -77,8 +77,17 @@ def memory_table(est: MemoryEstimate) -> Table:
     table.add_column("how", style="dim", overflow="fold")
     for item in est.items:
         table.add_row(item.where, item.name, _gb(item.bytes), item.note)
-    table.add_row("", Text("device total", style="bold"), Text(_gb(est.device_total), style="bold"), "")
-    table.add_row("", Text("host total", style="bold"), Text(_gb(est.host_total), style="bold"), "")
+    if est.world_size == 1:
+        table.add_row("", Text("device total", style="bold"), Text(_gb(est.device_total), style="bold"), "")
+        table.add_row("", Text("host total", style="bold"), Text(_gb(est.host_total), style="bold"), "")
+        return table
+    r = est.ranks_per_node
+    nodes = est.world_size // r
+    how = f"{est.strategy} over {est.world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {r})"
+    table.add_row("", Text("device total per GPU", style="bold"), Text(_gb(est.device_total), style="bold"), how)
+    table.add_row("", Text("host total per rank", style="bold"), Text(_gb(est.host_total), style="bold"), "")
+    table.add_row("", Text("host total per node", style="bold"), Text(_gb(est.node_host_total), style="bold"),
+                  f"{r} ranks" + (" (+ their device side: no CUDA)" if est.device_kind == "cpu" else ""))
     return table
 
 
@@ -96,6 +105,10 @@ def verdict_line(est: MemoryEstimate) -> str:
     host = est.host_total + (est.device_total if est.device_kind == "cpu" else 0.0)
     dev = f"device {_gb(est.device_total)}, " if est.device_kind == "cuda" else ""
     verdict = "fits" if est.fits else "does not fit: " + "; ".join(est.reasons)
+    if est.world_size > 1:
+        dev = f"device {_gb(est.device_total)} per GPU, " if est.device_kind == "cuda" else ""
+        return (f"memory ({est.strategy}, {est.world_size} ranks): {dev}host {_gb(est.node_host_total)} per node "
+                f"of {est.ranks_per_node} ranks: {verdict}")
     return f"memory: {dev}host {_gb(host)}: {verdict}"
 
 
@@ -110,6 +123,7 @@ def print_memory(est: MemoryEstimate, console: Console) -> None:
     if est.size is None:
         return
     if est.fits:
-        console.print(Text("it fits", style="bold green"))
+        under = f" under {est.strategy} ({est.world_size} ranks)" if est.world_size > 1 else ""
+        console.print(Text("it fits" + under, style="bold green"))
     else:
         console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"))

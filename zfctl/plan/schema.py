@@ -135,6 +135,17 @@ class DistributedConfig:
     """Multi-process settings (torchrun)."""
 
     nproc: int = _f(1, "Processes on this node; >1 relaunches under torchrun.")
+    nodes: int = _f(
+        1, "Nodes the job spans, each running nproc processes (--nodes; world size nproc x nodes): "
+        "the plan's per-GPU and per-node lines. Launch each node with torchrun (README).",
+    )
+    strategy: Literal["zero2", "fsdp", "auto"] = _f(
+        "auto",
+        "How the ranks split the model: 'zero2' = every GPU holds the whole model, the host state "
+        "is split by columns; 'fsdp' = torch's FSDP2 shards weights and gradients by row (a rank "
+        "holds 1/W of them plus two layers gathered); 'auto' = fsdp when the plan says the model "
+        "does not fit a GPU under zero2.",
+    )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "'auto' = nccl on CUDA, gloo on CPU.")
     timeout: float | None = _f(
         None,

@@ -217,6 +217,7 @@ def check_logging(lg: LoggingConfig) -> None:
 def check_distributed(d: DistributedConfig) -> None:
     """Process count (torchrun relaunch) and backend."""
     _need(d.nproc >= 1, "distributed.nproc", d.nproc, "must be >= 1")
+    _need(d.nodes >= 1, "distributed.nodes", d.nodes, "must be >= 1")
     _need(d.timeout is None or d.timeout > 0, "distributed.timeout", d.timeout,
           "must be > 0 seconds, or null for the backend's default")
 
@@ -229,6 +230,43 @@ def check_combinations(p: RunPlan) -> None:
     # models are checked against their loaded config before training (zfctl.train.recipe).
     check_max_length(p.data.max_length, p.model.config if p.model.source == "config" else p.model.arch)
     check_packing(p.data.packing, p.model.config if p.model.source == "config" else p.model.arch)
+    check_strategy(p)
+
+
+def check_strategy(p: RunPlan) -> None:
+    """``distributed.strategy: fsdp`` on what the plan knows of the model (its config's shapes, or
+    ``model.arch``), before any process starts: FSDP2 needs decoder layers to wrap, and every
+    sharded dim (zfctl/train/fsdp.py ``shard_dims``) must divide by the world size. A hub model
+    known by name only is checked on the loaded model (``check_shardable``)."""
+    d = p.distributed
+    if d.strategy != "fsdp":
+        return
+    from zfctl.plan.memory import model_size  # memory.py imports this package's schema: import late
+
+    size = model_size(p)
+    if size is None:
+        return
+    world = d.nproc * d.nodes
+    if not size.layers:
+        raise ConfigError("distributed.strategy", "fsdp",
+                          "the model has no decoder layers for FSDP2 to wrap; use distributed.strategy: zero2")
+    rows = set(size.vocab_names) if p.zenflow.vocab_select == "rows" else set()
+    dims: list[tuple[str, int | None]]
+    if size.shapes:
+        dims = [(n, s[1] if n in rows and len(s) >= 2 else s[0]) for n, s in size.shapes]
+    else:  # model.arch: a Llama-style block's output dims
+        a = p.model.arch or {}
+        heads, h = a.get("num_attention_heads"), a.get("hidden_size")
+        hd = a.get("head_dim") or (h // heads if h and heads else None)
+        kv = a.get("num_key_value_heads") or heads
+        dims = [(k, a.get(k)) for k in ("hidden_size", "intermediate_size", "vocab_size")]
+        dims += [("num_attention_heads x head_dim", heads * hd if heads and hd else None),
+                 ("num_key_value_heads x head_dim", kv * hd if kv and hd else None)]
+    for name, size_ in dims:
+        if size_ and size_ % world:
+            raise ConfigError("distributed.nproc", d.nproc,
+                              f"fsdp shards {name} ({size_}) evenly over nproc x nodes = {world} ranks; use a "
+                              "world size that divides it, or distributed.strategy: zero2")
 
 
 def check_machine(m: MachineConfig) -> None:

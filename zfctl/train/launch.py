@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from zfctl.errors import UserError
+from zfctl.errors import ConfigError, UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
@@ -54,6 +54,10 @@ def finetune(plan: RunPlan, *, force: bool, debug_data: bool, argv: Sequence[str
     prints the plan (once per job: relaunched ranks stay quiet), so a mistake is one line in a
     second, not after the plan and a model load.
     """
+    if plan.distributed.strategy == "fsdp":  # before any process starts or anything is written
+        raise ConfigError("distributed.strategy", "fsdp",
+                          "the training loop runs zero2 only so far: the FSDP2 engine (zfctl/offload/sharded.py) "
+                          "has no checkpoint format yet; use zero2 or auto (auto trains under zero2)")
     env = dist_env()
     first = env.is_main and not os.environ.get(PLAN_PRINTED_ENV)
     if first:

@@ -65,7 +65,8 @@ class TrainingOptimizer(Protocol):
 
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: int,
-                    process_group: ProcessGroup | None = None) -> ZenFlowOptimizer:
+                    process_group: ProcessGroup | None = None,
+                    shard_group: ProcessGroup | None = None) -> ZenFlowOptimizer:
     """A ``ZenFlowOptimizer`` configured from ``plan.train`` and ``plan.zenflow``.
 
     Every zenflow preset goes through the same optimizer: ``zero-offload`` is ``topk_ratio 0,
@@ -74,6 +75,8 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     Parameters are passed with their names (they appear in errors and in the state_dict);
     ``named_parameters`` yields a tied weight once. Frozen parameters are left out. The token-indexed
     matrices are named as ``vocab_params``; ``zenflow.vocab_select`` decides what that changes.
+    ``shard_group``: the model is FSDP2-sharded over it (zfctl/train/fsdp.py); the optimizer steps
+    the local shards (zfctl/offload/sharded.py).
     """
     from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 
@@ -85,7 +88,7 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
-        process_group=process_group, vocab_params=vocab_matrices(model),
+        process_group=process_group, vocab_params=vocab_matrices(model), shard_group=shard_group,
     )
 
 
