@@ -1,5 +1,5 @@
 """ZenFlow on FSDP2 shards (zfctl/offload/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: the
-shipped tiny Llama (fp32), 30 steps, sharded over 2 ranks, loses what one process loses.
+shipped tiny Llama (fp32), 30 steps, sharded over 2 and 4 ranks, loses what one process loses.
 
 The one-process reference trains every global batch as two accumulated micro-batches (loss / 2
 each); each FSDP2 rank trains one half and FSDP2's reduce-scatter averages the two gradients. The
@@ -22,6 +22,8 @@ from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
 from zfctl.plan import resolve_plan
 from zfctl.train.models.load import load_model
+
+pytestmark = pytest.mark.slow  # spawned ranks, 30-step runs: ~2 min (2 ranks) + ~2 min (4) on 2 cores
 
 STEPS, BATCH, SEQ = 30, 4, 32
 RTOL = 1e-4
@@ -61,43 +63,104 @@ def _optimizer(model: torch.nn.Module, case: str, **group) -> ZenFlowOptimizer:
                             max_grad_norm=1.0, vocab_params=vocab_matrices(model), **group)
 
 
-def _train(case: str, rank: int = 0, world: int = 1, strategy: str | None = None) -> list[float]:
-    """Every step's global-batch loss. ``world`` 1: the two halves as two micro-batches;
-    2: this rank's half, under ``strategy`` (fsdp: FSDP2 shards; zero2: zfctl's exchange)."""
-    model, data, per = _model(), _batches(), BATCH // 2
+def _build(case: str, world: int, strategy: str | None) -> tuple[torch.nn.Module, ZenFlowOptimizer]:
+    """The model (FSDP2-sharded under ``strategy`` fsdp) and its optimizer."""
+    model = _model()
     group = {}
     if strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
 
         from zfctl.train.fsdp import parallelize
 
-        by_row = vocab_matrices(model)
-        parallelize(model, init_device_mesh("cpu", (world,)), by_row=by_row)
+        parallelize(model, init_device_mesh("cpu", (world,)), by_row=vocab_matrices(model))
         group = {"shard_group": dist.group.WORLD}
     elif strategy == "zero2":
         group = {"process_group": dist.group.WORLD}
+    return model, _optimizer(model, case, **group)
+
+
+def _steps(model: torch.nn.Module, opt: ZenFlowOptimizer, rank: int, world: int, lo: int, hi: int) -> list[float]:
+    """Steps ``lo..hi``' global-batch losses. ``world`` 1: the two halves as two micro-batches
+    (loss / 2 each); more: this rank's 1/world of the batch, whose gradient reduction (FSDP2's
+    reduce-scatter, or zero2's exchange) averages the ranks'."""
+    parts = max(world, 2)
+    data, per = _batches(), BATCH // parts
     losses = []
-    with _optimizer(model, case, **group) as opt:
-        for t in range(STEPS):
-            total = torch.zeros(())
-            for half in (rank,) if world > 1 else range(2):
-                loss = _loss(model, data[t, half * per : (half + 1) * per])
-                (loss / (2 // world)).backward()
-                total += loss.detach()
-            if world > 1:
-                dist.all_reduce(total)
-            losses.append(float(total) / 2)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    for t in range(lo, hi):
+        total = torch.zeros(())
+        for part in (rank,) if world > 1 else range(parts):
+            loss = _loss(model, data[t, part * per : (part + 1) * per])
+            (loss / (parts if world == 1 else 1)).backward()
+            total += loss.detach()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / parts)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return losses
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
+def _train(case: str, rank: int = 0, world: int = 1, strategy: str | None = None) -> list[float]:
+    """Every step's loss of a straight run."""
+    model, opt = _build(case, world, strategy)
+    with opt:
+        return _steps(model, opt, rank, world, 0, STEPS)
+
+
+def _resumed(case: str, rank: int, world: int, at: int) -> list[float]:
+    """``at`` fsdp steps (an interval open, an update in flight), both state_dicts (the model's as
+    its DTensor shards), a fresh sharded model and optimizer loaded from them, the rest."""
+    model, opt = _build(case, world, "fsdp")
+    with opt:
+        losses = _steps(model, opt, rank, world, 0, at)
+        msd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        osd = opt.state_dict()
+        assert opt.pipeline.pending_install or opt.pipeline.interval_len > 0
+    model, opt = _build(case, world, "fsdp")
+    model.load_state_dict(msd)
+    with opt:
+        opt.load_state_dict(osd)
+        return losses + _steps(model, opt, rank, world, at, STEPS)
+
+
+def _held_and_planned(world: int) -> tuple[int, float]:
+    """(bytes this rank's optimizer holds after 3 steps on its FSDP2 shards, the plan's engine
+    lines for fsdp over ``world`` ranks): test_plan_memory.py's count, on one rank's shards."""
+    from test_plan_memory import held_bytes
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zfctl.plan.memory import GB, Machine, estimate
+    from zfctl.train.fsdp import parallelize
+    from zfctl.train.optim import build_optimizer
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
+        "train.device=cpu", "train.precision=fp32", "zenflow.full_warm_up_rounds=0", "zenflow.accumulate=host",
+        "distributed.strategy=fsdp", f"distributed.nproc={world}"])
+    model = _model()
+    parallelize(model, init_device_mesh("cpu", (world,)), by_row=vocab_matrices(model))
+    opt = build_optimizer(model, plan, steps_per_epoch=100, shard_group=dist.group.WORLD)
+    try:
+        for t in range(3):
+            _loss(model, _batches()[t]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+        held = held_bytes(opt, params)
+    finally:
+        opt.close()
+    est = estimate(plan, Machine(64 * GB, False))
+    return held, sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+
+
+def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        res = {case: _train(case, rank, world, "fsdp") for case in CASES}
-        res["zero2-default"] = _train("default", rank, world, "zero2")
+        res: dict = {case: _train(case, rank, world, "fsdp") for case in cases}
+        if world == 2:
+            res["zero2-default"] = _train("default", rank, world, "zero2")
+            res["resumed-default"] = _resumed("default", rank, world, at=22)  # mid-interval, after a selection
+            res["memory"] = _held_and_planned(world)
         if rank == 0:
             torch.save(res, Path(out) / "losses.pt")
     finally:
@@ -107,7 +170,17 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_two(tmp_path_factory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("fsdp")
-    spawn_ranks(_worker, 2, (2, rendezvous(out), str(out)), timeout=600, what="2-rank fsdp training")
+    spawn_ranks(_worker, 2, (2, rendezvous(out), str(out), list(CASES)), timeout=600, what="2-rank fsdp training")
+    return torch.load(out / "losses.pt", weights_only=True)
+
+
+FOUR = ["default", "zero-offload"]  # 4 ranks on the 2-core box: the two ends of the presets
+
+
+@pytest.fixture(scope="module")
+def fsdp_four(tmp_path_factory) -> dict[str, list[float]]:
+    out = tmp_path_factory.mktemp("fsdp4")
+    spawn_ranks(_worker, 4, (4, rendezvous(out), str(out), FOUR), timeout=900, what="4-rank fsdp training")
     return torch.load(out / "losses.pt", weights_only=True)
 
 
@@ -133,5 +206,24 @@ def test_fsdp_two_ranks_match_one_process(fsdp_two, one_rank, case: str) -> None
     assert one_rank[case][-1] < one_rank[case][0] - 0.5  # it trained: the comparison is not of noise
 
 
+@pytest.mark.parametrize("case", FOUR)
+def test_fsdp_four_ranks_match_one_process(fsdp_four, one_rank, case: str) -> None:
+    assert len(fsdp_four[case]) == STEPS
+    assert not _close(fsdp_four[case], one_rank[case])
+
+
 def test_fsdp_and_zero2_agree(fsdp_two) -> None:
     assert not _close(fsdp_two["default"], fsdp_two["zero2-default"])
+
+
+def test_fsdp_resumes_exactly_from_its_state_dicts(fsdp_two) -> None:
+    """The library's resume under fsdp (each rank's own shards and row state): the same losses bit
+    for bit. (zfctl finetune has no fsdp checkpoint yet: zfctl/train/launch.py refuses it.)"""
+    assert fsdp_two["resumed-default"] == fsdp_two["default"]
+
+
+def test_plan_counts_one_ranks_shards(fsdp_two) -> None:
+    """The plan's engine lines under fsdp (zfctl/plan/memory.py ``shard_shapes``) are what one
+    rank's optimizer holds for its local rows, within 2%."""
+    held, planned = fsdp_two["memory"]
+    assert held == pytest.approx(planned, rel=0.02), (held, planned)

@@ -301,13 +301,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (an in-flight update is waited for
         first). Like ``torch.optim``, the live state, not copies (state.py); the host state as
-        pieces keyed by parameter name and column range, loadable on any world size (pieces.py)."""
-        return state.save(self)
+        pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
+        Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
+        group: it loads into the same rank of the same world size only."""
+        sd = state.save(self)
+        if self.sharded is not None:
+            sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` of an optimizer over the same parameters and topk_ratio; data
-        parallel: its host pieces, from any world size, must cover this rank's columns."""
-        state.load(self, state_dict)
+        parallel: its host pieces, from any world size, must cover this rank's columns. FSDP2: a
+        state of the same rank and world size (``state_dict``)."""
+        here = [self.sharded.rank, self.sharded.world_size] if self.sharded is not None else None
+        saved = state_dict.get("fsdp_shard")
+        if saved is not None:
+            saved = [int(x) for x in saved]
+        if saved != here:
+            raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
+                             f"{here}: sharded row states load into the same rank and world size only")
+        state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
 
     def host_ranges(self) -> list[tuple[str, int, int]]:
         """(name, c0, c1) of the host column ranges this optimizer holds: what a resharding resume

@@ -43,7 +43,7 @@ class ShardedParams:
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], group: Any, by_row: frozenset[str]) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dtensors: list[DTensor] = []
         self.local: list[tuple[str, torch.Tensor]] = []
         for name, p in named:
