@@ -1,5 +1,5 @@
 """ZenFlow on FSDP2 shards (zfctl/offload/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: the
-shipped tiny Llama (fp32), 30 steps, sharded over 2 and 4 ranks, loses what one process loses.
+shipped tiny Llama (fp32), 30 steps, sharded over 2 and 4 ranks (and HSDP: 2 replicas of 2 shards), loses what one process loses.
 
 The one-process reference trains every global batch as two accumulated micro-batches (loss / 2
 each); each FSDP2 rank trains one half and FSDP2's reduce-scatter averages the two gradients. The
@@ -67,13 +67,12 @@ def _build(case: str, world: int, strategy: str | None) -> tuple[torch.nn.Module
     """The model (FSDP2-sharded under ``strategy`` fsdp) and its optimizer."""
     model = _model()
     group = {}
-    if strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
+    if strategy in ("fsdp", "hsdp"):  # hsdp: 2 replicas of the rows sharded over world / 2 ranks
+        from zfctl.train.fsdp import data_parallel_mesh, parallelize
 
-        from zfctl.train.fsdp import parallelize
-
-        parallelize(model, init_device_mesh("cpu", (world,)), by_row=vocab_matrices(model))
-        group = {"shard_group": dist.group.WORLD}
+        mesh = data_parallel_mesh("cpu", world, replicas=2 if strategy == "hsdp" else 1)
+        parallelize(model, mesh, by_row=vocab_matrices(model))
+        group = {"shard_group": mesh.get_group("shard")}
     elif strategy == "zero2":
         group = {"process_group": dist.group.WORLD}
     return model, _optimizer(model, case, **group)
@@ -127,17 +126,16 @@ def _held_and_planned(world: int) -> tuple[int, float]:
     """(bytes this rank's optimizer holds after 3 steps on its FSDP2 shards, the plan's engine
     lines for fsdp over ``world`` ranks): test_plan_memory.py's count, on one rank's shards."""
     from test_plan_memory import held_bytes
-    from torch.distributed.device_mesh import init_device_mesh
 
     from zfctl.plan.memory import GB, Machine, estimate
-    from zfctl.train.fsdp import parallelize
+    from zfctl.train.fsdp import data_parallel_mesh, parallelize
     from zfctl.train.optim import build_optimizer
 
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cpu", "train.precision=fp32", "zenflow.full_warm_up_rounds=0", "zenflow.accumulate=host",
         "distributed.strategy=fsdp", f"distributed.nproc={world}"])
     model = _model()
-    parallelize(model, init_device_mesh("cpu", (world,)), by_row=vocab_matrices(model))
+    parallelize(model, data_parallel_mesh("cpu", world), by_row=vocab_matrices(model))
     opt = build_optimizer(model, plan, steps_per_epoch=100, shard_group=dist.group.WORLD)
     try:
         for t in range(3):
@@ -157,6 +155,8 @@ def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> Non
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         res: dict = {case: _train(case, rank, world, "fsdp") for case in cases}
+        if world == 4:
+            res["hsdp-default"] = _train("default", rank, world, "hsdp")
         if world == 2:
             res["zero2-default"] = _train("default", rank, world, "zero2")
             res["resumed-default"] = _resumed("default", rank, world, at=22)  # mid-interval, after a selection
@@ -210,6 +210,11 @@ def test_fsdp_two_ranks_match_one_process(fsdp_two, one_rank, case: str) -> None
 def test_fsdp_four_ranks_match_one_process(fsdp_four, one_rank, case: str) -> None:
     assert len(fsdp_four[case]) == STEPS
     assert not _close(fsdp_four[case], one_rank[case])
+
+
+def test_hsdp_two_replicas_of_two_shards_match_one_process(fsdp_four, one_rank) -> None:
+    """HSDP (data_parallel_mesh replicas=2): scores and norm summed within the shard group only."""
+    assert not _close(fsdp_four["hsdp-default"], one_rank["default"])
 
 
 def test_fsdp_and_zero2_agree(fsdp_two) -> None:

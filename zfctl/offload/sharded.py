@@ -17,6 +17,10 @@ its dim-0 tokens, zfctl/offload/layout.py), so each rank holds all columns of so
 * the host half (master, moments, accumulators) of this rank's rows lives in this rank's host
   state: no host state is shared, no install is broadcast, no gradient is exchanged by zfctl.
 
+HSDP (a 2-D mesh: replicate across nodes, shard within one; zfctl/train/fsdp.py): FSDP2 also
+all-reduces the gradient shards across the replicas, so every replica holds the same rows'
+gradients, and ``group`` is the shard dim's group only: the sums above run within a node.
+
 Only the summation order of the scores, norm and masses differs from one process (partial sums
 per rank), by rounding; a selection tie broken differently by that rounding is the one way the
 ranks' columns could differ from one process's, and every rank still agrees (same summed vector).
@@ -28,14 +32,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zfctl.offload.layout import ParamSlot, as_matrix
 from zfctl.offload.selection import column_l1
 
 
 class ShardedParams:
-    """The FSDP2 ``DTensor`` parameters of one optimizer and their local shards.
+    """The FSDP2 ``DTensor`` parameters of one optimizer and their local shards; ``group``: the
+    ranks the rows are sharded over (the whole world, or HSDP's shard dim).
 
     ``local``: (name, tensor) pairs aliasing each shard's storage, what the engine plans and
     steps. ``by_row``: names of the matrices ZenFlow reads by row (their shard must be on dim 1).
@@ -51,9 +56,9 @@ class ShardedParams:
                 raise TypeError(f"parameter {name!r} is not an FSDP2 DTensor: apply fully_shard to "
                                  "the whole model (zfctl/train/fsdp.py parallelize) before the optimizer")
             want = 1 if name in by_row and p.dim() >= 2 else 0
-            if tuple(p.placements) != (Shard(want),):
+            if tuple(p.placements) not in ((Shard(want),), (Replicate(), Shard(want))):
                 raise ValueError(f"parameter {name!r} is placed {tuple(p.placements)}; ZenFlow needs "
-                                 f"Shard({want}) (its row dim) on a 1-D mesh")
+                                 f"Shard({want}) (its row dim), on a 1-D mesh or as HSDP's shard dim")
             with torch.no_grad():
                 local = p.to_local().detach()  # the shard's storage: in-place writes reach FSDP2
             local.requires_grad_(True)

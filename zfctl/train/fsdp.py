@@ -55,11 +55,26 @@ def check_shardable(model: torch.nn.Module, world_size: int, by_row: Iterable[st
                               "use a world size that divides it, or distributed.strategy: zero2")
 
 
+def data_parallel_mesh(device_type: str, world_size: int, *, replicas: int = 1) -> DeviceMesh:
+    """The mesh ``parallelize`` shards over: 1-D over every rank, or with ``replicas`` > 1 HSDP's
+    2-D ``(replicate, shard)`` mesh: rows sharded over ``world_size / replicas`` consecutive ranks
+    (one node under torchrun's rank order), each shard replicated ``replicas`` times (the nodes).
+    The optimizer's ``shard_group`` is ``mesh.get_group("shard")`` for HSDP, the world otherwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicas == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    if world_size % replicas:
+        raise ValueError(f"{world_size} ranks do not split into {replicas} replicas")
+    return init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, by_row: Iterable[str] = ()) -> torch.nn.Module:
-    """Shard ``model`` in place with FSDP2 over the 1-D data-parallel ``mesh``: each decoder layer,
-    then the root (embeddings, final norm, head). Gradients are reduced in fp32 whatever the model
-    dtype (``MixedPrecisionPolicy``: the sum of W bf16 shards would lose bits); weights stay in the
-    model dtype. Returns ``model`` (now an ``FSDPModule``)."""
+    """Shard ``model`` in place with FSDP2 over ``mesh`` (``data_parallel_mesh``: 1-D, or HSDP's
+    2-D replicate x shard): each decoder layer, then the root (embeddings, final norm, head).
+    Gradients are reduced in fp32 whatever the model dtype (``MixedPrecisionPolicy``: the sum of W
+    bf16 shards would lose bits); weights stay in the model dtype. Returns ``model`` (now an
+    ``FSDPModule``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
