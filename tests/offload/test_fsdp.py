@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from proc_helpers import rendezvous, spawn_ranks
+from torch.distributed.tensor import DTensor
 
 from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
@@ -63,9 +64,13 @@ def _optimizer(model: torch.nn.Module, case: str, **group) -> ZenFlowOptimizer:
                             max_grad_norm=1.0, vocab_params=vocab_matrices(model), **group)
 
 
-def _build(case: str, world: int, strategy: str | None) -> tuple[torch.nn.Module, ZenFlowOptimizer]:
-    """The model (FSDP2-sharded under ``strategy`` fsdp) and its optimizer."""
+def _build(case: str, world: int, strategy: str | None,
+           weights: dict | None = None) -> tuple[torch.nn.Module, ZenFlowOptimizer]:
+    """The model (``weights``: whole tensors, loaded before sharding; FSDP2-sharded under
+    ``strategy`` fsdp) and its optimizer."""
     model = _model()
+    if weights is not None:
+        model.load_state_dict(weights)
     group = {}
     if strategy in ("fsdp", "hsdp"):  # hsdp: 2 replicas of the rows sharded over world / 2 ranks
         from zfctl.train.fsdp import data_parallel_mesh, parallelize
@@ -99,22 +104,75 @@ def _steps(model: torch.nn.Module, opt: ZenFlowOptimizer, rank: int, world: int,
     return losses
 
 
-def _train(case: str, rank: int = 0, world: int = 1, strategy: str | None = None) -> list[float]:
-    """Every step's loss of a straight run."""
+def _train(case: str, rank: int = 0, world: int = 1, strategy: str | None = None,
+           save: Path | None = None) -> list[float]:
+    """Every step's loss of a straight run; ``save``: also write this rank's optimizer state and
+    the model's whole weights after step ``AT`` there (``{strategy}-opt{rank}.pt``, ``-model.pt``)."""
     model, opt = _build(case, world, strategy)
     with opt:
-        return _steps(model, opt, rank, world, 0, STEPS)
+        losses = _steps(model, opt, rank, world, 0, AT if save else STEPS)
+        if save is not None:
+            torch.save(opt.state_dict(), save / f"{strategy or 'one'}-opt{rank}.pt")
+            whole = _whole(model)
+            if rank == 0:
+                torch.save(whole, save / f"{strategy or 'one'}-model.pt")
+            losses += _steps(model, opt, rank, world, AT, STEPS)
+        return losses
 
 
-def _resumed(case: str, rank: int, world: int, at: int) -> list[float]:
+def _continued(case: str, rank: int, world: int, strategy: str | None, weights: dict, state: dict) -> list[float]:
+    """Steps ``AT..STEPS`` from whole ``weights`` and an optimizer ``state`` re-cut for this rank."""
+    model, opt = _build(case, world, strategy, weights)
+    with opt:
+        opt.load_state_dict(state)
+        return _steps(model, opt, rank, world, AT, STEPS)
+
+
+def _load(out: Path, name: str) -> dict:
+    return torch.load(out / name, weights_only=True)
+
+
+def _recuts(rank: int, world: int, out: Path) -> dict[str, list[float]]:
+    """Continue from the states saved at step AT on another strategy or world size: fsdp -> zero2,
+    zero2 -> fsdp (through one process's state) and one process -> fsdp."""
+    from zfctl.offload.pieces import merge_states
+    from zfctl.offload.sharded import shard_state, unshard_state
+
+    fsdp_one = unshard_state([_load(out, f"fsdp-opt{r}.pt") for r in range(world)])
+    z2 = [_load(out, f"zero2-opt{r}.pt") for r in range(world)]
+    z2_one = merge_states(z2, [(n, 0, c1) for n, _, _, c1 in z2[0]["partition"]["ranges"]])
+    one = _load(out, "one-opt0.pt")
+    return {
+        "fsdp-to-zero2": _continued("default", rank, world, "zero2", _load(out, "fsdp-model.pt"), fsdp_one),
+        "zero2-to-fsdp": _continued("default", rank, world, "fsdp", _load(out, "zero2-model.pt"),
+                                    shard_state(z2_one, world)[rank]),
+        "one-to-fsdp": _continued("default", rank, world, "fsdp", _load(out, "one-model.pt"),
+                                  shard_state(one, world)[rank]),
+    }
+
+
+AT = 22  # mid-interval (an update in flight), two steps after the first selection
+
+
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as whole tensors (FSDP2 shards gathered: a collective on every rank)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _resumed(case: str, rank: int, world: int, at: int, out: Path) -> list[float]:
     """``at`` fsdp steps (an interval open, an update in flight), both state_dicts (the model's as
-    its DTensor shards), a fresh sharded model and optimizer loaded from them, the rest."""
+    its DTensor shards), a fresh sharded model and optimizer loaded from them, the rest. Also
+    writes this rank's optimizer state and the whole weights to ``out`` (the re-cut tests)."""
     model, opt = _build(case, world, "fsdp")
     with opt:
         losses = _steps(model, opt, rank, world, 0, at)
         msd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         osd = opt.state_dict()
         assert opt.pipeline.pending_install or opt.pipeline.interval_len > 0
+        torch.save(osd, out / f"fsdp-opt{rank}.pt")
+        whole = _whole(model)
+        if rank == 0:
+            torch.save(whole, out / "fsdp-model.pt")
     model, opt = _build(case, world, "fsdp")
     model.load_state_dict(msd)
     with opt:
@@ -158,8 +216,10 @@ def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> Non
         if world == 4:
             res["hsdp-default"] = _train("default", rank, world, "hsdp")
         if world == 2:
-            res["zero2-default"] = _train("default", rank, world, "zero2")
-            res["resumed-default"] = _resumed("default", rank, world, at=22)  # mid-interval, after a selection
+            res["zero2-default"] = _train("default", rank, world, "zero2", save=Path(out))
+            res["resumed-default"] = _resumed("default", rank, world, AT, Path(out))
+            dist.barrier()  # every rank's files are written
+            res.update(_recuts(rank, world, Path(out)))
             res["memory"] = _held_and_planned(world)
         if rank == 0:
             torch.save(res, Path(out) / "losses.pt")
@@ -170,8 +230,21 @@ def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> Non
 @pytest.fixture(scope="module")
 def fsdp_two(tmp_path_factory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("fsdp")
-    spawn_ranks(_worker, 2, (2, rendezvous(out), str(out), list(CASES)), timeout=600, what="2-rank fsdp training")
-    return torch.load(out / "losses.pt", weights_only=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # one process's state at step AT, for the ranks to continue under fsdp
+        one = _train("default", save=out)
+    finally:
+        torch.set_num_threads(threads)
+    spawn_ranks(_worker, 2, (2, rendezvous(out), str(out), list(CASES)), timeout=900, what="2-rank fsdp training")
+    res = torch.load(out / "losses.pt", weights_only=True)
+    from zfctl.offload.sharded import unshard_state
+
+    # fsdp 2 -> 1: the two ranks' states as one process's, continued here.
+    state = unshard_state([torch.load(out / f"fsdp-opt{r}.pt", weights_only=True) for r in range(2)])
+    res["fsdp-to-one"] = _continued("default", 0, 1, None, torch.load(out / "fsdp-model.pt", weights_only=True), state)
+    res["one-straight"] = one
+    return res
 
 
 FOUR = ["default", "zero-offload"]  # 4 ranks on the 2-core box: the two ends of the presets
@@ -225,6 +298,17 @@ def test_fsdp_resumes_exactly_from_its_state_dicts(fsdp_two) -> None:
     """The library's resume under fsdp (each rank's own shards and row state): the same losses bit
     for bit. (zfctl finetune has no fsdp checkpoint yet: zfctl/train/launch.py refuses it.)"""
     assert fsdp_two["resumed-default"] == fsdp_two["default"]
+
+
+@pytest.mark.parametrize(("recut", "straight"), [
+    ("fsdp-to-one", "default"), ("fsdp-to-zero2", "default"), ("zero2-to-fsdp", "zero2-default"),
+    ("one-to-fsdp", "one-straight")])
+def test_a_state_recut_across_strategies_and_world_sizes_continues(fsdp_two, recut: str, straight: str) -> None:
+    """Saved at step AT (mid-interval, an update in flight) under one strategy/world size and
+    continued under another (zfctl/offload/sharded.py unshard_state / shard_state,
+    pieces.merge_states): the next losses within 1e-4 of the straight run's."""
+    assert len(fsdp_two[recut]) == STEPS - AT
+    assert not _close(fsdp_two[recut], fsdp_two[straight][AT:])
 
 
 def test_plan_counts_one_ranks_shards(fsdp_two) -> None:

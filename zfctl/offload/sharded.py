@@ -105,3 +105,81 @@ class ShardedParams:
         if not values:
             return values
         return list(self.all_sum(torch.stack(values)).unbind())
+
+
+# -- re-cutting a state across strategies and world sizes ------------------------------------------
+# Every quantity of a ZenFlow state is per element of a column, or per column (the step counters),
+# and FSDP2 ranks hold the same columns with 1/W of each column's elements each, in rank order
+# (zfctl/train/fsdp.py: ZenFlow's row dim is the sharded dim, split evenly). So W ranks' states
+# are one process's state cut along the elements of every column: re-cutting is concatenating or
+# slicing, block by block on the device (layout.py: a block is [ncols, length]) and piece by piece
+# on the host (pieces.py: a piece is [ncols, rows]). A one-process state is also what zero2 ranks
+# of any world size load (pieces.merge_states gathers theirs into one), so fsdp <-> zero2 goes
+# through it.
+
+def _layout_of(sd: dict[str, Any]) -> Any:
+    """The layout ``plan_layout`` gave the optimizer that saved ``sd`` (from its names and shapes)."""
+    from zfctl.offload.layout import plan_layout
+
+    named = [(n, torch.empty(s, device="meta")) for n, s in zip(sd["names"], sd["shapes"])]
+    return plan_layout(named, float(sd["config"]["topk_ratio"]), frozenset(sd.get("by_row", [])))
+
+
+def _row_dim(name: str, shape: list[int], by_row: set[str]) -> int:
+    return 1 if name in by_row and len(shape) >= 2 else 0
+
+
+def unshard_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One process's optimizer state from the ``state_dict``s of all ``W`` FSDP2 ranks (rank
+    order): it loads into an unsharded optimizer, or, through ``shard_state``, into another W."""
+    world = len(states)
+    for r, sd in enumerate(states):
+        if [int(x) for x in sd.get("fsdp_shard") or []] != [r, world]:
+            raise ValueError(f"state {r} is not rank {r} of {world} FSDP2 shards: {sd.get('fsdp_shard')}")
+        if sd["shapes"] != states[0]["shapes"]:
+            raise ValueError("FSDP2 shards of unequal shapes cannot be re-cut (zfctl/train/fsdp.py check_shardable)")
+    first, layout = states[0], _layout_of(states[0])
+    rows = set(first.get("by_row", []))
+    device = {k: torch.cat([torch.cat([sd["device"][k][b.off : b.off + b.ncols * b.length].view(b.ncols, b.length)
+                                       for sd in states], dim=1).reshape(-1) for b in layout.blocks])
+              if layout.blocks else first["device"][k] for k in ("master", "exp_avg", "exp_avg_sq")}
+    device["steps"] = first["device"]["steps"]
+    host = None
+    if first.get("host") is not None:
+        host = [{k: (v if k in ("name", "c0", "c1", "steps") else torch.cat([sd["host"][i][k] for sd in states], dim=1))
+                 for k, v in piece.items()} for i, piece in enumerate(first["host"])]
+    shapes = [[d * world if i == _row_dim(n, s, rows) else d for i, d in enumerate(s)]
+              for n, s in zip(first["names"], first["shapes"])]
+    out = {**first, "shapes": shapes, "device": device, "host": host}
+    out.pop("fsdp_shard")
+    return out
+
+
+def shard_state(sd: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """``world`` FSDP2 ranks' states from one process's (``unshard_state``'s inverse; a zero2
+    job's through ``pieces.merge_states``): rank r's are rows ``[r, r+1) x rows / world`` of
+    every column."""
+    if sd.get("fsdp_shard") is not None:
+        raise ValueError("already an FSDP2 shard's state: unshard_state first")
+    layout, rows = _layout_of(sd), set(sd.get("by_row", []))
+    for s in layout.slots:
+        if s.rows % world:
+            raise ValueError(f"{s.name}: {s.rows} elements per column do not split over {world} ranks")
+    out = []
+    for r in range(world):
+        def part(t: torch.Tensor, length: int, r: int = r) -> torch.Tensor:
+            n = length // world
+            return t[:, r * n : (r + 1) * n].contiguous()
+
+        device = {k: torch.cat([part(sd["device"][k][b.off : b.off + b.ncols * b.length].view(b.ncols, b.length),
+                                     b.length).reshape(-1) for b in layout.blocks])
+                  if layout.blocks else sd["device"][k] for k in ("master", "exp_avg", "exp_avg_sq")}
+        device["steps"] = sd["device"]["steps"]
+        host = None
+        if sd.get("host") is not None:
+            host = [{k: (v if k in ("name", "c0", "c1", "steps") else part(v, v.shape[1])) for k, v in piece.items()}
+                    for piece in sd["host"]]
+        shapes = [[d // world if i == _row_dim(n, s, rows) else d for i, d in enumerate(s)]
+                  for n, s in zip(sd["names"], sd["shapes"])]
+        out.append({**sd, "shapes": shapes, "device": device, "host": host, "fsdp_shard": [r, world]})
+    return out
