@@ -237,7 +237,8 @@ def check_strategy(p: RunPlan) -> None:
     """``distributed.strategy: fsdp`` on what the plan knows of the model (its config's shapes, or
     ``model.arch``), before any process starts: FSDP2 needs decoder layers to wrap, and every
     sharded dim (zfctl/train/fsdp.py ``shard_dims``) must divide by the world size. A hub model
-    known by name only is checked on the loaded model (``check_shardable``)."""
+    known by name only cannot be checked here; ``check_shardable`` (zfctl/train/fsdp.py) is the
+    same check on a built model."""
     d = p.distributed
     if d.strategy != "fsdp":
         return
