@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ class PreparedData:
     name: str = ""
     max_length: int = 0
     cache_path: Path | None = None
+    cache_warning: str | None = None  # why the cache could not be written (the run goes on without it)
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         """Right-pad to the longest sequence of the micro-batch (pad labels -100, mask 0).
@@ -122,11 +122,14 @@ def prepare_data(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: Path | Non
         dsd, stats = _build(cfg, tokenizer, source, raw_train, seed)
         try:
             data_cache.save(dsd, asdict(stats), path)
-        except OSError as e:  # read-only or full disk: train from memory, say so
-            warnings.warn(
-                f"data cache not written ({e}); the data will be tokenised again next run", stacklevel=2
-            )
-            return _result(cfg, tokenizer, dsd, stats, None)
+        except OSError as e:  # read-only or full disk: train from memory; load_inputs says so once
+            from zfctl.writable import os_error_line
+
+            result = _result(cfg, tokenizer, dsd, stats, None)
+            result.cache_warning = (f"the data cache was not written ({os_error_line(e)}): the data was "
+                                    "tokenised in memory and will be again next run; set ZFCTL_CACHE_DIR "
+                                    "to a writable folder to keep it")
+            return result
         hit = data_cache.load(path)  # memory-mapped from the cache from now on
         if hit is None:
             return _result(cfg, tokenizer, dsd, stats, None)
