@@ -284,7 +284,7 @@ class FinetuneRecipe:
             self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
-            barrier=self._barrier, estimate=self._checkpoint_bytes)
+            barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint)
         self.last_checkpoint, self.saved_step = path, step
         self.display.print(f"checkpoint {path}")
         return path
