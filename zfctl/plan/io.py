@@ -107,6 +107,11 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # write() and fsync() errors carry no name: the one line names the file
+            e.filename = str(path)
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
