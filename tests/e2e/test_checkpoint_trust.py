@@ -379,3 +379,29 @@ def test_a_garbled_run_folder_plan_does_not_block_resume(trained: Path, tmp_path
     # --latest-good takes the same way
     (run / "plan.yaml").write_text("train: [\n")
     assert zf("resume", run, "--latest-good", "--max-steps", 6).exit_code == 0
+
+
+def test_resume_refuses_training_data_edited_with_the_same_record_count(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    rows = [{"instruction": f"Count to {i}.", "output": " ".join(map(str, range(1, i + 2)))} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    sets = [a for s in TINY for a in ("--set", s)]
+    res = zf("finetune", "tiny-llama", "--data", data, "--output", run, "--max-steps", 2, *sets)
+    assert res.exit_code == 0, res.output
+    os.utime(data, (1, 1))  # touched, not changed: the content decides, not the mtime
+    assert zf("resume", run, "--max-steps", 3).exit_code == 0
+    rows[7]["output"] = "seven"  # one answer edited: still 40 records
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = tree(run)
+    res = zf("resume", run, "--max-steps", 4)
+    assert res.exit_code == 2, res.output
+    (line,) = errors(res.output)
+    assert "the training data changed since the checkpoint" in line and "the same" in line, line
+    assert "other tokens" in line and "pass --allow-changes to continue on the new data" in line, line
+    assert tree(run) == before
+    res = zf("resume", run, "--max-steps", 4, "--allow-changes")
+    assert res.exit_code == 0, res.output
+    assert "continuing on the new data (--allow-changes)" in res.output
+    assert ck.resolve_checkpoint(run).step == 4
+    assert zf("resume", run, "--max-steps", 5).exit_code == 0  # its checkpoints hold the new data's digest

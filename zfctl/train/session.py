@@ -120,7 +120,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
                             f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
         require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         _, prepared = load_inputs(plan, rank=env.rank)
-        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock), info)
+        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock, allow_changes=allow_changes), info)
     finally:
         lock.release()
 
