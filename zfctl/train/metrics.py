@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from zfctl.errors import RunFailed, UserError
-from zfctl.writable import os_error_line
 from zfctl.plan.schema import RunPlan
+from zfctl.writable import os_error_line
 
 if TYPE_CHECKING:
     from zfctl.train.progress import StepResult

@@ -115,8 +115,8 @@ def sequences_digest(ds) -> str:
     for name in sorted(table.column_names):
         lengths, values = xxhash.xxh3_128(), xxhash.xxh3_128()
         for chunk in table.column(name).chunks:  # Arrow buffers are little-endian on every machine
-            lengths.update(np.ascontiguousarray(chunk.value_lengths().to_numpy(zero_copy_only=False)))
-            values.update(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False)))
+            lengths.update(np.ascontiguousarray(chunk.value_lengths().to_numpy(zero_copy_only=False)).data)
+            values.update(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False)).data)
         whole.update(f"{name}:{table.schema.field(name).type}:{lengths.hexdigest()}:{values.hexdigest()};".encode())
     return whole.hexdigest()
 

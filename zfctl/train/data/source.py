@@ -178,6 +178,7 @@ def first_record(path: Path) -> object | None:
             return batch.to_pylist()[0]
         if suffix == ".json" and path.stat().st_size >= _JSON_PEEK_LIMIT:
             return None
+        rec: object
         if suffix == ".csv":
             with open(path, newline="", encoding="utf-8-sig") as f:
                 rec = next(csv.DictReader(f), None)
