@@ -110,6 +110,7 @@ BAD_FLAGS = [
     ("empty --output", ["--output", ""], "--output '': the run folder is empty"),
     ("two --config", ["--config", "a.yaml", "--config", "b.yaml"], "--config was given 2 times (a.yaml, b.yaml)"),
     ("--output a file", ["--output", "afile"], "afile exists and is not a folder; choose another --output"),
+    ("--config a folder", ["--config", "adir"], "config file adir: is a folder; give a YAML plan fragment"),
 ]
 
 
@@ -120,6 +121,7 @@ def test_bad_flags_are_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / "a.yaml").write_text("train: {lr: 1.0e-4}\n")
     (tmp_path / "b.yaml").write_text("train: {lr: 2.0e-4}\n")
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
     for verb in ("plan", "finetune"):
         result = zf(verb, "tiny-llama", "--data", "alpaca-sample", *extra)
@@ -129,8 +131,8 @@ def test_bad_flags_are_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.Monke
         assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, not in "." either
 
 
-def test_a_single_config_still_layers_over_the_presets(tmp_path: Path) -> None:
-    (tmp_path / "b.yaml").write_text("train: {lr: 2.0e-4}\n")
+def test_a_single_config_with_a_bom_still_layers_over_the_presets(tmp_path: Path) -> None:
+    (tmp_path / "b.yaml").write_bytes(b"\xef\xbb\xbftrain: {lr: 2.0e-4}\n")  # with a byte-order mark
     result = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--config", tmp_path / "b.yaml", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plan"]["train"]["lr"] == 2e-4
