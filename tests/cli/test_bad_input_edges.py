@@ -196,3 +196,11 @@ def test_an_unwritable_data_cache_is_one_warning_line_not_a_python_warning(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: the data cache was not written ("), err
     assert "ZFCTL_CACHE_DIR" in err[0]
+
+
+def test_the_pipeline_reads_unreadable_files_as_the_preflight_does(tmp_path: Path) -> None:
+    # read_file is what a run (and each torchrun rank) reads: the same one line, not datasets' traceback
+    for make, needle in ((empty_parquet, "holds no records"), (fake_parquet, "not a readable parquet file")):
+        path = make(tmp_path)
+        with pytest.raises(UserError, match=needle):
+            data_source.read_file(path)
