@@ -46,9 +46,11 @@ def plan(
     from zfctl.plan import plan_to_dict
     from zfctl.plan.memory import estimate
     from zfctl.plan.render import print_memory, print_plan
+    from zfctl.train.preflight import check_for_plan
 
     flags = plan_flags(output, max_steps, gpu_memory=gpu_memory, host_memory=host_memory)
     resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=as_json)
+    check_for_plan(resolved)  # what finetune would refuse before its plan: refused before this one too
     est = estimate(resolved)
     if as_json:
         print(dumps_json({"plan": plan_to_dict(resolved), "memory": est.to_dict(), "notes": notes}))

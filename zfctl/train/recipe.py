@@ -64,6 +64,7 @@ class FinetuneRecipe:
     ``resumed_from`` and ``last_checkpoint`` are set by :meth:`load_checkpoint` and kept current
     by :meth:`train` and :meth:`save_checkpoint`. ``lock``: the run folder's lock (the caller may
     have taken it, and releases it). ``force``: a fresh run may replace an old run folder's contents.
+    ``allow_changes``: a resume may continue on training data whose content changed.
     """
 
     model: torch.nn.Module
@@ -76,12 +77,13 @@ class FinetuneRecipe:
     display: Display
 
     def __init__(self, plan: RunPlan, data: PreparedData, env: DistEnv, *, lock: FolderLock | None = None,
-                 force: bool = False) -> None:
+                 force: bool = False, allow_changes: bool = False) -> None:
         self.plan, self.data, self.env = plan, data, env
         self.device = train_device(plan, env)
         self.run_dir = Path(plan.checkpoint.output_dir)
         self.lock = lock if lock is not None else FolderLock()
         self.force = force
+        self.allow_changes = allow_changes  # resume: continue on training data that changed (load_checkpoint)
         self.progress = Progress()
         self.resumed_from: ck.CheckpointInfo | None = None
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run's state
@@ -106,8 +108,10 @@ class FinetuneRecipe:
         """
         if ckpt is None:
             return
-        self.progress, self._restore = read_trainer_state(ckpt, rank=self.env.rank,
-                                                          num_train_samples=len(self.data.train))
+        self.progress, self._restore = read_trainer_state(
+            ckpt, rank=self.env.rank, num_train_samples=len(self.data.train),
+            train_digest=lambda: self.data.train_digest, allow_changes=self.allow_changes,
+            note=self._note if self.env.rank == 0 else lambda line: None)
         self.resumed_from, self.last_checkpoint, self.saved_step = ckpt, ckpt.path, ckpt.step
 
     def setup(self) -> None:
@@ -150,6 +154,10 @@ class FinetuneRecipe:
             self._cleanup.callback(self.metrics.close)
         self.display = RichDisplay(Console()) if main else NullDisplay()
         self._cleanup.callback(self.display.close)
+
+    @staticmethod
+    def _note(line: str) -> None:
+        Console(stderr=True).print(f"note: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:
@@ -279,12 +287,12 @@ class FinetuneRecipe:
         write.py: rank 0 writes the shared files, each rank its optimizer share and RNG state)."""
         state = trainer_state(self.progress, scheduler=self.scheduler.state_dict(),
                               sampler=self.sampler.position, num_train_samples=len(self.data.train),
-                              steps_per_epoch=self.steps_per_epoch)
+                              steps_per_epoch=self.steps_per_epoch, train_digest=self.data.train_digest)
         path = ck.save_checkpoint(
             self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
-            barrier=self._barrier, estimate=self._checkpoint_bytes)
+            barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint)
         self.last_checkpoint, self.saved_step = path, step
         self.display.print(f"checkpoint {path}")
         return path
