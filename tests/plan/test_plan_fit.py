@@ -112,3 +112,31 @@ def test_nothing_fits_is_one_user_error_naming_what_was_tried() -> None:
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("--fit: nothing makes this plan fit")
     assert "--gpu-memory" in msg and "zenflow.topk_ratio=0.05" in msg
+
+
+def test_the_cheapest_change_wins_when_several_would_fit() -> None:
+    """The device 0.2 GB short: lowering topk_ratio to 0.075 would fit, and so would recompute;
+    recompute costs no accuracy, so it is the one taken, alone."""
+    plan = _plan("llama3.2-1b", "train.activation_checkpointing=false", "zenflow.accumulate=host",
+                 "machine.host_memory=256GB")
+    need = estimate(plan, Machine(256 * GB, True, "x", 1024 * GB)).device_total
+    gpu = (need - 0.2 * GB) / 0.95  # zfctl/plan/memory.py DEVICE_MARGIN: 5% kept free
+    plan = with_sets(plan, {"machine.gpu_memory": f"{gpu:.0f}B"})
+    assert not estimate(plan).fits
+    assert estimate(with_sets(plan, {"zenflow.topk_ratio": 0.075})).fits  # the dearer way out also fits
+    result = fit(plan)
+    assert [c.sets for c in result.changes] == [{"train.activation_checkpointing": True}]
+
+
+def test_a_change_made_redundant_by_a_later_one_is_dropped() -> None:
+    """Short by 0.3 GB with short sequences: recompute (taken first, the cheapest) saves too little,
+    topk_ratio 0.075 then fits, and it fits without the recompute too: only topk is kept."""
+    plan = _plan("llama3.2-1b", "train.activation_checkpointing=false", "zenflow.accumulate=host",
+                 "data.max_length=128", "train.micro_batch_size=1", "machine.host_memory=256GB")
+    need = estimate(plan, Machine(256 * GB, True, "x", 1024 * GB)).device_total
+    plan = with_sets(plan, {"machine.gpu_memory": f"{(need - 0.3 * GB) / 0.95:.0f}B"})
+    saved = estimate(plan).device_total - estimate(with_sets(plan, {"train.activation_checkpointing": True})).device_total
+    assert 0 < saved < 0.3 * GB  # the recompute alone is not enough
+    result = fit(plan)
+    assert result.fits and [c.sets for c in result.changes] == [{"zenflow.topk_ratio": 0.075}]
+    assert result.plan.train.activation_checkpointing is False

@@ -8,8 +8,8 @@ The changes are tried cheapest first, by what they cost the run (``STEPS``):
 3. a smaller ``train.micro_batch_size`` with more ``train.gradient_accumulation_steps``: the same
    global batch, so the same optimizer steps; slower per token;
 4. ``zenflow.topk_ratio`` down the ladder to ``MIN_TOPK`` (0.05): fewer columns updated every
-   step, which costs accuracy; never lower (the ZenFlow paper's smallest ratio), and the advice
-   says so when even that is not enough;
+   step, which costs accuracy (docs/accuracy.md: a larger ratio narrows the gap to AdamW, a
+   smaller one widens it); never lower, and the advice says so when even that is not enough;
 5. ``data.max_length`` halved down to ``MIN_LENGTH``: it changes what the model learns from, so
    it comes last.
 
@@ -17,12 +17,12 @@ They accumulate, greedily: the cheapest step that brings the plan closer to fitt
 what the device and the host lack) is taken, with its first value that fits or else the one that
 comes closest, and the search starts over from the cheapest step, until the plan fits or no step
 helps. A step that brings nothing (activation checkpointing when only the host is short) is left
-out until another change makes it useful (the device accumulator fills the device). Then each kept change is dropped again if the plan fits without
-it, so the list is what this plan needs. Every estimate is :func:`zfctl.plan.memory.estimate`,
+out until another change makes it useful (the device accumulator fills the device). Then each
+kept change is dropped again if the plan fits without it, so the list is what this plan needs. Every estimate is :func:`zfctl.plan.memory.estimate`,
 line by line, so a line another part of the code changes flows into the search as it is.
 
 ``train.activation_checkpointing: auto`` resolves here too (:func:`resolve_activation_checkpointing`):
-on when the plan does not fit without it.
+on when the plan does not fit without it and comes closer with it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from zfctl.plan.machine import GB, Machine, target_machine
 from zfctl.plan.memory import DEVICE_MARGIN, MemoryEstimate, estimate, host_limit
 from zfctl.plan.schema import RunPlan
 
-MIN_TOPK = 0.05  # --fit never goes below it: fewer device columns lose accuracy (docs/accuracy.md)
+MIN_TOPK = 0.05  # --fit never goes below it: fewer device columns cost accuracy (docs/accuracy.md)
 TOPK_LADDER = (0.5, 0.3, 0.2, 0.15, 0.1, 0.075, MIN_TOPK)
 MIN_LENGTH = 128  # shorter sequences cut most instructions and answers short; --fit stops here
 
@@ -146,13 +146,7 @@ def fit(plan: RunPlan, machine: Machine | None = None) -> FitResult:
     est = estimate(plan, machine)
     if est.fits or est.size is None:
         return FitResult(est.fits, [], plan, est, est)
-    kept, current, cur_est = _greedy(plan, est, machine, STEPS)
-    if not cur_est.fits:
-        # The device accumulator trades host bytes for device bytes: taken because it lowered the
-        # sum of both shortages, it can lead where nothing else helps. The same search without it:
-        other = _greedy(plan, est, machine, tuple(s for s in STEPS if s is not _accumulate))
-        if other[2].fits or shortfall(other[2]) < shortfall(cur_est):
-            kept, current, cur_est = other
+    kept, current, cur_est = _greedy(plan, est, machine)
     notes = []
     if not cur_est.fits and float(current.zenflow.topk_ratio) > 0:
         notes.append(f"zenflow.topk_ratio is not lowered below {MIN_TOPK:g}: that costs too much accuracy")
@@ -161,14 +155,13 @@ def fit(plan: RunPlan, machine: Machine | None = None) -> FitResult:
     return FitResult(cur_est.fits, kept, current, cur_est, est, notes)
 
 
-def _greedy(plan: RunPlan, est: MemoryEstimate, machine: Machine,
-            steps: tuple) -> tuple[list[Change], RunPlan, MemoryEstimate]:
+def _greedy(plan: RunPlan, est: MemoryEstimate, machine: Machine) -> tuple[list[Change], RunPlan, MemoryEstimate]:
     """Cheapest first: take the first step that brings the plan closer to fitting, then start over
     from the cheapest (a step may have moved the shortage to the other side, where a cheaper one
     now helps). The shortfall falls strictly each round, so this ends."""
     current, cur_est, kept = plan, est, []
     while not cur_est.fits:
-        for step in steps:
+        for step in STEPS:
             found = _best(step, current, cur_est, machine)
             if found is not None:
                 change, current, cur_est = found
