@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from zfctl.errors import UserError
-from zfctl.plan.fit import MIN_LENGTH, MIN_TOPK, fit, fit_or_fail, resolve_activation_checkpointing, shortfall, with_sets
+from zfctl.plan.fit import (
+    MIN_LENGTH,
+    MIN_TOPK,
+    fit,
+    fit_or_fail,
+    resolve_activation_checkpointing,
+    shortfall,
+    with_sets,
+)
 from zfctl.plan.memory import GB, Machine, estimate
 from zfctl.plan.resolve import resolve_plan
 

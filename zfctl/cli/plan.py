@@ -24,7 +24,6 @@ from zfctl.cli._common import (
     resolve_from_cli,
 )
 
-
 # `zfctl plan`'s exit code when the plan does not fit the machine: not 1 (a failure of zfctl) nor
 # 2 (bad input), so a script can tell "this machine is too small" from both.
 DOES_NOT_FIT = 3
