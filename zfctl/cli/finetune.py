@@ -74,10 +74,10 @@ def finetune(
     if fit:  # every rank of an --nproc job fits the same plan the same way; nothing fits: one error line
         from zfctl.plan.fit import fit_or_fail
 
-        result = fit_or_fail(plan)
-        plan = result.plan
-        if result.changes:
-            notes.append("--fit changed: " + " ".join(c.flags for c in result.changes))
+        fitted = fit_or_fail(plan)
+        plan = fitted.plan
+        if fitted.changes:
+            notes.append("--fit changed: " + " ".join(c.flags for c in fitted.changes))
     if env.is_main:
         for note in notes:
             note_line(note)
@@ -118,8 +118,8 @@ def _memory_line(plan) -> None:
     else:
         from zfctl.plan.fit import fit
 
-        result = fit(plan)
-        advice = f"; --fit would add {' '.join(c.flags for c in result.changes)}" if result.fits else ""
+        found = fit(plan)
+        advice = f"; --fit would add {' '.join(c.flags for c in found.changes)}" if found.fits else ""
         warning_line(verdict_line(est) + advice + "; see `zfctl plan` for every line")
 
 
