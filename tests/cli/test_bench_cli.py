@@ -362,5 +362,8 @@ def test_activation_checkpointing_on_and_off_side_by_side(tmp_path):
     assert [(r["name"], r["recompute"]) for r in rows] == [
         ("zero-offload", "True"), ("zenflow", "True"), ("zero-offload", "False"), ("zenflow", "False")]
     assert rows[1]["label"].endswith(", recompute") and not rows[3]["label"].endswith(", recompute")
+    for base, row in ((rows[0], rows[1]), (rows[2], rows[3])):  # each against its own baseline
+        assert float(row["speedup_vs_zero_offload"]) == pytest.approx(
+            float(base["overall_mean_ms"]) / float(row["overall_mean_ms"]), rel=1e-3)
     # The two recompute configurations, 1 warm-up + 2 timed steps each: the MLP forward twice per step.
     assert len(runs) == 2 * 3 * 2
