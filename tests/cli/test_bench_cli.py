@@ -327,13 +327,13 @@ def test_set_changes_one_zenflow_key_for_every_configuration(tmp_path):
     assert [b for _, b in lag1] == [install, 0, 0, 0] * 2  # one step after its boundary
 
 
-def test_activation_checkpointing_on_and_off_side_by_side(tmp_path):
+def test_activation_checkpointing_on_and_off_side_by_side(tmp_path, monkeypatch):
     """--activation-checkpointing on,off: the grid once per setting, each with its own zero-offload
     baseline (the speedup compares like with like), labelled, in the CSV, and really recomputing."""
-    from zfctl.bench import model as bench_model
+    from zfctl.bench import suite
 
     runs: list[int] = []
-    recomputing = bench_model.recomputing
+    recomputing = suite.recomputing
 
     def counting(build):
         inner = recomputing(build)
@@ -347,16 +347,10 @@ def test_activation_checkpointing_on_and_off_side_by_side(tmp_path):
 
         return b
 
-    import zfctl.bench.suite as suite
-
-    orig = suite.recomputing
-    suite.recomputing = counting
-    try:
-        res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32", "--topk", "0.1",
-                     "--interval", "1", "--warmup", "1", "--iterations", "2", "--device", "cpu", "--baselines",
-                     "zero-offload", "--activation-checkpointing", "on,off", "--csv", str(tmp_path / "b.csv"))
-    finally:
-        suite.recomputing = orig
+    monkeypatch.setattr(suite, "recomputing", counting)
+    res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32", "--topk", "0.1",
+                 "--interval", "1", "--warmup", "1", "--iterations", "2", "--device", "cpu", "--baselines",
+                 "zero-offload", "--activation-checkpointing", "on,off", "--csv", str(tmp_path / "b.csv"))
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader((tmp_path / "b.csv").open()))
     assert [(r["name"], r["recompute"]) for r in rows] == [
