@@ -17,10 +17,10 @@ from zfctl.plan.coerce import field_types
 from zfctl.plan.io import plan_to_dict
 from zfctl.plan.machine import GB
 from zfctl.plan.memory import MemoryEstimate, host_limit
-
-if TYPE_CHECKING:
-    from zfctl.plan.fit import FitResult
 from zfctl.plan.schema import SECTIONS, RunPlan
+
+if TYPE_CHECKING:  # fit.py imports this module's neighbours; the type is all render needs
+    from zfctl.plan.fit import FitResult
 
 
 def short_value(value: object, limit: int = 90) -> str:
