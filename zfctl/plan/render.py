@@ -19,7 +19,7 @@ from zfctl.plan.machine import GB
 from zfctl.plan.memory import MemoryEstimate, host_limit
 from zfctl.plan.schema import SECTIONS, RunPlan
 
-if TYPE_CHECKING:  # fit.py imports this module's neighbours; the type is all render needs
+if TYPE_CHECKING:  # for the annotations only
     from zfctl.plan.fit import FitResult
 
 
