@@ -114,7 +114,8 @@ class TrainConfig:
         "Recompute each decoder layer's activations during backward instead of keeping them "
         "(per layer, non-reentrant torch.utils.checkpoint): activations shrink to one layer input "
         "per layer, for about one more forward pass per step. 'auto' = on when the plan does not "
-        "fit the machine (or machine.*) without it; resolved when the plan is made.",
+        "fit the machine (or machine.*) without it and comes closer with it; resolved when the plan "
+        "is made (plan.yaml holds true or false).",
     )
 
 
