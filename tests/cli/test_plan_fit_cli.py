@@ -127,6 +127,16 @@ def test_a_bad_memory_size_is_one_error_line(flag: str, size: str) -> None:
     _one_error_line(zf("plan", "tiny-llama", "--data", "alpaca-sample", flag, size), flag, repr(size))
 
 
+@pytest.mark.parametrize("size", ["1e400GB", "lots"])
+def test_a_bad_memory_size_is_one_error_line_for_finetune_and_set(size: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _one_error_line(zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--gpu-memory", size, "--output", out),
+                    "--gpu-memory", repr(size))
+    _one_error_line(zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", f"machine.host_memory={size}"),
+                    "machine.host_memory", repr(size))
+    assert not out.exists()
+
+
 def test_finetune_fit_applies_the_changes_and_the_run_uses_them(tmp_path: Path) -> None:
     """tiny-llama on the CPU with a host size between what the plan needs without and with the
     recompute: --fit turns it on, plan.yaml says so, and the run trains."""
