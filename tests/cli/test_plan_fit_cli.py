@@ -165,3 +165,16 @@ def test_finetune_fit_applies_the_changes_and_the_run_uses_them(tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert "--fit changed: --set train.activation_checkpointing=true" in result.output
     assert "activation_checkpointing: true" in (out / "plan.yaml").read_text()
+
+
+def test_finetune_warns_with_the_flags_fit_would_add(capsys: pytest.CaptureFixture[str]) -> None:
+    """The run goes on (the activations are rough), but its warning names the way out."""
+    from zfctl.cli.finetune import _memory_line
+
+    plan = resolve_plan("llama3.2-1b", "alpaca", overrides=[
+        "data.max_length=4096", "train.micro_batch_size=4", "train.activation_checkpointing=false",
+        "machine.gpu_memory=40GB", "machine.host_memory=256GB"])
+    _memory_line(plan)
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "warning: memory:" in err and "does not fit" in err
+    assert "--fit would add --set train.activation_checkpointing=true" in err
