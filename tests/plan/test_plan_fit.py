@@ -148,3 +148,16 @@ def test_a_change_made_redundant_by_a_later_one_is_dropped() -> None:
     result = fit(plan)
     assert result.fits and [c.sets for c in result.changes] == [{"zenflow.topk_ratio": 0.075}]
     assert result.plan.train.activation_checkpointing is False
+
+
+def test_with_sets_validates_and_reaches_nested_keys() -> None:
+    from zfctl.errors import ConfigError
+
+    plan = _plan("tiny-llama", data="alpaca-sample")
+    before = (plan.zenflow.tuning.ring_slots, plan.train.micro_batch_size)
+    assert before != (8, 2)
+    changed = with_sets(plan, {"zenflow.tuning.ring_slots": 8, "train.micro_batch_size": 2})
+    assert changed.zenflow.tuning.ring_slots == 8 and changed.train.micro_batch_size == 2
+    assert (plan.zenflow.tuning.ring_slots, plan.train.micro_batch_size) == before  # a copy: the plan is untouched
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        with_sets(plan, {"train.micro_batch_size": 0})

@@ -94,8 +94,11 @@ def with_sets(plan: RunPlan, sets: dict[str, Any]) -> RunPlan:
     """``plan`` with dotted keys set, validated like any plan (ConfigError when it refuses)."""
     data = plan_to_dict(plan)
     for key, value in sets.items():
-        section, name = key.split(".", 1)
-        data[section][name] = value
+        *path, name = key.split(".")
+        node = data
+        for part in path:  # a section, or a nested one (zenflow.tuning)
+            node = node[part]
+        node[name] = value
     return plan_from_dict(data)
 
 
