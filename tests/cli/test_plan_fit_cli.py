@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.cli.plan import DOES_NOT_FIT
 from zfctl.plan import machine
 from zfctl.plan.memory import GB, Machine, estimate
@@ -20,8 +20,9 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "width", 200)
-    monkeypatch.setattr(_common.err_console, "width", 200)
+    """Rich reads COLUMNS at each print: whole phrases on one line, and nothing left behind (setting
+    the consoles' width instead would pin it, at its old value, for the tests that follow)."""
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 @pytest.fixture(autouse=True)
