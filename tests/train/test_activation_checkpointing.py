@@ -110,3 +110,33 @@ def test_enable_runs_each_layer_again_in_backward() -> None:
 def test_a_model_without_checkpointing_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"train.activation_checkpointing.*does not support.*=false"):
         enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_a_plan_that_still_says_auto_is_resolved_where_the_model_is_built(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library plan (or an older plan.yaml) may still say auto: the recipe resolves it against
+    the plan's machine, here one too small without the recompute, and saves the concrete value."""
+    from zfctl.plan.fit import with_sets
+    from zfctl.plan.memory import Machine, estimate
+
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        model = LOAD(*args, **kwargs)
+        _count_forward(model.model.layers[0].mlp, calls)
+        return model
+
+    monkeypatch.setattr(recipe_module, "load_model", counted)
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
+        *TINY, f"checkpoint.output_dir={tmp_path}", "train.max_steps=1", "train.activation_checkpointing=false"])
+    need = {}
+    for on in (False, True):
+        est = estimate(with_sets(plan, {"train.activation_checkpointing": on}), Machine(64e9, False))
+        need[on] = est.host_total + est.device_total  # on the CPU the device lines live in host RAM
+    host = int((need[False] + need[True]) / 2 / 0.75)  # between the two: zfctl/plan/memory.py host_limit
+    plan = with_sets(plan, {"machine.host_memory": f"{host}B", "train.activation_checkpointing": "auto"})
+    assert plan.train.activation_checkpointing == "auto"
+    run(plan)
+    assert len(calls) == 2 * 2 + 1  # one step of 2 micro-batches, each recomputed; the final evaluation's batch
+    assert "activation_checkpointing: true" in (tmp_path / "plan.yaml").read_text()
