@@ -212,3 +212,9 @@ HostMemoryOpt = Annotated[
     typer.Option("--host-memory", metavar="SIZE",
                  help="Plan for this much host RAM, e.g. 128GB (machine.host_memory); default: this machine's."),
 ]
+FitOpt = Annotated[
+    bool,
+    typer.Option("--fit", help="When the plan does not fit the machine, apply the cheapest changes that make it "
+                 "fit (activation checkpointing, accumulate, micro-batch, topk_ratio down to 0.05, max_length); "
+                 "an error when nothing does."),
+]

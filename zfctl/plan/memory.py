@@ -21,7 +21,9 @@ device  weights               w P      the model, in train.precision
         exchange in flight    4 w M    distributed.nproc > 1: two matrices' exchanges pending (M: the
                                        largest matrix), each its gathered send and received buffers
         install staging                CUDA: the device slots the install's H2D lands in
-        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32
+        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
+                                       train.activation_checkpointing h w per token per layer + one
+                                       layer's 34 h w/2 (recompute per layer) + the logits
 host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
@@ -287,11 +289,19 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         "zfctl/offload/device_adam.py DeviceAdam")
     if size.hidden and size.layers:
         tokens = t.micro_batch_size * d.max_length
-        acts = size.layers * tokens * size.hidden * 34 * w / 2
+        layer = tokens * size.hidden * 34 * w / 2  # one decoder layer's saved activations
+        if t.activation_checkpointing is True:
+            # Each layer keeps its input (tokens x hidden x w); the backward recomputes one layer
+            # at a time, so one layer's full activations exist at once on top.
+            acts = size.layers * tokens * size.hidden * w + layer
+            how = "recompute per layer"
+        else:
+            acts = size.layers * layer
+            how = "no recompute"
         if size.vocab:
             acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
-        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
-            "the model's forward/backward")
+        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, {how}",
+            "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
         return "host"
 

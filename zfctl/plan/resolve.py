@@ -19,6 +19,7 @@ from pathlib import Path
 from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
 from zfctl.plan.deepspeed import from_deepspeed, looks_like_deepspeed
+from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import check_sections, plan_from_dict, read_mapping
 from zfctl.plan.legacy import upgrade_fragment
 from zfctl.plan.overrides import apply_overrides, deep_merge, parse_override
@@ -240,4 +241,6 @@ def resolve_plan(
         plan.train.precision = choice.precision
         if notes is not None:
             notes.append(choice.reason)
+    # Resolved here too, once, against the plan's target machine: plan.yaml stores true or false.
+    resolve_activation_checkpointing(plan, notes=notes)
     return plan

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rich.console import Console
 from typing_extensions import Self
 
+from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import dump_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.validate import check_max_length, check_packing
@@ -43,7 +44,7 @@ from zfctl.train.loss import (
     to_device,
 )
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
-from zfctl.train.models.load import load_model
+from zfctl.train.models.load import enable_activation_checkpointing, load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer
 from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_trainer_state, trainer_state
 from zfctl.train.rundir import RunFolder
@@ -124,6 +125,8 @@ class FinetuneRecipe:
         check_packing(plan.data.packing, getattr(self.model, "config", None))
         if restore is not None:
             ck.load_model_weights(restore.checkpoint, self.model)
+        if resolve_activation_checkpointing(plan):  # a plan made by zfctl says true/false; a library one may say auto
+            enable_activation_checkpointing(self.model)  # zfctl/train/models/load.py: per layer, non-reentrant
         self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
                                         world_size=env.world_size,
                                         position=restore.sampler if restore is not None else None)
