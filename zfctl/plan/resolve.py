@@ -92,7 +92,7 @@ def _sniff_template(path: Path) -> dict:
     """Guess the template from the first record's fields; {} when unsure (defaults apply).
 
     ``messages`` / ``conversations`` (a list of turns) mean chat, ``instruction`` + ``output``
-    alpaca, ``text`` plain text.
+    alpaca, ``prompt`` + ``completion`` prompt_completion, ``text`` plain text.
     """
     first = first_record(path)
     if not isinstance(first, dict):
@@ -101,6 +101,8 @@ def _sniff_template(path: Path) -> dict:
         return {"template": "chat"}
     if "instruction" in first and "output" in first:
         return {"template": "alpaca"}
+    if "prompt" in first and "completion" in first:
+        return {"template": "prompt_completion"}
     if "text" in first:
         return {"template": "text", "text_field": "text"}
     return {}
