@@ -89,8 +89,8 @@ def test_prompt_completion_files_are_guessed_with_a_note(tmp_path):
     plan = resolve_plan("tiny-llama", str(f), notes=notes)
     assert plan.data.template == "prompt_completion"
     assert [n for n in notes if "guessed" in n] == [
-        "data.template=prompt_completion: guessed from the fields of the first record of pc.jsonl; "
-        "--set data.template=... to choose another"]
+        ("data.template=prompt_completion: guessed from the fields of the first record of pc.jsonl; "
+         "--set data.template=... to choose another")]
 
 
 def test_cli_trains_a_prompt_completion_file_and_a_mapped_file(tmp_path):
