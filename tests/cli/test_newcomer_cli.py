@@ -131,3 +131,16 @@ def test_planned_steps_counts_like_the_training_loop() -> None:
     # 1880 records, micro-batch 16: 118 micro-batches an epoch (the last one short) on one process
     assert planned_steps(plan.train, 1880, 1) == 236
     assert planned_steps(plan.train, 1880, 2) == 2 * (1880 // 32)  # the ragged end is dropped on 2
+
+
+def test_next_commands_ask_for_allow_changes_only_where_the_lr_would_change(monkeypatch) -> None:
+    from zfctl.cli import finetune
+
+    monkeypatch.setattr(finetune, "activate_command", lambda: None)  # zfctl on PATH is this one
+    inside = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=6"])  # warm-up: 20 steps
+    assert finetune.next_commands(inside, Path("runs/x"), 6) == [
+        "zfctl generate runs/x --prompt 'What is 12 + 7?'", "zfctl export runs/x --output runs/x-hf",
+        "zfctl resume runs/x --max-steps 12"]
+    past = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=40", "train.warmup_steps=4"])
+    assert finetune.next_commands(past, Path("my runs/x"), 40)[-1] == (
+        "zfctl resume 'my runs/x' --max-steps 80 --allow-changes")  # quoted for the shell

@@ -109,9 +109,11 @@ def next_commands(plan, run: Path, steps: int) -> list[str]:
     .venv/bin/zfctl), then try the model, export it, and train it further."""
     run_arg = shlex.quote(str(run))
     prompt = shlex.quote(_TRY.get(plan.data.template, "What is 12 + 7?"))
-    # Training further moves the end of the LR schedule: refused without --allow-changes unless
-    # it is constant (zfctl/train/run_length.py).
-    allow = "" if plan.train.schedule == "constant" else " --allow-changes"
+    # Training further moves the end of the LR schedule: refused without --allow-changes when that
+    # changes the LR of a step still to run (zfctl/train/run_length.py).
+    from zfctl.train.run_length import first_lr_change
+
+    allow = "" if first_lr_change(plan.train, steps, 2 * steps, steps) is None else " --allow-changes"
     lines = [f"zfctl generate {run_arg} --prompt {prompt}",
              f"zfctl export {run_arg} --output {shlex.quote(str(run) + '-hf')}",
              f"zfctl resume {run_arg} --max-steps {2 * steps}{allow}"]

@@ -62,5 +62,5 @@ def generate(
         answer = gen.reply(text, max_new_tokens=max_new_tokens, temperature=temperature, on_text=stream)
         stream("\n")
         if not answer.strip():
-            note_line("the model ended its answer at once (EOS as its first token): it has not learnt "
-                      "an answer to this prompt")
+            note_line("the answer is empty or blank: the model has not learnt to answer this prompt "
+                      "(yet)")

@@ -42,6 +42,15 @@ def run_length(info: ck.CheckpointInfo, plan: RunPlan, world_size: int) -> int |
     return None if not records else planned_steps(plan.train, int(records), world_size)
 
 
+def first_lr_change(train: TrainConfig, old: int, new: int, start: int) -> int | None:
+    """The first 0-based step from ``start`` (the steps done) to ``new`` whose LR differs between
+    a run of ``old`` and one of ``new`` steps; None when every one is the same."""
+    if old == new or train.schedule == "constant":
+        return None
+    was, now = (lr_multiplier(train.schedule, train.warmup_steps, n) for n in (old, new))
+    return next((s for s in range(start, new) if now(s) != was(s)), None)
+
+
 def check_new_length(info: ck.CheckpointInfo, saved: RunPlan, max_steps: int, *,
                      allow_changes: bool) -> str | None:
     """Refuse a ``--max-steps`` that changes the LR of a step still to run, compared with the saved
@@ -51,13 +60,10 @@ def check_new_length(info: ck.CheckpointInfo, saved: RunPlan, max_steps: int, *,
     run's length."""
     old = run_length(info, saved, info.world_size)
     t = saved.train
-    if old is None or old == max_steps or t.schedule == "constant":
+    changed = None if old is None else first_lr_change(t, old, max_steps, info.step)
+    if old is None or changed is None:
         return None
     was, now = (lr_multiplier(t.schedule, t.warmup_steps, n) for n in (old, max_steps))
-    # Steps are 0-based here: index info.step is the next step to run (step info.step + 1 to the user).
-    changed = next((s for s in range(info.step, max_steps) if now(s) != was(s)), None)
-    if changed is None:
-        return None
     what = (f"--max-steps {max_steps} moves the end of the {t.schedule} LR schedule from step {old}: "
             f"step {changed + 1} would train at lr {t.lr * now(changed):.3g} instead of {t.lr * was(changed):.3g}")
     if not allow_changes:

@@ -89,7 +89,9 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
     world size keeps the global batch by changing the gradient accumulation, or is refused when it
     cannot (``zfctl.train.world_size``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
-    state. ``max_steps`` moves the end of the run (the LR schedule follows it).
+    state. ``max_steps`` moves the end of the run; one that changes the LR of a step still to run is
+    refused unless ``allow_changes`` (zfctl/train/run_length.py). A checkpoint at the run's last
+    step returns at once with ``already_finished``: nothing is loaded, trained or evaluated.
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     Every file this process reads is checked against its digest first (one read each); a damaged
     one is refused naming the nearest intact older checkpoint. ``latest_good``: for a run folder,
