@@ -10,14 +10,17 @@ import pytest
 from typer.testing import CliRunner
 
 from zfctl.bench.report import noise_note, settings_line
-from zfctl.cli import app
+from zfctl.cli import _common, app
 
 runner = CliRunner()
 SMALL = ["bench", "--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--topk", "0.25", "--interval", "2",
          "--warmup", "2", "--iterations", "1", "--device", "cpu"]
 
 
-def test_tables_and_json_name_the_preset_the_set_keys_and_the_dtype(tmp_path):
+def test_tables_and_json_name_the_preset_the_set_keys_and_the_dtype(tmp_path, monkeypatch):
+    # the CLI's console is made at import: its width, not COLUMNS, decides the layout (an earlier
+    # test's monkeypatch may have fixed it at 80)
+    monkeypatch.setattr(_common.console, "width", 200)
     old = os.umask(0o022)
     try:
         res = runner.invoke(app, [*SMALL, "--zenflow", "default", "--set", "zenflow.tuning.install_lag=1",
