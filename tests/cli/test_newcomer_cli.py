@@ -144,3 +144,37 @@ def test_next_commands_ask_for_allow_changes_only_where_the_lr_would_change(monk
     past = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=40", "train.warmup_steps=4"])
     assert finetune.next_commands(past, Path("my runs/x"), 40)[-1] == (
         "zfctl resume 'my runs/x' --max-steps 80 --allow-changes")  # quoted for the shell
+
+
+def test_an_interactive_chat_keeps_the_conversation_and_other_templates_do_not() -> None:
+    """Generator.reply: a chat run's second turn is rendered after the first exchange; an alpaca
+    run's is rendered alone, as it trained (one exchange per sequence)."""
+    import torch
+
+    from zfctl.train.generate import Generator
+
+    class Tok:
+        eos_token_id = 2
+        seen: list = []
+
+        def apply_chat_template(self, messages, **kw):
+            self.seen.append([m["content"] for m in messages])
+            return [1, 5]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "answer"
+
+    class Model:
+        device = torch.device("cpu")
+        config = None
+
+        def generate(self, ids, **kw):
+            return torch.tensor([[*ids[0].tolist(), 7, 2]])
+
+    for multi_turn, second in ((True, ["one", "answer", "two"]), (False, ["two"])):
+        tok = Tok()
+        tok.seen = []
+        gen = Generator(Model(), tok, "m", multi_turn=multi_turn)
+        assert gen.reply("one", max_new_tokens=4, temperature=0.0) == "answer"
+        gen.reply("two", max_new_tokens=4, temperature=0.0)
+        assert tok.seen == [["one"], second]

@@ -114,6 +114,7 @@ def test_generate_matches_plain_transformers_on_the_export(demo, tmp_path) -> No
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                            pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
     gen = load_generator(work / "runs" / "demo" / "checkpoints" / f"step-{STEPS:06d}", torch.device("cpu"), [])
+    assert gen.prompt_ids([{"role": "user", "content": PROMPT}]) == ids[0].tolist()  # the run's own format
     mine = gen.generate([{"role": "user", "content": PROMPT}], max_new_tokens=32, temperature=0.0)
     assert mine == plain and len(plain) > 1  # an answer, not an immediate EOS
     # the CLI streams the same text, from the run folder's checkpoint and from the export
