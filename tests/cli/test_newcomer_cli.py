@@ -155,7 +155,9 @@ def test_an_interactive_chat_keeps_the_conversation_and_other_templates_do_not()
 
     class Tok:
         eos_token_id = 2
-        seen: list = []
+
+        def __init__(self) -> None:
+            self.seen: list[list[str]] = []
 
         def apply_chat_template(self, messages, **kw):
             self.seen.append([m["content"] for m in messages])
@@ -173,7 +175,6 @@ def test_an_interactive_chat_keeps_the_conversation_and_other_templates_do_not()
 
     for multi_turn, second in ((True, ["one", "answer", "two"]), (False, ["two"])):
         tok = Tok()
-        tok.seen = []
         gen = Generator(Model(), tok, "m", multi_turn=multi_turn)
         assert gen.reply("one", max_new_tokens=4, temperature=0.0) == "answer"
         gen.reply("two", max_new_tokens=4, temperature=0.0)
