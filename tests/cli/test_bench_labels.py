@@ -18,9 +18,10 @@ SMALL = ["bench", "--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--
 
 
 def test_tables_and_json_name_the_preset_the_set_keys_and_the_dtype(tmp_path, monkeypatch):
-    # the CLI's console is made at import: its width, not COLUMNS, decides the layout (an earlier
-    # test's monkeypatch may have fixed it at 80)
-    monkeypatch.setattr(_common.console, "width", 200)
+    # the CLI's console is made at import, and an earlier test's monkeypatch of its `width` may
+    # have fixed it at 80; `_width` is what that property sets, and undoing this restores None
+    # (sized from COLUMNS again) instead of fixing the width for the tests after this one
+    monkeypatch.setattr(_common.console, "_width", 200)
     old = os.umask(0o022)
     try:
         res = runner.invoke(app, [*SMALL, "--zenflow", "default", "--set", "zenflow.tuning.install_lag=1",

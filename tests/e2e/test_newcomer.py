@@ -99,12 +99,14 @@ def test_the_run_ends_with_commands_that_run_as_printed(demo) -> None:
 def test_generate_matches_plain_transformers_on_the_export(demo, tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zfctl.train.export import export
     from zfctl.train.generate import load_generator
 
     work, _, _ = demo
     out = tmp_path / "hf"
-    export(work / "runs" / "demo" / "checkpoints" / f"step-{STEPS:06d}", out)
+    # by the CLI in its own process: importing zfctl.train.export here would replace the
+    # zfctl.train.export function that later in-process CLI tests call with the module
+    res = sh(f"{ZFCTL} export runs/demo/checkpoints/step-{STEPS:06d} --output {out}", work)
+    assert res.returncode == 0, res.stdout + res.stderr
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
