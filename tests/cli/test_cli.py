@@ -39,7 +39,7 @@ def zf(*args: str):
 def test_help_lists_every_verb() -> None:
     result = zf("--help")
     assert result.exit_code == 0
-    for verb in ("finetune", "resume", "bench", "plan", "presets", "export", "doctor"):
+    for verb in ("finetune", "resume", "bench", "plan", "presets", "export", "generate", "doctor"):
         assert verb in result.output
 
 
@@ -293,7 +293,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     seen: dict = {}
 
     class Result:
-        output_dir, steps = tmp_path, 7
+        output_dir, steps, already_finished = tmp_path, 7, False
 
     def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None, latest_good=False):
         seen["resume"] = (Path(ckpt_dir), max_steps, allow_changes, latest_good)
@@ -302,6 +302,8 @@ def test_resume_and_export_call_the_engine_with_the_flags(
 
     def fake_export(ckpt_dir, output, *, force=False, push_to_hub=None):
         seen["export"] = (Path(ckpt_dir), Path(output), force, push_to_hub)
+        Path(output).mkdir()
+        (Path(output) / "zfctl-export.json").write_text(json.dumps({"checkpoint": "ck", "step": 7}))
         return Path(output)
 
     monkeypatch.setattr(session, "resume", fake_resume)
@@ -314,6 +316,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     exp = zf("export", tmp_path, "--output", tmp_path / "hf", "--force", "--push-to-hub", "me/tiny")
     assert exp.exit_code == 0, exp.output
     assert seen["export"] == (tmp_path, tmp_path / "hf", True, "me/tiny")
+    assert f"exported ck (step 7) -> {tmp_path / 'hf'}" in exp.output  # which checkpoint it wrote
 
 
 def test_finetune_warns_once_about_settings_that_lose_accuracy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -66,6 +66,15 @@ class ZfctlGroup(TyperGroup):
     otherwise draw them as a framed box.
     """
 
+    def get_command(self, ctx: ClickContext, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _bare_flags(command)
+        return command
+
+    def get_params(self, ctx: ClickContext) -> list[Any]:
+        return _flag_metavars(super().get_params(ctx))
+
     def make_context(self, info_name: str | None, args: list[str], parent: ClickContext | None = None,
                      **extra: Any) -> ClickContext:
         try:
@@ -98,6 +107,28 @@ def _is_bare_group(e: Exception) -> bool:
     """A command group called without a command: click's no_args_is_help "error", whose message
     is the help text (Typer's rich help prints it itself and leaves the message empty)."""
     return type(e).__name__ == "NoArgsIsHelpError"
+
+
+def _flag_metavars(params: list[Any]) -> list[Any]:
+    """A boolean flag takes no value, so its help shows none: Typer would print `--force <bool>`.
+    An empty metavar is what Typer's help then shows in the type column (typer/core.py,
+    ``display_type_rich``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+def _bare_flags(command: Any) -> None:
+    """``_flag_metavars`` for a subcommand's parameters (its --help option is made on request),
+    and through a nested group (``presets``) for its subcommands."""
+    if getattr(command, "_zfctl_bare_flags", False):  # get_command is asked more than once
+        return
+    get_params = command.get_params
+    command.get_params = lambda ctx: _flag_metavars(get_params(ctx))
+    command._zfctl_bare_flags = True
+    for sub in getattr(command, "commands", {}).values():  # a nested group's subcommands
+        _bare_flags(sub)
 
 
 def plan_flags(output: str | Path | None, max_steps: int | None, nproc: int | None = None, *,

@@ -361,6 +361,8 @@ def bench(
         recomputes=recomputes,
     )
     report = run_bench(opts, console)
+    # What the rows start from, for the tables, the plot and the JSON (zfctl/bench/report.py).
+    report.meta.update(zenflow_preset=zenflow or BENCH_PRESET, zenflow_set=list(set_ or []))
     print_tables(console, report.rows, report.meta)
     if json_out is not None:
         rows = [

@@ -92,8 +92,8 @@ def first_record(path: Path) -> object | None:
 def _sniff_template(path: Path) -> dict:
     """Guess the template from the first record's fields; {} when unsure (defaults apply).
 
-    ``messages`` / ``conversations`` mean chat (the chat checks then name a malformed one),
-    ``instruction`` + ``output`` alpaca, ``text`` plain text.
+    ``messages`` / ``conversations`` (a list of turns) mean chat, ``instruction`` + ``output``
+    alpaca, ``prompt`` + ``completion`` prompt_completion, ``text`` plain text.
     """
     first = first_record(path)
     if not isinstance(first, dict):
@@ -102,6 +102,8 @@ def _sniff_template(path: Path) -> dict:
         return {"template": "chat"}  # a malformed conversation is then named by the chat checks
     if "instruction" in first and "output" in first:
         return {"template": "alpaca"}
+    if "prompt" in first and "completion" in first:
+        return {"template": "prompt_completion"}
     if "text" in first:
         return {"template": "text", "text_field": "text"}
     return {}

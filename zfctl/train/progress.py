@@ -37,6 +37,7 @@ class RunResult:
     final_train_loss: float | None
     final_eval_loss: float | None
     last_checkpoint: Path | None
+    already_finished: bool = False  # a resume found the run at its last step: nothing was trained
 
 
 @dataclass
