@@ -103,8 +103,7 @@ def test_generate_matches_plain_transformers_on_the_export(demo, tmp_path) -> No
 
     work, _, _ = demo
     out = tmp_path / "hf"
-    # by the CLI in its own process: importing zfctl.train.export here would replace the
-    # zfctl.train.export function that later in-process CLI tests call with the module
+    # by the CLI in its own process, as a user runs it
     res = sh(f"{ZFCTL} export runs/demo/checkpoints/step-{STEPS:06d} --output {out}", work)
     assert res.returncode == 0, res.stdout + res.stderr
     tok = AutoTokenizer.from_pretrained(out)

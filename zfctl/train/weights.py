@@ -4,8 +4,7 @@ The checkpoint's ``model.safetensors`` holds the weights as training left them; 
 ``overlap_step`` one CPU update may still be in flight inside the optimizer state.
 :func:`final_weights` rebuilds the optimizer on the CPU, loads that state and flushes it, so the
 weights are exactly the finished model (the one the final evaluation scored), not one interval
-behind. (A module of its own so that ``generate`` does not import ``zfctl.train.export``, whose
-import replaces the ``zfctl.train.export`` function with the module of that name.)
+behind. (A module of its own: ``generate`` needs the weights, not the folder writer.)
 """
 
 from __future__ import annotations
