@@ -1,5 +1,6 @@
 """What scripts/gpu_check.py and scripts/gpu_7b.py share: find the GPU, prepare an offline
-machine, run a command with a time limit, describe the machine, merge JSON results.
+machine (wheels, imports, the native build after a check of everything it needs), run a command
+with a time limit, describe the machine, merge JSON results.
 
 Standard library only: these scripts must start on a GPU machine that has the system's torch
 and nothing of zfctl's other dependencies yet (they arrive as wheels in .whl/, installed here
@@ -58,6 +59,49 @@ for m in sys.argv[1:]:
         bad[m] = f"{type(e).__name__}: {e}"
 print(json.dumps(bad))
 """
+
+
+# Runs in the child, with the interpreter that will build: what native/build.py needs (a C
+# compiler, Python.h, setuptools and cffi, which cffi's compile step imports), as facts.
+_BUILD_FACTS = r"""
+import importlib.util, json, os, shutil, sys, sysconfig
+cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+include = sysconfig.get_paths().get("include") or ""
+print(json.dumps({"cc": cc, "cc_found": shutil.which(cc) is not None,
+                  "python_h": os.path.join(include, "Python.h"),
+                  "python_h_found": os.path.isfile(os.path.join(include, "Python.h")),
+                  "python": "%d.%d" % sys.version_info[:2],
+                  "setuptools": importlib.util.find_spec("setuptools") is not None,
+                  "cffi": importlib.util.find_spec("cffi") is not None}))
+"""
+
+
+def missing_build_prerequisites(facts: dict[str, Any]) -> list[str]:
+    """What the native build lacks, each with how to get it (empty: nothing), from the facts
+    ``_BUILD_FACTS`` reports."""
+    out = []
+    if not facts.get("cc_found"):
+        out.append(f"a C compiler ('{facts.get('cc', 'cc')}' not found: apt-get install build-essential, or set CC)")
+    if not facts.get("python_h_found"):
+        v = facts.get("python", "3")
+        out.append(f"Python.h ({facts.get('python_h') or 'no include path'} missing: apt-get install python{v}-dev)")
+    if not facts.get("setuptools"):
+        out.append("setuptools (pip install setuptools, or bring its wheel in .whl/)")
+    if not facts.get("cffi"):
+        out.append("cffi (pip install cffi, or bring its wheel in .whl/)")
+    return out
+
+
+def check_build_prerequisites(py: str, env: dict[str, str]) -> None:
+    """Raise Failed with ONE line naming every missing build prerequisite, before the build."""
+    res = capture([py, "-c", _BUILD_FACTS], env=env, timeout=120, cwd=ROOT)
+    try:
+        facts = json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise Failed(f"{py} could not check the native build's prerequisites: {_last_line(res.stderr)}") from None
+    missing = missing_build_prerequisites(facts)
+    if missing:
+        raise Failed(f"the native CPU-Adam cannot be built with {py}, it needs: {'; '.join(missing)}")
 
 
 def capture(cmd: list[str], *, timeout: float, **kw: Any) -> subprocess.CompletedProcess:
@@ -179,6 +223,7 @@ def prepare(py: str, ext_suffix: str | None, site: Path = DEFAULT_SITE) -> dict[
     so = ROOT / "zfctl" / f"_zfnative{ext_suffix or '.so'}"
     sources = [*ROOT.glob("native/*.c"), *ROOT.glob("native/*.h"), ROOT / "native" / "build.py"]
     if not so.exists() or so.stat().st_mtime < max(p.stat().st_mtime for p in sources):
+        check_build_prerequisites(py, env)  # one line naming all of them, not the first build error
         res = capture([py, "native/build.py"], env=env, timeout=300, cwd=ROOT)
         if res.returncode != 0:
             raise Failed(f"native/build.py failed: {_last_line(res.stderr or res.stdout)}")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gpu_script_helpers import REPO, SCRIPTS, bench_file, gpu_check, gpu_common, gpu_results
@@ -138,7 +139,7 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     assert doc["parts"]["bench-b4"]["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
     assert doc["verdict"] == {"result": "fail", "failed": ["accumulate device / off", "ZenFlow default / off at batch 1"],
-                              "missing": ["nccl"], "skipped": []}
+                              "missing": ["nccl", "fit-24gb"], "skipped": []}
 
     # bench-b4 again with a faster device-accumulation run: b4 is replaced, b1 and the tests stay.
     fake_part(tmp_path / "b4-again", 4, device_ms=140.0)
@@ -148,8 +149,8 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     nccl = {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1",
             "section": {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}}
     doc = gpu_results.merge(doc, "nccl", nccl, HOST)
-    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"], "missing": [],
-                              "skipped": ["nccl"]}  # named: a 'pass' must not hide that NCCL never ran
+    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"],
+                              "missing": ["fit-24gb"], "skipped": ["nccl"]}  # named: a 'pass' must not hide it
     lines = gpu_results.summary_lines(doc)
     assert "nccl: skipped (0 s), needs 2 CUDA GPUs, this machine has 1" in lines
     assert lines[-1].endswith("; skipped: nccl")
@@ -250,7 +251,7 @@ def test_without_cuda_the_check_prints_one_line_and_does_nothing(tmp_path):
 
 def test_bad_parts_are_refused(tmp_path):
     res = _quick([sys.executable, "scripts/gpu_check.py", "bench-b2"])
-    assert res.returncode == 2 and "part 'bench-b2': use tests, bench-b1, bench-b4, nccl or all" in res.stderr
+    assert res.returncode == 2 and "part 'bench-b2': use tests, bench-b1, bench-b4, nccl, fit-24gb or all" in res.stderr
 
 
 def test_a_python_without_torch_counts_as_no_cuda(tmp_path):
@@ -357,7 +358,7 @@ def test_main_runs_the_parts_it_is_given_and_adds_to_one_file(tmp_path, monkeypa
     assert list(doc["parts"]) == ["tests", "bench-b4", "bench-b1", "nccl"] and doc["commit"] == "abc1234"
     assert doc["nccl"] == {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
-    assert doc["verdict"]["missing"] == []
+    assert doc["verdict"]["missing"] == ["fit-24gb"]
 
     monkeypatch.setattr(gpu_check, "git_commit", lambda: "def5678")
     assert gpu_check.main(["tests", "--out", str(out)]) == 1
@@ -417,3 +418,130 @@ def test_prepare_installs_the_carried_wheels_once_and_names_what_is_missing(tmp_
     with pytest.raises(gpu_common.Failed, match=r"cannot import zz_not_there \(ModuleNotFoundError.*"
                                                 r"scripts/fetch_gpu_wheels.sh"):
         gpu_common.prepare(sys.executable, suffix, site)
+
+
+def test_build_prerequisites_are_named_all_at_once():
+    """Issue 28, item 9: every missing prerequisite of the native build, each with its fix, in one
+    list (prepare joins it into one line)."""
+    none = {"cc": "gcc", "cc_found": False, "python_h": "/usr/include/python3.12/Python.h", "python_h_found": False,
+            "python": "3.12", "setuptools": False, "cffi": False}
+    missing = gpu_common.missing_build_prerequisites(none)
+    assert [m.split(" (")[0] for m in missing] == ["a C compiler", "Python.h", "setuptools", "cffi"]
+    assert "'gcc' not found" in missing[0] and "python3.12-dev" in missing[1]
+    every = {**none, "cc_found": True, "python_h_found": True, "setuptools": True, "cffi": True}
+    assert gpu_common.missing_build_prerequisites(every) == []
+    assert [m.split(" (")[0] for m in gpu_common.missing_build_prerequisites({**every, "setuptools": False})] == \
+        ["setuptools"]
+
+
+def test_prepare_names_the_missing_build_prerequisites_in_one_line_before_building(tmp_path, monkeypatch):
+    """A checkout whose native library must be built, with no C compiler: prepare stops with one
+    line naming it (the facts come from the interpreter that would build), and builds nothing."""
+    root = tmp_path / "repo"
+    (root / "native").mkdir(parents=True)
+    (root / "zfctl").mkdir()
+    (root / "native" / "api.c").write_text("")
+    (root / "native" / "build.py").write_text("raise SystemExit('the build ran')\n")
+    monkeypatch.setattr(gpu_common, "ROOT", root)
+    monkeypatch.setattr(gpu_common, "WHEELS", tmp_path / "no-wheels")
+    monkeypatch.setattr(gpu_common, "RUNTIME_MODULES", ("json",))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(gpu_common.Failed) as err:
+        gpu_common.prepare(sys.executable, ".so", tmp_path / "site")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"the native CPU-Adam cannot be built with {sys.executable}, it needs: ")
+    assert f"a C compiler ('{tmp_path / 'no-such-cc'}' not found" in msg
+    monkeypatch.delenv("CC")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    gpu_common.check_build_prerequisites(sys.executable, env)  # this checkout built it: nothing missing
+
+
+def test_nccl_part_runs_the_host_hook_path_page_locked_and_the_device_path(tmp_path, monkeypatch):
+    """Issue 28, item 7: the NCCL part names its gradient paths (on CUDA `auto` would pick the
+    device path for tiny-llama every time): accumulate host with the hooks and page-locked
+    memory, then accumulate device; each run's verdict, and the part's."""
+    runs = []
+
+    def fake_run(cmd, log, *, timeout, env):
+        runs.append(cmd)
+        out = Path(cmd[cmd.index("--output") + 1])
+        out.mkdir(parents=True)
+        bad = "zenflow.accumulate=device" in cmd  # this run diverges
+        _metrics(out / "metrics.jsonl", [5.0 - i / 100 if not bad or i < 30 else "nan"
+                                         for i in range(gpu_check.NCCL_STEPS)])
+        return 0, 12.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", fake_run)
+    ctx = gpu_check.Context(py="python3", env={}, raw=tmp_path / "raw", gpus=2, timeout=480)
+    res = gpu_check.run_part(ctx, "nccl")
+    sets = [{cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"} for cmd in runs]
+    assert {"zenflow.accumulate=host", "zenflow.tuning.stream_grads=true", "zenflow.tuning.pin_memory=true",
+            "distributed.backend=nccl"} <= sets[0]
+    assert {"zenflow.accumulate=device", "distributed.backend=nccl"} <= sets[1] and len(runs) == 2
+    v = res["section"]["variants"]
+    assert (v["host"]["status"], v["device"]["status"]) == ("passed", "failed")
+    assert res["status"] == "failed" and res["seconds"] == 24.0
+
+
+def test_the_fit_part_scales_the_24gb_row_to_a_disk_sized_model() -> None:
+    """The parameter count the part scales by is the plan's own (scripts/gpu_7b.yaml), and the
+    emulated GPU is 24 GB x the share of the 7B's parameters that FIT_LAYERS keep."""
+    from zfctl.plan.memory import model_size
+    from zfctl.plan.resolve import resolve_plan
+
+    for layers in (32, gpu_check.FIT_LAYERS):
+        plan = resolve_plan("llama2-7b", "alpaca-sample", config=REPO / "scripts" / "gpu_7b.yaml",
+                            overrides=[f"model.config.num_hidden_layers={layers}"])
+        assert model_size(plan).params == gpu_check.llama2_7b_params(layers)
+    assert gpu_check.llama2_7b_params(32) == 6_738_415_616
+    assert gpu_check.scaled_gpu_memory(32) == "24GB"
+    small = gpu_check.llama2_7b_params(gpu_check.FIT_LAYERS)
+    assert small * 19 < 32e9  # its checkpoint (~19 B per parameter) leaves room on a 64 GiB disk
+    gb = float(gpu_check.scaled_gpu_memory(gpu_check.FIT_LAYERS).removesuffix("GB"))
+    assert 24 * small / 6_738_415_616 <= gb < 24 * small / 6_738_415_616 + 0.1
+
+
+def test_the_fit_part_reads_what_gpu_7b_recorded(tmp_path, monkeypatch) -> None:
+    """part_fit runs scripts/gpu_7b.py fit on the emulated GPU, keeps its figures beside the
+    plan's, and deletes the run folder (the checkpoint) afterwards."""
+    calls = []
+
+    def fake_run(cmd, log, *, timeout, env, poll=None):
+        calls.append(cmd)
+        out, run = Path(cmd[cmd.index("--out") + 1]), Path(cmd[cmd.index("--run-dir") + 1])
+        (run / "checkpoints").mkdir(parents=True)
+        log.write_text("== gpu-7b fit\n")
+        out.write_text(json.dumps({
+            "plan": {"fits": True, "device_total": 4.9e9, "host_total": 24e9, "size": {"params": 1_476_448_256},
+                     "activation_checkpointing": True, "topk_ratio": 0.05},
+            "fit": {"fits": True, "flags": "--set zenflow.topk_ratio=0.05", "changes": []},
+            "parts": {"fit": {"status": "passed", "peak_device_bytes": {"allocated": 4.5e9, "reserved": 4.8e9},
+                              "peak_host_rss_bytes": {"own_vmhwm": 26e9}, "ms_per_step_zenflow": {"mean": 812.0}}},
+            "summary": {"device_vs_emulated_gpu": 0.9}}))
+        return 0, 300.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", fake_run)
+    ctx = gpu_check.Context(py=sys.executable, env={}, raw=tmp_path, gpus=1, timeout=480)
+    res = gpu_check.part_fit(ctx)
+    cmd = calls[0]
+    assert cmd[1:3] == ["scripts/gpu_7b.py", "fit"]
+    assert cmd[cmd.index("--layers") + 1] == str(gpu_check.FIT_LAYERS)
+    assert cmd[cmd.index("--emulate-gpu-memory") + 1] == gpu_check.scaled_gpu_memory(gpu_check.FIT_LAYERS)
+    assert res["status"] == "passed" and not (tmp_path / "fit-24gb" / "run").exists()
+    sec = res["section"]
+    assert sec["plan_device_bytes"] == 4.9e9 and sec["peak_device_bytes"]["reserved"] == 4.8e9
+    assert sec["fit"]["flags"] == "--set zenflow.topk_ratio=0.05" and sec["activation_checkpointing"] is True
+    doc = gpu_results.merge({"commit": "abc1234", "parts": {}}, "fit-24gb", res, HOST)
+    assert doc["fit_24gb"] == sec and "fit-24gb" not in doc["verdict"]["missing"]
+    line = next(ln for ln in gpu_results.summary_lines(doc) if ln.startswith("fit-24gb: 6-layer"))
+    assert "--fit: --set zenflow.topk_ratio=0.05" in line and "peak device 4.80 GB (plan 4.90 GB)" in line
+    assert line.endswith("812 ms/step")
+
+    # gpu_7b.py stopped before writing its file (--fit found nothing): failed, with its last line
+    def no_file(cmd, log, *, timeout, env, poll=None):
+        log.write_text("gpu-7b: zfctl plan failed: error: --fit: nothing makes this plan fit: ...\n")
+        return 1, 20.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", no_file)
+    res = gpu_check.part_fit(ctx)
+    assert res["status"] == "failed" and res["reason"].startswith("gpu-7b: zfctl plan failed: error: --fit")

@@ -3,6 +3,12 @@ parameter without a gradient on one rank, resharding 2 -> 1, and helper threads 
 
 The CPU counterparts run on gloo (tests/offload/test_offload_collective_order.py, tests/offload/test_distributed.py);
 these check what only NCCL does: collectives on their own stream, a device-side ``work.wait()``.
+Every run names its gradient path (``PATHS``): on CUDA ``accumulate: auto`` picks the device path
+for a tiny model, whose gradients never leave in the hooks, so the hook exchange (and the held-back
+order for ``side``, which rank 1 never grades) is only exercised with ``accumulate: host``, and
+page-locked memory only with ``pin_memory: true``. The hook run also makes every implicit sync an
+error outside warm-up and selection steps (the exchange plans its rounds at the selection, not in
+the next backward's hooks).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from proc_helpers import rendezvous, spawn_ranks
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py); with one GPU, skipped below
 
 WORLD = 2
+PATHS = {"host": {"accumulate": "host", "stream_grads": True, "pin_memory": True},
+         "device": {"accumulate": "device", "pin_memory": True}}
 
 
 def _gpus_with_context() -> set[int]:
@@ -42,8 +50,11 @@ def _worker(rank: int, init: str, out: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD)
     try:
-        res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD, device="cuda"),
-               "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda")}
+        res = {"hooks": _train([rank], WORLD, hooks=True, group=dist.group.WORLD, device="cuda", extra=PATHS["host"],
+                               no_syncs=True),
+               "step": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda", extra=PATHS["host"]),
+               "device": _train([rank], WORLD, hooks=False, group=dist.group.WORLD, device="cuda",
+                                extra=PATHS["device"])}
         res["resumed"], res["straight"] = _reshard(rank)
         res["gpus"] = sorted(_gpus_with_context())
         torch.save(res, Path(out) / f"rank{rank}.pt")
@@ -72,7 +83,7 @@ def _reshard(rank: int) -> tuple[dict | None, dict]:
     def make(group):
         torch.manual_seed(0)
         model = Net().cuda()
-        return model, ZenFlowOptimizer(model.named_parameters(), zen(**CFG), lr=5e-3,
+        return model, ZenFlowOptimizer(model.named_parameters(), zen(**{**CFG, **PATHS["host"]}), lr=5e-3,
                                        max_grad_norm=0.5, process_group=group)
 
     model, opt = make(dist.group.WORLD)
@@ -116,12 +127,13 @@ def test_nccl_hook_exchange_reshard_and_thread_devices(tmp_path: Path) -> None:
 
     spawn_ranks(_worker, WORLD, (rendezvous(tmp_path), str(tmp_path)), timeout=300,
                 what="the two NCCL ranks (their collectives did not match)")
-    ref = _train(list(range(WORLD)), 1, hooks=False, device="cuda")
+    ref = _train(list(range(WORLD)), 1, hooks=False, device="cuda", extra=PATHS["host"])
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert all(torch.equal(res["hooks"][k], res["step"][k]) for k in ref), rank
         for k in ref:
             assert float((res["hooks"][k] - ref[k]).norm() / ref[k].norm()) <= 1e-5, (rank, k)
+            assert float((res["device"][k] - ref[k]).norm() / ref[k].norm()) <= 1e-5, (rank, k)
         assert res["gpus"] == [rank], res["gpus"]  # no helper thread made a context on another GPU
     res0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     for k, v in res0["straight"].items():

@@ -1,20 +1,28 @@
-"""Race stress: every copy stream is slowed down, so a reader that forgot its wait reads a
-destination before the copy has landed, and the bits come out wrong.
+"""Race stress: every copy stream is slowed down, or every host reader, so that a missing wait
+shows as wrong bits instead of passing by luck.
 
 Tiny test tensors copy in microseconds, so without help every missing wait would still pass.
-``pcie.delay_copies`` makes each copy stream spin ~2 ms (``torch.cuda._sleep``) before every
-copy; each test runs a path with that delay and compares it bit for bit with the same run
-without it (or with the step() path). The waits each test covers are named in its docstring,
-with the place they are written (docs/design.md, "Threads and buffer ownership"); removing any
-one of them makes that test fail. The waits that guard a buffer against a *later writer* (a
-device slot the next copy reuses) need the reader delayed instead: those tests drive the ring
-directly and delay the compute stream.
+Two kinds of wait need two kinds of slowness:
+
+* a reader that must wait for a copy: ``pcie.delay_copies`` makes each copy stream spin ~2 ms
+  (``torch.cuda._sleep``) before every copy, so the reader comes before the data;
+* a writer that must wait for the last reader (a landing buffer reused two steps later, the one
+  host accumulator of the device path): ``slow_readers`` (tests/offload/slow_readers.py) makes
+  each accumulation job and each CPU update sleep before it reads, so the writer comes first.
+  A device buffer's next writer is tested the same way with a slowed compute stream.
+
+Each test compares a path under that slowness with the same run without it (or with the step()
+path), bit for bit. The waits each test covers are named in its docstring, with the place they are
+written (docs/design.md, "Threads and buffer ownership"); removing any one of them makes that
+test fail on a GPU. The waits that exist on CPU too are also tested there
+(tests/offload/test_offload_fences.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from slow_readers import slow_readers
 from test_offload_gpu import HP, PATHS, ZEN, loop
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
@@ -34,9 +42,11 @@ def slow_copies():
     delay_copies(0)
 
 
-def _run(cfg: ZenFlowConfig, *, dtype, hooks: bool, clip=None, set_to_none=True, steps: int = 16):
+def _run(cfg: ZenFlowConfig, *, dtype, hooks: bool, clip=None, set_to_none=True, steps: int = 16,
+         accumulate_s: float = 0.0, update_s: float = 0.0):
     model = tiny_net(device="cuda", dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
+        slow_readers(opt, accumulate_s=accumulate_s, update_s=update_s)
         stats = loop(model, opt, batches(steps, dtype=dtype), hooks=hooks, set_to_none=set_to_none)
         opt.flush()
     return snapshot(model), stats
@@ -66,43 +76,80 @@ def test_hook_path_under_slow_copies(slow_copies, dtype, clip) -> None:
 
 
 @DTYPES
+def test_hook_path_with_late_readers(dtype) -> None:
+    """Hook path with clipping (step() queues one job per step over ``landing[w]``), each
+    accumulation job and each CPU update reading late, copies at full speed. Covers: a window's
+    first hook waits for the last job that reads ``landing[w]`` before its copies overwrite it
+    (stream.py ``_start_window``, ``fences``); the CPU worker waits for the interval's last job
+    before it reads the accumulator (the path's ``finish`` fence)."""
+    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True)
+    ref, _ = _run(zen(**ZEN, **PATHS["host-step"], overlap_step=True), dtype=dtype, hooks=False, clip=0.5)
+    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5, accumulate_s=0.01, update_s=0.02)
+    assert sum(s.accumulated_late > 0 for s in stats) >= 12  # the jobs ran after step(), late
+    assert _same(ref, got)
+
+
+@DTYPES
 def test_step_path_one_ring_slot_under_slow_copies(slow_copies, dtype) -> None:
-    """step() path through one tiny ring slot: every chunk reuses it. Covers: the host waits for a
+    """step() path through one tiny ring slot: every chunk reuses it, with clipping, so the
+    step's scalars (norm, coefficient) differ from step to step. Covers: the host waits for a
     chunk's copy event before it accumulates the slot, and before the next chunk refills it
-    (ring.py ``d2h``); the scalar fetch's event (``fetch``)."""
+    (ring.py ``d2h``); the scalar fetch's event (``fetch``): without it the host reads the fetch
+    buffer before the copy landed, i.e. a reused block with an earlier step's coefficient."""
     cfg = zen(**ZEN, **PATHS["host-step"], ring_slots=1, ring_slot_mb=0.0005)
     delay_copies(0)
-    ref, _ = _run(cfg, dtype=dtype, hooks=False)
+    ref, ref_stats = _run(cfg, dtype=dtype, hooks=False, clip=0.05)  # every step clips: coef = 0.05 / norm
     delay_copies(DELAY)
-    got, _ = _run(cfg, dtype=dtype, hooks=False)
+    got, stats = _run(cfg, dtype=dtype, hooks=False, clip=0.05)
+    norms = [s.grad_norm for s in stats]
+    assert len(set(norms)) == len(norms) and min(norms) > 0.05  # the scalars change every step
+    assert norms == [s.grad_norm for s in ref_stats]  # as fetched: the fetch waited for its copy
     assert _same(ref, got)
 
 
 @DTYPES
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
-def test_device_path_under_slow_copies(slow_copies, dtype, overlap) -> None:
-    """Device accumulation. Covers: the next interval's first write into a matrix's rows of the
-    device sum waits (on the device) for that matrix's copy out (device_acc.py ``add``); the CPU
-    worker waits for the last copy out before it reads the host accumulator (its fence); the
-    boundary collects the previous update before the sum lands in the one host accumulator."""
+@pytest.mark.parametrize("late", ["copies", "reader", "adds"])
+def test_device_path_under_slow_copies_or_reader(slow_copies, monkeypatch, dtype, overlap, late) -> None:
+    """Device accumulation. Slow copies cover: the next interval's first write into a matrix's
+    rows of the device sum waits (on the device) for that matrix's copy out (device_acc.py
+    ``add``); the CPU worker waits for the last copy out before it reads the host accumulator,
+    and for the install's DMA before it writes the master (its fences). A slow CPU update
+    covers: the boundary collects the previous update before the new sum lands in the one host
+    accumulator (pipeline.py ``submit``: collect, then ``prepare``). Slow adds (the compute
+    stream spins before each step's adds) cover: the copy out waits for the event after the
+    interval's last add (device_acc.py ``copy_out``), else it copies the sum without them."""
+    from zfctl.offload.device_acc import DeviceAccumulator
+
     cfg = zen(**ZEN, **PATHS["device"], overlap_step=overlap)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False, clip=0.5)
-    delay_copies(DELAY)
-    got, stats = _run(cfg, dtype=dtype, hooks=False, clip=0.5)
+    delay_copies(DELAY if late == "copies" else 0)
+    if late == "adds":
+        add = DeviceAccumulator.add
+
+        def late_add(self, *args, **kw):
+            torch.cuda._sleep(DELAY)  # compute stream: the adds land late
+            add(self, *args, **kw)
+
+        monkeypatch.setattr(DeviceAccumulator, "add", late_add)
+    got, stats = _run(cfg, dtype=dtype, hooks=False, clip=0.5, update_s=0.05 if late == "reader" else 0.0)
     assert sum(s.boundary for s in stats) >= 3
     assert _same(ref, got)
 
 
 @DTYPES
+@pytest.mark.parametrize("path", ["host-step", "device"])
 @pytest.mark.parametrize("pin", [True, False], ids=["page-locked", "pageable"])
-def test_install_under_slow_copies(slow_copies, dtype, pin) -> None:
+def test_install_under_slow_copies(slow_copies, dtype, path, pin) -> None:
     """Installs. Covers: the compute stream waits for each H2D chunk before scattering it into
-    the params (ring.py ``h2d``, ``timed_wait``); the CPU worker, submitted right after an install,
-    waits for the install's DMA before it writes the master it reads (``HostState.install_fence``),
-    else the params would receive the next update's values; without page-locking, a host slot is
-    refilled only after its previous copy."""
-    cfg = zen(**ZEN, **PATHS["host-step"], overlap_step=True, pin_memory=pin)
+    the params (ring.py ``h2d``, ``timed_wait``); page-locked, the CPU worker submitted right after
+    an install waits for the install's DMA before it writes the master the DMA reads
+    (``HostState.install_fence``, which ring.py takes from pinned.py's registry), else the params
+    receive part of the next update. On the device path that fence is the only one: the sum's
+    copy out no longer waits for the install. Pageable, CUDA stages the master inside each copy
+    call: no fence is needed, and the same bits come out."""
+    cfg = zen(**ZEN, **PATHS[path], overlap_step=True, pin_memory=pin)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False)
     delay_copies(DELAY)
@@ -126,6 +173,7 @@ def test_install_device_slot_waits_for_the_scatter_that_reads_it() -> None:
         dst[i * per : (i + 1) * per].copy_(dev)
 
     _, fence = ring.h2d(((src[i * per : (i + 1) * per], i) for i in range(n)), deliver)
+    assert fence is not None  # a page-locked source: the DMA reads it after h2d returned
     fence.synchronize()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src)

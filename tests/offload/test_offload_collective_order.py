@@ -55,25 +55,33 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, WORLD * PER_RANK, 16, generator=g), torch.randn(STEPS, WORLD * PER_RANK, 8, generator=g)
 
 
-def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str = "cpu") -> dict:
+def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str = "cpu",
+           extra: dict | None = None, no_syncs: bool = False) -> dict:
     """Train on the micro-batches of ``ranks`` (this process's own rank, or all of them alone);
-    tests/gpu/test_nccl.py runs the same on CUDA."""
+    tests/gpu/test_nccl.py runs the same on CUDA, with ``extra`` config (its gradient paths) and,
+    with ``no_syncs``, every implicit host-device sync an error outside warm-up and selection
+    steps (tests/gpu/test_sync_points.py)."""
     torch.manual_seed(0)
     model = Net().to(device)
-    x, y = _data()
+    x, y = (t.to(device) for t in _data())  # once: a blocking copy per micro-batch would be a sync
     n = len(ranks) * MICRO
-    with ZenFlowOptimizer(model.named_parameters(), zen(**CFG), lr=5e-3, weight_decay=0.01,
+    with ZenFlowOptimizer(model.named_parameters(), zen(**{**CFG, **(extra or {})}), lr=5e-3, weight_decay=0.01,
                           max_grad_norm=0.5, process_group=group) as opt:
         for t in range(STEPS):
+            steady = no_syncs and t >= opt.selector.warmup and not opt.selector.due(t)
+            if steady:
+                torch.cuda.set_sync_debug_mode("error")
             micro = [(r, m) for r in ranks for m in range(MICRO)]
             for i, (r, m) in enumerate(micro):
                 lo = r * PER_RANK + m * (PER_RANK // MICRO)
-                xs, ys = x[t, lo : lo + PER_RANK // MICRO].to(device), y[t, lo : lo + PER_RANK // MICRO].to(device)
+                xs, ys = x[t, lo : lo + PER_RANK // MICRO], y[t, lo : lo + PER_RANK // MICRO]
                 if hooks:
                     opt.prepare_backward(final=i == len(micro) - 1)
                 (F.mse_loss(model(xs, uses_side(r, m)), ys) / n).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if steady:
+                torch.cuda.set_sync_debug_mode(0)
         opt.flush()
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 

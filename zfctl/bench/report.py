@@ -122,6 +122,7 @@ CSV_COLUMNS = [
     "interval",
     "overlap",
     "pin",
+    "recompute",
     "steps",
     "trials",
     "n_accumulate",

@@ -11,6 +11,7 @@ import typer
 from zfctl.cli._common import (
     ConfigOpt,
     DataOpt,
+    FitOpt,
     ForceOpt,
     GpuMemoryOpt,
     HostMemoryOpt,
@@ -20,6 +21,7 @@ from zfctl.cli._common import (
     SetOpt,
     ZenflowOpt,
     console,
+    note_line,
     plan_flags,
     resolve_from_cli,
     warning_line,
@@ -37,6 +39,7 @@ def finetune(
     force: ForceOpt = False,
     gpu_memory: GpuMemoryOpt = None,
     host_memory: HostMemoryOpt = None,
+    fit: FitOpt = False,
     debug_data: Annotated[
         bool,
         typer.Option(
@@ -67,7 +70,17 @@ def finetune(
 
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
-    plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)
+    plan, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=True)
+    if fit:  # every rank of an --nproc job fits the same plan the same way; nothing fits: one error line
+        from zfctl.plan.fit import fit_or_fail
+
+        fitted = fit_or_fail(plan)
+        plan = fitted.plan
+        if fitted.changes:
+            notes.append("--fit changed: " + " ".join(c.flags for c in fitted.changes))
+    if env.is_main:
+        for note in notes:
+            note_line(note)
     if env.is_main and not os.environ.get(PLAN_PRINTED_ENV) and not debug_data:
         # Once per run: a torchrun relaunch sets PLAN_PRINTED_ENV, so its workers stay quiet.
         for line in accuracy_warnings(plan):
@@ -103,7 +116,11 @@ def _memory_line(plan) -> None:
     if est.fits or est.size is None:
         console.print(verdict_line(est), style="dim")
     else:
-        warning_line(verdict_line(est) + "; see `zfctl plan` for every line")
+        from zfctl.plan.fit import fit
+
+        found = fit(plan)
+        advice = f"; --fit would add {' '.join(c.flags for c in found.changes)}" if found.fits else ""
+        warning_line(verdict_line(est) + advice + "; see `zfctl plan` for every line")
 
 
 def _fmt(x: float | None) -> str:

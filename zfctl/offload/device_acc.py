@@ -79,6 +79,11 @@ class DeviceAccumulator:
         # Per host slot index: the event of its last copy out, until the next write waited for it.
         self._copied: dict[int, Any] = {}
         self._last: Any = None  # the event after the whole copy out (the CPU worker's fence)
+        # The event after the last add (compute stream): what the copy out waits for. Not the
+        # compute stream itself: by the time of the copy out it also holds the boundary's install
+        # (compute waits for every H2D chunk), and the sum's D2H would start only after the whole
+        # H2D; ordered after the adds only, the two directions overlap on the link (full duplex).
+        self._added: Any = None
         self.stall_pairs: list[tuple[Any, Any]] = []  # timed device waits of the last add (pcie.timed_wait)
         self.device = device
 
@@ -107,6 +112,9 @@ class DeviceAccumulator:
                 view.addcmul_(gt, coef)
             else:
                 view.add_(gt)
+        if self.cuda:
+            self._added = torch.cuda.Event()
+            self._added.record(compute)
 
     def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
         """Start the PCIe D2H of the interval sum into ``dst`` (page-locked host), one matrix at a
@@ -115,7 +123,9 @@ class DeviceAccumulator:
             dst.copy_(self.buf)
             return None
         assert self.copy_stream is not None  # CUDA: created in __init__
-        after: Any = torch.cuda.current_stream(self.device)  # the first copy: after this step's adds
+        # The first copy: after this interval's last add, not after the install enqueued since
+        # (the worker waits for the install's own fence, pipeline.py ``_install_wait``).
+        after: Any = self._added if self._added is not None else torch.cuda.current_stream(self.device)
         event = None
         for slot in self.layout.host_slots:
             if slot.host_numel == 0:
@@ -136,3 +146,4 @@ class DeviceAccumulator:
             self._last.synchronize()
             self._last = None
         self._copied.clear()
+        self._added = None  # a load may write the buffer next: the next copy out orders after everything

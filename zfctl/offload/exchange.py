@@ -74,26 +74,58 @@ Rounds = list[list[list[Cols]]]  # rounds[r][owner]: the columns owner receives 
 def plan_rounds(part: Partition, layout: Layout, index: list[torch.Tensor | None], itemsize: int,
                 device: torch.device) -> Rounds:
     """Each owner's non-selected host columns (``index``: selected column ids per slot, None: no
-    selection), in slot order, cut into rounds of at most ``BUCKET_BYTES / W`` bytes per owner."""
+    selection), in slot order, cut into rounds of at most ``BUCKET_BYTES / W`` bytes per owner.
+
+    Host work on the selected ids, with one D2H of all of them and one H2D of every unit's ids
+    (``ids_to_host``, ``ids_to_device``): a copy per piece or per unit would be one stream sync
+    each, several hundred at 7B. Called at selections and loads only (``GradExchange.replan``)."""
     cap = max(1, BUCKET_BYTES // part.world_size // itemsize)  # elements per owner per round
-    chunks: list[list[list[Cols]]] = [[[]] for _ in range(part.world_size)]
+    host_index = ids_to_host(index)
+    chunks: list[list[list[tuple[ParamSlot, torch.Tensor]]]] = [[[]] for _ in range(part.world_size)]
     sizes = [0] * part.world_size
     for pc in part.pieces:
         slot = layout.slots[pc.index]
         ids = torch.arange(pc.c0, pc.c1)
-        sel = index[pc.index]
+        sel = host_index[pc.index]
         if sel is not None:
-            ids = ids[~torch.isin(ids, sel.to("cpu"))]
+            ids = ids[~torch.isin(ids, sel)]
         per = max(1, cap // slot.rows)  # whole columns per unit
         for a in range(0, len(ids), per):
-            unit = Cols(slot, ids[a : a + per].to(device))
-            if sizes[pc.owner] and sizes[pc.owner] + unit.numel > cap:
+            unit = (slot, ids[a : a + per])
+            numel = slot.rows * len(unit[1])
+            if sizes[pc.owner] and sizes[pc.owner] + numel > cap:
                 chunks[pc.owner].append([])
                 sizes[pc.owner] = 0
             chunks[pc.owner][-1].append(unit)
-            sizes[pc.owner] += unit.numel
-    n = max(len(c) for c in chunks)
-    return [[c[r] if r < len(c) else [] for c in chunks] for r in range(n)]
+            sizes[pc.owner] += numel
+    flat = [u for owner in chunks for rnd in owner for u in rnd]
+    on_device = iter(ids_to_device([ids for _, ids in flat], device))
+    cols = [[[Cols(slot, next(on_device)) for slot, _ in rnd] for rnd in owner] for owner in chunks]
+    n = max(len(c) for c in cols)
+    return [[c[r] if r < len(c) else [] for c in cols] for r in range(n)]
+
+
+def ids_to_host(index: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The id tensors of ``index`` on the host, with one D2H copy for all of them (a blocking copy:
+    one stream sync, at a selection or a load, not one per tensor)."""
+    present = [i for i in index if i is not None]
+    if not present:
+        return list(index)
+    flat = torch.cat([i.reshape(-1) for i in present]).to("cpu")  # sync point: one, for every matrix
+    parts = iter(flat.split([i.numel() for i in present]))
+    return [next(parts) if i is not None else None for i in index]
+
+
+def ids_to_device(ids: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host id tensors on ``device`` with one H2D copy for all of them; on CUDA from page-locked
+    memory with ``non_blocking`` (ordered on the compute stream before every kernel that reads
+    them; the caching host allocator keeps the staging block until the copy is done)."""
+    if not ids:
+        return []
+    flat = torch.cat(ids)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([t.numel() for t in ids]))
 
 
 @dataclass
@@ -162,14 +194,24 @@ class GradExchange:
         self.rep_sq = torch.zeros(n, device=device)  # replicated elements' sum of squares per slot
         self.host_sq = torch.zeros(n, device=device)  # this owner's host columns' sum of squares per slot
         self.mass = torch.zeros(len(self.selectable), device=device)  # this owner's host L1 per matrix
+        self.replan()
+
+    def replan(self) -> None:
+        """Plan the rounds for the current selection (``plan_rounds``: host work and two batched
+        copies). Called where ``index`` changes, on the main thread: at construction, right after
+        a selection inside ``step()`` (``Selector.select``) and after a load (state.py), so the
+        gradient hooks of the next backward never plan (a plan there is a stream sync in the
+        middle of backward, counted nowhere)."""
+        self._planned_for = list(self.index)
+        self._rounds = plan_rounds(self.part, self.layout, self.index, self.itemsize, self.device)
 
     @property
     def rounds(self) -> Rounds:
-        """The rounds for the current selection (re-planned when ``index`` changed: cheap host
-        work, at selections and loads only)."""
+        """The rounds for the current selection. Planned by ``replan`` wherever ``index`` changes;
+        planned here only for a caller that changed ``index`` without it (then in whatever
+        thread asks first)."""
         if self._planned_for is None or any(a is not b for a, b in zip(self._planned_for, self.index)):
-            self._planned_for = list(self.index)
-            self._rounds = plan_rounds(self.part, self.layout, self.index, self.itemsize, self.device)
+            self.replan()
         return self._rounds
 
     def _grad(self, index: int) -> torch.Tensor:
@@ -314,15 +356,19 @@ class GradExchange:
         """After a selection (``old``: the previous ``index``): every rank gets the averaged
         gradient of the columns that just entered the device, which only their owner holds (the
         owner sends them, the others zeros, one bucketed all-reduce); returns bytes sent."""
-        picked = []
-        for s in self.selectable:
-            new = self.index[s.index]
-            if new is None:
-                continue
-            prev = old[s.index]
+        # Which columns entered is host work on the ids: one D2H of the new and old ids of every
+        # matrix, one H2D of the entering ones (a boolean mask on the device would be a sync each).
+        slots = [s for s in self.selectable if self.index[s.index] is not None]
+        both = ids_to_host([self.index[s.index] for s in slots] + [old[s.index] for s in slots])
+        entering = []
+        for s, new, prev in zip(slots, both[: len(slots)], both[len(slots) :]):
+            assert new is not None  # slots holds only matrices with a selection
             ids = new if prev is None else new[~torch.isin(new, prev)]
-            if ids.numel() == 0:
-                continue
+            if ids.numel():
+                entering.append((s, ids))
+        on_device = ids_to_device([ids for _, ids in entering], self.device)
+        picked = []
+        for (s, _), ids in zip(entering, on_device):
             mine = (ids >= s.host_c0) & (ids < s.host_c1)
             t = as_matrix(self._grad(s.index), s).index_select(1, ids)
             picked.append((s, ids, t.masked_fill_(~mine, 0)))  # fill, not multiply: garbage may be inf
@@ -360,7 +406,12 @@ class GradExchange:
 def _gather(tensor: Callable[[int], torch.Tensor], units: list[Cols], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """The columns of ``units`` (of ``tensor(slot index)``) as one flat buffer, each unit
-    ``[rows, n]`` row-major (a device gather per unit)."""
-    if not units:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([as_matrix(tensor(u.slot.index), u.slot).index_select(1, u.ids).reshape(-1) for u in units])
+    ``[rows, n]`` row-major: a device gather per unit, written straight into its place (no
+    per-unit temporaries and no ``cat`` of them, which held the gathered bytes twice)."""
+    out = torch.empty(sum(u.numel for u in units), dtype=dtype, device=device)
+    o = 0
+    for u in units:
+        n = int(u.ids.numel())
+        torch.index_select(as_matrix(tensor(u.slot.index), u.slot), 1, u.ids, out=out[o : o + u.numel].view(-1, n))
+        o += u.numel
+    return out

@@ -21,8 +21,11 @@ allocated on the copy stream, their first writer, so the caching allocator never
 block the compute stream may still be reading. When the master is page-locked (CUDA,
 ``pin_memory``) the copy is a DMA that reads it after the call returned: the event after the last
 copy is the install's fence, and the master may not be written (by the next CPU update, a
-migration, a load) before it fired (``HostState.install_fence``). From pageable memory
-(``pin_memory: false``) CUDA stages the source before the copy call returns, so there is no fence.
+migration, a load) nor unpinned (``close()``) before it fired (``HostState.install_fence``).
+Page-locked means registered in pinned.py's registry (``pinned.holds``, by address range), never
+``is_pinned()``, which answers for the storage's unaligned base outside the registered pages and
+says False. From pageable memory (``pin_memory: false``) CUDA stages the source before the copy
+call returns, so there is no fence.
 
 Without CUDA the same code runs synchronously: ``fill`` writes straight into a host slot and
 ``deliver`` reads straight from the master. That is how CI exercises this module.
@@ -134,7 +137,7 @@ class Ring:
             # wait of the copy stream (the host never blocks here). A page-locked source is a DMA
             # that reads the master later (the fence); a pageable one is staged by CUDA in the call.
             copied = copy_async(self.stream, dev, src, after=self._freed[i])  # PCIe H2D: the master's columns
-            if src.is_pinned():
+            if pinned.holds(src):  # a DMA reading the master after this returns: the fence
                 last = copied
             self.stall_pairs.append(timed_wait(compute, copied))  # the compute stream waits for the copy
             deliver(dev, tag)  # compute stream: scatter into the params

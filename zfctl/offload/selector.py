@@ -81,6 +81,8 @@ class Selector:
             index[slot.index] = new
             host.set_device_owned(slot, new)
         self.selected = True
+        if self.exchange is not None:
+            self.exchange.replan()  # here, inside step(): not in the next backward's first hook
         if self.exchange is None or shared is None:
             return None
         stats.comm_bytes += self.exchange.share_entering(old)

@@ -134,8 +134,9 @@ def save(opt: Any) -> dict[str, Any]:
 
 
 def load(opt: Any, state_dict: dict[str, Any]) -> None:
-    """``opt.load_state_dict()``: check, then copy into the live buffers piece by piece (values
-    may be tensors or lazy file tensors: no gathered copy of the state)."""
+    """``opt.load_state_dict()``: check, wait for a CPU update in flight (a live optimizer rolled
+    back: it writes the host state), then copy into the live buffers piece by piece (values may
+    be tensors or lazy file tensors: no gathered copy of the state)."""
     check_state(state_dict, names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
                 topk_ratio=opt.config.topk_ratio, partition=opt.partition_info())
     parts = unpack_state(state_dict)
@@ -144,6 +145,9 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         host = parts["host"]
         pieces = host if isinstance(host, list) else split_host(opt.layout, host)  # format 1: flat
         check_covers(opt.layout, pieces)
+    # A CPU update in flight (a live optimizer rolled back) writes master, moments and reads the
+    # accumulator: it must be done before any of them is overwritten below; its result is discarded.
+    opt.pipeline.settle()
     opt.gradient_path.begin(final=False, acc=None, first=False, coef=None)  # a half-armed window is void
     for group, saved in zip(opt.param_groups, parts["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
@@ -165,6 +169,8 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
             if (index := opt.device_state.index[s.index]) is not None:
                 opt.host.set_device_owned(s, index)
         opt.transfers.replan()
+    if opt.exchange is not None:
+        opt.exchange.replan()  # the loaded selection's rounds, before the next backward's hooks
     if opt.scaler is not None and parts["scaler"] is not None:
         opt.scaler.load_state_dict(parts["scaler"])
 

@@ -184,9 +184,11 @@ class GradStream:
             return
         for i in self._order.ready(index):  # collectives in the one order every rank uses
             self._launched.append((i, self._exchange.launch(i)))
-        # Complete all but the newest exchange: it overlaps the next matrix's backward.
-        while len(self._launched) > 1:
-            self._complete_oldest()
+            # Complete all but the newest exchange: it overlaps the next matrix's backward. Inside
+            # the loop: a hook that releases held-back matrices keeps at most two exchanges (their
+            # gathered buffers) pending, what the plan counts (zfctl/plan/memory.py).
+            while len(self._launched) > 1:
+                self._complete_oldest()
 
     def _start_window(self) -> None:
         if self.started:

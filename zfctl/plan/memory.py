@@ -18,8 +18,12 @@ device  weights               w P      the model, in train.precision
                                        the device columns, and a step counter per column
         gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
         temporaries in flight          hook path on CUDA: transposed gradient chunks whose D2H runs
+        exchange in flight    4 w M    distributed.nproc > 1: two matrices' exchanges pending (M: the
+                                       largest matrix), each its gathered send and received buffers
         install staging                CUDA: the device slots the install's H2D lands in
-        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32
+        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
+                                       train.activation_checkpointing h w per token per layer + one
+                                       layer's 34 h w/2 (recompute per layer) + the logits
 host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
@@ -211,6 +215,7 @@ class Counts:
     device: int  # D: device-owned elements once selected (selected columns + 1-D params)
     device_cols: int  # Dc
     max_rows: int  # the tallest host column (the ring slot must hold one)
+    largest: int = 0  # M: elements of the largest matrix with host columns (the exchange's transient)
 
 
 def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
@@ -220,7 +225,8 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
         host = size.params_2d if topk_ratio < 1.0 else 0
         rows = size.hidden or 1
         device = (size.params_2d if topk_ratio >= 1.0 else int(topk_ratio * size.params_2d)) + p1
-        return Counts(host, host // rows, device, device // rows, rows)
+        largest = (size.vocab or 0) * rows if host else 0  # the vocabulary matrix, when known
+        return Counts(host, host // rows, device, device // rows, rows, largest)
     c = Counts(0, 0, 0, 0, 0)
     rowwise = set(size.vocab_names) if by_row else set()
     for name, shape in size.shapes:
@@ -239,6 +245,7 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
             c.host += rows * cols
             c.host_cols += cols
             c.max_rows = max(c.max_rows, rows)
+            c.largest = max(c.largest, rows * cols)
     return c
 
 
@@ -289,11 +296,19 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         "zfctl/offload/device_adam.py DeviceAdam")
     if size.hidden and size.layers:
         tokens = t.micro_batch_size * d.max_length
-        acts = size.layers * tokens * size.hidden * 34 * w / 2
+        layer = tokens * size.hidden * 34 * w / 2  # one decoder layer's saved activations
+        if t.activation_checkpointing is True:
+            # Each layer keeps its input (tokens x hidden x w); the backward recomputes one layer
+            # at a time, so one layer's full activations exist at once on top.
+            acts = size.layers * tokens * size.hidden * w + layer
+            how = "recompute per layer"
+        else:
+            acts = size.layers * layer
+            how = "no recompute"
         if size.vocab:
             acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
-        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
-            "the model's forward/backward")
+        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, {how}",
+            "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
         return "host", 1
 
@@ -325,6 +340,14 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             dev("gradient temporaries in flight", min(budget, w * c.host),
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
                 "zfctl/offload/stream.py GradStream._make_room")
+    if plan.distributed.nproc > 1:
+        # exchange.py: a matrix's exchange holds its gathered send buffers (every host-path column,
+        # the whole matrix before the first selection) and this rank's received share (at most the
+        # whole matrix); the hook path keeps two pending (stream.py), so the two largest count.
+        dev("gradient exchange in flight", 4 * w * c.largest,
+            f"distributed.nproc {plan.distributed.nproc}: two pending exchanges of the largest matrix, "
+            "send + receive",
+            "zfctl/offload/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
     how = "" if z.accumulate != "auto" else " (auto)"

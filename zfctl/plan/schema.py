@@ -109,6 +109,14 @@ class TrainConfig:
     eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
     eval_batches: int = _f(8, "Micro-batches per evaluation.")
     device: Literal["auto", "cuda", "cpu"] = _f("auto", "'auto' = cuda when available, else cpu.")
+    activation_checkpointing: bool | Literal["auto"] = _f(
+        "auto",
+        "Recompute each decoder layer's activations during backward instead of keeping them "
+        "(per layer, non-reentrant torch.utils.checkpoint): activations shrink to one layer input "
+        "per layer, for about one more forward pass per step. 'auto' = on when the plan does not "
+        "fit the machine (or machine.*) without it and comes closer with it; resolved when the plan "
+        "is made (plan.yaml holds true or false).",
+    )
 
 
 @dataclass

@@ -120,9 +120,28 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
                             f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
         require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         _, prepared = load_inputs(plan, rank=env.rank)
-        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock), info)
+        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock, allow_changes=allow_changes), info)
     finally:
         lock.release()
+
+
+def _run_folder_plan(path: Path, renamed: list[str], *, allow_changes: bool, rank: int) -> RunPlan | None:
+    """The run folder's plan.yaml, the user's place to edit a run (None: there is none). One that
+    cannot be read blocks nothing: the checkpoint holds its own digest-checked copy, which the
+    resume then writes back over it. Only ``allow_changes``, which asks for the edited plan,
+    needs it readable."""
+    if not path.is_file():
+        return None
+    try:
+        return load_plan_yaml(path, renamed)
+    except (UserError, OSError) as e:
+        if allow_changes:
+            raise UserError(f"--allow-changes resumes with the edited {path}, which cannot be read: {e}; fix "
+                            "it, or resume without --allow-changes to use the checkpoint's plan") from None
+        if rank == 0:
+            note(f"{path} cannot be read ({e}); resuming with the checkpoint's copy of the plan, which "
+                 "replaces it")
+        return None
 
 
 def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_steps: int | None,
@@ -137,8 +156,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     plan = load_plan_yaml(info.path / ck.PLAN_FILE, renamed)
     problems = []
     edited = run_dir / ck.PLAN_FILE
-    if edited.is_file():
-        current = as_saved_world(load_plan_yaml(edited, renamed), plan)  # an earlier resume's nproc is no edit
+    current = _run_folder_plan(edited, renamed, allow_changes=allow_changes, rank=env.rank)
+    if current is not None:
+        current = as_saved_world(current, plan)  # an earlier resume's nproc is no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current

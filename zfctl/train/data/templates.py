@@ -50,6 +50,8 @@ def _text(rec: dict, field: str, where: str, index: int, *, required: bool = Tru
     if field not in rec or rec[field] is None:
         if not required:
             return ""
+        if field in rec:  # present, but JSON null (or an empty parquet cell)
+            raise RecordError(where, index, field, "is null; give it a text (or drop the record)")
         have = ", ".join(map(repr, rec)) or "no fields"
         raise RecordError(where, index, field, f"is missing (the record has {have})")
     value = rec[field]
@@ -63,7 +65,9 @@ def _text(rec: dict, field: str, where: str, index: int, *, required: bool = Tru
 def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:
     """The classification label as the word the model should produce."""
     field = cfg.label_field
-    if field not in rec or rec[field] is None:
+    if field in rec and rec[field] is None:
+        raise RecordError(where, index, field, "is null; give it a label (or drop the record)")
+    if field not in rec:
         raise RecordError(where, index, field, f"is missing (the record has {', '.join(map(repr, rec))})")
     label = rec[field]
     if isinstance(label, str) and label.strip().lstrip("-").isdigit() and cfg.label_names:
