@@ -300,7 +300,8 @@ def test_memory_estimate_llama2_7b_numbers() -> None:
     p1 = (2 * 32 + 1) * 4096
     h = p - p1  # every 2-D weight has host columns
     assert small.item("fp32 master") == pytest.approx(4 * h) and small.item("fp32 moments") == pytest.approx(8 * h)
-    assert small.item("gradient accumulators") == pytest.approx(2 * 4 * h)  # overlap_step on, host path
+    # overlap_step on, host path: host_accumulators auto takes one, a second does not fit 24 GB
+    assert small.item("gradient accumulators") == pytest.approx(4 * h) and small.host_accumulators == 1
     assert small.item("gradient landing buffers") == pytest.approx(2 * 2 * h)  # bf16, two steps
     assert small.item("weights") == pytest.approx(2 * p)  # bf16: 13.5 GB
     # master, moments and gradient buffer of the selected columns (k = floor(0.1 cols) per matrix)

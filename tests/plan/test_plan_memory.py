@@ -88,6 +88,49 @@ def test_engine_allocates_what_the_plan_says(model, accumulate, overlap, stream)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
 
 
+@pytest.mark.parametrize("model", [TINY_LLAMA, GQA_TIED], ids=["tiny-llama", "gqa-tied"])
+@pytest.mark.parametrize("stream", [True, False], ids=["hooks", "step-path"])
+def test_one_host_accumulator_with_overlap_allocates_what_the_plan_says(model, stream) -> None:
+    """The host paths with overlap_step and zenflow.tuning.host_accumulators: 1 (acc_gate.py):
+    one fp32 sum, 4 B per host element less than two, and the plan's line says so."""
+    sets = ["zenflow.accumulate=host", "zenflow.overlap_step=true", f"zenflow.tuning.stream_grads={stream}",
+            "zenflow.select_interval=4", "zenflow.update_interval=2"]
+    held, planned = engine_bytes([*sets, "zenflow.tuning.host_accumulators=1"], model)
+    assert held == pytest.approx(planned, rel=0.02), (held, planned)
+    held2, planned2 = engine_bytes([*sets, "zenflow.tuning.host_accumulators=2"], model, steps=1)
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*model, *sets, "train.device=cpu",
+                                                                  "zenflow.tuning.host_accumulators=1"])
+    one_acc = estimate(plan, Machine(64 * GB, False)).item("gradient accumulators")
+    assert held2 - held == planned2 - planned == one_acc  # exactly one accumulator more
+
+
+def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -> None:
+    """auto = 2 when the host total with the second accumulator stays within what the verdict lets
+    the host use; the plan shows the count and the run builds with it for its own machine."""
+    from zfctl.plan import machine as machine_mod
+
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB"])
+    one = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB", "zenflow.tuning.host_accumulators=1"])
+    base = estimate(one, Machine(1e15, True, "gpu", 48 * GB))
+    acc = base.item("gradient accumulators")
+    assert base.host_accumulators == 1 and base.accumulate == "host"
+    edge = base.host_total + acc + 15 * GB  # host_limit: all but 15 GB of a machine over 60 GB
+    fits, short = (estimate(plan, Machine(ram, True, "gpu", 48 * GB)) for ram in (edge, edge - 1e6))
+    assert fits.host_accumulators == 2 and fits.item("gradient accumulators") == 2 * acc
+    assert short.host_accumulators == 1 and short.item("gradient accumulators") == acc
+    assert any("host_accumulators (auto): 1" in n for n in short.notes)
+    assert "1 x fp32" in next(i.note for i in short.items if i.name == "gradient accumulators")
+    # The run: tiny-llama on this CPU, for a machine with room for both and one without.
+    tiny = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32",
+                                                                  "zenflow.accumulate=host"])
+    model = load_model(tiny.model, precision="fp32", device=torch.device("cpu"), seed=0)
+    for ram, want in ((64 * GB, 2), (1e6, 1)):
+        monkeypatch.setattr(machine_mod, "this_machine", lambda ram=ram: Machine(ram, False))
+        assert estimate(tiny).host_accumulators == want
+        with build_optimizer(model, tiny, steps_per_epoch=100) as opt:
+            assert opt.host is not None and len(opt.host.acc) == want, ram
+
+
 def test_a_buffer_without_a_plan_line_is_caught() -> None:
     """The walk finds a buffer hidden anywhere in the engine: the comparison above can fail."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32"])

@@ -56,6 +56,15 @@ class TuningConfig:
         "but need the CPU update to finish within 1-2 steps (docs/design.md, Defaults).",
         ge=0,
     )
+    host_accumulators: Interval = _f(
+        "auto",
+        "fp32 interval sums on the host paths with overlap_step: 2 = the next interval sums into "
+        "the second while the CPU update reads the first (4 B per host element more); 1 = one, "
+        "16 B/param in all, and the next interval's first writes wait for the update to have read "
+        "each chunk (a step waits when the update takes longer than about one step); auto = 2 "
+        "when the plan's host total with it fits the machine, else 1. Same results either way.",
+        ge=1, le=2,
+    )
     stream_grads: bool = _f(
         True,
         "Copy the non-selected gradient columns to the host during the last backward of a step "

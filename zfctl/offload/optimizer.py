@@ -248,11 +248,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         assert self.host is not None and self.transfers is not None  # only the host path has intervals
         acc = self.pipeline.acc
         n = self.pipeline.end_interval()
+        background = self.config.overlap_step and not warm
+        # One host accumulator that the next interval writes while this update reads it: the
+        # update goes piece by piece in the path's write order, and the writes follow (acc_gate.py).
+        order = self.gradient_path.write_order() if background and len(self.host.acc) == 1 else None
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
         # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
-        update = cpu_update(self.config.deferred_lr_scale, n, acc, self.host.update_groups, hp)
+        update = cpu_update(self.config.deferred_lr_scale, n, acc, self.host.update_groups, hp,
+                            pieces=tuple(order) if order is not None else None)
         stats.host_bytes += self.transfers.host_elems * 28  # master, moments read+written (24 B), acc read (4 B)
-        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm,
+        self.pipeline.submit(update, stats, background=background,
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
@@ -269,6 +274,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _finish(self, stats: StepStats, norm: torch.Tensor | None, host_norm: float | None, tail: float) -> None:
         stats.set_grad_norm(host_norm, norm, cuda=self.device.type == "cuda")
+        if self.host is not None:  # writes that waited for the CPU update to read acc (acc_gate.py)
+            stats.acc_gate_waits, stats.acc_gate_ms = self.host.gate.take_counts()
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
         self.scale.step_done()
         stats.update_interval = self.pipeline.last_interval

@@ -10,6 +10,9 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
+  With one host accumulator (``zenflow.tuning.host_accumulators``) there is no other one: ``cur``
+  stays 0 and the next interval's first writes wait for the update to have read each chunk
+  (acc_gate.py; the optimizer hands the update its ``pieces``). The same values, other waits.
 * overlapped with a lag ``L`` (``zenflow.tuning.install_lag``): as above, but the result is installed at
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
   next boundary if that comes first; the step waits if the update has not finished by then.
@@ -113,7 +116,7 @@ class Pipeline:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
         after = prepare()
         worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
-        if background:  # ... then this one runs in the background
+        if background:  # ... then this one runs in the background (one accumulator: cur stays)
             self.cur = (self.cur + 1) % len(host.acc)
             self.age = 0
         else:

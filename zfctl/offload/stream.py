@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from zfctl.offload import pinned
+from zfctl.offload.acc_gate import AccGate, Waiter
 from zfctl.offload.chunks import Chunk
 from zfctl.offload.layout import as_matrix
 from zfctl.offload.pcie import bind_device, copy_async
@@ -99,7 +100,7 @@ class GradStream:
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
-                 exchange: Any = None) -> None:
+                 exchange: Any = None, gate: AccGate | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.params = params
@@ -109,6 +110,7 @@ class GradStream:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.budget_bytes = budget_bytes
         self._accumulate = accumulate
+        self._gate = gate  # one host accumulator: first writes wait for the CPU update (acc_gate.py)
         self._exchange = exchange  # data parallel: exchange.GradExchange (launch / complete)
         self._order = ExchangeOrder(exchange.exchange_order) if exchange is not None else None
         # The thread binds itself to the optimizer's device first: its event waits would otherwise
@@ -132,6 +134,7 @@ class GradStream:
         self.acc: torch.Tensor | None = None
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
         self.first = False  # the interval's first step: write the accumulator, do not add
+        self.wait_read: Waiter | None = None  # first step: the wait before overwriting a chunk
         self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
         self.landed_params: set[int] = set()  # params whose chunks have been copied this window
         self.exchanged: set[int] = set()  # params whose exchange over ranks is complete
@@ -153,6 +156,8 @@ class GradStream:
         for ch in chunks:
             self.chunks.setdefault(ch.slot.index, []).append(ch)
         self.acc, self.coef, self.first, self.armed = acc, coef, first, True
+        # Taken now, in step order (the update submitted last), not when a job runs (acc_gate.py).
+        self.wait_read = self._gate.waiter() if first and self._gate is not None else None
 
     def disarm(self) -> None:
         """The next backward is not the last of the step (or the hook path is off for it)."""
@@ -226,7 +231,7 @@ class GradStream:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 self.landed.append((ch, None))
                 if self.coef is not None:
-                    self._add(ch, None, landing, self.acc, self.coef, self.first)
+                    self._add(ch, None, landing, self.acc, self.coef, self.first, self.wait_read)
                     self.early_accumulated += 1
                 continue
             self._make_room(ch.numel * dst.element_size())
@@ -242,7 +247,8 @@ class GradStream:
             self.inflight_bytes += self.inflight[-1][1]
             self.landed.append((ch, event))
             if self.coef is not None:  # the thread adds it as soon as the copy has landed
-                self._last_job = self._submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
+                self._last_job = self._submit(self._add, ch, event, landing, self.acc, self.coef, self.first,
+                                              self.wait_read)
                 self.fences[self._w] = self._last_job
                 self.jobs.append(self._last_job)
 
@@ -263,9 +269,11 @@ class GradStream:
         return self._pool.submit(fn, *args)
 
     def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float,
-             first: bool) -> None:
+             first: bool, wait_read: Waiter | None = None) -> None:
         if event is not None:
             event.synchronize()  # accumulation thread: that chunk's D2H has landed
+        if wait_read is not None:
+            wait_read(ch.off)  # one accumulator: the CPU update in flight has read this chunk
         self._accumulate(acc[ch.off : ch.off + ch.numel], landing[ch.off : ch.off + ch.numel],
                          scale=coef, runs=ch.runs, overwrite=first)
 
@@ -290,7 +298,7 @@ class GradStream:
         stats.stall_ms += self.wait_ms
         stats.comm_bytes += self.comm_bytes
         w = self._w
-        acc, first = self.acc, self.first
+        acc, first, wait_read = self.acc, self.first, self.wait_read
         if first and coef is not None:  # matrices without a gradient this step: a zero sum
             got = {id(ch) for ch, _ in self.landed}
             missing = [ch for chs in self.chunks.values() for ch in chs if id(ch) not in got]
@@ -299,6 +307,8 @@ class GradStream:
 
                 def zero() -> None:
                     for ch in missing:
+                        if wait_read is not None:
+                            wait_read(ch.off)
                         acc[ch.off : ch.off + ch.numel].zero_()
 
                 self._last_job = self._submit(zero)  # the thread owns acc: keep its order
@@ -308,7 +318,7 @@ class GradStream:
 
             def job() -> None:
                 for ch, event in landed:
-                    self._add(ch, event, landing, acc, coef, first)
+                    self._add(ch, event, landing, acc, coef, first, wait_read)
 
             self._last_job = self._submit(job)
             self.fences[w] = self._last_job

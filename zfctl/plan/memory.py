@@ -26,7 +26,8 @@ device  weights               w P      the model, in train.precision
                                        layer's 34 h w/2 (recompute per layer) + the logits
 host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
         fp32 moments          8 H
-        gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
+        gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
+                                       zenflow.tuning.host_accumulators resolves to 2
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         transfer ring         slots x slot bytes: D2H gradient chunks (the host paths)
         landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
@@ -38,7 +39,10 @@ the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto``
 ``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
 GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
 ``host``. The choice is on the estimate (``MemoryEstimate.accumulate``) and in a note, and the
-optimizer is built with it.
+optimizer is built with it. ``zenflow.tuning.host_accumulators: auto`` resolves here the same way
+(``MemoryEstimate.host_accumulators``, zfctl/train/optim.py builds with it): with
+``overlap_step`` on a host path, 2 when the host total with the second accumulator stays within
+what the verdict lets the host use, else 1.
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
 (``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
@@ -113,6 +117,7 @@ class MemoryEstimate:
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for the machine
+    host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -254,20 +259,22 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     items: list[MemoryItem] = []
     notes: list[str] = []
     accumulate: Literal["host", "device"] = "host"
+    n_acc = 1
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        accumulate = _fill(plan, size, items, notes, device_kind, machine)
+        accumulate, n_acc = _fill(plan, size, items, notes, device_kind, machine)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     reasons = _verdict(items, device_kind, device_total, host_total, machine, plan.train.device)
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
-                          accumulate=accumulate)
+                          accumulate=accumulate, host_accumulators=n_acc)
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
-          machine: Machine) -> Literal["host", "device"]:
+          machine: Machine) -> tuple[Literal["host", "device"], int]:
+    """Add the plan's lines; returns the resolved ``accumulate`` and host accumulator count."""
     t, z, d = plan.train, plan.zenflow, plan.data
     tu = z.tuning
     w = 4 if t.precision == "fp32" else 2
@@ -303,17 +310,15 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, {how}",
             "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
-        return "host"
+        return "host", 1
 
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
-    n_acc = 2 if z.overlap_step and choice == "host" else 1
-    why = ("overlap_step: the next interval sums while the CPU update reads the last" if n_acc == 2 else
-           "the device path lands each interval's sum here once" if choice == "device" else "one interval")
-    host("gradient accumulators", 4 * c.host * n_acc, f"{n_acc} x fp32: {why}" + (pinned if choice == "device" else ""),
+    # One accumulator here; a host path's count and note are resolved once every line exists (below).
+    host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" + pinned,
          "zfctl/offload/host.py HostState.acc")
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
          "zfctl/offload/host.py, layout.py")
@@ -348,7 +353,35 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
-    return choice
+    n_acc = 1
+    if choice == "host":
+        n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
+    return choice, n_acc
+
+
+def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
+                       machine: Machine) -> int:
+    """Resolve zenflow.tuning.host_accumulators on a host path (auto: 2 when the host total with the
+    second accumulator stays within the verdict's limit) and write the count into its line."""
+    z = plan.zenflow
+    line = next(i for i in items if i.name == "gradient accumulators")
+    if not z.overlap_step:
+        line.note = "1 x fp32: one interval (the step waits for the CPU update)"
+        return 1
+    choice = z.tuning.host_accumulators
+    if choice == "auto":
+        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
+        need = held + nbytes
+        n = 2 if not machine.host_ram or need <= host_limit(machine) else 1
+        notes.append(f"zenflow.tuning.host_accumulators (auto): {n}; a second host accumulator costs "
+                     f"{nbytes / GB:.2f} GB of host memory, {'used' if n == 2 else 'not used: it does not fit'}")
+    else:
+        n = int(choice)
+    line.bytes = nbytes * n
+    line.note = ("2 x fp32: overlap_step: the next interval sums into one while the CPU update reads the other"
+                 if n == 2 else "1 x fp32: overlap_step: the next interval's first writes wait for the CPU "
+                 "update to have read each chunk")
+    return n
 
 
 def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: str,
