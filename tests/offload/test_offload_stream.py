@@ -67,8 +67,9 @@ def test_auto_interval_and_stream_grads_off() -> None:
 def test_step_leaves_no_gradient_work_for_itself(clip) -> None:
     """The CPU-testable property: with the hook path, step() copies no gradient chunk itself; every
     chunk left during backward and was accumulated before step() (coefficient known in advance)
-    or by the host thread after it (clip: the coefficient needs every gradient first)."""
-    cfg = zen(overlap_step=True, **BASE)
+    or by the host thread after it (clip: the coefficient needs every gradient first). Without
+    release_grads: with it the hooks always know their coefficient (tests/offload/test_offload_release.py)."""
+    cfg = zen(overlap_step=True, release_grads=False, **BASE)
     _, ref = train(cfg, hooks=False, clip=clip)
     _, stats = train(cfg, hooks=True, clip=clip)
     for r, s in zip(ref, stats):
@@ -100,8 +101,10 @@ def test_only_the_final_backward_streams() -> None:
 
 
 def test_fp16_overflow_drops_the_streamed_gradient() -> None:
+    """Without release_grads the landed raw gradient waits for its coefficient: an overflow adds
+    nothing (with it, the interval's sum is dropped: tests/offload/test_offload_release.py)."""
     model = tiny_net(dtype=torch.float16)
-    cfg = zen(**BASE)
+    cfg = zen(release_grads=False, **BASE)
     data = batches(6, dtype=torch.float16)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3) as opt:
         run(model, opt, data[:4], hooks=True)
@@ -228,9 +231,10 @@ def test_helper_threads_bind_the_optimizer_device(monkeypatch) -> None:
 
     monkeypatch.setattr(stream_mod, "bind_device", record)
     monkeypatch.setattr(worker_mod, "bind_device", record)
-    cfg = zen(**BASE, accumulate="host", overlap_step=True)
+    cfg = zen(**BASE, accumulate="host", overlap_step=True, release_grads=False)
     model = tiny_net()
-    with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0, **HP) as opt:  # clip: jobs on the thread
+    # clip without release_grads: the accumulation runs as jobs on the thread
+    with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0, **HP) as opt:
         run(model, opt, batches(6), hooks=True)
     names = {name.split("_")[0] for name, _ in bound}
     assert names == {"zenflow-acc", "zenflow-cpu"}

@@ -171,7 +171,7 @@ class DuringBackward(InStep):
     :class:`InStep`'s copy."""
 
     def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
-                 device: torch.device, config: ZenFlowConfig, exchange: Any) -> None:
+                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool) -> None:
         super().__init__(transfers, accumulate)
         layout, itemsize = transfers.layout, transfers.itemsize
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
@@ -186,9 +186,13 @@ class DuringBackward(InStep):
             budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
         budget = min(budget, layout.host_numel * itemsize)
         dtype = params[layout.host_slots[0].index].dtype
+        # release_grads: the copies land in a ring as large as the device budget (whole chunk-sized
+        # slots, at least two), not in two copies of the host columns' gradient (landing_slots).
+        slot_bytes = transfers.d2h.slot_bytes
+        ring = landing_slots(budget, slot_bytes) if release else 0
         self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
                                  pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
-                                 exchange=exchange)
+                                 exchange=exchange, ring_slots=ring, slot_bytes=slot_bytes, hooks=not release)
         self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
 
     def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
@@ -228,6 +232,12 @@ class DuringBackward(InStep):
         self.stream.close()
 
 
+def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
+    """release_grads: slots of the landing ring, enough for the device temporaries in flight
+    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
+    return max(2, -(-budget_bytes // slot_bytes))
+
+
 class SummedOnDevice(NoHostColumns):
     """The interval's sum lives on the device (device_acc.py); only the sum is copied device to
     host, once per interval, after the previous CPU update was collected (its one accumulator).
@@ -265,8 +275,9 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any) -> HostSide:
-    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here."""
+                    exchange: Any, release: bool) -> HostSide:
+    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
+    the hook path's gradients are released in their hooks (release.py), if it is the one chosen."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -290,7 +301,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     if on_device:
         path = SummedOnDevice(transfers, device)
     elif config.tuning.stream_grads:
-        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange)
+        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange,
+                              release=release)
     else:
         path = InStep(transfers, add)
     return HostSide(host, transfers, path, accumulate, threads)

@@ -1,0 +1,116 @@
+"""Gradient release (``zenflow.tuning.release_grads``): each gradient leaves the device inside its
+own hook on the last backward of a step, and its ``.grad`` is freed there, so the device never
+holds every gradient at once (docs/design.md, "Algorithm" and "Threads and buffer ownership").
+
+On the announced last backward (``ZenFlowOptimizer.prepare_backward(final=True)``), the
+post-accumulate-grad hook of each parameter
+
+1. (host columns) hands the gradient to the hook path (stream.py ``GradStream.on_grad``): data
+   parallel, the exchange over the ranks first, completed one hook later; then the host columns
+   are copied through the bounded landing ring and added into the interval's fp32 sum, times
+   the coefficient known before backward (1, or 1 / the fp16 loss scale), without the clip
+   factor, which exists only once every gradient does;
+2. gathers the columns the device owns (and whole 1-D params) into the device state's fp32
+   gradient work buffer, raw (``DeviceAdam.load_one``; step() multiplies the buffer by the
+   step's coefficient, the same two operations as without release, so the same bits);
+3. (one process, clipping or fp16) takes the gradient's L2 norm (``scaler.param_norm``, the
+   kernel ``GradientScale.coefficient`` runs over the same tensor: the same global norm); its
+   non-finiteness is the fp16 overflow flag, read with the step's scalars;
+4. frees the ``.grad``.
+
+A parameter whose hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it
+has (an earlier micro-batch's, or None), and step() takes it as before. Data parallel, the hooks
+are on the matrices with host columns only (the others are exchanged by step()'s bucketed
+all-reduce from ``.grad``) and the norm comes from the exchange. Selection steps, backwards not
+announced as final and ``update_interval: auto`` keep ``.grad`` until step() (their rules read
+the whole gradient there).
+
+The clip factor of step t, ``c_t``, is known only after the last hook, so what the hooks added is
+``sum_t g_t`` (raw): the boundary scales the interval's mean gradient by the interval's mean clip
+factor, ``mean(c_t)`` (``Pipeline.clip_sum``). With no clipping, or a clip that does not trigger
+(``c_t = 1``), that is the arithmetic without release, bit for bit; otherwise it is the documented
+"interval mean clip" rule. An fp16 overflow step is skipped everywhere; what its hooks already
+added cannot be taken out of the sum, so the interval's host sum is dropped (the next step starts
+a new interval).
+
+Cost: per hook, one gather of the device columns and one norm kernel (one process) on the device,
+no host sync; device memory: the gradient being processed plus the hook path's temporaries in
+flight (``tuning.inflight_mb``), instead of ``w P``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zfctl.offload.device_adam import DeviceAdam
+from zfctl.offload.layout import Layout
+from zfctl.offload.scaler import param_norm
+
+
+class GradRelease:
+    """The release hooks of one optimizer and what they leave for step() (one window per step)."""
+
+    def __init__(self, params: list[torch.Tensor], layout: Layout, device_state: DeviceAdam, *,
+                 stream: Any = None, hooked: list[int], norm: bool) -> None:
+        self.params, self.layout, self.device_state = params, layout, device_state
+        self.stream = stream  # stream.GradStream of the hook path, or None (no host columns)
+        self.streamed = {s.index for s in layout.host_slots} if stream is not None else set()
+        self.norm = norm  # take each gradient's norm (one process, clipping or fp16)
+        if stream is not None:
+            stream.on_final = self._take
+        self._handles = [params[i].register_post_accumulate_grad_hook(self._hook_for(i)) for i in hooked]
+        self.armed = False
+        self.selected = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.norms: dict[int, torch.Tensor] = {}  # per param: the L2 norm its hook took
+        self.loaded: set[int] = set()  # params whose device columns are in the work buffer
+        self.released: set[int] = set()  # params whose .grad a hook freed
+
+    def arm(self, selected: bool) -> None:
+        """Release the next backward's gradients (``selected``: the device owns its selection)."""
+        self.reset()
+        self.armed, self.selected = True, selected
+
+    def disarm(self) -> None:
+        self.armed = False
+        self.reset()
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if not self.armed:
+                return
+            if index in self.streamed:
+                assert self.stream is not None and self.stream.armed  # armed together (optimizer)
+                self.stream.on_grad(index, p)  # lands it, then calls _take (data parallel: later)
+            else:
+                self._take(index)
+
+        return hook
+
+    @torch.no_grad()
+    def _take(self, index: int) -> None:
+        """Param ``index``'s final gradient: its device columns into the work buffer, its norm,
+        then free it (its host columns were landed just before, stream.py)."""
+        p = self.params[index]
+        g = p.grad
+        if g is None:
+            return
+        if index in self.loaded:  # a second backward in one window: its gradient would replace the first
+            raise RuntimeError("ZenFlowOptimizer.prepare_backward(final=True) announces ONE backward: call "
+                               "step() after it (earlier micro-batches take final=False)")
+        self.device_state.load_one(self.layout.slots[index], g, self.selected)
+        self.loaded.add(index)
+        if self.norm:
+            self.norms[index] = param_norm(g)
+        p.grad = None  # the device memory goes back to the caching allocator (stream-ordered)
+        self.released.add(index)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
