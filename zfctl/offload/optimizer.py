@@ -39,7 +39,7 @@ from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
 from zfctl.offload.pipeline import Pipeline
-from zfctl.offload.release import GradRelease
+from zfctl.offload.release import GradRelease, regather
 from zfctl.offload.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.selector import Selector
 from zfctl.offload.stats import DeviceClock, StepStats
@@ -129,10 +129,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Announce the next backward: ``final=True`` if it is the last of this optimizer step (its
         gradients are then final and may leave for the host during it, device_to_host.py); False
         for earlier micro-batches. Optional: without it, step() moves the gradients itself."""
-        final = final and not self.selector.due(self.pipeline.t)  # a selection reads the whole .grad
+        due = self.selector.due(self.pipeline.t)
+        # A selection reads the whole .grad on the step() path; the release path keeps the column
+        # scores it needs in the hooks instead, on one process (the ranks' scores are all-reduced
+        # from .grad) and at an interval's first step (regather reads this step from the sum).
+        released = self.release is not None and (not due or (self.exchange is None and self.pipeline.first_of_interval))
+        final = final and (not due or released)
         if self.release is not None:
-            if final:
-                self.release.arm(self.selector.selected)
+            if final and released:
+                self.release.arm(self.selector.selected, scoring=due)
             else:
                 self.release.disarm()
         if self.host is None:
@@ -171,7 +176,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.last_stats = stats
             return stats
         if self.selector.due(t):  # 2. selection: drain the CPU pipeline, choose, migrate
-            totals = self._reselect(grads, stats)
+            totals = self._reselect(grads, stats, released)
         scalars = self._start_scalars(norm, coef, grads, warm, totals) if self.host is not None else None
         clock = DeviceClock(self.device)  # 3. device AdamW (+ the device path's sum)
         self.device_state.load_grads(self.params, coef, self.selector.selected,
@@ -242,12 +247,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         masses = self.policy.auto and self.selector.selected and not warm
         return self.exchange.average(self.gradient_path.exchanged(), self.selector, stats, masses=masses)
 
-    def _reselect(self, grads: list[torch.Tensor | None], stats: StepStats) -> list[torch.Tensor] | None:
+    def _reselect(self, grads: list[torch.Tensor | None], stats: StepStats,
+                  released: GradRelease | None) -> list[torch.Tensor] | None:
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
         self.pipeline.collect(stats)
-        totals = self.selector.select(grads, self.host, stats)
+        old = list(self.device_state.index)
+        if released is not None:
+            self.gradient_path.drain()  # the hooks' accumulation jobs: regather reads the sum
+        totals = self.selector.select(grads, self.host, stats, scores=released.scores if released else None)
         self.transfers.replan()
+        if released is not None:  # the released gradients, laid out by the new selection (release.py)
+            d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
+                                self.pipeline.acc, self._raw_coef())
+            stats.d2h_bytes += d2h
+            stats.h2d_bytes += h2d
+            assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
+            self.gradient_path.stream.replan(self.transfers.chunks)
         stats.selection = True
         stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
         return totals

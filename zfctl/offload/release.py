@@ -46,8 +46,9 @@ from typing import Any
 import torch
 
 from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.layout import Layout
+from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.scaler import param_norm
+from zfctl.offload.selection import column_l1
 
 
 class GradRelease:
@@ -64,17 +65,20 @@ class GradRelease:
         self._handles = [params[i].register_post_accumulate_grad_hook(self._hook_for(i)) for i in hooked]
         self.armed = False
         self.selected = False
+        self.scoring = False  # the next step selects: keep each matrix's column L1 scores
         self.reset()
 
     def reset(self) -> None:
         self.norms: dict[int, torch.Tensor] = {}  # per param: the L2 norm its hook took
         self.loaded: set[int] = set()  # params whose device columns are in the work buffer
         self.released: set[int] = set()  # params whose .grad a hook freed
+        self.scores: dict[int, torch.Tensor] = {}  # per selectable param: its column L1 (selection steps)
 
-    def arm(self, selected: bool) -> None:
-        """Release the next backward's gradients (``selected``: the device owns its selection)."""
+    def arm(self, selected: bool, scoring: bool = False) -> None:
+        """Release the next backward's gradients (``selected``: the device owns its selection;
+        ``scoring``: the step selects, so keep the column scores it ranks by)."""
         self.reset()
-        self.armed, self.selected = True, selected
+        self.armed, self.selected, self.scoring = True, selected, scoring
 
     def disarm(self) -> None:
         self.armed = False
@@ -107,6 +111,9 @@ class GradRelease:
         self.loaded.add(index)
         if self.norm:
             self.norms[index] = param_norm(g)
+        slot = self.layout.slots[index]
+        if self.scoring and slot.selects:  # 4 B per column, what Selector.select ranks by
+            self.scores[index] = column_l1(as_matrix(g, slot))
         p.grad = None  # the device memory goes back to the caching allocator (stream-ordered)
         self.released.add(index)
 
@@ -114,3 +121,40 @@ class GradRelease:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+@torch.no_grad()
+def regather(device_state: DeviceAdam, slots: list[Any], old: list[torch.Tensor | None], loaded: set[int],
+             acc: torch.Tensor, coef: float) -> tuple[int, int]:
+    """After a selection on a release step: lay the work buffer's raw gradient out by the new
+    selection (``device_state.index``; ``old``: the one the hooks gathered by), for the params in
+    ``loaded``. Staying columns move inside the buffer; entering columns come back from the host
+    sum, where the hooks added them times ``coef`` (1 / the fp16 loss scale, a power of two: the
+    division is exact) as the interval's first step (a selection step always is: the step before
+    it ends an interval); leaving columns go into that sum the same way. Returns (D2H, H2D) bytes.
+    """
+    d2h = h2d = 0
+    for slot in slots:
+        new = device_state.index[slot.index]
+        if slot.index not in loaded or new is None:
+            continue
+        seg = device_state.segment(device_state.grad, slot)  # [k, rows], laid out by ``old``
+        rows = slot.host_view(acc)  # [owned host columns, rows]
+        new_h = new.to("cpu")
+        prev = old[slot.index]
+        old_h = prev.to("cpu") if prev is not None else torch.empty(0, dtype=torch.int64)
+        stays = torch.isin(new_h, old_h)
+        before = seg.clone()  # a device copy of k columns: ``seg`` is rewritten below
+        leaving = ~torch.isin(old_h, new_h)
+        if bool(leaving.any()):  # PCIe D2H: the leaving columns' gradient into the host sum
+            moved = before.index_select(0, torch.nonzero(leaving).flatten().to(seg.device)).to("cpu")
+            rows.index_copy_(0, old_h[leaving] - slot.host_c0, moved * coef)
+            d2h += moved.numel() * moved.element_size()
+        stay_src = torch.searchsorted(old_h, new_h[stays]).to(seg.device)
+        seg.index_copy_(0, torch.nonzero(stays).flatten().to(seg.device), before.index_select(0, stay_src))
+        enter = new_h[~stays]
+        if enter.numel():  # PCIe H2D: the entering columns' gradient, from the host sum
+            back = (rows.index_select(0, enter - slot.host_c0) / coef).to(seg.device)
+            seg.index_copy_(0, torch.nonzero(~stays).flatten().to(seg.device), back)
+            h2d += back.numel() * back.element_size()
+    return d2h, h2d

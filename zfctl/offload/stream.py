@@ -223,6 +223,16 @@ class GradStream:
         if self.on_final is not None:
             self.on_final(i)
 
+    def replan(self, chunks: list[Chunk]) -> None:
+        """A selection inside this window re-planned the chunks (release.py): the params no hook
+        has landed yet are landed by ``finish`` with the new ones."""
+        new: dict[int, list[Chunk]] = {}
+        for ch in chunks:
+            new.setdefault(ch.slot.index, []).append(ch)
+        for index in set(self.chunks) | set(new):
+            if index not in self.landed_params:
+                self.chunks[index] = new.get(index, [])
+
     def complete_exchanges(self) -> set[int]:
         """Inside step(): finish the exchanges the hooks started (in order); returns every param
         whose exchange is complete (step() exchanges the others, in the same order)."""
