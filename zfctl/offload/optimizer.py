@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +31,13 @@ from zfctl.offload import state
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.device_to_host import DuringBackward, GradientPath, NoHostColumns, Transfers, build_host_side
+from zfctl.offload.device_to_host import (
+    DuringBackward,
+    GradientPath,
+    NoHostColumns,
+    Transfers,
+    build_host_side,
+)
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import named_params, plan_layout

@@ -70,7 +70,7 @@ class GradientScale:
         if not self.needs_norm:
             return None, None
         norms = norms or {}
-        present = [i for i, g in enumerate(grads) if g is not None and i not in norms]
+        present = {i: g for i, g in enumerate(grads) if g is not None and i not in norms}
         if sq is None and not present and not norms:
             zero = torch.zeros((), device=self.device)
             return zero, zero + 1.0
@@ -79,8 +79,7 @@ class GradientScale:
         else:
             computed = dict(norms)
             if present:
-                computed.update(zip(present, torch._foreach_norm([grads[i] for i in present], 2.0,
-                                                                 dtype=torch.float32)))
+                computed.update(zip(present, torch._foreach_norm(list(present.values()), 2.0, dtype=torch.float32)))
             norm = torch.linalg.vector_norm(torch.stack([computed[i] for i in sorted(computed)]))
         coef = torch.ones((), device=self.device)
         if self.scaler is not None:
