@@ -18,9 +18,7 @@ BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
 
 def run(accumulate: str, *, overlap: bool = True, clip=None, dtype=torch.float32, steps: int = 20):
     model = tiny_net(dtype=dtype)
-    # release_grads off: the device path clips every step's sum exactly, which the host path does
-    # only without it (its interval mean clip: tests/offload/test_offload_reference.py)
-    cfg = zen(accumulate=accumulate, overlap_step=overlap, full_warm_up_rounds=1, release_grads=False, **BASE)
+    cfg = zen(accumulate=accumulate, overlap_step=overlap, full_warm_up_rounds=1, **BASE)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
         assert opt.accumulate == accumulate
         stats = train(model, opt, steps)

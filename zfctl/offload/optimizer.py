@@ -121,6 +121,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return GradRelease(self.params, self.layout, self.device_state, stream=stream, hooked=hooked,
                            norm=self.scale.needs_norm and self.exchange is None)
 
+    def _raw_sums(self) -> bool:
+        """Whether the host sums are raw (release.py: the clip factor waits for the boundary). Off
+        until the first announced backward that starts an interval, then on for good (saved with
+        the pipeline's counters): a loop that never calls ``prepare_backward`` keeps ``.grad``
+        and the exact per-step clip, and no interval mixes the two kinds of sum."""
+        if self.release is None:
+            return False
+        if self.host is None:  # no host sums: release changes no arithmetic
+            return True
+        if not self.pipeline.raw_sums and self.pipeline.first_of_interval:
+            self.pipeline.raw_sums = True
+        return self.pipeline.raw_sums
+
     def _raw_coef(self) -> float:
         """What the release path adds each host gradient with: 1 / the fp16 loss scale (a power
         of two, exact), else 1; the clip factor waits for the boundary (Pipeline.clip_sum)."""
@@ -136,10 +149,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         gradients are then final and may leave for the host during it, device_to_host.py); False
         for earlier micro-batches. Optional: without it, step() moves the gradients itself."""
         due = self.selector.due(self.pipeline.t)
+        raw = self._raw_sums()
         # A selection reads the whole .grad on the step() path; the release path keeps the column
         # scores it needs in the hooks instead, on one process (the ranks' scores are all-reduced
         # from .grad) and at an interval's first step (regather reads this step from the sum).
-        released = self.release is not None and (not due or (self.exchange is None and self.pipeline.first_of_interval))
+        released = raw and (not due or (self.exchange is None and self.pipeline.first_of_interval))
         final = final and (not due or released)
         if self.release is not None:
             if final and released:
@@ -149,7 +163,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.host is None:
             return
         known = None if self.scale.needs_norm else 1.0  # the coefficient, when known before backward
-        if self.release is not None:
+        if raw:
             known = self._raw_coef()
         self.gradient_path.begin(final=final, acc=self.pipeline.acc, first=self.pipeline.first_of_interval,
                                  coef=known)
@@ -294,10 +308,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # Everything from here on is host work the device does not overlap with: stall.
         host_norm, host_coef, masses = values[0], values[1], values[2:]
         tail = c = time.perf_counter()
-        # release_grads: every step's host sum is raw (what the hooks add), its clip factor is
-        # counted for the boundary (Pipeline.clip_sum); without it the sum holds coef * grad.
+        # release_grads (once a loop announced its backwards): every step's host sum is raw (what
+        # the hooks add), its clip factor counted for the boundary (Pipeline.clip_sum); without
+        # it the sum holds coef * grad.
         add_coef, clip = host_coef, 1.0
-        if self.release is not None:
+        if self.pipeline.raw_sums:
             add_coef, clip = self._raw_coef(), self.scale.clip_factor(host_coef)
         self.gradient_path.add_host(grads, self.pipeline.acc, add_coef, first=self.pipeline.first_of_interval,
                                     stats=stats)

@@ -56,6 +56,7 @@ class Pipeline:
         # The interval's clip factors that are not in acc (release.py adds raw gradients): the
         # boundary scales the mean gradient by clip_sum / interval_len. n x 1.0 without release.
         self.clip_sum = 0.0
+        self.raw_sums = False  # release.py: the sums hold raw gradients (ZenFlowOptimizer._raw_sums)
         self.last_interval = 0 if policy.auto else policy.fixed
         self.cur = 0  # which accumulator the main thread fills
         self.pending_install = False  # a finished CPU update waits to be copied into the model
@@ -168,7 +169,7 @@ class Pipeline:
         sd: dict[str, Any] = {
             "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
                          "cur": self.cur, "pending_install": self.pending_install, "age": self.age,
-                         "clip_sum": self.clip_sum},
+                         "clip_sum": self.clip_sum, "raw_sums": self.raw_sums},
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
@@ -188,6 +189,7 @@ class Pipeline:
         self.pending_install = c["pending_install"]
         self.age = c.get("age", 0)  # absent before install_lag existed, where nothing reads it
         self.clip_sum = float(c.get("clip_sum", self.interval_len))  # absent before release_grads: all 1
+        self.raw_sums = bool(c.get("raw_sums", False))
         self.policy.load_state_dict(sd["policy"])
         if self.host is None:
             return

@@ -27,7 +27,9 @@ the whole gradient there).
 
 The clip factor of step t, ``c_t``, is known only after the last hook, so what the hooks added is
 ``sum_t g_t`` (raw): the boundary scales the interval's mean gradient by the interval's mean clip
-factor, ``mean(c_t)`` (``Pipeline.clip_sum``). With no clipping, or a clip that does not trigger
+factor, ``mean(c_t)`` (``Pipeline.clip_sum``). The sums turn raw at the first announced backward
+that starts an interval and stay so (``Pipeline.raw_sums``; steps step() moves itself add raw too),
+so no interval mixes the two; a loop that never calls ``prepare_backward`` sees no change at all. With no clipping, or a clip that does not trigger
 (``c_t = 1``), that is the arithmetic without release, bit for bit; otherwise it is the documented
 "interval mean clip" rule. An fp16 overflow step is skipped everywhere; what its hooks already
 added cannot be taken out of the sum, so the interval's host sum is dropped (the next step starts
