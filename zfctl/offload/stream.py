@@ -40,6 +40,7 @@ Buffers and owners (docs/design.md, "Threads and buffer ownership"):
 | --- | --- | --- | --- |
 | device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``); at most ``budget_bytes`` in flight, across steps |
 | landing[w] (page-locked, exact size) | copy stream | accumulation thread | that window's last job is done (``fences[w]``) |
+| landing ring slot j (release_grads; page-locked, exact size) | copy stream | accumulation thread | that slot's job is done (``ring_fences[j]``), waited for by the hook that reuses it |
 | the accumulator (``Pipeline.acc``) | accumulation thread, in job order | CPU worker at a boundary | the worker waits for the boundary step's fence |
 
 Two landing buffers alternate by window, so the hooks of step t+1 wait only for the jobs of
@@ -48,6 +49,14 @@ flight (``budget_bytes``, counted across steps: the copies of one step may outla
 backward at 7B), happen on the hook's thread and are reported as stall. Cost: host memory of 2 x
 (matrix elements) x (model itemsize), page-locked; device memory of at most ``budget_bytes`` of
 temporaries.
+
+With ``zenflow.tuning.release_grads`` (release.py owns the hooks then and calls ``on_grad``) the
+coefficient the hooks add with is always known (1 / the fp16 loss scale; the clip factor waits
+for the boundary), so there are no full landing buffers: each chunk lands in the next slot of a
+ring of chunk-sized slots (as many as the device budget holds, at least two), the thread adds it
+as soon as its copy has landed, and a hook that reuses a slot first waits for the job that read
+it (``ring_fences``, stall). Host memory: the ring, whatever the model's size. After each landing
+``on_final`` tells release.py that the param's ``.grad`` may be taken and freed.
 
 Without CUDA the same code runs synchronously: the hook copies straight into the landing buffer
 and, when the coefficient is known, accumulates at once (that is how CI tests the logic).
