@@ -48,13 +48,13 @@ QUICK = {"default", "zero-offload-clip"}  # the others: -m slow (two 30-step run
 
 def engine(out: Path, preset: str, overrides: list[str], release: bool,
            monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[float | None], list[int]]:
-    """The real loop (zfctl.train.run): per step the loss, the gradient norm and how many params
-    still held a ``.grad`` when step() began."""
+    """The real loop (zfctl.train.run): per step the loss, the gradient norm and how many matrices
+    still held a ``.grad`` when step() began (the 1-D params' are not released: release.py)."""
     held: list[int] = []
     step = ZenFlowOptimizer.step
 
     def counted(self: ZenFlowOptimizer, closure: object = None) -> object:
-        held.append(sum(p.grad is not None for p in self.params))
+        held.append(sum(p.grad is not None for p in self.params if p.dim() > 1))
         return step(self, closure)
 
     plan = resolve_plan("tiny-llama", "alpaca-sample", zenflow=preset, overrides=[
@@ -144,6 +144,7 @@ def fp16_run(release: bool, poison: str) -> tuple[dict, ZenFlowOptimizer, dict]:
             if hit:
                 poisoned = opt.pipeline.t
             elif poisoned is not None and not after:  # the step after the overflow
+                opt.drain()  # the accumulation thread may still add the last chunks
                 after = {"seen": dict(seen), "acc": opt.pipeline.acc.clone(), "scale": scale,
                          "interval_len": opt.pipeline.interval_len, "owned": opt.host.device_owned.clone()}
         opt.flush()

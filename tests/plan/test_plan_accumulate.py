@@ -22,10 +22,10 @@ def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
     small = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
     assert small.accumulate == "host" and small.item("gradient accumulator") == 0
     # release_grads (the default): a ring as large as the in-flight budget (128 MiB at the assumed
-    # link rate, 4 slots of 32 MiB), not a copy of the gradient; one .grad at a time, the largest
-    # param's (the 32000 x 4096 embedding, bf16)
+    # link rate, 4 slots of 32 MiB), not a copy of the gradient; one matrix's .grad at a time, the
+    # largest (the 32000 x 4096 embedding, bf16), and the 1-D params' (65 norm weights of 4096)
     assert small.item("gradient landing buffers") == 4 * 32 * 2**20
-    assert small.item("gradients") == 2 * 32000 * 4096
+    assert small.item("gradients") == 2 * (32000 * 4096 + 65 * 4096)
     cpu = estimate(plan, Machine(512 * GB, False))
     assert cpu.accumulate == "host"
     off = estimate(resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.tuning.release_grads=false"]),

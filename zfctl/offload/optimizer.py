@@ -111,13 +111,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _build_release(self, release: bool) -> GradRelease | None:
         """The release hooks (release.py) where they apply: the hook path (``accumulate: host``,
-        ``stream_grads``), or no host columns at all in one process; None elsewhere."""
+        ``stream_grads``), or no host columns at all in one process; None elsewhere. On the
+        matrices only: a 1-D param's gradient is tiny, and a hook for it would cost more time
+        than the bytes it frees (its .grad waits for step(), as before)."""
         path = self.gradient_path
         if not release or not (isinstance(path, DuringBackward) or (self.host is None and self.exchange is None)):
             return None
         stream = path.stream if isinstance(path, DuringBackward) else None
         hooked = ([s.index for s in self.layout.host_slots] if self.exchange is not None
-                  else list(range(len(self.params))))
+                  else [s.index for s in self.layout.slots if not s.dense])
         return GradRelease(self.params, self.layout, self.device_state, stream=stream, hooked=hooked,
                            norm=self.scale.needs_norm and self.exchange is None)
 

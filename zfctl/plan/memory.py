@@ -15,8 +15,8 @@ keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest 
 device  weights               w P      the model, in train.precision
         gradients             w P      .grad of every param (freed after the step); with
                                        tuning.release_grads on the hook path (or topk_ratio 1), one
-                                       process and no accumulation: w x the largest param, each
-                                       .grad freed in its hook
+                                       process and no accumulation: w x (the largest matrix + the
+                                       1-D params), each matrix's .grad freed in its hook
         selected state        16 D + 4 Dc  fp32 master, two moments and the gradient work buffer of
                                        the device columns, and a step counter per column
         gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
@@ -347,8 +347,9 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
 def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
     """zenflow.tuning.release_grads (zfctl/offload/release.py) where it bounds the ``gradients``
     line: the hook path (``hook``) in one process, a fixed update_interval, one micro-batch per
-    step. Then at most one param's ``.grad`` lives at a time (the one whose hook runs), so the
-    line becomes w x the largest param. Returns whether the release applies at all."""
+    step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
+    1-D params' (not released), so the line becomes w x (the largest matrix + the 1-D params).
+    Returns whether the release applies at all."""
     t, z = plan.train, plan.zenflow
     if not (hook and z.tuning.release_grads and z.update_interval != "auto"):
         return False
@@ -357,12 +358,13 @@ def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem],
                "data parallel: selection steps all-reduce their scores from every .grad")
         _note(items, "gradients", f"{t.precision}, .grad of every param (release_grads: {why})")
         return True
-    largest = max((_numel(shape) for _, shape in size.shapes), default=0)
+    largest = max((_numel(shape) for _, shape in size.shapes if len(shape) > 1), default=0)
     if not largest:  # no shapes: the vocabulary matrix, or everything when even that is unknown
         largest = size.vocab * size.hidden if size.vocab and size.hidden else size.params
+    dense = size.params - size.params_2d  # 1-D params: not released, tiny (zfctl/offload/release.py)
     grads = next(i for i in items if i.name == "gradients")
-    grads.bytes = float(w * largest)
-    grads.note = f"{t.precision}, release_grads: one .grad at a time, the largest param's"
+    grads.bytes = float(w * (largest + dense))
+    grads.note = f"{t.precision}, release_grads: one matrix's .grad at a time (the largest) + the 1-D params'"
     grads.code = "autograd, each .grad freed in its hook (zfctl/offload/release.py)"
     return True
 
