@@ -9,7 +9,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
   host through the D2H ring and accumulates them on the host (chunks.py ``offload_gradients``);
 * :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks copy them
   device to host during the last backward and a host thread accumulates them (stream.py); steps
-  whose backward was not announced, and selection steps, fall back to :class:`InStep`;
+  whose backward was not announced, and selection steps (except with ``release_grads`` in one
+  process: release.py), fall back to :class:`InStep`;
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
@@ -167,8 +168,8 @@ class InStep(NoHostColumns):
 
 class DuringBackward(InStep):
     """The last backward's gradient hooks copy the columns device to host and a host thread adds
-    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps take
-    :class:`InStep`'s copy."""
+    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps (but
+    those of ``release_grads`` in one process, release.py) take :class:`InStep`'s copy."""
 
     def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
                  device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool) -> None:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.layout import Layout, ParamSlot, as_matrix
 from zfctl.offload.scaler import param_norm
 from zfctl.offload.selection import column_l1
 
@@ -129,7 +129,7 @@ class GradRelease:
 
 
 @torch.no_grad()
-def regather(device_state: DeviceAdam, slots: list[Any], old: list[torch.Tensor | None], loaded: set[int],
+def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.Tensor | None], loaded: set[int],
              acc: torch.Tensor, coef: float) -> tuple[int, int]:
     """After a selection on a release step: lay the work buffer's raw gradient out by the new
     selection (``device_state.index``; ``old``: the one the hooks gathered by), for the params in
