@@ -47,8 +47,10 @@ def _train(rank: int, world: int, hooks: bool, release: bool = True,
                 if hooks:
                     opt.prepare_backward(final=i == micro - 1)
                 (F.mse_loss(model(xm), ym) / micro).backward()
-            held.append(sum(p.grad is not None for p in model.parameters() if p.dim() == 2))
+            before = sum(p.grad is not None for p in model.parameters() if p.dim() == 2)
             st = opt.step()
+            # step() must not give a released matrix its .grad back (as zeros, exchange.py reduce)
+            held.append((before, sum(p.grad is not None for p in model.parameters() if p.dim() == 2)))
             early.append(st.early_chunks)
             sent.append(st.comm_bytes)
             opt.zero_grad(set_to_none=True)
@@ -85,5 +87,6 @@ def test_two_ranks_hook_path_equals_step_path(tmp_path) -> None:
         assert on_sent == off_sent
         # the matrices' .grad left in their hooks, except at the selection (step 0: the ranks'
         # scores are all-reduced from .grad in step()) and the last one exchanged, whose exchange
-        # step() completes (each completes one hook later, overlapping the next backward)
-        assert held_on == [3] + [1] * (STEPS - 1) and held_off == [3] * STEPS, held_on
+        # step() completes and then releases (each completes one hook later, overlapping the next
+        # backward); after step() none is back
+        assert held_on == [(3, 3)] + [(1, 0)] * (STEPS - 1) and held_off == [(3, 3)] * STEPS, held_on
