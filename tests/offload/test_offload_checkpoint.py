@@ -185,11 +185,13 @@ def test_pipeline_round_trips_its_counters() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, batches(6))
         sd = opt.pipeline.state_dict()
-    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update
+    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update;
+    # clip_sum: the unfinished interval's two clip factors (no clipping: 1 each)
     assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True,
-                              "age": 3}
+                              "age": 3, "clip_sum": 2.0, "raw_sums": False}
+    sd["counters"]["clip_sum"] = 1.5  # what a clipped interval would carry
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
         opt.pipeline.load_state_dict(sd)
         assert opt.pipeline.t == 6 and opt.pipeline.interval_len == 2 and opt.pipeline.pending_install
-        assert opt.pipeline.age == 3
+        assert opt.pipeline.age == 3 and opt.pipeline.clip_sum == 1.5 and not opt.pipeline.raw_sums
         assert torch.equal(opt.pipeline.acc, sd["acc"])

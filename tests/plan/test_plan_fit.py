@@ -104,7 +104,8 @@ def test_fit_never_goes_below_topk_005(gpu: str) -> None:
     order = ["train.activation_checkpointing", "zenflow.accumulate", "train.micro_batch_size",
              "zenflow.topk_ratio", "data.max_length"]
     firsts = [order.index(next(iter(c.sets))) for c in result.changes]
-    assert firsts == sorted(firsts) and result.changes  # 512 GB host: the device accumulator never helps here
+    assert firsts == sorted(firsts)
+    assert bool(result.changes) == (not estimate(plan).fits)  # changes only where the plan needs them
 
 
 def test_a_plan_that_fits_changes_nothing() -> None:

@@ -70,6 +70,13 @@ class TuningConfig:
         "Copy the non-selected gradient columns to the host during the last backward of a step "
         "(gradient hooks; the training loop announces that backward) instead of inside step().",
     )
+    release_grads: bool = _f(
+        True,
+        "Hook path: free each gradient inside its hook on the last backward (its selected columns "
+        "to the device state, its host columns through a bounded landing ring into the sum), so "
+        "the device never holds every .grad at once. With clipping the CPU update then scales the "
+        "interval's summed gradient by the interval's mean clip factor (docs/design.md, Algorithm).",
+    )
     pin_memory: bool = _f(
         True, "Page-lock the host buffers PCIe copies read or write (fp32 master, the device "
         "path's accumulator, landing buffers, transfer ring): async DMAs instead of staged copies."

@@ -9,7 +9,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
   host through the D2H ring and accumulates them on the host (chunks.py ``offload_gradients``);
 * :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks copy them
   device to host during the last backward and a host thread accumulates them (stream.py); steps
-  whose backward was not announced, and selection steps, fall back to :class:`InStep`;
+  whose backward was not announced, and selection steps (except with ``release_grads`` in one
+  process: release.py), fall back to :class:`InStep`;
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
@@ -180,11 +181,11 @@ class InStep(NoHostColumns):
 
 class DuringBackward(InStep):
     """The last backward's gradient hooks copy the columns device to host and a host thread adds
-    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps take
-    :class:`InStep`'s copy."""
+    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps (but
+    those of ``release_grads`` in one process, release.py) take :class:`InStep`'s copy."""
 
     def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
-                 device: torch.device, config: ZenFlowConfig, exchange: Any) -> None:
+                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool) -> None:
         super().__init__(transfers, accumulate)
         layout, itemsize = transfers.layout, transfers.itemsize
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
@@ -199,9 +200,14 @@ class DuringBackward(InStep):
             budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
         budget = min(budget, layout.host_numel * itemsize)
         dtype = params[layout.host_slots[0].index].dtype
+        # release_grads: the copies land in a ring as large as the device budget (whole chunk-sized
+        # slots, at least two), not in two copies of the host columns' gradient (landing_slots).
+        slot_bytes = transfers.d2h.slot_bytes
+        ring = landing_slots(budget, slot_bytes) if release else 0
         self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
                                  pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
-                                 exchange=exchange, gate=transfers.host.gate)
+                                 exchange=exchange, gate=transfers.host.gate, ring_slots=ring,
+                                 slot_bytes=slot_bytes, hooks=not release)
         self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
 
     def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
@@ -248,6 +254,12 @@ class DuringBackward(InStep):
         self.stream.close()
 
 
+def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
+    """release_grads: slots of the landing ring, enough for the device temporaries in flight
+    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
+    return max(2, -(-budget_bytes // slot_bytes))
+
+
 class SummedOnDevice(NoHostColumns):
     """The interval's sum lives on the device (device_acc.py); only the sum is copied device to
     host, once per interval, after the previous CPU update was collected (its one accumulator).
@@ -285,8 +297,9 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any) -> HostSide:
-    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here."""
+                    exchange: Any, release: bool) -> HostSide:
+    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
+    the hook path's gradients are released in their hooks (release.py), if it is the one chosen."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -315,7 +328,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     if on_device:
         path = SummedOnDevice(transfers, device)
     elif config.tuning.stream_grads:
-        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange)
+        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange,
+                              release=release)
     else:
         path = InStep(transfers, add)
     return HostSide(host, transfers, path, accumulate, threads)

@@ -13,7 +13,10 @@ keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest 
 (the selected columns and every 1-D parameter) in ``Dc`` device columns.
 
 device  weights               w P      the model, in train.precision
-        gradients             w P      .grad of every param (freed after the step)
+        gradients             w P      .grad of every param (freed after the step); with
+                                       tuning.release_grads on the hook path (or topk_ratio 1), one
+                                       process and no accumulation: w x (the largest matrix + the
+                                       1-D params), each matrix's .grad freed in its hook
         selected state        16 D + 4 Dc  fp32 master, two moments and the gradient work buffer of
                                        the device columns, and a step counter per column
         gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
@@ -31,7 +34,9 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         transfer ring         slots x slot bytes: D2H gradient chunks (the host paths)
         landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
-                                       backward's gradient columns, two steps alternating
+                                       backward's gradient columns, two steps alternating; with
+                                       tuning.release_grads a ring of chunk slots as large as the
+                                       in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
 
 Page-locked buffers are pinned at their exact size (zfctl/offload/pinned.py), so no line carries
@@ -56,6 +61,7 @@ from typing import Literal
 
 from zfctl.offload.bandwidth import inflight_bytes
 from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
+from zfctl.offload.device_to_host import landing_slots
 from zfctl.offload.layout import num_selected
 from zfctl.offload.ring import ring_slot_bytes
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
@@ -310,6 +316,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, {how}",
             "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
+        _released_gradients(plan, size, items, w, hook=True)
         return "host", 1
 
     choice = _accumulate(plan, c, items, device_kind, machine)
@@ -333,11 +340,20 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/ring.py Ring.h2d")
     hook = tu.stream_grads and choice == "host"
     if hook:
-        host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
-             "zfctl/offload/stream.py GradStream.landing")
+        # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/device_to_host.py).
+        budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
+        if not cuda and not tu.inflight_mb:
+            budget = 4 * tu.ring_slots * slot
+        budget = max(min(budget, w * c.host), 1)
+        if _released_gradients(plan, size, items, w, hook=True):
+            n = landing_slots(budget, slot)
+            host("gradient landing buffers", n * slot, f"release_grads: a ring of {n} x {slot / 2**20:.3g} MiB "
+                 "chunk slots" + pinned, "zfctl/offload/stream.py GradStream.ring")
+        else:
+            host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
+                 "zfctl/offload/stream.py GradStream.landing")
         if cuda:
-            budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
-            dev("gradient temporaries in flight", min(budget, w * c.host),
+            dev("gradient temporaries in flight", budget,
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
                 "zfctl/offload/stream.py GradStream._make_room")
     if plan.distributed.nproc > 1:
@@ -382,6 +398,35 @@ def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], no
                  if n == 2 else "1 x fp32: overlap_step: the next interval's first writes wait for the CPU "
                  "update to have read each chunk")
     return n
+
+
+def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
+    """zenflow.tuning.release_grads (zfctl/offload/release.py) where it bounds the ``gradients``
+    line: the hook path (``hook``) in one process, a fixed update_interval, one micro-batch per
+    step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
+    1-D params' (not released), so the line becomes w x (the largest matrix + the 1-D params).
+    Returns whether the release applies at all."""
+    t, z = plan.train, plan.zenflow
+    if not (hook and z.tuning.release_grads and z.update_interval != "auto"):
+        return False
+    if t.gradient_accumulation_steps > 1 or plan.distributed.nproc > 1:
+        why = ("earlier micro-batches accumulate into .grad" if t.gradient_accumulation_steps > 1 else
+               "data parallel: selection steps all-reduce their scores from every .grad")
+        _note(items, "gradients", f"{t.precision}, .grad of every param (release_grads: {why})")
+        return True
+    largest = max((_numel(shape) for _, shape in size.shapes if len(shape) > 1), default=0)
+    if not largest:  # no shapes: the vocabulary matrix, or everything when even that is unknown
+        largest = size.vocab * size.hidden if size.vocab and size.hidden else size.params
+    dense = size.params - size.params_2d  # 1-D params: not released, tiny (zfctl/offload/release.py)
+    grads = next(i for i in items if i.name == "gradients")
+    grads.bytes = float(w * (largest + dense))
+    grads.note = f"{t.precision}, release_grads: one matrix's .grad at a time (the largest) + the 1-D params'"
+    grads.code = "autograd, each .grad freed in its hook (zfctl/offload/release.py)"
+    return True
+
+
+def _note(items: list[MemoryItem], name: str, note: str) -> None:
+    next(i for i in items if i.name == name).note = note
 
 
 def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: str,
