@@ -159,7 +159,7 @@ def _train(model: str, data: str, preset: str, overrides: list[str], out: Path, 
 
 def ensure_base(cache: Path, files: dict[str, Path], seed: int) -> Path:
     """The pre-trained tiny-llama folder, trained and exported on the first call only."""
-    from zfctl.train.export import export  # the function (the package attribute can be the module)
+    from zfctl.train import export
 
     key = hashlib.sha256(json.dumps({**BASE, "seed": seed, "data": files["base-train"].read_text()},
                                     sort_keys=True).encode()).hexdigest()[:10]
@@ -219,8 +219,8 @@ def sst2_accuracy(run_dir: Path, export_dir: Path) -> float:
     """Accuracy on sst2-sample's validation split: the label word with the higher log-likelihood."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from zfctl.train import export
     from zfctl.train.data.templates import Rendered, tokenize
-    from zfctl.train.export import export  # the function (the package attribute can be the module)
 
     export(run_dir, export_dir, force=True)  # the final weights: in-flight CPU update installed
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A 7B fine-tune on one GPU, measured against the plan's memory estimate:
 
-    python3 scripts/gpu_7b.py [train|resume|all] [--disk full|small] [--out FILE] [--run-dir DIR]
-                              [--set KEY=VALUE ...]
+    python3 scripts/gpu_7b.py [train|resume|all|fit] [--disk full|small] [--out FILE] [--run-dir DIR]
+                              [--set KEY=VALUE ...] [--emulate-gpu-memory 24GB] [--layers N]
 
 llama2-7b's architecture with random init (scripts/gpu_7b.yaml: embedded tokenizer, alpaca-sample
 packed into 1 x 512-token steps), bf16, ZenFlow default. Part `train`: `zfctl finetune
@@ -22,6 +22,16 @@ bench-results/gpu-7b-<commit>.json) with `zfctl plan --json`'s memory figures be
 Not measured: host memory pinned by the CUDA driver outside torch and zfctl (its own staging),
 and RSS of a process killed before it could write its stats (the outside poll still has it).
 
+A smaller GPU, emulated (issue 29's 24 GB row on an 80 GB card): ``--emulate-gpu-memory 24GB``
+plans for a GPU of that size with ``zfctl plan --gpu-memory 24GB --fit`` (recorded as ``fit``:
+the ``--set`` changes it made), runs ``zfctl finetune`` with the same ``--gpu-memory 24GB --fit``,
+and caps the training process with ``torch.cuda.set_per_process_memory_fraction(24 GB / the
+card's memory)`` (scripts/zf_memstats.py ``--cap-gpu-memory``), so an estimate that is too low
+ends in an out-of-memory error instead of a pass. Part ``fit`` is one run of ``--steps`` steps
+(one checkpoint, at its end) for that. ``--layers N`` keeps llama2-7b's width and vocabulary
+with N decoder layers: the size `make gpu-check` runs (scripts/gpu_check.py), whose checkpoint
+fits the lent machine's disk.
+
 Before running, it refuses in one line when the plan says this machine cannot hold the run
 (--force-run overrides) or the part's checkpoint cannot fit on the run folder's disk (a 7B
 checkpoint is ~130 GB: weights + fp32 master, moments and accumulator). Without CUDA: one
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -69,6 +80,26 @@ DISK_MODES = {
     "small": (["model.config.num_hidden_layers=8"],
               "llama2-7b's shapes with 8 of 32 layers: 1.88B params, a ~36 GB checkpoint (fits 64 GiB of disk)"),
 }
+
+PLAN_DOES_NOT_FIT = 3  # zfctl plan's exit code when the machine cannot hold the plan (zfctl/cli/plan.py)
+_UNITS = {"gb": 10**9, "gib": 2**30}
+
+
+def parse_gpu_memory(text: str) -> int:
+    """Bytes of ``24GB`` (decimal, as zfctl plan reads it) or ``24GiB``; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r}: give a size such as 24GB or 24GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def emulation_flags(size: str | None, layers: int | None) -> tuple[list[str], list[str]]:
+    """(plan and finetune flags, zf_memstats flags) for an emulated GPU of ``size`` and a model of
+    ``layers`` decoder layers; ([], []) for the real card and the whole 7B."""
+    sets = ["--set", f"model.config.num_hidden_layers={layers}"] if layers else []
+    if size is None:
+        return sets, []
+    return [*sets, "--gpu-memory", size, "--fit"], ["--cap-gpu-memory", str(parse_gpu_memory(size))]
 
 
 def agg(values: list[float]) -> dict[str, Any]:
@@ -145,7 +176,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                                and v is not None), default=None))
     dev = peak(lambda p: p["peak_device_bytes"]["reserved"] or p["peak_device_bytes"]["allocated"])
     plan = doc.get("plan", {})
+    cap = (doc.get("emulation") or {}).get("gpu_memory_bytes")
     return {
+        "device_vs_emulated_gpu": dev / cap if dev and cap else None,
         "peak_host_rss_bytes": host,
         "pinned_host_bytes_upper_bound": peak(lambda p: p["pinned_host_bytes"]["total_upper_bound"]),
         "peak_device_bytes": dev,
@@ -173,12 +206,17 @@ def preflight(plan: dict[str, Any], run_dir: Path, bytes_per_param: int | None, 
 
 
 def plan_memory(py: str, env: dict[str, str], sets: list[str], steps: int) -> dict[str, Any]:
-    """`zfctl plan ... --json`'s memory object for this run on this machine."""
+    """`zfctl plan ... --json` for this run on this machine (or the emulated GPU): its memory
+    object, with what --fit changed under ``fit`` and the resolved plan's activation checkpointing.
+    A plan that does not fit is the preflight's to refuse; --fit finding nothing is a Failed."""
     res = capture([py, "-m", "zfctl", "plan", *BASE, *sets, "--max-steps", str(steps), "--json"],
                   env=env, cwd=ROOT, timeout=300)
-    if res.returncode != 0:
+    if res.returncode not in (0, PLAN_DOES_NOT_FIT):
         raise Failed(f"zfctl plan failed: {(res.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(res.stdout)["memory"]
+    doc = json.loads(res.stdout)
+    return {**doc["memory"], "fit": doc.get("fit"),
+            "activation_checkpointing": doc["plan"]["train"].get("activation_checkpointing"),
+            "topk_ratio": doc["plan"]["zenflow"]["topk_ratio"]}
 
 
 def checkpoint_bytes_per_param(py: str, env: dict[str, str]) -> int | None:
@@ -192,9 +230,10 @@ def checkpoint_bytes_per_param(py: str, env: dict[str, str]) -> int | None:
 def run_part(part: str, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     """One part: refuse with the reason, or run it under the memory samplers and read its metrics."""
     run_dir, raw = ctx["run_dir"], ctx["raw"]
-    first, last = (1, args.checkpoint_at) if part == "train" else (args.checkpoint_at + 1, args.steps)
+    first, last = {"train": (1, args.checkpoint_at), "fit": (1, args.steps)}.get(part, (args.checkpoint_at + 1,
+                                                                                    args.steps))
     ckpt = run_dir / "checkpoints" / f"step-{args.checkpoint_at:06d}"
-    if part == "train":
+    if part in ("train", "fit"):
         why = preflight(ctx["plan"], run_dir, ctx["bytes_per_param"], args.force_run)
         verb = ["finetune", *BASE, *ctx["sets"], "--output", str(run_dir), "--max-steps", str(last), "--force"]
     else:
@@ -206,7 +245,7 @@ def run_part(part: str, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[s
         return {"status": "skipped", "reason": why, "finished": stamp()}
     stats, log, tree = raw / f"{part}-stats.json", raw / f"{part}.log", TreeSampler()
     stats.unlink(missing_ok=True)
-    code, secs = run_logged([ctx["py"], "scripts/zf_memstats.py", str(stats), *verb], log,
+    code, secs = run_logged([ctx["py"], "scripts/zf_memstats.py", str(stats), *ctx.get("cap", []), *verb], log,
                             timeout=args.part_timeout, env=ctx["env"], poll=tree)
     metrics = phase_metrics(run_dir / "metrics.jsonl", first, last)
     return {**part_record(code, secs, log, tree, stats, metrics), "finished": stamp()}
@@ -215,7 +254,8 @@ def run_part(part: str, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_7b.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", nargs="?", default="all", help="train, resume or all (default)")
+    ap.add_argument("part", nargs="?", default="all",
+                    help="train, resume, all (default: train then resume) or fit (one run of --steps)")
     ap.add_argument("--out", type=Path, help="results file (default bench-results/gpu-7b-<commit>.json)")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "gpu-7b", help="the run folder")
     ap.add_argument("--disk", choices=list(DISK_MODES), default="full",
@@ -225,11 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="more plan overrides for finetune and plan (resume reads the saved plan)")
     ap.add_argument("--force-run", action="store_true", help="run even when the plan says it does not fit")
+    ap.add_argument("--emulate-gpu-memory", metavar="SIZE",
+                    help="plan for and cap the process to a GPU of SIZE (e.g. 24GB), with zfctl's --fit")
+    ap.add_argument("--layers", type=int, help="decoder layers of the 7B (default: its 32); fewer fit a small disk")
     # 500 s: a 10-minute slot minus the setup, the plan and stopping the part (see gpu_check.py)
     ap.add_argument("--part-timeout", type=float, default=500)
     args = ap.parse_args(argv)
-    if args.part not in ("train", "resume", "all"):
-        ap.error(f"part {args.part!r}: use train, resume or all")
+    if args.part not in ("train", "resume", "all", "fit"):
+        ap.error(f"part {args.part!r}: use train, resume, all or fit")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers {args.layers}: must be >= 1")
+    try:
+        emulate, cap = emulation_flags(args.emulate_gpu_memory, args.layers)
+    except ValueError as e:
+        ap.error(f"--emulate-gpu-memory {e}")
     if not 0 < args.checkpoint_at < args.steps:
         ap.error(f"--checkpoint-at {args.checkpoint_at}: must be between 0 and --steps {args.steps}")
 
@@ -241,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     commit = git_commit()
     out = (args.out or ROOT / "bench-results" / f"gpu-7b-{commit}.json").resolve()
     overrides, what = DISK_MODES[args.disk]
+    if args.layers:  # an explicit layer count replaces the disk mode's
+        overrides, what = [], f"llama2-7b's shapes with {args.layers} of 32 layers (--layers)"
     print(f"gpu-7b disk mode {args.disk}: {what}", flush=True)
-    sets = [a for s in [*overrides, *args.sets] for a in ("--set", s)]
+    sets = [*(a for s in [*overrides, *args.sets] for a in ("--set", s)), *emulate]
     try:
         doc = load_doc(out, commit)
         env = prepare(py, info.get("ext_suffix"))
@@ -250,10 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     except (Failed, subprocess.SubprocessError) as e:
         print(f"gpu-7b: {e}", file=sys.stderr)
         return 1
-    ctx = {"py": py, "env": env, "sets": sets, "plan": memory, "raw": out.with_suffix(""),
+    ctx = {"py": py, "env": env, "sets": sets, "plan": memory, "raw": out.with_suffix(""), "cap": cap,
            "run_dir": args.run_dir.resolve(), "bytes_per_param": checkpoint_bytes_per_param(py, env)}
     ctx["raw"].mkdir(parents=True, exist_ok=True)
-    doc.update(machine=machine(info), plan=memory, parts=doc.get("parts", {}),
+    doc.update(machine=machine(info), plan=memory, parts=doc.get("parts", {}), fit=memory.get("fit"),
+               emulation={"gpu_memory": args.emulate_gpu_memory, "gpu_memory_bytes": int(cap[1]) if cap else None,
+                          "layers": args.layers},  # None: the disk mode's layers
                setup={"command": ["zfctl", "finetune", *BASE, *sets], "disk": args.disk, "steps": args.steps,
                       "checkpoint_at": args.checkpoint_at, "run_dir": str(ctx["run_dir"])})
     for part in (["train", "resume"] if args.part == "all" else [args.part]):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU check: `make gpu-check [PART=...] [OUT=file.json]`, or
 
-    python3 scripts/gpu_check.py [tests|bench-b1|bench-b4|nccl|all ...] [--out FILE]
+    python3 scripts/gpu_check.py [tests|bench-b1|bench-b4|nccl|fit-24gb|all ...] [--out FILE]
 
 Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU check"):
   tests     pytest -m gpu over tests/: passed/failed/skipped counts and the failing test ids
@@ -11,7 +11,12 @@ Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU chec
   nccl      `zfctl finetune tiny-llama --nproc 2` on CUDA with NCCL, once per gradient path that
             exchanges differently (NCCL_VARIANTS: accumulate host with the gradient hooks and
             page-locked memory, accumulate device); skipped below 2 GPUs
-  all       the four in turn (more than one slot)
+  fit-24gb  issue 29's "Llama-2-7B on a 24 GB GPU" row, scaled to the lent machine's 64 GiB disk:
+            scripts/gpu_7b.py fit with llama2-7b's width and FIT_LAYERS of its 32 layers (a ~28 GB
+            checkpoint instead of ~130 GB), on a GPU emulated at 24 GB x its share of the 7B's
+            parameters, with zfctl's --fit settings: 20 steps, peak device and host memory and
+            ms/step next to the plan's figures
+  all       the five in turn (more than one slot)
 
 Each part adds its results to ONE JSON file (default bench-results/gpu-check-<commit>.json; a
 file of another commit is refused), then the acceptance figures are recomputed from everything
@@ -40,6 +45,26 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ROOT, Failed, git_commit, load_doc, machine, prepare, probe, run_logged, write_doc
 from gpu_results import PARTS, PRESETS, collect_bench, merge, summary_lines
+
+# fit-24gb: llama2-7b (scripts/gpu_7b.yaml) with this many decoder layers: 1.48B parameters, whose
+# checkpoint (bf16 weights + fp32 optimizer state, ~19 B per parameter) is ~28 GB.
+FIT_LAYERS = 6
+FIT_FULL_GPU_GB = 24.0  # the row it scales: Llama-2-7B on a 24 GB GPU
+
+
+def llama2_7b_params(layers: int) -> int:
+    """Parameters of scripts/gpu_7b.yaml's Llama with ``layers`` decoder layers (untied head)."""
+    vocab, h, inter = 32000, 4096, 11008
+    return 2 * vocab * h + layers * (4 * h * h + 3 * h * inter + 2 * h) + h
+
+
+def scaled_gpu_memory(layers: int, full_gb: float = FIT_FULL_GPU_GB) -> str:
+    """The GPU size that is to ``layers`` layers what ``full_gb`` is to the whole 7B, by
+    parameters (rounded up to 0.1 GB): the buffers that do not scale with the model (install
+    staging, activations of one 512-token sequence) make the small row a little harder."""
+    gb = math.ceil(full_gb * llama2_7b_params(layers) / llama2_7b_params(32) * 10) / 10
+    return f"{gb:g}GB"
+
 
 # Steps of the NCCL smoke run: default's 20 full-CPU warm-up steps, then 20 ZenFlow steps (5 CPU
 # updates, each broadcast by its owner rank).
@@ -169,9 +194,44 @@ def part_nccl(ctx: Context) -> dict[str, Any]:
             "section": {"status": status, "variants": variants}}
 
 
+def fit_section(path: Path, size: str) -> dict[str, Any]:
+    """What scripts/gpu_7b.py recorded of the emulated run: the plan's figures and --fit's changes
+    beside the measured peaks and ms/step."""
+    if not path.exists():
+        return {"status": "missing", "emulated_gpu": size, "why": f"{path.name} was not written"}
+    doc = json.loads(path.read_text())
+    plan, part = doc.get("plan") or {}, (doc.get("parts") or {}).get("fit") or {}
+    return {"status": part.get("status", "missing"), "emulated_gpu": size, "layers": FIT_LAYERS,
+            "params": (plan.get("size") or {}).get("params"), "fit": doc.get("fit"),
+            "plan_fits": plan.get("fits"), "plan_device_bytes": plan.get("device_total"),
+            "plan_host_bytes": plan.get("host_total"), "activation_checkpointing": plan.get("activation_checkpointing"),
+            "topk_ratio": plan.get("topk_ratio"), "peak_device_bytes": part.get("peak_device_bytes"),
+            "peak_host_rss_bytes": part.get("peak_host_rss_bytes"), "ms_per_step_zenflow": part.get("ms_per_step_zenflow"),
+            "summary": doc.get("summary"), "reason": part.get("reason") or part.get("last_line")}
+
+
+def part_fit(ctx: Context) -> dict[str, Any]:
+    raw = _fresh(ctx.raw / "fit-24gb")
+    size = scaled_gpu_memory(FIT_LAYERS)
+    cmd = [ctx.py, "scripts/gpu_7b.py", "fit", "--layers", str(FIT_LAYERS), "--emulate-gpu-memory", size,
+           "--out", str(raw / "gpu-7b.json"), "--run-dir", str(raw / "run"),
+           "--part-timeout", str(max(60.0, ctx.timeout - 90))]  # its plan and setup run before the part
+    code, secs = run_logged(cmd, raw / "gpu-7b.log", timeout=ctx.timeout, env=ctx.env)
+    section = fit_section(raw / "gpu-7b.json", size)
+    if section["status"] == "missing" and (raw / "gpu-7b.log").exists():  # e.g. --fit found nothing: its line
+        tail = [ln for ln in (raw / "gpu-7b.log").read_text(errors="replace").splitlines() if ln.strip()]
+        section["reason"] = tail[-1] if tail else None
+    shutil.rmtree(raw / "run", ignore_errors=True)  # its checkpoint: ~28 GB of the 64 GiB disk
+    status = _status(code) if section["status"] in ("missing", "passed") else section["status"]
+    return {"status": status, "seconds": round(secs, 1), "log": str(raw / "gpu-7b.log"), "section": section,
+            **({"reason": section["reason"]} if section.get("reason") else {})}
+
+
 def run_part(ctx: Context, part: str) -> dict[str, Any]:
     if part == "tests":
         return part_tests(ctx)
+    if part == "fit-24gb":
+        return part_fit(ctx)
     if part == "nccl":
         return part_nccl(ctx)
     return part_bench(ctx, int(part.removeprefix("bench-b")))
@@ -182,7 +242,8 @@ def run_part(ctx: Context, part: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", metavar="PART", help="tests, bench-b1, bench-b4, nccl or all (default)")
+    ap.add_argument("parts", nargs="*", metavar="PART",
+                    help="tests, bench-b1, bench-b4, nccl, fit-24gb or all (default)")
     ap.add_argument("--out", type=Path, help="results file (default bench-results/gpu-check-<commit>.json)")
     # 480 s: a 10-minute slot minus this script's setup on a fresh machine (wheels, the module check,
     # the native build: ~1 minute) and the 30 s it may take to stop a part and write the file.

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpu_common import stamp
 
-PARTS = ("tests", "bench-b1", "bench-b4", "nccl")
+PARTS = ("tests", "bench-b1", "bench-b4", "nccl", "fit-24gb")
 PRESETS = ("off", "zero-offload", "paper", "default-host", "default-device")  # what each bench part runs
 # The shape the targets are stated for; results of any other shape are kept but never compared.
 SHAPE = {"model": "llama3.2-1b", "seq_len": 1024, "dtype": "bf16", "timing": "CUDA events"}
@@ -171,6 +171,8 @@ def merge(doc: dict[str, Any], part: str, result: dict[str, Any], host: dict[str
         doc["tests"] = result["section"]
     elif part == "nccl":
         doc["nccl"] = result["section"]
+    elif part == "fit-24gb":
+        doc["fit_24gb"] = result["section"]
     else:
         batch_key = part.removeprefix("bench-")
         doc["bench"][batch_key] = result["section"].get(batch_key, {})
@@ -181,8 +183,13 @@ def merge(doc: dict[str, Any], part: str, result: dict[str, Any], host: dict[str
     doc["verdict"] = verdict(doc)
     # The summary first, for a person opening the file; whatever else it held after.
     order = ("commit", "updated", "verdict", "acceptance", "cpu_update_hidden", "machine", "tests", "nccl",
-             "bench", "parts")
+             "fit_24gb", "bench", "parts")
     return {**{k: doc[k] for k in order if k in doc}, **doc}
+
+
+def _fmt_ms(agg: dict | None) -> str:
+    mean = agg.get("mean") if isinstance(agg, dict) else None
+    return "n/a" if mean is None else f"{mean:.0f}"
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
@@ -199,6 +206,14 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         if h["hidden"] is not None:
             lines.append(f"{h['config']}: CPU update {h['cpu_update_ms']:.0f} ms vs {h['interval']} x "
                          f"{h['device_ms_per_step']:.0f} ms of device work: {'hidden' if h['hidden'] else 'NOT hidden'}")
+    f = doc.get("fit_24gb")
+    if f and f.get("peak_device_bytes"):
+        dev, plan = f["peak_device_bytes"], f.get("plan_device_bytes")
+        used = dev.get("reserved") or dev.get("allocated")
+        changes = (f.get("fit") or {}).get("flags") or "no change"
+        lines.append(f"fit-24gb: {f['layers']}-layer 7B on an emulated {f['emulated_gpu']} GPU, --fit: {changes}; peak "
+                     f"device {used / 1e9:.2f} GB" + (f" (plan {plan / 1e9:.2f} GB)" if plan else "")
+                     + f", {_fmt_ms(f.get('ms_per_step_zenflow'))} ms/step")
     v = doc["verdict"]
     lines.append(f"verdict: {v['result']}" + (f"; failed: {', '.join(v['failed'])}" if v["failed"] else "")
                  + (f"; not yet: {', '.join(v['missing'])}" if v["missing"] else "")

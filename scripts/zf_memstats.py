@@ -1,7 +1,7 @@
 """Run `zfctl ARGS` in this process and, when it exits, write to STATS.json what only the process
 itself can see (used by scripts/gpu_7b.py):
 
-    python3 scripts/zf_memstats.py STATS.json finetune MODEL --data DATA ...
+    python3 scripts/zf_memstats.py STATS.json [--cap-gpu-memory BYTES] finetune MODEL --data DATA ...
 
 - pinned host memory: torch's caching host allocator's peak (`pin_memory=True` tensors; it
   rounds each block up to a power of two, so this is what was pinned, not what was asked for),
@@ -9,6 +9,11 @@ itself can see (used by scripts/gpu_7b.py):
   every 0.25 s once the run has imported that module; null where this build has no such module;
 - peak CUDA memory, allocated and reserved (the run's metrics.jsonl has allocated only);
 - VmHWM, the process's own peak RSS.
+
+``--cap-gpu-memory BYTES`` makes a larger GPU behave like a smaller one before zfctl starts:
+``torch.cuda.set_per_process_memory_fraction(BYTES / total)`` on device 0, so the caching allocator
+raises out-of-memory where a card of BYTES would (the CUDA context, outside the allocator, is not
+counted: a real card of that size has a little less). The cap is in the stats file too.
 
 Nothing is written when the process is killed (SIGKILL, the OOM killer): the caller measures the
 peak RSS from outside as well.
@@ -26,6 +31,7 @@ from pathlib import Path
 
 STATS = Path(sys.argv[1])
 _registered = {"peak": None}
+_cap: dict = {"gpu_memory_cap_bytes": None, "gpu_memory_fraction": None, "gpu_total_bytes": None}
 
 
 def _registered_now() -> int | None:
@@ -56,11 +62,27 @@ def _vm_hwm() -> int | None:
     return None
 
 
+def cap_fraction(cap: int, total: int) -> float:
+    """The share of a ``total``-byte GPU that leaves ``cap`` bytes to the caching allocator."""
+    if not 0 < cap <= total:
+        raise SystemExit(f"zf_memstats: --cap-gpu-memory {cap}: must be > 0 and at most the GPU's {total} bytes")
+    return cap / total
+
+
+def _cap_gpu(cap: int) -> None:
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = cap_fraction(cap, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    _cap.update(gpu_memory_cap_bytes=cap, gpu_memory_fraction=fraction, gpu_total_bytes=total)
+
+
 def _dump() -> None:
     out: dict = {"vm_hwm_bytes": _vm_hwm(), "registered_peak_bytes": _registered["peak"],
                  "registered_available": "zfctl.offload.pinned" in sys.modules,
                  "caching_allocator_peak_bytes": None, "device_allocated_peak_bytes": None,
-                 "device_reserved_peak_bytes": None}
+                 "device_reserved_peak_bytes": None, **_cap}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         stats = getattr(torch.cuda, "host_memory_stats", dict)()  # absent before torch 2.7
@@ -75,7 +97,11 @@ def _dump() -> None:
 if __name__ == "__main__":
     atexit.register(_dump)  # runs on a normal exit and on SystemExit (every zfctl error)
     threading.Thread(target=_sample, daemon=True).start()
-    sys.argv = ["zfctl", *sys.argv[2:]]
+    rest = sys.argv[2:]
+    if rest[:1] == ["--cap-gpu-memory"]:
+        _cap_gpu(int(rest[1]))
+        rest = rest[2:]
+    sys.argv = ["zfctl", *rest]
     from zfctl.cli import main
 
     main()

@@ -54,3 +54,11 @@ def check_writable(dest: Path, flag: str, fix: str = "choose another location",
         raise UserError(f"{flag} {named}: cannot create files in {os_error_line(e)}; {fix}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def current_umask() -> int:
+    """The process umask, for files made with another mode than the usual 0666 - umask
+    (``tempfile.mkstemp``, safetensors: 0600). Reading it means setting it: set back at once."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

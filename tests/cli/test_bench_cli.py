@@ -216,6 +216,9 @@ def test_plot_is_a_png(tmp_path):
         (["--json", "no/such/dir/b.json"], "does not exist"),
         (["--plot", "b.pdf"], "must end in .png"),
         (["--max-grad-norm", "0"], "--max-grad-norm"),
+        (["--activation-checkpointing", "sometimes", "--model", "tiny-llama"],
+         "--activation-checkpointing 'sometimes': use on, off or on,off"),
+        (["--activation-checkpointing", "on"], "--activation-checkpointing on needs --model PRESET"),
         (["--zenflow", "fast"], "--zenflow 'fast': not a zenflow preset"),
         (["--set", "train.lr=1"], "--set train.lr=1: zfctl bench takes zenflow.* keys only"),
         (["--set", "zenflow.topk_ratio=0.2"], "sets zenflow.topk_ratio itself; use --topk"),
@@ -322,3 +325,39 @@ def test_set_changes_one_zenflow_key_for_every_configuration(tmp_path):
     assert [u for u, _ in lag0] == [u for u, _ in lag1] == [False, False, False, True] * 2
     assert [b for _, b in lag0] == [0, 0, 0, install] * 2  # installed at the next boundary
     assert [b for _, b in lag1] == [install, 0, 0, 0] * 2  # one step after its boundary
+
+
+def test_activation_checkpointing_on_and_off_side_by_side(tmp_path, monkeypatch):
+    """--activation-checkpointing on,off: the grid once per setting, each with its own zero-offload
+    baseline (the speedup compares like with like), labelled, in the CSV, and really recomputing."""
+    from zfctl.bench import suite
+
+    runs: list[int] = []
+    recomputing = suite.recomputing
+
+    def counting(build):
+        inner = recomputing(build)
+
+        def b(steps):
+            m = inner(steps)
+            mlp = m.module.model.layers[0].mlp
+            forward = mlp.forward
+            mlp.forward = lambda *a, **k: (runs.append(1), forward(*a, **k))[1]
+            return m
+
+        return b
+
+    monkeypatch.setattr(suite, "recomputing", counting)
+    res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32", "--topk", "0.1",
+                 "--interval", "1", "--warmup", "1", "--iterations", "2", "--device", "cpu", "--baselines",
+                 "zero-offload", "--activation-checkpointing", "on,off", "--csv", str(tmp_path / "b.csv"))
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader((tmp_path / "b.csv").open()))
+    assert [(r["name"], r["recompute"]) for r in rows] == [
+        ("zero-offload", "True"), ("zenflow", "True"), ("zero-offload", "False"), ("zenflow", "False")]
+    assert rows[1]["label"].endswith(", recompute") and not rows[3]["label"].endswith(", recompute")
+    for base, row in ((rows[0], rows[1]), (rows[2], rows[3])):  # each against its own baseline
+        assert float(row["speedup_vs_zero_offload"]) == pytest.approx(
+            float(base["overall_mean_ms"]) / float(row["overall_mean_ms"]), rel=1e-3)
+    # The two recompute configurations, 1 warm-up + 2 timed steps each: the MLP forward twice per step.
+    assert len(runs) == 2 * 3 * 2

@@ -193,3 +193,66 @@ def test_train_then_resume_flow_on_tiny_llama(tmp_path, monkeypatch):
     s = gpu_7b.summarize({"plan": {}, "parts": parts})
     assert s["peak_host_rss_bytes"] == max(max(p["peak_host_rss_bytes"]["own_vmhwm"],
                                                p["peak_host_rss_bytes"]["outside_vmhwm"]) for p in parts.values())
+
+
+def test_emulated_gpu_flags_and_sizes():
+    assert gpu_7b.parse_gpu_memory("24GB") == 24 * 10**9 and gpu_7b.parse_gpu_memory("24GiB") == 24 * GIB
+    assert gpu_7b.parse_gpu_memory(" 5.3GB ") == 5_300_000_000
+    for bad in ("24", "24TB", "0GB", "lots", "-1GB", "1e400GB"):
+        with pytest.raises(ValueError):
+            gpu_7b.parse_gpu_memory(bad)
+    assert gpu_7b.emulation_flags(None, None) == ([], [])
+    assert gpu_7b.emulation_flags(None, 6) == (["--set", "model.config.num_hidden_layers=6"], [])
+    flags, cap = gpu_7b.emulation_flags("24GB", None)
+    assert flags == ["--gpu-memory", "24GB", "--fit"] and cap == ["--cap-gpu-memory", str(24 * 10**9)]
+
+
+def test_the_process_cap_is_the_emulated_share_of_the_card():
+    memstats = __import__("gpu_script_helpers").script("zf_memstats")
+    assert memstats.cap_fraction(24 * 10**9, 80 * 10**9) == 0.3
+    with pytest.raises(SystemExit):
+        memstats.cap_fraction(100 * 10**9, 80 * 10**9)  # a cap above the card emulates nothing
+    with pytest.raises(SystemExit):
+        memstats.cap_fraction(0, 80 * 10**9)
+
+
+def test_bad_emulation_arguments_exit_2(tmp_path):
+    for args, needle in ((["--emulate-gpu-memory", "24"], "--emulate-gpu-memory '24'"),
+                         (["--layers", "0"], "--layers 0"), (["fitt"], "part 'fitt'")):
+        res = subprocess.run([sys.executable, "scripts/gpu_7b.py", *args, "--out", str(tmp_path / "r.json")],
+                             cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr
+
+
+def test_the_fit_part_runs_one_capped_finetune_with_the_fit_flags(tmp_path, monkeypatch):
+    """Part fit: one finetune of --steps steps, with --gpu-memory/--fit, under zf_memstats's cap."""
+    seen = []
+
+    def fake_run(cmd, log, *, timeout, env, poll=None):
+        seen.append(cmd)
+        return 0, 1.0
+
+    monkeypatch.setattr(gpu_7b, "run_logged", fake_run)
+    flags, cap = gpu_7b.emulation_flags("5.3GB", 6)
+    args = argparse.Namespace(checkpoint_at=10, steps=20, force_run=False, part_timeout=300)
+    ctx = {"py": sys.executable, "env": {}, "sets": flags, "cap": cap, "raw": tmp_path,
+           "plan": {"fits": True, "size": {"params": 1000}}, "run_dir": tmp_path / "run", "bytes_per_param": 17}
+    rec = gpu_7b.run_part("fit", args, ctx)
+    cmd = seen[0]
+    assert cmd[1:5] == ["scripts/zf_memstats.py", str(tmp_path / "fit-stats.json"), "--cap-gpu-memory", "5300000000"]
+    assert cmd[5] == "finetune" and cmd[cmd.index("--max-steps") + 1] == "20"
+    assert cmd[cmd.index("--gpu-memory") + 1] == "5.3GB" and "--fit" in cmd
+    assert "model.config.num_hidden_layers=6" in cmd
+    assert rec["status"] == "passed"
+
+
+def test_plan_memory_records_the_fit_and_takes_a_plan_that_does_not_fit():
+    """The plan of the emulated run (exit 0), and one that does not fit (exit 3: the preflight's
+    to refuse, not an error)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    fits = gpu_7b.plan_memory(sys.executable, env, [*gpu_7b.emulation_flags("40GB", 6)[0], "--host-memory", "128GB"],
+                              20)
+    assert fits["fits"] is True and fits["fit"]["applied"] is True and fits["size"]["params"] == 1_476_448_256
+    assert fits["activation_checkpointing"] in (True, False) and fits["topk_ratio"] >= 0.05
+    small = gpu_7b.plan_memory(sys.executable, env, ["--gpu-memory", "2GB", "--host-memory", "128GB"], 20)
+    assert small["fits"] is False and small["reasons"] and small["fit"]["applied"] is False

@@ -139,7 +139,7 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     assert doc["parts"]["bench-b4"]["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
     assert doc["verdict"] == {"result": "fail", "failed": ["accumulate device / off", "ZenFlow default / off at batch 1"],
-                              "missing": ["nccl"], "skipped": []}
+                              "missing": ["nccl", "fit-24gb"], "skipped": []}
 
     # bench-b4 again with a faster device-accumulation run: b4 is replaced, b1 and the tests stay.
     fake_part(tmp_path / "b4-again", 4, device_ms=140.0)
@@ -149,8 +149,8 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     nccl = {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1",
             "section": {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}}
     doc = gpu_results.merge(doc, "nccl", nccl, HOST)
-    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"], "missing": [],
-                              "skipped": ["nccl"]}  # named: a 'pass' must not hide that NCCL never ran
+    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"],
+                              "missing": ["fit-24gb"], "skipped": ["nccl"]}  # named: a 'pass' must not hide it
     lines = gpu_results.summary_lines(doc)
     assert "nccl: skipped (0 s), needs 2 CUDA GPUs, this machine has 1" in lines
     assert lines[-1].endswith("; skipped: nccl")
@@ -251,7 +251,7 @@ def test_without_cuda_the_check_prints_one_line_and_does_nothing(tmp_path):
 
 def test_bad_parts_are_refused(tmp_path):
     res = _quick([sys.executable, "scripts/gpu_check.py", "bench-b2"])
-    assert res.returncode == 2 and "part 'bench-b2': use tests, bench-b1, bench-b4, nccl or all" in res.stderr
+    assert res.returncode == 2 and "part 'bench-b2': use tests, bench-b1, bench-b4, nccl, fit-24gb or all" in res.stderr
 
 
 def test_a_python_without_torch_counts_as_no_cuda(tmp_path):
@@ -358,7 +358,7 @@ def test_main_runs_the_parts_it_is_given_and_adds_to_one_file(tmp_path, monkeypa
     assert list(doc["parts"]) == ["tests", "bench-b4", "bench-b1", "nccl"] and doc["commit"] == "abc1234"
     assert doc["nccl"] == {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
-    assert doc["verdict"]["missing"] == []
+    assert doc["verdict"]["missing"] == ["fit-24gb"]
 
     monkeypatch.setattr(gpu_check, "git_commit", lambda: "def5678")
     assert gpu_check.main(["tests", "--out", str(out)]) == 1
@@ -481,3 +481,67 @@ def test_nccl_part_runs_the_host_hook_path_page_locked_and_the_device_path(tmp_p
     v = res["section"]["variants"]
     assert (v["host"]["status"], v["device"]["status"]) == ("passed", "failed")
     assert res["status"] == "failed" and res["seconds"] == 24.0
+
+
+def test_the_fit_part_scales_the_24gb_row_to_a_disk_sized_model() -> None:
+    """The parameter count the part scales by is the plan's own (scripts/gpu_7b.yaml), and the
+    emulated GPU is 24 GB x the share of the 7B's parameters that FIT_LAYERS keep."""
+    from zfctl.plan.memory import model_size
+    from zfctl.plan.resolve import resolve_plan
+
+    for layers in (32, gpu_check.FIT_LAYERS):
+        plan = resolve_plan("llama2-7b", "alpaca-sample", config=REPO / "scripts" / "gpu_7b.yaml",
+                            overrides=[f"model.config.num_hidden_layers={layers}"])
+        assert model_size(plan).params == gpu_check.llama2_7b_params(layers)
+    assert gpu_check.llama2_7b_params(32) == 6_738_415_616
+    assert gpu_check.scaled_gpu_memory(32) == "24GB"
+    small = gpu_check.llama2_7b_params(gpu_check.FIT_LAYERS)
+    assert small * 19 < 32e9  # its checkpoint (~19 B per parameter) leaves room on a 64 GiB disk
+    gb = float(gpu_check.scaled_gpu_memory(gpu_check.FIT_LAYERS).removesuffix("GB"))
+    assert 24 * small / 6_738_415_616 <= gb < 24 * small / 6_738_415_616 + 0.1
+
+
+def test_the_fit_part_reads_what_gpu_7b_recorded(tmp_path, monkeypatch) -> None:
+    """part_fit runs scripts/gpu_7b.py fit on the emulated GPU, keeps its figures beside the
+    plan's, and deletes the run folder (the checkpoint) afterwards."""
+    calls = []
+
+    def fake_run(cmd, log, *, timeout, env, poll=None):
+        calls.append(cmd)
+        out, run = Path(cmd[cmd.index("--out") + 1]), Path(cmd[cmd.index("--run-dir") + 1])
+        (run / "checkpoints").mkdir(parents=True)
+        log.write_text("== gpu-7b fit\n")
+        out.write_text(json.dumps({
+            "plan": {"fits": True, "device_total": 4.9e9, "host_total": 24e9, "size": {"params": 1_476_448_256},
+                     "activation_checkpointing": True, "topk_ratio": 0.05},
+            "fit": {"fits": True, "flags": "--set zenflow.topk_ratio=0.05", "changes": []},
+            "parts": {"fit": {"status": "passed", "peak_device_bytes": {"allocated": 4.5e9, "reserved": 4.8e9},
+                              "peak_host_rss_bytes": {"own_vmhwm": 26e9}, "ms_per_step_zenflow": {"mean": 812.0}}},
+            "summary": {"device_vs_emulated_gpu": 0.9}}))
+        return 0, 300.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", fake_run)
+    ctx = gpu_check.Context(py=sys.executable, env={}, raw=tmp_path, gpus=1, timeout=480)
+    res = gpu_check.part_fit(ctx)
+    cmd = calls[0]
+    assert cmd[1:3] == ["scripts/gpu_7b.py", "fit"]
+    assert cmd[cmd.index("--layers") + 1] == str(gpu_check.FIT_LAYERS)
+    assert cmd[cmd.index("--emulate-gpu-memory") + 1] == gpu_check.scaled_gpu_memory(gpu_check.FIT_LAYERS)
+    assert res["status"] == "passed" and not (tmp_path / "fit-24gb" / "run").exists()
+    sec = res["section"]
+    assert sec["plan_device_bytes"] == 4.9e9 and sec["peak_device_bytes"]["reserved"] == 4.8e9
+    assert sec["fit"]["flags"] == "--set zenflow.topk_ratio=0.05" and sec["activation_checkpointing"] is True
+    doc = gpu_results.merge({"commit": "abc1234", "parts": {}}, "fit-24gb", res, HOST)
+    assert doc["fit_24gb"] == sec and "fit-24gb" not in doc["verdict"]["missing"]
+    line = next(ln for ln in gpu_results.summary_lines(doc) if ln.startswith("fit-24gb: 6-layer"))
+    assert "--fit: --set zenflow.topk_ratio=0.05" in line and "peak device 4.80 GB (plan 4.90 GB)" in line
+    assert line.endswith("812 ms/step")
+
+    # gpu_7b.py stopped before writing its file (--fit found nothing): failed, with its last line
+    def no_file(cmd, log, *, timeout, env, poll=None):
+        log.write_text("gpu-7b: zfctl plan failed: error: --fit: nothing makes this plan fit: ...\n")
+        return 1, 20.0
+
+    monkeypatch.setattr(gpu_check, "run_logged", no_file)
+    res = gpu_check.part_fit(ctx)
+    assert res["status"] == "failed" and res["reason"].startswith("gpu-7b: zfctl plan failed: error: --fit")

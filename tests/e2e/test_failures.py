@@ -138,7 +138,37 @@ def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoin
     assert "Traceback" not in log and "ChildFailedError" not in log, log
     assert "error: rank 1 exited with code 137" in log, log
     assert not any(alive(pid) for pid in ranks.values()), log
-    assert assert_checkpoints_whole(run) >= 1
+    newest = assert_checkpoints_whole(run)
+    assert newest >= 1
+    # The survivor (if torchrun's shutdown let it say anything) names the real run folder and the
+    # step a resume continues from, and corrects a stop it announced on torchrun's SIGTERM.
+    survivor = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
+    for line in survivor:
+        assert line.endswith(f"continue from its checkpoint of step {newest} with `zfctl resume {run}`"), line
+    if "stop requested" in log:
+        assert any("the stop checkpoint was not written" in line for line in survivor), log
+
+
+@pytest.mark.slow
+def test_a_stop_that_a_dead_peer_prevents_is_corrected_in_the_survivors_error(tmp_path):
+    # What torchrun does when a rank dies (SIGTERM to the survivors), made certain: rank 0 gets the
+    # SIGTERM as rank 1 is SIGKILLed, announces its stop checkpoint, and cannot write it.
+    run = tmp_path / "run"
+    job = Job(run)
+    job.wait_for(lambda: (run / "checkpoints/latest").exists() and len(rank_pids(job)) == 2,
+                 "a first checkpoint, both ranks training")
+    ranks = rank_pids(job)
+    os.kill(ranks[0], signal.SIGTERM)
+    os.kill(ranks[1], signal.SIGKILL)
+    assert job.finish(timeout=30) == 137
+    log = job.out
+    newest = assert_checkpoints_whole(run)
+    (line,) = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
+    assert "stop requested: finishing this step and writing a checkpoint" in log, log
+    assert line.startswith("error: rank 0: the stop checkpoint was not written: another process of this job "
+                           "ended first"), log
+    assert line.endswith(f"continue from its checkpoint of step {newest} with `zfctl resume {run}`"), log
+    assert "Traceback" not in log and "pair.cc" not in log, log
 
 
 @pytest.mark.slow

@@ -45,8 +45,8 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "width", 200)
-    monkeypatch.setattr(_common.err_console, "width", 200)
+    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
+    monkeypatch.setattr(_common.err_console, "_width", 200)
 
 
 class Proc:
@@ -197,7 +197,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(finished_run):
     rc, log = run_cli("resume", str(finished_run))  # already at max_steps: trains nothing
     assert rc == 0, log
     assert f"took over the lock of pid {dead.pid} on gone-host" in log, log
-    assert f"resuming from {finished_run / 'checkpoints' / 'step-000002'} (step 2" in log, log
+    # a finished run is not reloaded: it says so (under the lock it took over)
+    assert f"finished: {finished_run} ended at step 2 ({finished_run / 'checkpoints' / 'step-000002'})" in log, log
     assert not (finished_run / lock.LOCK_FILE).exists()
 
 

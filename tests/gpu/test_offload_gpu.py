@@ -188,7 +188,9 @@ def _tied_run(hooks: bool):
     model = TiedNet().cuda().half()
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(0, 64, (8, 6), generator=g) for _ in range(14)]
-    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
+    # release_grads off: with the clip its interval mean rule differs from the step() path by
+    # design (tests/offload/test_offload_release.py covers it, tied and overflowing)
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True, release_grads=False)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, max_grad_norm=1.0,
                           vocab_params=["emb.weight"]) as opt:
         stats = []

@@ -64,8 +64,10 @@ def test_hook_path_under_slow_copies(slow_copies, dtype, clip) -> None:
     (stream.py ``_add``); a window's hooks wait for the jobs that still read its landing buffer
     (``fences``); the copy reads a fresh temporary, never ``.grad`` itself (a by-row column range
     is contiguous already: reading ``.grad`` would race with the in-place zero of the next step);
-    the CPU worker waits for the interval's last accumulation job (its fence)."""
-    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
+    the CPU worker waits for the interval's last accumulation job (its fence). With the clip,
+    without release_grads (its interval mean clip differs from the step() path by design); without
+    it, with release_grads: the landing ring's slots and the freed ``.grad``."""
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True, release_grads=clip is None)
     delay_copies(0)
     ref, _ = _run(zen(**ZEN, **PATHS["host-step"], vocab_select="rows", overlap_step=True),
                   dtype=dtype, hooks=False, clip=clip, set_to_none=False)
@@ -82,10 +84,27 @@ def test_hook_path_with_late_readers(dtype) -> None:
     first hook waits for the last job that reads ``landing[w]`` before its copies overwrite it
     (stream.py ``_start_window``, ``fences``); the CPU worker waits for the interval's last job
     before it reads the accumulator (the path's ``finish`` fence)."""
-    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True)
+    # release_grads off: its interval-mean clip differs from the step() path by design
+    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True, release_grads=False)
     ref, _ = _run(zen(**ZEN, **PATHS["host-step"], overlap_step=True), dtype=dtype, hooks=False, clip=0.5)
     got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5, accumulate_s=0.01, update_s=0.02)
     assert sum(s.accumulated_late > 0 for s in stats) >= 12  # the jobs ran after step(), late
+    assert _same(ref, got)
+
+
+@DTYPES
+def test_release_landing_ring_under_slow_copies(slow_copies, dtype) -> None:
+    """release_grads with a two-slot landing ring of tiny slots and a clip: every chunk reuses a
+    slot. Covers: a hook waits for the job that still adds what its slot held (stream.py
+    ``_landing_view``, ``ring_fences``), each job for its chunk's copy event, a selection's
+    regather for the queued jobs (optimizer.py ``_reselect``). Slow copies against fast ones,
+    the same bits."""
+    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True, inflight_mb=1e-4, ring_slot_mb=0.0005)
+    delay_copies(0)
+    ref, _ = _run(cfg, dtype=dtype, hooks=True, clip=0.5)
+    delay_copies(DELAY)
+    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5)
+    assert sum(s.early_chunks > 0 for s in stats) >= 12
     assert _same(ref, got)
 
 

@@ -12,6 +12,7 @@ norm's summation order (partial sums per owner, zfctl/offload/exchange.py) diffe
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 
@@ -351,19 +352,44 @@ def test_errors_name_the_rank_only_when_distributed():
     assert isinstance(named, UserError) and str(named) == "rank 3: data.path: no such file"
 
 
+GLOO_GONE = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                         "by peer [127.0.0.1]:25776. This is typically caused by a remote worker crashing. Check the "
+                         "logs of the remote worker for more details.\nGLHF")
+
+
 def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback():
     from zfctl.errors import RunFailed
     from zfctl.train.dist import DistEnv, rank_error
 
     env = DistEnv(rank=0, world_size=2)
-    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10676.\nGLHF")
-    out = rank_error(gone, env)
+    out = rank_error(GLOO_GONE, env)
     assert isinstance(out, RunFailed) and out.exit_code == 1
     assert str(out).startswith("rank 0: stopped because another process of this job ended") and "\n" not in str(out)
-    assert "Connection closed by peer" in str(out)
+    assert "the collective reported: connection closed by peer)" in str(out)
+    assert "pair.cc" not in str(out) and "remote w" not in str(out)  # the backend's words, not a cut-off copy
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert rank_error(bug, env) is bug
-    assert rank_error(gone, DistEnv()) is gone  # one process: there is no peer to lose
+    assert rank_error(GLOO_GONE, DistEnv()) is GLOO_GONE  # one process: there is no peer to lose
+
+
+def test_a_lost_peer_names_the_run_folder_and_its_checkpoint_and_corrects_a_stop_announcement(
+        tmp_path, monkeypatch: pytest.MonkeyPatch):
+    from zfctl.train import signals
+    from zfctl.train.dist import DistEnv, rank_error
+
+    env, run = DistEnv(rank=0, world_size=2), tmp_path / "run"
+    line = str(rank_error(GLOO_GONE, env, run_dir=run))
+    assert "RUN_DIR" not in line and line.endswith(f"{run} has no checkpoint yet: once that is fixed, start the run again")
+    step = run / "checkpoints" / "step-000006"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 6, "world_size": 2, "files": {}}))
+    (run / "checkpoints" / "latest").write_text("step-000006\n")
+    line = str(rank_error(GLOO_GONE, env, run_dir=run))
+    assert line.endswith(f"continue from its checkpoint of step 6 with `zfctl resume {run}`"), line
+    # torchrun SIGTERMs the survivor, which announced "writing a checkpoint": the line corrects it
+    monkeypatch.setattr(signals, "_received", 15)
+    line = str(rank_error(GLOO_GONE, env, run_dir=run))
+    assert line.startswith("rank 0: the stop checkpoint was not written: another process of this job ended first")
 
 
 def _bucket_worker(rank: int, init: str, out: str) -> None:

@@ -39,6 +39,11 @@ CONFIGS = {
     "lag": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, install_lag=3),
     "by-row": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, vocab_select="rows",
                   deferred_lr_scale="repeat"),
+    # One host accumulator (acc_gate.py): at the stop the next interval's sum shares it with the
+    # update in flight; the hook-less step() path writes it.
+    "one-acc": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, host_accumulators=1),
+    "one-acc-lag": zen(topk_ratio=0.1, update_interval=4, overlap_step=True, select_interval=12, install_lag=3,
+                       host_accumulators=1),
 }
 
 
@@ -57,7 +62,7 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
         in_flight = opt.pipeline.busy
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    if name in ("overlap", "by-row", "lag"):
+    if name in ("overlap", "by-row", "lag", "one-acc", "one-acc-lag"):
         assert in_flight  # the interesting case really happened
     if name != "sequential":
         assert [s.boundary for s in straight[STOP:]] != [False] * (STEPS - STOP)
@@ -74,6 +79,41 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
     keys = ("step", "boundary", "selection", "installed", "update_interval", "grad_norm")
     for a, b in zip(straight[STOP:], resumed):
         assert [getattr(a, k) for k in keys] == [getattr(b, k) for k in keys]
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 1), (1, 2)])
+def test_a_state_resumes_under_the_other_host_accumulator_count(saved_with: int, resumed_with: int) -> None:
+    """zenflow.tuning.host_accumulators changes waits, not values: a state saved with one count
+    continues bit for bit under the other (the saved sum goes into the current accumulator).
+    Stopped after step 5: the update of boundary 3 in flight, two accumulators at ``cur`` 1."""
+    data, stop = batches(STEPS), 6
+    cfgs = {n: replace(CONFIGS["overlap"], tuning=replace(CONFIGS["overlap"].tuning, host_accumulators=n))
+            for n in (1, 2)}
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfgs[saved_with], **HP) as opt:
+        steps(model, opt, data)
+    expected = snapshot(model)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfgs[saved_with], **HP) as opt:
+        steps(model, opt, data[:stop])
+        assert opt.pipeline.busy and opt.pipeline.cur == (1 if saved_with == 2 else 0)
+        saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict()}
+        saved["opt"] = torch.load(_bytes(saved["opt"]), weights_only=True)  # copies, not the live buffers
+    model = tiny_net(seed=123)
+    model.load_state_dict(saved["model"])
+    with ZenFlowOptimizer(model.named_parameters(), cfgs[resumed_with], **HP) as opt:
+        assert opt.host is not None and len(opt.host.acc) == resumed_with
+        opt.load_state_dict(saved["opt"])
+        steps(model, opt, data[stop:])
+    got = snapshot(model)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+def _bytes(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
 
 
 def test_format_1_flat_host_buffers_still_resume_exactly() -> None:
@@ -145,11 +185,13 @@ def test_pipeline_round_trips_its_counters() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, batches(6))
         sd = opt.pipeline.state_dict()
-    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update
+    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update;
+    # clip_sum: the unfinished interval's two clip factors (no clipping: 1 each)
     assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True,
-                              "age": 3}
+                              "age": 3, "clip_sum": 2.0, "raw_sums": False}
+    sd["counters"]["clip_sum"] = 1.5  # what a clipped interval would carry
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
         opt.pipeline.load_state_dict(sd)
         assert opt.pipeline.t == 6 and opt.pipeline.interval_len == 2 and opt.pipeline.pending_install
-        assert opt.pipeline.age == 3
+        assert opt.pipeline.age == 3 and opt.pipeline.clip_sum == 1.5 and not opt.pipeline.raw_sums
         assert torch.equal(opt.pipeline.acc, sd["acc"])

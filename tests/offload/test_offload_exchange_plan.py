@@ -177,7 +177,7 @@ def test_the_hooks_keep_at_most_two_exchanges_pending() -> None:
             p.grad = torch.randn_like(p)
         opt.prepare_backward(final=True)
         for index in [*order[1:], order[0]]:  # the first in the order comes last: all held back
-            stream._on_grad(index, opt.params[index])
+            stream.on_grad(index, opt.params[index])
         assert stream._exchange.peak == 2 and len(stream._launched) == 1
         stream.complete_exchanges()
         stream.disarm()

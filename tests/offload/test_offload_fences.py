@@ -213,8 +213,11 @@ def test_hook_path_with_late_accumulation_jobs_is_bit_identical() -> None:
     """The hook path with clipping: step() queues one job per step that reads ``landing[w]``; the
     hooks two steps later rewrite it only after that job (stream.py ``_start_window``, ``fences``),
     and the boundary's CPU update reads the accumulator only after the last job (the path's
-    ``finish`` fence). Each job here starts late, so either wait removed gives other bits."""
-    hook = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=1)
+    ``finish`` fence). Each job here starts late, so either wait removed gives other bits.
+    release_grads off: the landing buffers and these jobs exist without it (with it, the hooks add
+    each chunk as it lands, and its interval-mean clip differs from the step() path by design)."""
+    hook = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=1,
+               release_grads=False)
     step = zen(**BASE, accumulate="host", stream_grads=False, overlap_step=True, full_warm_up_rounds=1)
     ref = _train_with(step, clip=0.5, hooks=False)
     got = _train_with(hook, clip=0.5, hooks=True, accumulate_s=0.03)

@@ -59,9 +59,9 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
     original = Selector.select
     holder: list[ZenFlowOptimizer] = []
 
-    def select_and_capture(self, grads, host, stats):
+    def select_and_capture(self, grads, host, stats, **kw):
         captured["before"] = _state(holder[0])
-        out = original(self, grads, host, stats)
+        out = original(self, grads, host, stats, **kw)
         captured["after"] = _state(holder[0])  # right after migration, before this step's device update
         return out
 

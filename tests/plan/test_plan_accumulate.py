@@ -21,9 +21,17 @@ def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
     assert any("zenflow.accumulate (auto): device" in n for n in big.notes)
     small = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
     assert small.accumulate == "host" and small.item("gradient accumulator") == 0
-    assert small.item("gradient landing buffers") == pytest.approx(2 * 2 * P2)  # bf16, two steps
+    # release_grads (the default): a ring as large as the in-flight budget (128 MiB at the assumed
+    # link rate, 4 slots of 32 MiB), not a copy of the gradient; one matrix's .grad at a time, the
+    # largest (the 32000 x 4096 embedding, bf16), and the 1-D params' (65 norm weights of 4096)
+    assert small.item("gradient landing buffers") == 4 * 32 * 2**20
+    assert small.item("gradients") == 2 * (32000 * 4096 + 65 * 4096)
     cpu = estimate(plan, Machine(512 * GB, False))
     assert cpu.accumulate == "host"
+    off = estimate(resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.tuning.release_grads=false"]),
+                   Machine(512 * GB, True, "L4", 24 * GB))
+    assert off.item("gradient landing buffers") == pytest.approx(2 * 2 * P2)  # bf16, two steps
+    assert off.item("gradients") == pytest.approx(2 * 6.738e9, rel=1e-3)  # every .grad until step()
 
 
 def test_an_explicit_choice_is_kept_and_counted() -> None:

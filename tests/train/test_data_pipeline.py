@@ -258,3 +258,30 @@ def test_validation_file_by_path_or_by_sibling_name(tmp_path, tok):
     with pytest.raises(ConfigError, match="data.validation_split"):
         prepare_data(local(train, template="text", validation_split=str(elsewhere / "nope.jsonl")), tok, seed=0,
                      cache_dir=tmp_path / "c")
+
+
+def test_train_digest_follows_the_tokens_not_the_arrow_chunks(tmp_path, tok):
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    from zfctl.train.data.prepare import sequences_digest
+
+    rows = [{**GOOD, "output": f"answer {i}"} for i in range(12)]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    fresh = prepare_data(local(f), tok, seed=0, cache_dir=tmp_path / "c")
+    cached = prepare_data(local(f), tok, seed=0, cache_dir=tmp_path / "c")
+    assert cached.stats.from_cache and cached.train_digest == fresh.train_digest
+    table = fresh.train.to_dict()
+    one = datasets.Dataset.from_dict(table, features=fresh.train.features)
+    arrow = one.data.table
+    # two chunks, the second a slice (its list offsets do not start at 0)
+    parts = datasets.Dataset(InMemoryTable(pa.concat_tables([arrow.slice(0, 5), arrow.slice(5)])))
+    assert parts.data.table.column("input_ids").num_chunks == 2
+    assert sequences_digest(one) == sequences_digest(parts) == fresh.train_digest
+    # one label more, one label less: the lengths differ, the concatenated ids alone would not
+    table["labels"][0], table["labels"][1] = table["labels"][0] + table["labels"][1][:1], table["labels"][1][1:]
+    assert sequences_digest(datasets.Dataset.from_dict(table, features=fresh.train.features)) != fresh.train_digest
+    rows[3]["output"] = "answer 99"  # same record count, other tokens
+    edited = prepare_data(local(write_jsonl(tmp_path / "d.jsonl", rows)), tok, seed=0, cache_dir=tmp_path / "c")
+    assert len(edited.train) == len(fresh.train) and edited.train_digest != fresh.train_digest

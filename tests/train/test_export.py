@@ -103,3 +103,14 @@ def test_export_refuses_existing_folder_and_offline_hub(trained, tmp_path, monke
     export(result.output_dir, earlier, force=True)
     assert (earlier / "model.safetensors").is_file() and not (earlier / "stale.txt").exists()
     assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".")]
+
+
+def test_the_package_export_stays_the_function_after_its_module_is_imported():
+    """zfctl.train.export is the library's function; the module that implements it has another
+    name (hf_export), so importing it cannot replace the function with a module (the export
+    module was once called export, and every export after its first import in one process
+    called a module)."""
+    import zfctl.train
+    import zfctl.train.hf_export
+
+    assert callable(zfctl.train.export) and zfctl.train.export.__module__ == "zfctl.train"

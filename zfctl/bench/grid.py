@@ -1,10 +1,11 @@
 """The configurations a benchmark runs: the user's grid plus the two baselines.
 
-A grid is the cross product of the `--topk`, `--interval`, `--overlap` and `--pin` lists. Every
-grid also runs `zero-offload` (topk 0, update every step, no overlap: plain ZeRO-Offload, the
-yardstick of the speedup column), once per pin setting so that speedups compare like with like,
-and `off` (topk 1: everything on the device, no CPU work) when its device state fits; unless
-`--baselines` leaves them out (several runs of one shape need them only once).
+A grid is the cross product of the `--topk`, `--interval`, `--overlap`, `--pin` and
+`--activation-checkpointing` lists. Every grid also runs `zero-offload` (topk 0, update every
+step, no overlap: plain ZeRO-Offload, the yardstick of the speedup column), once per pin and
+recompute setting so that speedups compare like with like, and `off` (topk 1: everything on the
+device, no CPU work) once per recompute setting when its device state fits; unless `--baselines`
+leaves them out (several runs of one shape need them only once).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ class BenchConfig:
     interval: Interval
     overlap: bool
     pin: bool
+    recompute: bool = False  # train.activation_checkpointing on the preset model (--activation-checkpointing)
 
     @property
     def label(self) -> str:
+        again = ", recompute" if self.recompute else ""
         if self.name == "off":
-            return "off (all on device)"
+            return f"off (all on device){again}"
         tag = "zero-offload" if self.name == "zero-offload" else f"topk {self.topk:g}, U {self.interval}"
-        return f"{tag}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}"
+        return f"{tag}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}{again}"
 
     def zenflow_config(self, base: ZenFlowConfig) -> ZenFlowConfig:
         """`base` with this point's four knobs; no warm-up rounds (the bench has its own). The
@@ -151,20 +154,24 @@ def parse_baselines(text: str) -> tuple[str, ...]:
 
 def build_grid(
     topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool,
-    with_zero_offload: bool = True,
+    with_zero_offload: bool = True, recomputes: list[bool] | None = None,
 ) -> list[BenchConfig]:
-    """Baselines first (zero-offload per pin setting, then off), then the grid; no duplicates."""
-    configs = [BenchConfig("zero-offload", 0.0, 1, False, pin) for pin in pins] if with_zero_offload else []
-    if with_off:
-        configs.append(BenchConfig("off", 1.0, 1, False, pins[0]))
-    for topk in topks:
-        for interval in intervals:
-            for overlap in overlaps:
-                for pin in pins:
-                    cfg = BenchConfig("zenflow", topk, interval, overlap, pin)
-                    if topk == 0.0 and interval == 1 and not overlap and with_zero_offload:
-                        continue  # identical to the zero-offload baseline already in the list
-                    if topk == 1.0 and with_off:
-                        continue  # nothing is offloaded: the same as the 'off' baseline
-                    configs.append(cfg)
+    """Per recompute setting: baselines first (zero-offload per pin setting, then off), then the
+    grid; no duplicates."""
+    configs = []
+    for again in recomputes or [False]:
+        if with_zero_offload:
+            configs += [BenchConfig("zero-offload", 0.0, 1, False, pin, again) for pin in pins]
+        if with_off:
+            configs.append(BenchConfig("off", 1.0, 1, False, pins[0], again))
+        for topk in topks:
+            for interval in intervals:
+                for overlap in overlaps:
+                    for pin in pins:
+                        cfg = BenchConfig("zenflow", topk, interval, overlap, pin, again)
+                        if topk == 0.0 and interval == 1 and not overlap and with_zero_offload:
+                            continue  # identical to the zero-offload baseline already in the list
+                        if topk == 1.0 and with_off:
+                            continue  # nothing is offloaded: the same as the 'off' baseline
+                        configs.append(cfg)
     return configs

@@ -111,6 +111,20 @@ def arch_model_config(model_cfg: Any, *, seq_len: int) -> Any:
     return replace(model_cfg, source="config", config=config, hub_id=None)
 
 
+def recomputing(build: Callable[[int], BenchModel]) -> Callable[[int], BenchModel]:
+    """``build`` with activation checkpointing on its model (zfctl/train/models/load.py, the
+    switch a run uses): every decoder layer runs its forward again in the backward."""
+    from zfctl.train.models.load import enable_activation_checkpointing
+
+    def build_recomputing(steps: int) -> BenchModel:
+        model = build(steps)
+        enable_activation_checkpointing(model.module)
+        model.description += ", activation checkpointing"
+        return model
+
+    return build_recomputing
+
+
 class PresetFactory:
     """A preset architecture with random weights, fed uniformly random token ids.
 

@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from zfctl.bench.report import write_atomic
+from zfctl.bench.report import settings_line, write_atomic
 from zfctl.errors import UserError
 
 
@@ -48,7 +48,7 @@ def plot(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
     ax_t.invert_yaxis()
     ax_t.set_xlabel("mean step time, ms")
     ax_t.legend(loc="lower right", fontsize="small")
-    ax_t.set_title(f"{meta['model']} - {meta['device']}", fontsize="medium", loc="left")
+    ax_t.set_title(f"{meta['model']} - {meta['device']}\n{settings_line(meta)}", fontsize="medium", loc="left")
 
     stall = [100 * (r["stall_fraction"] or 0.0) for r in rows]
     ax_s.barh(list(ys), stall, color="tab:red")

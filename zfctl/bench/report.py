@@ -17,6 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from zfctl.writable import current_umask
+
 DASH = "-"
 
 
@@ -50,6 +52,29 @@ def _x(v: float | None) -> str:
     return DASH if v is None else f"{v:.2f}x"
 
 
+def settings_line(meta: dict[str, Any]) -> str:
+    """What every row shares beyond the grid: the zenflow preset the rows start from, the --set
+    keys on top of it, the dtype and where the interval's sum lives. Printed over the tables and
+    the plot, so a table or picture passed around says what it measured."""
+    sets = " ".join(f"--set {s}" for s in meta.get("zenflow_set") or [])
+    parts = [f"--zenflow {meta.get('zenflow_preset') or '?'}" + (f" {sets}" if sets else ""),
+             f"dtype {meta.get('dtype')}", f"accumulate {meta.get('accumulate')}"]
+    return ", ".join(parts)
+
+
+def noise_note(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """How far to trust a difference between rows: the largest spread of one row's per-trial means,
+    or, with one trial, that a rerun of the same row can differ by tens of percent."""
+    spreads = [(max(t) - min(t)) / min(t) for r in rows if len(t := r.get("trial_overall_ms") or []) > 1
+               and min(t) > 0]
+    if not spreads:
+        return ("timings are noisy (the same `off` row measured 44 and 28 ms in two identical runs on a "
+                "shared CPU): compare rows of one run only, and take --trials 3 or more before trusting a "
+                "difference under ~30%")
+    return (f"the trials of one row differ by up to {100 * max(spreads):.0f}% of their mean step time: "
+            "differences between rows smaller than that are noise")
+
+
 def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Step-time table (mean / median (steps), per step kind) and phase + traffic table.
 
@@ -59,7 +84,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
     worker); GPU busy is (forward + backward + device optimizer) / step time.
     """
     t = Table(
-        title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}",
+        title=f"Step time, ms: mean / median (steps) - {meta['timing']}, {meta['device']}\n{settings_line(meta)}",
         title_justify="left",
     )
     cols = ("#", "configuration", "accumulation steps", "update steps", "all steps", "speedup", "stall",
@@ -113,6 +138,7 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
             DASH if r.get("host_bytes_per_param_interval") is None else f"{r['host_bytes_per_param_interval']:.1f}",
         )
     console.print(p)
+    console.print(f"note: {noise_note(rows, meta)}", style="yellow", highlight=False, soft_wrap=True)
 
 
 CSV_COLUMNS = [
@@ -122,6 +148,7 @@ CSV_COLUMNS = [
     "interval",
     "overlap",
     "pin",
+    "recompute",
     "steps",
     "trials",
     "n_accumulate",
@@ -186,6 +213,9 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+    # mkstemp creates 0600; the report is for sharing, so it gets the mode any new file gets
+    # (0666 less the umask), as zfctl/plan/io.py's atomic_write_text does.
+    os.fchmod(fd, 0o666 & ~current_umask())
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)

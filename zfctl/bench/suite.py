@@ -27,7 +27,7 @@ from zfctl.bench.grid import (
     warmup_steps,
 )
 from zfctl.bench.memory import check_host_fits, off_fits, read_peaks, reset_peaks
-from zfctl.bench.model import BenchModel, PresetFactory, synthetic_model
+from zfctl.bench.model import BenchModel, PresetFactory, recomputing, synthetic_model
 from zfctl.bench.report import fmt_ms
 from zfctl.bench.runner import ConfigResult, release_memory, run_config
 from zfctl.bench.summary import add_speedups, summarize
@@ -62,6 +62,7 @@ class BenchOptions:
     zenflow: ZenFlowConfig | None = None  # --zenflow PRESET: the non-grid zenflow.* keys
     accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
     baselines: tuple[str, ...] = ("off", "zero-offload")  # which of the two baselines to run
+    recomputes: list[bool] = field(default_factory=lambda: [False])  # activation checkpointing (--model only)
 
 
 @dataclass
@@ -124,9 +125,11 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
     skipped: list[dict[str, str]] = []
     if not fits and "off" in opts.baselines:
         skipped.append({"label": "off (all on device)", "reason": why})
+    if any(opts.recomputes) and opts.model is None:
+        raise UserError("--activation-checkpointing on needs --model PRESET: the synthetic MLP has no decoder layers")
     configs = build_grid(opts.topks, opts.intervals, opts.overlaps, opts.pins,
                          with_off=fits and "off" in opts.baselines,
-                         with_zero_offload="zero-offload" in opts.baselines)
+                         with_zero_offload="zero-offload" in opts.baselines, recomputes=opts.recomputes)
     ref = reference_interval(opts.intervals)
     meta = {
         "zfctl": zfctl.__version__,
@@ -153,7 +156,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         # the kernel lets the process reset its VmHWM, else since the process started ("process").
         "host_rss_peak_scope": None,  # set once the grid has run
         "max_grad_norm": opts.max_grad_norm,
-        "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins},
+        "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins,
+                 "activation_checkpointing": opts.recomputes},
         "model_preset": getattr(opts.model, "name", None),
         "seq_len": opts.seq_len if opts.model is not None else None,
         "batch": opts.batch if opts.model is not None else None,
@@ -180,7 +184,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         scoped = reset_peaks(device) and scoped
         res = run_config(
             cfg,
-            build,
+            recomputing(build) if cfg.recompute else build,
             base,
             warmup=warm,
             steps=steps,

@@ -60,6 +60,7 @@ def summarize(
         "interval": cfg.interval,
         "overlap": cfg.overlap,
         "pin": cfg.pin,
+        "recompute": cfg.recompute,
         "warmup_steps": res.warmup_steps,
         "steps": res.steps,
         "trials": len(res.trials),
@@ -108,8 +109,12 @@ def summarize(
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """speedup = zero-offload's overall mean step ms / this row's, against the zero-offload run
-    with the same pin setting (pinning changes the baseline's own copies), else any zero-offload."""
-    base = {r["pin"]: r["step_ms"]["overall"]["mean"] for r in rows if r["name"] == "zero-offload"}
+    with the same pin and recompute settings (pinning changes the baseline's own copies, recompute
+    its forward), else any zero-offload."""
+    def key(r: dict[str, Any]) -> tuple[bool, bool]:
+        return r["pin"], bool(r.get("recompute"))
+
+    base = {key(r): r["step_ms"]["overall"]["mean"] for r in rows if r["name"] == "zero-offload"}
     fallback = next(iter(base.values()), None)
     for r in rows:
-        r["speedup_vs_zero_offload"] = _ratio(base.get(r["pin"], fallback), r["step_ms"]["overall"]["mean"])
+        r["speedup_vs_zero_offload"] = _ratio(base.get(key(r), fallback), r["step_ms"]["overall"]["mean"])

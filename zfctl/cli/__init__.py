@@ -7,11 +7,13 @@ fast and work before the training pieces are built.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated
 
 import typer
 
-from zfctl.cli import bench, doctor, export, finetune, plan, presets, resume
+from zfctl.cli import bench, doctor, export, finetune, generate, plan, presets, resume
 from zfctl.cli._common import ZfctlGroup
 
 app = typer.Typer(
@@ -23,7 +25,6 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
 )
-
 
 
 def _version(value: bool) -> None:
@@ -50,9 +51,19 @@ app.command("bench")(bench.bench)
 app.command("plan")(plan.plan)
 app.add_typer(presets.app, name="presets")
 app.command("export")(export.export)
+app.command("generate")(generate.generate)
 app.command("doctor")(doctor.doctor)
+
+
+# The width rich lays out for when stdout is not a terminal (a pipe, a log file, CI): rich's own
+# default there is 80, which wraps plan rows, step lines and printed commands mid-word. Lines
+# that hold a command or a path are printed with soft_wrap (never wrapped) on top of this.
+PIPED_COLUMNS = 200
 
 
 def main() -> None:
     """Console-script entry point (`zfctl`, `python -m zfctl`)."""
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        # Every rich Console reads COLUMNS when it sizes itself, those torchrun ranks make too.
+        os.environ["COLUMNS"] = str(PIPED_COLUMNS)
     app(prog_name="zfctl")

@@ -66,11 +66,22 @@ class ZfctlGroup(TyperGroup):
     otherwise draw them as a framed box.
     """
 
+    def get_command(self, ctx: ClickContext, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _bare_flags(command)
+        return command
+
+    def get_params(self, ctx: ClickContext) -> list[Any]:
+        return _flag_metavars(super().get_params(ctx))
+
     def make_context(self, info_name: str | None, args: list[str], parent: ClickContext | None = None,
                      **extra: Any) -> ClickContext:
         try:
             return super().make_context(info_name, args, parent, **extra)
         except USAGE_ERRORS as e:
+            if _is_bare_group(e):  # `zfctl` alone: Typer printed the help already; nothing was wrong
+                raise typer.Exit(code=0) from None
             usage_error_line(e)
             raise typer.Exit(code=2) from None
 
@@ -86,11 +97,41 @@ class ZfctlGroup(TyperGroup):
             error_line(os_error_line(e))
             raise typer.Exit(code=2) from None
         except USAGE_ERRORS as e:
+            if _is_bare_group(e):  # `zfctl presets` alone: its help, printed already
+                raise typer.Exit(code=0) from None
             usage_error_line(e)
             raise typer.Exit(code=2) from None
 
 
-def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = None, *,
+def _is_bare_group(e: Exception) -> bool:
+    """A command group called without a command: click's no_args_is_help "error", whose message
+    is the help text (Typer's rich help prints it itself and leaves the message empty)."""
+    return type(e).__name__ == "NoArgsIsHelpError"
+
+
+def _flag_metavars(params: list[Any]) -> list[Any]:
+    """A boolean flag takes no value, so its help shows none: Typer would print `--force <bool>`.
+    An empty metavar is what Typer's help then shows in the type column (typer/core.py,
+    ``display_type_rich``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+def _bare_flags(command: Any) -> None:
+    """``_flag_metavars`` for a subcommand's parameters (its --help option is made on request),
+    and through a nested group (``presets``) for its subcommands."""
+    if getattr(command, "_zfctl_bare_flags", False):  # get_command is asked more than once
+        return
+    get_params = command.get_params
+    command.get_params = lambda ctx: _flag_metavars(get_params(ctx))
+    command._zfctl_bare_flags = True
+    for sub in getattr(command, "commands", {}).values():  # a nested group's subcommands
+        _bare_flags(sub)
+
+
+def plan_flags(output: str | Path | None, max_steps: int | None, nproc: int | None = None, *,
                gpu_memory: str | None = None, host_memory: str | None = None, nodes: int | None = None,
                gpus_per_node: int | None = None) -> dict:
     """The dedicated flags as a plan fragment; they win over --set (applied last)."""
@@ -102,6 +143,8 @@ def plan_flags(output: Path | None, max_steps: int | None, nproc: int | None = N
             parse_size(value, flag)  # one line naming the flag as typed, before anything resolves
             flags.setdefault("machine", {})[key] = value.strip()
     if output is not None:
+        if not str(output).strip():  # Path("") would be ".": the current folder, never what was meant
+            raise UserError("--output '': the run folder is empty; give a folder, e.g. --output runs/my-run")
         flags.setdefault("checkpoint", {})["output_dir"] = str(output)
     if max_steps is not None:
         flags.setdefault("train", {})["max_steps"] = max_steps
@@ -118,7 +161,7 @@ def resolve_from_cli(
     model: str,
     data: str,
     zenflow: str | None,
-    config: Path | None,
+    config: Path | list[Path] | None,
     overrides: list[str],
     flags: dict,
     *,
@@ -127,6 +170,11 @@ def resolve_from_cli(
     """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
     from zfctl.plan import resolve_plan
 
+    if isinstance(config, list):  # --config is repeatable only so that a second one is not dropped silently
+        if len(config) > 1:
+            raise UserError(f"--config was given {len(config)} times ({', '.join(map(str, config))}); give one "
+                            "file (put the keys of both in it, or pass single keys with --set)")
+        config = config[0] if config else None
     notes: list[str] = []
     plan = resolve_plan(
         model, data, zenflow=zenflow, config=config, overrides=overrides, flags=flags, notes=notes
@@ -162,9 +210,10 @@ ZenflowOpt = Annotated[
     typer.Option("--zenflow", "-z", help="ZenFlow preset: default, paper, aggressive, zero-offload, off."),
 ]
 ConfigOpt = Annotated[
-    Path | None,
+    list[Path] | None,
     typer.Option(
-        "--config", "-c", help="YAML plan fragment or DeepSpeed JSON config, layered over the presets."
+        "--config", "-c", metavar="FILE",
+        help="YAML plan fragment or DeepSpeed JSON config, layered over the presets.",
     ),
 ]
 SetOpt = Annotated[
@@ -176,7 +225,9 @@ SetOpt = Annotated[
         help="Override one option, e.g. --set train.lr=1e-4 (repeatable; YAML values).",
     ),
 ]
-OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Run folder (checkpoint.output_dir).")]
+# A string, not a Path: Path("") is "." and an empty --output must be refused, not mean the current folder.
+OutputOpt = Annotated[str | None, typer.Option("--output", "-o", metavar="PATH",
+                                               help="Run folder (checkpoint.output_dir).")]
 MaxStepsOpt = Annotated[
     int | None, typer.Option("--max-steps", min=1, help="Stop after N optimizer steps (train.max_steps).")
 ]
@@ -204,4 +255,10 @@ NodesOpt = Annotated[
 GpusPerNodeOpt = Annotated[
     int | None,
     typer.Option("--gpus-per-node", min=1, help="Plan for this many GPUs (processes) per node (distributed.nproc)."),
+]
+FitOpt = Annotated[
+    bool,
+    typer.Option("--fit", help="When the plan does not fit the machine, apply the cheapest changes that make it "
+                 "fit (activation checkpointing, accumulate, micro-batch, topk_ratio down to 0.05, max_length); "
+                 "an error when nothing does."),
 ]

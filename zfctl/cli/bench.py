@@ -114,6 +114,18 @@ def _zenflow_config(name: str | None, overrides: list[str], notes: list[str] | N
     return section_from_dict(ZenFlowConfig, keys, "zenflow").validate()
 
 
+def _recomputes(text: str) -> list[bool]:
+    """`--activation-checkpointing on,off` -> [True, False]."""
+    from zfctl.bench.grid import OFF, ON
+
+    out = []
+    for s in (t.strip().lower() for t in text.split(",")):
+        if s not in ON + OFF:
+            raise UserError(f"--activation-checkpointing {text!r}: use on, off or on,off")
+        out.append(s in ON)
+    return list(dict.fromkeys(out))
+
+
 def _check_grid(points: list[BenchConfig], base: ZenFlowConfig) -> None:
     """Every configuration of the grid valid before the first one runs: a --topk or --interval
     that the base preset's keys refuse (an interval above its select_interval) fails here."""
@@ -168,6 +180,14 @@ def bench(
     no_pin: Annotated[
         bool, typer.Option("--no-pin", help="Same as --pin off.", rich_help_panel=GRID)
     ] = False,
+    activation_checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            help="Recompute each decoder layer in the backward (train.activation_checkpointing): on, off or "
+            "on,off to compare (default off; --model only).",
+            rich_help_panel=GRID,
+        ),
+    ] = None,
     warmup: Annotated[
         int, typer.Option(help="Untimed steps first (rounded up to whole intervals).", rich_help_panel=RUN)
     ] = 4,
@@ -257,6 +277,7 @@ def bench(
 
     Example: zfctl bench --topk 0.1,0.2 --interval 2,4 --overlap on,off --json bench.json
     One option against its default: zfctl bench --set zenflow.tuning.install_lag=1
+    Activation checkpointing on and off: zfctl bench --model tiny-llama --activation-checkpointing on,off
     """
     from zfctl.bench.grid import build_grid, parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
@@ -264,6 +285,9 @@ def bench(
     # Everything the user typed is checked here, before a model is built or a file is touched.
     topks, intervals = parse_topks(topk), parse_intervals(interval)
     overlaps, pins = parse_switch("overlap", overlap, no_overlap), parse_switch("pin", pin, no_pin)
+    recomputes = [False] if activation_checkpointing is None else _recomputes(activation_checkpointing)
+    if any(recomputes) and model is None:
+        raise UserError("--activation-checkpointing on needs --model PRESET: the synthetic MLP has no decoder layers")
     which_baselines = parse_baselines(baselines)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -334,8 +358,11 @@ def bench(
         zenflow=zenflow_cfg,
         accumulate=accumulate,
         baselines=which_baselines,
+        recomputes=recomputes,
     )
     report = run_bench(opts, console)
+    # What the rows start from, for the tables, the plot and the JSON (zfctl/bench/report.py).
+    report.meta.update(zenflow_preset=zenflow or BENCH_PRESET, zenflow_set=list(set_ or []))
     print_tables(console, report.rows, report.meta)
     if json_out is not None:
         rows = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -23,6 +24,9 @@ def export(
 ) -> None:
     """Write a folder that transformers' AutoModelForCausalLM.from_pretrained loads."""
     from zfctl.train import export as train_export
+    from zfctl.train.weights import EXPORT_MARKER
 
     path = train_export(ckpt_dir, output, force=force, push_to_hub=push_to_hub)
-    console.print(f"[bold green]exported[/] {path}")
+    written = json.loads((path / EXPORT_MARKER).read_text(encoding="utf-8"))  # what export recorded
+    console.print(f"[bold green]exported[/] {written['checkpoint']} (step {written['step']}) -> {path}",
+                  highlight=False)

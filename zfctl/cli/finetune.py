@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,6 +14,7 @@ import typer
 from zfctl.cli._common import (
     ConfigOpt,
     DataOpt,
+    FitOpt,
     ForceOpt,
     GpuMemoryOpt,
     HostMemoryOpt,
@@ -20,6 +24,7 @@ from zfctl.cli._common import (
     SetOpt,
     ZenflowOpt,
     console,
+    note_line,
     plan_flags,
     resolve_from_cli,
     warning_line,
@@ -37,6 +42,7 @@ def finetune(
     force: ForceOpt = False,
     gpu_memory: GpuMemoryOpt = None,
     host_memory: HostMemoryOpt = None,
+    fit: FitOpt = False,
     debug_data: Annotated[
         bool,
         typer.Option(
@@ -57,6 +63,14 @@ def finetune(
 
     Resolution order: model preset < data preset < zenflow preset < --config < --set < flags.
     The resolved plan is printed first and saved as plan.yaml in the output folder.
+
+    One line per logging.every steps: loss = train loss, the mean since the last line (avg N);
+    lr = learning rate; tok/s = tokens per second; ms = the whole step: fwd/bwd (device forward +
+    backward) + opt (device optimizer) + stall (host waits inside the step: gradient copies, the
+    CPU update, installs), busy = the device's share; cpu-adam = ms of the CPU AdamW update that
+    finished this step; sel = share of weights updated on the device every step (0.00 during
+    zenflow.full_warm_up_rounds: plain AdamW); gnorm = gradient L2 norm before clipping;
+    host/dev = peak memory, GiB.
     """
     from zfctl.train.dist import PLAN_PRINTED_ENV, bind_to_launcher, dist_env
 
@@ -67,7 +81,17 @@ def finetune(
 
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
-    plan, _ = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=not env.is_main)
+    plan, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=True)
+    if fit:  # every rank of an --nproc job fits the same plan the same way; nothing fits: one error line
+        from zfctl.plan.fit import fit_or_fail
+
+        fitted = fit_or_fail(plan)
+        plan = fitted.plan
+        if fitted.changes:
+            notes.append("--fit changed: " + " ".join(c.flags for c in fitted.changes))
+    if env.is_main:
+        for note in notes:
+            note_line(note)
     if env.is_main and not os.environ.get(PLAN_PRINTED_ENV) and not debug_data:
         # Once per run: a torchrun relaunch sets PLAN_PRINTED_ENV, so its workers stay quiet.
         for line in accuracy_warnings(plan):
@@ -79,18 +103,65 @@ def finetune(
         return
     console.print(
         f"[bold green]done[/] {result.steps} steps  train loss (last step) {_fmt(result.final_train_loss)}  "
-        f"eval loss {_fmt(result.final_eval_loss)}  ->  {result.output_dir}"
+        f"eval loss {_fmt(result.final_eval_loss)}  ->  {result.output_dir}", highlight=False, soft_wrap=True
     )
     if result.last_checkpoint:
-        console.print(f"checkpoint: {result.last_checkpoint}  (continue: zfctl resume {result.output_dir})")
+        console.print(f"checkpoint: {result.last_checkpoint}", highlight=False, soft_wrap=True)
+        console.print("next:", style="bold")
+        for line in next_commands(plan, result.output_dir, result.steps):
+            console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
+
+
+# A first prompt to try, per template: a question of the shipped samples' kind, or a start of text.
+_TRY = {"classification": "A warm, funny film with a clever script.", "text": "The"}
+
+
+def next_commands(plan, run: Path, steps: int) -> list[str]:
+    """What to do with a finished run, as commands that run as printed in this shell: activate
+    the environment first when `zfctl` on PATH is not this one (``make demo`` runs
+    .venv/bin/zfctl), then try the model, export it, and train it further."""
+    run_arg = shlex.quote(str(run))
+    prompt = shlex.quote(_TRY.get(plan.data.template, "What is 12 + 7?"))
+    # Training further moves the end of the LR schedule: refused without --allow-changes when that
+    # changes the LR of a step still to run (zfctl/train/run_length.py).
+    from zfctl.train.run_length import first_lr_change
+
+    allow = "" if first_lr_change(plan.train, steps, 2 * steps, steps) is None else " --allow-changes"
+    lines = [f"zfctl generate {run_arg} --prompt {prompt}",
+             f"zfctl export {run_arg} --output {shlex.quote(str(run) + '-hf')}",
+             f"zfctl resume {run_arg} --max-steps {2 * steps}{allow}"]
+    activate = activate_command()
+    return ([activate] if activate else []) + lines
+
+
+def activate_command() -> str | None:
+    """``source VENV/bin/activate`` when this zfctl runs from a virtual environment whose bin
+    folder is not where `zfctl` resolves on PATH; None when the bare `zfctl` already is this one."""
+    bin_dir = Path(sys.prefix) / "bin"
+    if sys.prefix == sys.base_prefix or not (bin_dir / "activate").is_file():
+        return None
+    found = shutil.which("zfctl")
+    if found is not None and Path(found).parent.resolve() == bin_dir.resolve():
+        return None
+    activate = bin_dir / "activate"
+    try:
+        shown = str(activate.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:  # the environment lives outside the current folder: its absolute path
+        shown = str(activate)
+    return f"source {shlex.quote(shown)}"
 
 
 def _show_plan(plan) -> None:
-    """The resolved plan, then the memory verdict under it."""
+    """The resolved plan, then the memory verdict under it, and a warning when the run is no
+    longer than its warm-ups (printed here, once the output folder and the data passed their
+    checks: a refused run is one line)."""
+    from zfctl.plan.advice import short_run_warnings
     from zfctl.plan.render import print_plan
 
     print_plan(plan, console)
     _memory_line(plan)
+    for line in short_run_warnings(plan):
+        warning_line(line)
 
 
 def _memory_line(plan) -> None:
@@ -103,7 +174,11 @@ def _memory_line(plan) -> None:
     if est.fits or est.size is None:
         console.print(verdict_line(est), style="dim")
     else:
-        warning_line(verdict_line(est) + "; see `zfctl plan` for every line")
+        from zfctl.plan.fit import fit
+
+        found = fit(plan)
+        advice = f"; --fit would add {' '.join(c.flags for c in found.changes)}" if found.fits else ""
+        warning_line(verdict_line(est) + advice + "; see `zfctl plan` for every line")
 
 
 def _fmt(x: float | None) -> str:

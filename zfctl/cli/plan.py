@@ -9,6 +9,7 @@ import typer
 from zfctl.cli._common import (
     ConfigOpt,
     DataOpt,
+    FitOpt,
     GpuMemoryOpt,
     GpusPerNodeOpt,
     HostMemoryOpt,
@@ -20,9 +21,14 @@ from zfctl.cli._common import (
     ZenflowOpt,
     console,
     dumps_json,
+    note_line,
     plan_flags,
     resolve_from_cli,
 )
+
+# `zfctl plan`'s exit code when the plan does not fit the machine: not 1 (a failure of zfctl) nor
+# 2 (bad input), so a script can tell "this machine is too small" from both.
+DOES_NOT_FIT = 3
 
 
 def plan(
@@ -37,26 +43,41 @@ def plan(
     host_memory: HostMemoryOpt = None,
     nodes: NodesOpt = None,
     gpus_per_node: GpusPerNodeOpt = None,
+    fit: FitOpt = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print {plan, memory, notes} as JSON instead.")
+        bool, typer.Option("--json", help="Print {plan, memory, fit, notes} as JSON instead.")
     ] = False,
 ) -> None:
     """Resolve the run plan, print it with a memory estimate, and exit.
 
     Takes the same options as `finetune`; nothing is loaded or written. The estimate is checked
     against this machine, or against the sizes --gpu-memory / --host-memory give (plan a GPU run
-    from a laptop).
+    from a laptop). When the plan does not fit, it lists the cheapest changes that make it fit
+    (--fit applies them) and exits with code 3.
     """
     from zfctl.plan import plan_to_dict
-    from zfctl.plan.memory import estimate
-    from zfctl.plan.render import print_memory, print_plan
+    from zfctl.plan.fit import fit as find_fit
+    from zfctl.plan.fit import fit_or_fail
+    from zfctl.plan.render import print_fit, print_memory, print_plan
+    from zfctl.train.preflight import check_for_plan
 
     flags = plan_flags(output, max_steps, gpu_memory=gpu_memory, host_memory=host_memory, nodes=nodes,
                        gpus_per_node=gpus_per_node)
-    resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=as_json)
-    est = estimate(resolved)
+    # Notes wait until --fit has its answer: when nothing fits, the error is the only line.
+    resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=True)
+    check_for_plan(resolved)  # what finetune would refuse before its plan: refused before this one too
+    result = fit_or_fail(resolved) if fit else find_fit(resolved)
+    if not as_json:
+        for note in notes:
+            note_line(note)
+    shown = result.plan if fit else resolved
+    est = result.estimate if fit else result.before
     if as_json:
-        print(dumps_json({"plan": plan_to_dict(resolved), "memory": est.to_dict(), "notes": notes}))
-        return
-    print_plan(resolved, console)
-    print_memory(est, console)
+        print(dumps_json({"plan": plan_to_dict(shown), "memory": est.to_dict(),
+                          "fit": {**result.to_dict(), "applied": fit}, "notes": notes}))
+    else:
+        print_plan(shown, console)
+        print_memory(est, console)
+        print_fit(result, console, applied=fit)
+    if est.size is not None and not est.fits:
+        raise typer.Exit(code=DOES_NOT_FIT)

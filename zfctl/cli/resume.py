@@ -14,7 +14,9 @@ def resume(
     ckpt_dir: CkptDirArg,
     max_steps: Annotated[
         int | None,
-        typer.Option("--max-steps", min=1, help="Train until this total step count (default: the plan's)."),
+        typer.Option("--max-steps", min=1, help="Train until this total step count (default: the plan's). "
+                     "Moving the end of a cosine or linear LR schedule changes the LR of every later step: "
+                     "refused unless --allow-changes (then the schedule is stretched to the new end)."),
     ] = None,
     allow_changes: Annotated[
         bool,
@@ -54,5 +56,13 @@ def resume(
                    nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console))
     if isinstance(result, Launched):
         raise typer.Exit(code=result.code)
-    if dist_env().is_main:
-        console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}")
+    if not dist_env().is_main:
+        return
+    if result.already_finished:
+        console.print(f"[bold green]finished[/]: {result.output_dir} ended at step {result.steps} "
+                      f"({result.last_checkpoint}); nothing to resume. To train longer: "
+                      f"zfctl resume {result.output_dir} --max-steps N (see --help on the LR schedule)",
+                      highlight=False, soft_wrap=True)
+        return
+    console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}", highlight=False,
+                  soft_wrap=True)

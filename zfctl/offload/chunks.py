@@ -61,13 +61,15 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
 
 def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor | None],
                       acc: torch.Tensor, scale: float, accumulate: Callable[..., None], *,
-                      overwrite: bool = False) -> int:
+                      overwrite: bool = False, wait_read: Callable[[int], None] | None = None) -> int:
     """Stream the host-owned gradient columns to the host and add ``scale * grad`` into ``acc``.
 
     The device transposes each column range into column-major order (one strided copy on the
     device), the ring moves it (PCIe D2H, model dtype: 2 B/element for bf16), and the native
     kernel accumulates it in fp32 on the host. ``overwrite`` (the interval's first step): write
-    ``scale * grad`` instead of adding, so the accumulator is never zeroed nor read. Returns the
+    ``scale * grad`` instead of adding, so the accumulator is never zeroed nor read. ``wait_read``
+    (one accumulator shared with the CPU update in flight, acc_gate.py): called with a chunk's
+    offset before its overwrite, it returns once the update has read that chunk. Returns the
     bytes copied.
     """
     def produce():
@@ -75,6 +77,8 @@ def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor 
             g = grads[ch.slot.index]
             if g is None:  # no gradient this step: nothing to add (first step: a zero sum)
                 if overwrite:
+                    if wait_read is not None:
+                        wait_read(ch.off)
                     acc[ch.off : ch.off + ch.numel].zero_()
                 continue
             gm = as_matrix(g, ch.slot)
@@ -85,6 +89,8 @@ def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor 
             yield ch.numel, g.dtype, fill, ch
 
     def consume(view: torch.Tensor, ch: Chunk) -> None:
+        if overwrite and wait_read is not None:
+            wait_read(ch.off)  # main thread (stall): the CPU update has not read this chunk yet
         accumulate(acc[ch.off : ch.off + ch.numel], view, scale=scale, runs=ch.runs, overwrite=overwrite)
 
     return ring.d2h(produce(), consume)

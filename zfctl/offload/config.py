@@ -56,10 +56,26 @@ class TuningConfig:
         "but need the CPU update to finish within 1-2 steps (docs/design.md, Defaults).",
         ge=0,
     )
+    host_accumulators: Interval = _f(
+        "auto",
+        "fp32 interval sums on the host paths with overlap_step: 2 = the next interval sums into "
+        "the second while the CPU update reads the first (4 B per host element more); 1 = one, "
+        "16 B/param in all, and the next interval's first writes wait for the update to have read "
+        "each chunk (a step waits when the update takes longer than about one step); auto = 2 "
+        "when the plan's host total with it fits the machine, else 1. Same results either way.",
+        ge=1, le=2,
+    )
     stream_grads: bool = _f(
         True,
         "Copy the non-selected gradient columns to the host during the last backward of a step "
         "(gradient hooks; the training loop announces that backward) instead of inside step().",
+    )
+    release_grads: bool = _f(
+        True,
+        "Hook path: free each gradient inside its hook on the last backward (its selected columns "
+        "to the device state, its host columns through a bounded landing ring into the sum), so "
+        "the device never holds every .grad at once. With clipping the CPU update then scales the "
+        "interval's summed gradient by the interval's mean clip factor (docs/design.md, Algorithm).",
     )
     pin_memory: bool = _f(
         True, "Page-lock the host buffers PCIe copies read or write (fp32 master, the device "

@@ -74,29 +74,37 @@ class DeviceAdam:
         return slot.k > 0 and (slot.fixed or selected)
 
     # -- the three phases of a device step -----------------------------------------------------
-    def load_grads(self, params: list[torch.Tensor], coef: torch.Tensor | None, selected: bool) -> None:
+    def load_grads(self, params: list[torch.Tensor], coef: torch.Tensor | None, selected: bool,
+                   loaded: frozenset[int] | set[int] = frozenset()) -> None:
         """Gather this step's gradients of device-owned elements into the fp32 work buffer.
 
         ``coef`` (a 0-dim device tensor: clip factor / loss scale) multiplies them in one kernel,
         without a host sync. A missing gradient counts as zero (see ZenFlowOptimizer.step).
+        ``loaded``: params whose gradient a hook already gathered (``load_one``; release.py).
         """
         for slot, p in zip(self.layout.slots, params):
-            if not self._live(slot, selected):
-                continue
-            seg, g = self.segment(self.grad, slot), p.grad
-            if g is None:
-                seg.zero_()
-            elif slot.dense:
-                seg.view(-1).copy_(g.reshape(-1))
-            elif slot.k == slot.cols:
-                seg.copy_(as_matrix(g, slot).t())
-            else:
-                index = self.index[slot.index]
-                assert index is not None, "selected: every selecting matrix has its columns"
-                seg.copy_(gather_columns(g, slot, index))
+            if slot.index not in loaded:
+                self.load_one(slot, p.grad, selected)
         if coef is not None:
             n, _ = self.active(selected)
             self.grad[:n].mul_(coef)
+
+    def load_one(self, slot: ParamSlot, g: torch.Tensor | None, selected: bool) -> None:
+        """Gather one param's raw gradient (exact: a copy, widened to fp32) into its rows of the
+        work buffer; the coefficient is applied to the whole buffer by ``load_grads``."""
+        if not self._live(slot, selected):
+            return
+        seg = self.segment(self.grad, slot)
+        if g is None:
+            seg.zero_()
+        elif slot.dense:
+            seg.view(-1).copy_(g.reshape(-1))
+        elif slot.k == slot.cols:
+            seg.copy_(as_matrix(g, slot).t())
+        else:
+            index = self.index[slot.index]
+            assert index is not None, "selected: every selecting matrix has its columns"
+            seg.copy_(gather_columns(g, slot, index))
 
     def step(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
              selected: bool) -> None:

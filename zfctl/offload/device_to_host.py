@@ -9,7 +9,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
   host through the D2H ring and accumulates them on the host (chunks.py ``offload_gradients``);
 * :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks copy them
   device to host during the last backward and a host thread accumulates them (stream.py); steps
-  whose backward was not announced, and selection steps, fall back to :class:`InStep`;
+  whose backward was not announced, and selection steps (except with ``release_grads`` in one
+  process: release.py), fall back to :class:`InStep`;
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
@@ -30,7 +31,7 @@ from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState
+from zfctl.offload.host import HostState, accumulator_count
 from zfctl.offload.layout import Layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.ring import Ring, ring_slot_bytes
@@ -91,6 +92,9 @@ class GradientPath(Protocol):
     hooks exchanged), ``add_device`` (in the device update), ``add_host`` (once the coefficient is
     on the host), and at a boundary ``finish``: after the previous CPU update is collected, it
     returns what the next one must wait for before it reads the sum (``None``: nothing).
+    ``write_order``: (offset, elements) of the chunks in the order the path writes the host
+    accumulator each step, the order a CPU update sharing it reads in (acc_gate.py); ``None``
+    when the path does not write the host accumulator between boundaries.
     """
 
     d2h_gbps: float | None  # the D2H rate measured at construction (hook path on CUDA), else None
@@ -107,6 +111,8 @@ class GradientPath(Protocol):
                  stats: StepStats) -> None: ...
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None: ...
+
+    def write_order(self) -> list[tuple[int, int]] | None: ...
 
     def skip(self, stats: StepStats) -> None: ...
 
@@ -139,6 +145,9 @@ class NoHostColumns:
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
         return None
 
+    def write_order(self) -> list[tuple[int, int]] | None:
+        return None
+
     def skip(self, stats: StepStats) -> None:
         pass
 
@@ -160,18 +169,23 @@ class InStep(NoHostColumns):
                  stats: StepStats) -> None:
         t = self.transfers
         stats.host_bytes += t.accumulate_bytes(first)
-        stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first)
+        wait = t.host.gate.waiter() if first else None  # one accumulator: the update in flight reads it
+        stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first,
+                                             wait_read=wait)
         stats.in_step_chunks = len(t.chunks)
         stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
+
+    def write_order(self) -> list[tuple[int, int]] | None:
+        return [(ch.off, ch.numel) for ch in self.transfers.chunks]  # offload_gradients' order
 
 
 class DuringBackward(InStep):
     """The last backward's gradient hooks copy the columns device to host and a host thread adds
-    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps take
-    :class:`InStep`'s copy."""
+    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps (but
+    those of ``release_grads`` in one process, release.py) take :class:`InStep`'s copy."""
 
     def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
-                 device: torch.device, config: ZenFlowConfig, exchange: Any) -> None:
+                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool) -> None:
         super().__init__(transfers, accumulate)
         layout, itemsize = transfers.layout, transfers.itemsize
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
@@ -186,9 +200,14 @@ class DuringBackward(InStep):
             budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
         budget = min(budget, layout.host_numel * itemsize)
         dtype = params[layout.host_slots[0].index].dtype
+        # release_grads: the copies land in a ring as large as the device budget (whole chunk-sized
+        # slots, at least two), not in two copies of the host columns' gradient (landing_slots).
+        slot_bytes = transfers.d2h.slot_bytes
+        ring = landing_slots(budget, slot_bytes) if release else 0
         self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
                                  pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
-                                 exchange=exchange)
+                                 exchange=exchange, gate=transfers.host.gate, ring_slots=ring,
+                                 slot_bytes=slot_bytes, hooks=not release)
         self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
 
     def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
@@ -217,6 +236,13 @@ class DuringBackward(InStep):
         fence, self._fence = self._fence, None
         return fence
 
+    def write_order(self) -> list[tuple[int, int]] | None:
+        # The backward finishes gradients roughly last layer first: matrices in reverse order,
+        # each one's chunks in column order (its hook lands them so). An estimate is enough: the
+        # order decides only how soon a write may pass, never a value (acc_gate.py).
+        chunks = sorted(self.transfers.chunks, key=lambda ch: (-ch.slot.index, ch.c0))
+        return [(ch.off, ch.numel) for ch in chunks]
+
     def skip(self, stats: StepStats) -> None:
         if self.stream.armed:
             self.stream.finish(stats, None, self.transfers.itemsize)  # drop what the hooks moved
@@ -226,6 +252,12 @@ class DuringBackward(InStep):
 
     def close(self) -> None:
         self.stream.close()
+
+
+def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
+    """release_grads: slots of the landing ring, enough for the device temporaries in flight
+    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
+    return max(2, -(-budget_bytes // slot_bytes))
 
 
 class SummedOnDevice(NoHostColumns):
@@ -265,8 +297,9 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any) -> HostSide:
-    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here."""
+                    exchange: Any, release: bool) -> HostSide:
+    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
+    the hook path's gradients are released in their hooks (release.py), if it is the one chosen."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -276,11 +309,16 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
-    # Two accumulators only where the next interval is summed on the host while the worker reads
-    # the last one (overlap, host paths); the device path sums on the device and lands the sum in
-    # its one host accumulator after the previous update was collected (SummedOnDevice.finish).
-    host = HostState(layout, params, accumulators=2 if config.overlap_step and not on_device else 1,
-                     pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
+    # A second accumulator only helps where the next interval is summed on the host while the
+    # worker reads the last one (overlap, host paths): zenflow.tuning.host_accumulators (one:
+    # the next interval's first writes follow the worker, acc_gate.py). The device path sums on
+    # the device and lands the sum in its one host accumulator after the previous update was
+    # collected (SummedOnDevice.finish).
+    hook = config.tuning.stream_grads and not on_device
+    count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
+                              committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
+                              acc_bytes=4 * layout.host_numel)
+    host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
     transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     if config.cpu_threads:
         _native.set_num_threads(config.cpu_threads)
@@ -290,7 +328,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     if on_device:
         path = SummedOnDevice(transfers, device)
     elif config.tuning.stream_grads:
-        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange)
+        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange,
+                              release=release)
     else:
         path = InStep(transfers, add)
     return HostSide(host, transfers, path, accumulate, threads)

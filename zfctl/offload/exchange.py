@@ -264,8 +264,8 @@ class GradExchange:
         small all-reduce more assembles the global sum of squares / the host-path L1 mass per
         selectable matrix.
         """
-        for p in self.params:  # a missing gradient is stepped as zeros: every rank sends the same shapes
-            if p.grad is None:
+        for i, p in enumerate(self.params):  # a missing gradient is stepped as zeros: every rank sends
+            if p.grad is None and i not in done:  # the same shapes (a done one may be released: release.py)
                 p.grad = torch.zeros_like(p)
         sent = 0
         for index in self.exchange_order:

@@ -7,7 +7,7 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 | master (fp32; page-locked on CUDA) | this rank's matrix columns | main thread (migration, state_dict); the install's H2D DMA reads it until ``install_fence`` | CPU worker (reads and writes, after ``install_fence``) |
 | exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
 | steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
-| acc[i] (fp32) | as master | the accumulation path fills acc[cur] | CPU worker reads the interval it was handed |
+| acc[i] (fp32) | as master | the accumulation path fills acc[cur] | CPU worker reads the interval it was handed; with one accumulator, the next interval's first writes follow the worker's watermark (``gate``, acc_gate.py) |
 
 There is no bf16/fp16 copy of the updated columns: the install reads the fp32 master itself
 (chunks.py), by DMA from page-locked memory on CUDA, and the device rounds it to the model dtype
@@ -15,13 +15,16 @@ while scattering it into the params (the same round-to-nearest-even the CPU kern
 old upload copy). That saves 2 B per element of host memory and the update's 2 B write, and costs
 the install 4 B instead of 2 B of PCIe per element, once per interval, with no host CPU work.
 
-How many accumulators (``accumulators``): two with ``overlap_step`` on the host paths (the next
-interval accumulates into one while the worker reads the other), one otherwise, and one on the
-device path, whose interval sum lands in the host accumulator only at the boundary, after the
-previous update was collected (optimizer.py ``_boundary``: collect, copy out, submit). There is ONE
-set of moments in every mode. Host memory per matrix element: 12 B (master + moments) + 4 B per
-accumulator, plus 4 B per column for the counter (docs/design.md, "Defaults and the numbers
-behind them"; zfctl/plan/memory.py counts the same).
+How many accumulators (``accumulators``, ``zenflow.tuning.host_accumulators``, resolved by
+``accumulator_count``): one, except with ``overlap_step`` on the host paths when the choice is 2
+(the next interval accumulates into one while the worker reads the other). With one and
+``overlap_step``, the worker reads the interval's sum piece by piece while the next interval's
+first writes wait for it to pass (``gate``, acc_gate.py). The device path always has one: its
+interval sum lands in the host accumulator only at the boundary, after the previous update was
+collected (optimizer.py ``_boundary``: collect, copy out, submit). There is ONE set of moments in
+every mode. Host memory per matrix element: 12 B (master + moments) + 4 B per accumulator, plus
+13 B per column of bookkeeping (docs/design.md, "Host memory"; zfctl/plan/memory.py counts the
+same).
 
 Rows of the selected columns exist here too (their host copy is stale while the device owns
 them); keeping the full column range avoids re-packing the buffers at every re-selection and lets
@@ -30,13 +33,50 @@ one native call with a run list skip them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from zfctl.offload import pinned
+from zfctl.offload.acc_gate import AccGate
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
 from zfctl.offload.selection import ColumnState
+
+AUTO_HOST_SHARE = 0.85  # host_accumulators: auto without a plan: the host state within this share of free RAM
+
+
+def accumulator_count(choice: int | str, *, overlap: bool, summed_on_host: bool, committed_bytes: int,
+                      acc_bytes: int) -> int:
+    """How many host accumulators to build (``zenflow.tuning.host_accumulators``).
+
+    One unless ``overlap_step`` sums on the host (the host paths); there ``1`` or ``2`` as given,
+    and ``auto`` is 2 when what the host state takes (``committed_bytes``) plus the second
+    accumulator (``acc_bytes``) stays within ``AUTO_HOST_SHARE`` of the RAM available now. A run
+    plan resolves ``auto`` before the optimizer is built, against its machine (zfctl/plan/memory.py,
+    zfctl/train/optim.py); this rule is for a library user without a plan.
+    """
+    if not (overlap and summed_on_host):
+        return 1
+    if choice != "auto":
+        return int(choice)
+    free = available_ram()
+    return 2 if free is None or committed_bytes + acc_bytes <= AUTO_HOST_SHARE * free else 1
+
+
+def available_ram() -> float | None:
+    """Bytes of RAM available to a new allocation now (``MemAvailable``), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class HostState:
@@ -57,6 +97,7 @@ class HostState:
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
         self.acc = [pinned.empty(n, f32, pin=pin_acc, device=device, zero=True) for _ in range(accumulators)]
+        self.gate = AccGate()  # one accumulator with overlap: the worker's watermark over it
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
         # The event after the last H2D copy that reads ``master`` (an install, chunks.py), or None.
         # Whoever writes master next waits for it first: the CPU worker (its fence), a selection's

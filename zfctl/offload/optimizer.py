@@ -33,7 +33,13 @@ from zfctl.offload import state
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.device_to_host import GradientPath, NoHostColumns, Transfers, build_host_side
+from zfctl.offload.device_to_host import (
+    DuringBackward,
+    GradientPath,
+    NoHostColumns,
+    Transfers,
+    build_host_side,
+)
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import named_params, plan_layout
@@ -41,6 +47,7 @@ from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
 from zfctl.offload.pipeline import Pipeline
+from zfctl.offload.release import GradRelease, regather
 from zfctl.offload.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.selector import Selector
 from zfctl.offload.sharded import ShardedParams
@@ -99,16 +106,54 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.gradient_path: GradientPath = NoHostColumns()  # replaced below when there are host columns
         self.accumulate = "host"  # resolved zenflow.accumulate
         self.threads: tuple[int, int] | None = None  # (accumulation, update) native threads
+        # zenflow.tuning.release_grads (release.py): not under update_interval: auto, whose rule
+        # reads every step's per-matrix gradient masses from .grad in step(), nor on FSDP2 shards,
+        # whose gradients arrive by FSDP2's reduce-scatter into the sharded params (sharded.py).
+        release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
         if self.layout.host_slots:
-            side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange)
+            side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
+                                   release=release)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
+        self.release = self._build_release(release)
         # Without overlap the CPU update runs alone while step() waits: it takes every core (0).
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device,
                                  update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
         self._closed = False
         self.last_stats: StepStats | None = None
+
+    def _build_release(self, release: bool) -> GradRelease | None:
+        """The release hooks (release.py) where they apply: the hook path (``accumulate: host``,
+        ``stream_grads``), or no host columns at all in one process; None elsewhere. On the
+        matrices only: a 1-D param's gradient is tiny, and a hook for it would cost more time
+        than the bytes it frees (its .grad waits for step(), as before)."""
+        path = self.gradient_path
+        if not release or not (isinstance(path, DuringBackward) or (self.host is None and self.exchange is None)):
+            return None
+        stream = path.stream if isinstance(path, DuringBackward) else None
+        hooked = ([s.index for s in self.layout.host_slots] if self.exchange is not None
+                  else [s.index for s in self.layout.slots if not s.dense])
+        return GradRelease(self.params, self.layout, self.device_state, stream=stream, hooked=hooked,
+                           norm=self.scale.needs_norm and self.exchange is None)
+
+    def _raw_sums(self) -> bool:
+        """Whether the host sums are raw (release.py: the clip factor waits for the boundary). Off
+        until the first announced backward that starts an interval, then on for good (saved with
+        the pipeline's counters): a loop that never calls ``prepare_backward`` keeps ``.grad``
+        and the exact per-step clip, and no interval mixes the two kinds of sum."""
+        if self.release is None:
+            return False
+        if self.host is None:  # no host sums: release changes no arithmetic
+            return True
+        if not self.pipeline.raw_sums and self.pipeline.first_of_interval:
+            self.pipeline.raw_sums = True
+        return self.pipeline.raw_sums
+
+    def _raw_coef(self) -> float:
+        """What the release path adds each host gradient with: 1 / the fp16 loss scale (a power
+        of two, exact), else 1; the clip factor waits for the boundary (Pipeline.clip_sum)."""
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     # -- the loop's calls ---------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -119,12 +164,25 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Announce the next backward: ``final=True`` if it is the last of this optimizer step (its
         gradients are then final and may leave for the host during it, device_to_host.py); False
         for earlier micro-batches. Optional: without it, step() moves the gradients itself."""
+        due = self.selector.due(self.pipeline.t)
+        raw = self._raw_sums()
+        # A selection reads the whole .grad on the step() path; the release path keeps the column
+        # scores it needs in the hooks instead, on one process (the ranks' scores are all-reduced
+        # from .grad) and at an interval's first step (regather reads this step from the sum).
+        released = raw and (not due or (self.exchange is None and self.pipeline.first_of_interval))
+        final = final and (not due or released)
+        if self.release is not None:
+            if final and released:
+                self.release.arm(self.selector.selected, scoring=due)
+            else:
+                self.release.disarm()
         if self.host is None:
             return
-        t = self.pipeline.t
         known = None if self.scale.needs_norm else 1.0  # the coefficient, when known before backward
-        self.gradient_path.begin(final=final and not self.selector.due(t), acc=self.pipeline.acc,
-                                 first=self.pipeline.first_of_interval, coef=known)
+        if raw:
+            known = self._raw_coef()
+        self.gradient_path.begin(final=final, acc=self.pipeline.acc, first=self.pipeline.first_of_interval,
+                                 coef=known)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -143,20 +201,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
             self.sharded.pull_grads()
-        grads = [p.grad for p in self.params]
+        grads = [p.grad for p in self.params]  # None where a hook released it (release.py)
         if self.sharded is not None and self.scale.needs_norm:  # the global norm: one all-reduce
             sq = self.sharded.sum_of_squares(grads, self.device)
-        norm, coef = self.scale.coefficient(grads, sq)  # 1. clip factor / loss scale, on the device
+        released = self.release if self.release is not None and self.release.armed else None
+        norms = released.norms if released is not None else None
+        norm, coef = self.scale.coefficient(grads, sq, norms)  # 1. clip factor / loss scale, on the device
         if self.scale.overflowed(norm):  # fp16: skip the whole step (a host sync, fp16 only)
             self.gradient_path.skip(stats)
+            if released is not None and self.host is not None:
+                self.pipeline.discard_interval()  # the hooks added the skipped step into the host sum
+            self._disarm()
             stats.skipped, stats.grad_norm = True, math.inf
             self.last_stats = stats
             return stats
         if self.selector.due(t):  # 2. selection: drain the CPU pipeline, choose, migrate
-            totals = self._reselect(grads, stats)
+            totals = self._reselect(grads, stats, released)
         scalars = self._start_scalars(norm, coef, grads, warm, totals) if self.host is not None else None
         clock = DeviceClock(self.device)  # 3. device AdamW (+ the device path's sum)
-        self.device_state.load_grads(self.params, coef, self.selector.selected)
+        self.device_state.load_grads(self.params, coef, self.selector.selected,
+                                     loaded=released.loaded if released is not None else frozenset())
         self.device_state.step(**hp, selected=self.selector.selected)
         self.device_state.write_params(self.params, self.selector.selected)
         self.gradient_path.add_device(grads, coef, first=self.pipeline.first_of_interval, stats=stats)
@@ -167,7 +231,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._finish(stats, norm, host_norm, tail)
         if self.sharded is not None:
             self.sharded.release_grads()
+        self._disarm()
         return stats
+
+    def _disarm(self) -> None:
+        if self.release is not None:
+            self.release.disarm()
 
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
@@ -185,6 +254,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        if self.release is not None:
+            self.release.close()
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()
@@ -218,12 +289,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         masses = self.policy.auto and self.selector.selected and not warm
         return self.exchange.average(self.gradient_path.exchanged(), self.selector, stats, masses=masses)
 
-    def _reselect(self, grads: list[torch.Tensor | None], stats: StepStats) -> list[torch.Tensor] | None:
+    def _reselect(self, grads: list[torch.Tensor | None], stats: StepStats,
+                  released: GradRelease | None) -> list[torch.Tensor] | None:
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
         self.pipeline.collect(stats)
-        totals = self.selector.select(grads, self.host, stats)
+        old = list(self.device_state.index)
+        if released is not None:
+            self.gradient_path.drain()  # the hooks' accumulation jobs: regather reads the sum
+        totals = self.selector.select(grads, self.host, stats, scores=released.scores if released else None)
         self.transfers.replan()
+        if released is not None:  # the released gradients, laid out by the new selection (release.py)
+            d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
+                                self.pipeline.acc, self._raw_coef())
+            stats.d2h_bytes += d2h
+            stats.h2d_bytes += h2d
+            assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
+            self.gradient_path.stream.replan(self.transfers.chunks)
         stats.selection = True
         stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
         return totals
@@ -249,13 +331,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # Everything from here on is host work the device does not overlap with: stall.
         host_norm, host_coef, masses = values[0], values[1], values[2:]
         tail = c = time.perf_counter()
-        self.gradient_path.add_host(grads, self.pipeline.acc, host_coef, first=self.pipeline.first_of_interval,
+        # release_grads (once a loop announced its backwards): every step's host sum is raw (what
+        # the hooks add), its clip factor counted for the boundary (Pipeline.clip_sum); without
+        # it the sum holds coef * grad.
+        add_coef, clip = host_coef, 1.0
+        if self.pipeline.raw_sums:
+            add_coef, clip = self._raw_coef(), self.scale.clip_factor(host_coef)
+        self.gradient_path.add_host(grads, self.pipeline.acc, add_coef, first=self.pipeline.first_of_interval,
                                     stats=stats)
         stats.d2h_bytes += 4 * len(values)
         stats.offload_ms = (time.perf_counter() - c) * 1e3
         if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
             self.pipeline.collect(stats)
-        if self.pipeline.close_step(force=warm or self.selector.due(self.pipeline.t + 1)):
+        if self.pipeline.close_step(force=warm or self.selector.due(self.pipeline.t + 1), clip=clip):
             self._boundary(stats, warm, hp)
         elif self.policy.auto and self.selector.selected:
             k, cols = self.selector.shapes()
@@ -268,12 +356,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         update is collected) and for the install's DMA."""
         assert self.host is not None and self.transfers is not None  # only the host path has intervals
         acc = self.pipeline.acc
+        clip = self.pipeline.clip_mean()  # release_grads: the interval's mean clip factor, else 1.0
         n = self.pipeline.end_interval()
+        background = self.config.overlap_step and not warm
+        # One host accumulator that the next interval writes while this update reads it: the
+        # update goes piece by piece in the path's write order, and the writes follow (acc_gate.py).
+        order = self.gradient_path.write_order() if background and len(self.host.acc) == 1 else None
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
         # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
-        update = cpu_update(self.config.deferred_lr_scale, n, acc, self.host.update_groups, hp)
+        update = cpu_update(self.config.deferred_lr_scale, n, acc, self.host.update_groups, hp,
+                            pieces=tuple(order) if order is not None else None)
+        if clip != 1.0:
+            update = replace(update, grad_scale=update.grad_scale * clip)
         stats.host_bytes += self.transfers.host_elems * 28  # master, moments read+written (24 B), acc read (4 B)
-        self.pipeline.submit(update, stats, background=self.config.overlap_step and not warm,
+        self.pipeline.submit(update, stats, background=background,
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
@@ -290,6 +386,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _finish(self, stats: StepStats, norm: torch.Tensor | None, host_norm: float | None, tail: float) -> None:
         stats.set_grad_norm(host_norm, norm, cuda=self.device.type == "cuda")
+        if self.host is not None:  # writes that waited for the CPU update to read acc (acc_gate.py)
+            stats.acc_gate_waits, stats.acc_gate_ms = self.host.gate.take_counts()
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
         self.scale.step_done()
         stats.update_interval = self.pipeline.last_interval

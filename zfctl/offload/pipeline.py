@@ -10,6 +10,9 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
+  With one host accumulator (``zenflow.tuning.host_accumulators``) there is no other one: ``cur``
+  stays 0 and the next interval's first writes wait for the update to have read each chunk
+  (acc_gate.py; the optimizer hands the update its ``pieces``). The same values, other waits.
 * overlapped with a lag ``L`` (``zenflow.tuning.install_lag``): as above, but the result is installed at
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
   next boundary if that comes first; the step waits if the update has not finished by then.
@@ -53,6 +56,10 @@ class Pipeline:
             self.worker.threads = update_threads  # its share of the cores (threads.py); 0 = all
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
         self.interval_len = 0  # steps accumulated in the current interval
+        # The interval's clip factors that are not in acc (release.py adds raw gradients): the
+        # boundary scales the mean gradient by clip_sum / interval_len. n x 1.0 without release.
+        self.clip_sum = 0.0
+        self.raw_sums = False  # release.py: the sums hold raw gradients (ZenFlowOptimizer._raw_sums)
         self.last_interval = 0 if policy.auto else policy.fixed
         self.cur = 0  # which accumulator the main thread fills
         self.pending_install = False  # a finished CPU update waits to be copied into the model
@@ -74,10 +81,22 @@ class Pipeline:
         """No gradient has been added to ``acc`` in this interval yet."""
         return self.interval_len == 0
 
-    def close_step(self, force: bool) -> bool:
-        """Count one accumulated step; True when it ends the interval (``force``: it must)."""
+    def close_step(self, force: bool, clip: float = 1.0) -> bool:
+        """Count one accumulated step (``clip``: its clip factor when the sum does not hold it,
+        release.py); True when it ends the interval (``force``: it must)."""
         self.interval_len += 1
+        self.clip_sum += clip
         return self.policy.is_boundary(self.interval_len, force)
+
+    def clip_mean(self) -> float:
+        """The interval's mean clip factor not yet applied to its sum: exactly 1.0 when every
+        step's factor is in the sum or is 1 (a sum of n ones is n)."""
+        return self.clip_sum / self.interval_len if self.interval_len else 1.0
+
+    def discard_interval(self) -> None:
+        """Drop the unfinished interval's sum (release.py: an fp16 overflow step's hooks added
+        into it): the next step writes the accumulator afresh."""
+        self.interval_len, self.clip_sum = 0, 0.0
 
     def advance(self) -> None:
         """One optimizer step done (not called for a skipped fp16 step)."""
@@ -92,7 +111,7 @@ class Pipeline:
     def end_interval(self) -> int:
         """Close the interval's counters; returns its length (the mean's divisor)."""
         n = self.interval_len
-        self.interval_len, self.last_interval = 0, n
+        self.interval_len, self.last_interval, self.clip_sum = 0, n, 0.0
         self.policy.reset()
         return n
 
@@ -113,7 +132,7 @@ class Pipeline:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
         after = prepare()
         worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
-        if background:  # ... then this one runs in the background
+        if background:  # ... then this one runs in the background (one accumulator: cur stays)
             self.cur = (self.cur + 1) % len(host.acc)
             self.age = 0
         else:
@@ -152,7 +171,8 @@ class Pipeline:
         self.settle()
         sd: dict[str, Any] = {
             "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
-                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age},
+                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age,
+                         "clip_sum": self.clip_sum, "raw_sums": self.raw_sums},
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
@@ -171,6 +191,8 @@ class Pipeline:
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]
         self.age = c.get("age", 0)  # absent before install_lag existed, where nothing reads it
+        self.clip_sum = float(c.get("clip_sum", self.interval_len))  # absent before release_grads: all 1
+        self.raw_sums = bool(c.get("raw_sums", False))
         self.policy.load_state_dict(sd["policy"])
         if self.host is None:
             return

@@ -41,6 +41,11 @@ class DynamicLossScaler:
         self.good_steps = int(sd["good_steps"])
 
 
+def param_norm(g: torch.Tensor) -> torch.Tensor:
+    """One gradient's L2 norm as ``coefficient`` takes it (fp32, torch's foreach kernel)."""
+    return torch._foreach_norm([g], 2.0, dtype=torch.float32)[0]
+
+
 class GradientScale:
     """The one gradient coefficient both halves of the optimizer multiply by: the clip factor
     ``min(1, max_norm / (norm + 1e-6))`` (torch.nn.utils.clip_grad_norm_'s formula, global L2 norm
@@ -56,20 +61,26 @@ class GradientScale:
         """A step needs the global gradient norm (clipping, or the fp16 overflow check)."""
         return self.max_grad_norm is not None or self.scaler is not None
 
-    def coefficient(self, grads: list[torch.Tensor | None],
-                    sq: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def coefficient(self, grads: list[torch.Tensor | None], sq: torch.Tensor | None = None,
+                    norms: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(global grad norm, coefficient) as 0-dim fp32 device tensors; (None, None) if neither is
-        needed. ``sq``: the global sum of squares, when the data-parallel exchange assembled it."""
+        needed. ``sq``: the global sum of squares, when the data-parallel exchange assembled it.
+        ``norms``: per param index, the L2 norm a gradient hook took before it freed that
+        ``.grad`` (release.py; ``param_norm``, the same kernel as here, so the same bits)."""
         if not self.needs_norm:
             return None, None
-        present = [g for g in grads if g is not None]
-        if sq is None and not present:
+        norms = norms or {}
+        present = {i: g for i, g in enumerate(grads) if g is not None and i not in norms}
+        if sq is None and not present and not norms:
             zero = torch.zeros((), device=self.device)
             return zero, zero + 1.0
         if sq is not None:
             norm = sq.sqrt()
         else:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present, 2.0, dtype=torch.float32)))
+            computed = dict(norms)
+            if present:
+                computed.update(zip(present, torch._foreach_norm(list(present.values()), 2.0, dtype=torch.float32)))
+            norm = torch.linalg.vector_norm(torch.stack([computed[i] for i in sorted(computed)]))
         coef = torch.ones((), device=self.device)
         if self.scaler is not None:
             norm = norm / self.scaler.scale  # the unscaled norm
@@ -77,6 +88,11 @@ class GradientScale:
         if self.max_grad_norm is not None:
             coef = coef * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         return norm, coef
+
+    def clip_factor(self, coef: float) -> float:
+        """The clip factor inside a coefficient read on the host: ``coef`` times the fp16 loss scale
+        (a power of two, so exact), or ``coef`` itself."""
+        return coef * self.scaler.scale if self.scaler is not None else coef
 
     def overflowed(self, norm: torch.Tensor | None) -> bool:
         """fp16 only: True (and the scale halved) when this step's gradients hold inf/NaN: the step

@@ -49,8 +49,11 @@ class Selector:
             return False
         return t == self.warmup or (self.period is not None and (t - self.warmup) % self.period == 0)
 
-    def select(self, grads: list[torch.Tensor | None], host: HostState, stats: StepStats) -> list[torch.Tensor] | None:
+    def select(self, grads: list[torch.Tensor | None], host: HostState, stats: StepStats,
+               scores: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """Top-k columns per matrix from this step's gradient; state follows the columns.
+        ``scores``: per param index, the column L1 a gradient hook took before it freed that
+        ``.grad`` (release.py; the same ``column_l1``, so the same ranking).
 
         Data parallel: returns each matrix's total L1 mass (the auto interval's input: no rank
         holds the whole gradient), else None.
@@ -67,11 +70,13 @@ class Selector:
         for i, slot in enumerate(self.selectable):
             g = grads[slot.index]
             if shared is not None:
-                scores = shared[i]
+                score = shared[i]
+            elif scores is not None and slot.index in scores:
+                score = scores[slot.index]
             else:
-                scores = (column_l1(as_matrix(g, slot)) if g is not None
-                          else torch.zeros(slot.cols, device=dev.master.device))
-            new = top_columns(scores, slot.k)
+                score = (column_l1(as_matrix(g, slot)) if g is not None
+                         else torch.zeros(slot.cols, device=dev.master.device))
+            new = top_columns(score, slot.k)
             own = host.column_state(slot)
             rows: Sequence[HostRows] = own
             owned: list[OwnedRows] = []

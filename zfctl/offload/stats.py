@@ -68,6 +68,11 @@ class StepStats:
     # H2D, the device path's copy out of the last interval), timed with CUDA events; 0 on CPU.
     device_wait_ms: float = 0.0
     budget_waits: int = 0  # hook path: times a hook waited for the cap on gradient temporaries in flight
+    # One host accumulator with overlap (acc_gate.py): first writes of the interval that waited
+    # for the CPU update to read their chunk, and how long, since the last step. step() path:
+    # part of stall_ms; hook path: the accumulation thread's wait (the backward's on CPU).
+    acc_gate_waits: int = 0
+    acc_gate_ms: float = 0.0
     d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only
     _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
 

@@ -40,6 +40,7 @@ Buffers and owners (docs/design.md, "Threads and buffer ownership"):
 | --- | --- | --- | --- |
 | device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``); at most ``budget_bytes`` in flight, across steps |
 | landing[w] (page-locked, exact size) | copy stream | accumulation thread | that window's last job is done (``fences[w]``) |
+| landing ring slot j (release_grads; page-locked, exact size) | copy stream | accumulation thread | that slot's job is done (``ring_fences[j]``), waited for by the hook that reuses it |
 | the accumulator (``Pipeline.acc``) | accumulation thread, in job order | CPU worker at a boundary | the worker waits for the boundary step's fence |
 
 Two landing buffers alternate by window, so the hooks of step t+1 wait only for the jobs of
@@ -48,6 +49,14 @@ flight (``budget_bytes``, counted across steps: the copies of one step may outla
 backward at 7B), happen on the hook's thread and are reported as stall. Cost: host memory of 2 x
 (matrix elements) x (model itemsize), page-locked; device memory of at most ``budget_bytes`` of
 temporaries.
+
+With ``zenflow.tuning.release_grads`` (release.py owns the hooks then and calls ``on_grad``) the
+coefficient the hooks add with is always known (1 / the fp16 loss scale; the clip factor waits
+for the boundary), so there are no full landing buffers: each chunk lands in the next slot of a
+ring of chunk-sized slots (as many as the device budget holds, at least two), the thread adds it
+as soon as its copy has landed, and a hook that reuses a slot first waits for the job that read
+it (``ring_fences``, stall). Host memory: the ring, whatever the model's size. After each landing
+``on_final`` tells release.py that the param's ``.grad`` may be taken and freed.
 
 Without CUDA the same code runs synchronously: the hook copies straight into the landing buffer
 and, when the coefficient is known, accumulates at once (that is how CI tests the logic).
@@ -64,6 +73,7 @@ from typing import Any
 import torch
 
 from zfctl.offload import pinned
+from zfctl.offload.acc_gate import AccGate, Waiter
 from zfctl.offload.chunks import Chunk
 from zfctl.offload.layout import as_matrix
 from zfctl.offload.pcie import bind_device, copy_async
@@ -99,16 +109,30 @@ class GradStream:
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
-                 exchange: Any = None) -> None:
+                 exchange: Any = None, gate: AccGate | None = None, ring_slots: int = 0, slot_bytes: int = 0,
+                 hooks: bool = True) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.params = params
         pin = pin_memory and self.cuda
-        self.landing = [pinned.empty(numel, dtype, pin=pin, device=device) for _ in range(2)]
+        # Where the D2H copies land. Two full landing buffers (one per window, a step's raw
+        # gradient waits there for its coefficient), or, with ``ring_slots`` (release_grads: the
+        # coefficient the hooks add with is always known), a ring of that many chunk-sized slots,
+        # each reused once the thread has added the chunk it held: host memory independent of
+        # the model's size.
+        self.landing = [] if ring_slots else [pinned.empty(numel, dtype, pin=pin, device=device) for _ in range(2)]
         self.fences: list[Future | None] = [None, None]  # the last job that reads landing[w]
+        self.ring = pinned.empty(ring_slots * slot_bytes, torch.uint8, pin=pin, device=device)
+        self.ring_slots, self.slot_bytes = ring_slots, slot_bytes
+        self.ring_fences: list[Future | None] = [None] * ring_slots  # the job that reads ring slot j
+        self._next_slot = 0
+        # release.py: called with each param index whose host columns a hook has just landed (after
+        # its exchange, data parallel), so its ``.grad`` can be taken and freed.
+        self.on_final: Callable[[int], None] | None = None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.budget_bytes = budget_bytes
         self._accumulate = accumulate
+        self._gate = gate  # one host accumulator: first writes wait for the CPU update (acc_gate.py)
         self._exchange = exchange  # data parallel: exchange.GradExchange (launch / complete)
         self._order = ExchangeOrder(exchange.exchange_order) if exchange is not None else None
         # The thread binds itself to the optimizer's device first: its event waits would otherwise
@@ -121,8 +145,9 @@ class GradStream:
         # the copies of one step may outlast the next step's forward (the budget must see them).
         self.inflight: deque[tuple[Any, int]] = deque()
         self.inflight_bytes = 0
+        # With release_grads the hooks are release.py's, which calls ``on_grad`` itself.
         self._handles = [params[s.index].register_post_accumulate_grad_hook(self._hook_for(s.index))
-                         for s in slots]
+                         for s in slots] if hooks else []
         self.armed = False
         self._reset_window()
 
@@ -132,7 +157,8 @@ class GradStream:
         self.acc: torch.Tensor | None = None
         self.coef: float | None = None  # known before backward (no clip, no fp16): 1.0
         self.first = False  # the interval's first step: write the accumulator, do not add
-        self.landed: list[tuple[Chunk, Any]] = []  # (chunk, copy event or None), in landing order
+        self.wait_read: Waiter | None = None  # first step: the wait before overwriting a chunk
+        self.landed: list[tuple[Chunk, Any, torch.Tensor]] = []  # (chunk, copy event or None, its landing view)
         self.landed_params: set[int] = set()  # params whose chunks have been copied this window
         self.exchanged: set[int] = set()  # params whose exchange over ranks is complete
         self._launched: deque[tuple[int, Any]] = deque()  # (param, pending exchange), in order
@@ -149,10 +175,14 @@ class GradStream:
     def arm(self, chunks: list[Chunk], acc: torch.Tensor, coef: float | None, *, first: bool) -> None:
         """Stream the next backward's final gradients; ``coef`` known in advance, else None;
         ``first``: the interval's first step (``acc`` is written, not added to)."""
+        if self.ring_slots and coef is None:
+            raise ValueError("a landing ring reuses its slots at once: the hooks need the coefficient")
         self._reset_window()
         for ch in chunks:
             self.chunks.setdefault(ch.slot.index, []).append(ch)
         self.acc, self.coef, self.first, self.armed = acc, coef, first, True
+        # Taken now, in step order (the update submitted last), not when a job runs (acc_gate.py).
+        self.wait_read = self._gate.waiter() if first and self._gate is not None else None
 
     def disarm(self) -> None:
         """The next backward is not the last of the step (or the hook path is off for it)."""
@@ -162,12 +192,13 @@ class GradStream:
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             if self.armed:
-                self._on_grad(index, p)
+                self.on_grad(index, p)
 
         return hook
 
     @torch.no_grad()
-    def _on_grad(self, index: int, p: torch.Tensor) -> None:
+    def on_grad(self, index: int, p: torch.Tensor) -> None:
+        """Param ``index``'s gradient of the armed backward is final (its hook)."""
         if index in self.seen:  # a second backward in one window would add its gradient twice
             raise RuntimeError("ZenFlowOptimizer.prepare_backward(final=True) announces ONE backward: call "
                                "step() after it (earlier micro-batches take final=False)")
@@ -176,6 +207,8 @@ class GradStream:
         self._start_window()
         if self._exchange is None or self._order is None:
             self._land(index)
+            if self.on_final is not None:
+                self.on_final(index)
             return
         for i in self._order.ready(index):  # collectives in the one order every rank uses
             self._launched.append((i, self._exchange.launch(i)))
@@ -189,6 +222,8 @@ class GradStream:
         if self.started:
             return
         self.started = True  # first hook of the window: landing[w] must be free again
+        if self.ring_slots:  # the ring's slots are waited for one by one (_ring_view)
+            return
         self._w = 1 - self._w
         fence = self.fences[self._w]
         if fence is not None and not fence.done():
@@ -202,6 +237,18 @@ class GradStream:
         self.comm_bytes += self._exchange.complete(pending)  # device-side wait, then the write-back
         self.exchanged.add(i)
         self._land(i)
+        if self.on_final is not None:
+            self.on_final(i)
+
+    def replan(self, chunks: list[Chunk]) -> None:
+        """A selection inside this window re-planned the chunks (release.py): the params no hook
+        has landed yet are landed by ``finish`` with the new ones."""
+        new: dict[int, list[Chunk]] = {}
+        for ch in chunks:
+            new.setdefault(ch.slot.index, []).append(ch)
+        for index in set(self.chunks) | set(new):
+            if index not in self.landed_params:
+                self.chunks[index] = new.get(index, [])
 
     def complete_exchanges(self) -> set[int]:
         """Inside step(): finish the exchanges the hooks started (in order); returns every param
@@ -218,15 +265,15 @@ class GradStream:
             return
         self.landed_params.add(index)
         gm = as_matrix(grad, chunks[0].slot)
-        landing = self.landing[self._w]
         assert self.acc is not None  # arm() gave the accumulator
         for ch in chunks:
-            dst = landing[ch.off : ch.off + ch.numel]
+            j = self._next_slot % self.ring_slots if self.ring_slots else None
+            dst = self._landing_view(ch, grad.dtype, j)
             if not self.cuda:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
-                self.landed.append((ch, None))
+                self.landed.append((ch, None, dst))
                 if self.coef is not None:
-                    self._add(ch, None, landing, self.acc, self.coef, self.first)
+                    self._add(ch, None, dst, self.acc, self.coef, self.first, self.wait_read)
                     self.early_accumulated += 1
                 continue
             self._make_room(ch.numel * dst.element_size())
@@ -240,11 +287,30 @@ class GradStream:
             tmp.record_stream(self.copy_stream)  # the temporary lives until its copy is done
             self.inflight.append((event, tmp.numel() * tmp.element_size()))
             self.inflight_bytes += self.inflight[-1][1]
-            self.landed.append((ch, event))
+            self.landed.append((ch, event, dst))
             if self.coef is not None:  # the thread adds it as soon as the copy has landed
-                self._last_job = self._submit(self._add, ch, event, landing, self.acc, self.coef, self.first)
-                self.fences[self._w] = self._last_job
+                self._last_job = self._submit(self._add, ch, event, dst, self.acc, self.coef, self.first,
+                                              self.wait_read)
+                if j is None:
+                    self.fences[self._w] = self._last_job
+                else:
+                    self.ring_fences[j] = self._last_job
                 self.jobs.append(self._last_job)
+
+    def _landing_view(self, ch: Chunk, dtype: torch.dtype, j: int | None) -> torch.Tensor:
+        """Where chunk ``ch`` lands: its range of the window's landing buffer, or ring slot ``j``
+        once the job that read it last is done (a host wait on the hook's thread: stall)."""
+        if j is None:
+            return self.landing[self._w][ch.off : ch.off + ch.numel]
+        self._next_slot += 1
+        fence, self.ring_fences[j] = self.ring_fences[j], None
+        if fence is not None and not fence.done():
+            t0 = time.perf_counter()
+            fence.result()  # host wait: the thread is still adding what slot j held
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
+        nbytes = ch.numel * dtype.itemsize
+        assert nbytes <= self.slot_bytes, "chunks are planned to fit one ring slot (chunks.plan_chunks)"
+        return self.ring[j * self.slot_bytes : j * self.slot_bytes + nbytes].view(dtype)
 
     def _make_room(self, nbytes: int) -> None:
         """Bound the device temporaries in flight: wait for the oldest copies (stall)."""
@@ -262,12 +328,13 @@ class GradStream:
         assert self._pool is not None, "GradStream used after close()"
         return self._pool.submit(fn, *args)
 
-    def _add(self, ch: Chunk, event: Any, landing: torch.Tensor, acc: torch.Tensor, coef: float,
-             first: bool) -> None:
+    def _add(self, ch: Chunk, event: Any, src: torch.Tensor, acc: torch.Tensor, coef: float,
+             first: bool, wait_read: Waiter | None = None) -> None:
         if event is not None:
             event.synchronize()  # accumulation thread: that chunk's D2H has landed
-        self._accumulate(acc[ch.off : ch.off + ch.numel], landing[ch.off : ch.off + ch.numel],
-                         scale=coef, runs=ch.runs, overwrite=first)
+        if wait_read is not None:
+            wait_read(ch.off)  # one accumulator: the CPU update in flight has read this chunk
+        self._accumulate(acc[ch.off : ch.off + ch.numel], src, scale=coef, runs=ch.runs, overwrite=first)
 
     # -- inside step() -----------------------------------------------------------------------------
     def finish(self, stats: StepStats, coef: float | None, itemsize: int) -> Future | None:
@@ -277,7 +344,7 @@ class GradStream:
         the landed gradient is dropped."""
         early = len(self.landed)
         stats.early_chunks = early
-        stats.early_bytes = sum(ch.numel for ch, _ in self.landed) * itemsize
+        stats.early_bytes = sum(ch.numel for ch, _, _ in self.landed) * itemsize
         if coef is not None:  # matrices no hook landed: their gradient now, from step() (stall)
             t0 = time.perf_counter()
             self._start_window()
@@ -286,29 +353,31 @@ class GradStream:
                     self._land(index)
             self.wait_ms += (time.perf_counter() - t0) * 1e3
             stats.in_step_chunks += len(self.landed) - early
-            stats.in_step_bytes += sum(ch.numel for ch, _ in self.landed[early:]) * itemsize
+            stats.in_step_bytes += sum(ch.numel for ch, _, _ in self.landed[early:]) * itemsize
         stats.stall_ms += self.wait_ms
         stats.comm_bytes += self.comm_bytes
         w = self._w
-        acc, first = self.acc, self.first
+        acc, first, wait_read = self.acc, self.first, self.wait_read
         if first and coef is not None:  # matrices without a gradient this step: a zero sum
-            got = {id(ch) for ch, _ in self.landed}
+            got = {id(ch) for ch, _, _ in self.landed}
             missing = [ch for chs in self.chunks.values() for ch in chs if id(ch) not in got]
             if missing:
                 assert acc is not None  # chunks exist only in an armed window, which has its accumulator
 
                 def zero() -> None:
                     for ch in missing:
+                        if wait_read is not None:
+                            wait_read(ch.off)
                         acc[ch.off : ch.off + ch.numel].zero_()
 
                 self._last_job = self._submit(zero)  # the thread owns acc: keep its order
         if self.coef is None and coef is not None and self.landed:
-            landed, landing = list(self.landed), self.landing[w]
+            landed = list(self.landed)
             assert acc is not None  # chunks land only in an armed window, which has its accumulator
 
             def job() -> None:
-                for ch, event in landed:
-                    self._add(ch, event, landing, acc, coef, first)
+                for ch, event, src in landed:
+                    self._add(ch, event, src, acc, coef, first, wait_read)
 
             self._last_job = self._submit(job)
             self.fences[w] = self._last_job
@@ -341,5 +410,5 @@ class GradStream:
         while self.inflight:  # copies into the landing buffers must land before they are unpinned
             self.inflight.popleft()[0].synchronize()
         self.inflight_bytes = 0
-        for buf in self.landing:
+        for buf in (*self.landing, self.ring):
             pinned.release(buf)

@@ -8,6 +8,11 @@ and split each call over their own thread pool, so the main thread keeps launchi
 and accumulating the next interval meanwhile. Results never depend on timing: the worker touches
 only buffers the main thread leaves alone until ``wait``, and the main thread decides, by step
 count alone, when to wait and install.
+
+One exception, with one host accumulator and ``overlap_step`` (acc_gate.py): the next interval
+writes the accumulator the update reads. Then the update carries ``pieces`` (the chunks in the
+order the gradient path writes them), runs piece by piece, and publishes after each one how far
+it has read (``AccGate.passed``); each first write of the next interval waits for that.
 """
 
 from __future__ import annotations
@@ -38,17 +43,39 @@ class CpuUpdate:
     eps: float
     weight_decay: float
     repeat: int = 1  # AdamW steps per element, all with this gradient (correction.inner_steps)
+    # One shared accumulator (acc_gate.py): (offset, elements) of each chunk, in the order the next
+    # interval writes them; the update runs and publishes piece by piece. None: one pass.
+    pieces: tuple[tuple[int, int], ...] | None = None
 
 
 def cpu_update(mode: DeferredLrScale, n: int, acc: torch.Tensor, groups: Callable[[int], list],
-               hp: dict[str, float]) -> CpuUpdate:
+               hp: dict[str, float], pieces: tuple[tuple[int, int], ...] | None = None) -> CpuUpdate:
     """The update of an interval of ``n`` steps: the interval-mean gradient (``grad_scale = 1/n``),
     the boundary's hyper-parameters with ``zenflow.deferred_lr_scale``'s correction for the ``n``
     steps the deferred columns stood still (correction.py: a scaled lr, or ``repeat``: n steps),
-    and the step-counter groups (``groups(steps)``: HostState.update_groups, which advances them)."""
+    and the step-counter groups (``groups(steps)``: HostState.update_groups, which advances them);
+    ``pieces``: the shared accumulator's read order (acc_gate.py), or None."""
     lr, wd = corrected_hyperparams(mode, n, hp["lr"], hp["weight_decay"])
     reps = inner_steps(mode, n)
-    return CpuUpdate(acc, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd, reps)
+    return CpuUpdate(acc, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd, reps, pieces)
+
+
+def clip_runs(runs: torch.Tensor, ends: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The part of a sorted, non-overlapping run list that lies in elements [lo, hi) (``ends``:
+    each run's end, ``runs[:, 0] + runs[:, 1]``, contiguous)."""
+    if hi <= lo:
+        return runs[:0]
+    i0 = int(torch.searchsorted(ends, lo, right=True))  # the first run ending after lo
+    i1 = int(torch.searchsorted(ends, hi, right=False))  # runs before i1 end at or before hi
+    if i1 < runs.shape[0] and int(runs[i1, 0]) < hi:
+        i1 += 1  # the run that straddles hi
+    out = runs[i0:i1].clone()
+    if out.shape[0]:
+        start = max(int(out[0, 0]), lo)
+        out[0, 1] = int(out[0, 0]) + int(out[0, 1]) - start
+        out[0, 0] = start
+        out[-1, 1] = min(int(out[-1, 0]) + int(out[-1, 1]), hi) - int(out[-1, 0])
+    return out
 
 
 class CpuWorker:
@@ -65,6 +92,9 @@ class CpuWorker:
                                                                    initializer=bind_device, initargs=(device,))
         self._future: Future | None = None
         self.threads = 0  # cap on the update's native threads (threads.py); 0 = all
+        # Tests only: called with a piece's index before the worker reads it (a slow worker makes
+        # a missing wait on the shared accumulator show as wrong bits).
+        self.before_piece: Callable[[int], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -74,31 +104,54 @@ class CpuWorker:
     def run(self, update: CpuUpdate) -> float:
         """Apply one update on the calling thread; returns its duration in ms."""
         t0 = time.perf_counter()
-        h = self._host
-        for step, runs in update.groups:
-            self.native.adamw_step(
-                h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
-                beta1=update.beta1, beta2=update.beta2, eps=update.eps,
-                weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-                repeat=update.repeat,
-            )
-        # No zeroing: the first step of the interval after next overwrites acc (chunks.py, stream.py).
+        if update.pieces is None:
+            for step, runs in update.groups:
+                self._adamw(update, step, runs)
+        else:  # AdamW is per element: the same bits in any cut of the runs (native/kernels.h)
+            ends = [runs[:, 0] + runs[:, 1] for _, runs in update.groups]
+            for i, (off, n) in enumerate(update.pieces):
+                if self.before_piece is not None:
+                    self.before_piece(i)
+                for (step, runs), end in zip(update.groups, ends):
+                    part = clip_runs(runs, end, off, off + n)
+                    if part.shape[0]:
+                        self._adamw(update, step, part)
+                self._host.gate.passed(i + 1)  # the next interval may overwrite pieces 0..i now
+        # No zeroing: the first step of a later interval overwrites acc (chunks.py, stream.py).
         return (time.perf_counter() - t0) * 1e3
+
+    def _adamw(self, update: CpuUpdate, step: int, runs: torch.Tensor) -> None:
+        h = self._host
+        self.native.adamw_step(
+            h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
+            beta1=update.beta1, beta2=update.beta2, eps=update.eps,
+            weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
+            repeat=update.repeat,
+        )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:
         """Start ``update`` in the background; the worker first calls each of ``waits`` (the
         accumulation of the interval's last gradient: stream.py, device_acc.py; the install DMA
-        still reading the master: chunks.py). At most one update is ever in flight."""
+        still reading the master: chunks.py). At most one update is ever in flight. An update
+        with ``pieces`` closes the accumulator gate here, on the submitting thread, so that no
+        write issued after this call can pass before the worker has read its piece."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
         if self._future is not None:
             raise RuntimeError("a CPU update is already in flight; wait() for it first")
+        gate = self._host.gate if update.pieces is not None else None
+        if gate is not None:
+            gate.start([off for off, _ in update.pieces or ()])
 
         def run() -> float:
-            self.native.set_thread_role(0, self.threads)  # this worker thread's share of the cores
-            for wait in waits:
-                wait()  # worker thread: the accumulator is complete, the master free, only after these
-            return self.run(update)
+            try:
+                self.native.set_thread_role(0, self.threads)  # this worker thread's share of the cores
+                for wait in waits:
+                    wait()  # worker thread: the accumulator is complete, the master free, only after these
+                return self.run(update)
+            finally:
+                if gate is not None:
+                    gate.end()  # done reading (or failed: no writer may wait forever)
 
         self._future = self._pool.submit(run)
 

@@ -43,3 +43,26 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
             "mostly wait for the CPU update; --set zenflow.vocab_select=rows (the default) "
             "puts their rows on the device")
     return out
+
+
+def short_run_warnings(plan: RunPlan) -> list[str]:
+    """A run no longer than its warm-ups: ZenFlow never engages, or the LR never reaches train.lr.
+
+    zfctl warns rather than shrinking the warm-ups itself: the plan printed is the run that runs,
+    and a 10-step smoke test that quietly used other warm-ups than the long run it stands in for
+    would test something else. The fix, with numbers, is in the line.
+    """
+    t, z = plan.train, plan.zenflow
+    if t.max_steps is None:  # a run by epochs: its length is known once the data is
+        return []
+    steps, out = int(t.max_steps), []
+    if 0.0 < float(z.topk_ratio) < 1.0 and z.full_warm_up_rounds >= steps:
+        out.append(
+            f"train.max_steps={steps} is within zenflow.full_warm_up_rounds={z.full_warm_up_rounds}: every "
+            "step of this run is plain AdamW on the device (the step line's `sel 0.00`) and ZenFlow never "
+            f"engages; --set zenflow.full_warm_up_rounds={steps // 5} to try ZenFlow in a short run")
+    if t.warmup_steps >= steps:
+        out.append(
+            f"train.max_steps={steps} is within train.warmup_steps={t.warmup_steps}: the learning rate "
+            f"never reaches train.lr={t.lr:g}; --set train.warmup_steps={steps // 10} for a short run")
+    return out

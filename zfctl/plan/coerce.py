@@ -22,6 +22,10 @@ from zfctl.offload.config import field_expectation
 # `Optional[X]` and `X | None` have different origins (typing.Union vs types.UnionType).
 _UNIONS = (Union, types.UnionType)
 
+# The largest integer a float holds exactly: `1e30` arrives as a float (or a string, from YAML)
+# whose digits are not what was typed, and no integer setting (steps, epochs, sizes) comes near it.
+_INT_LIMIT = 2**53
+
 _TRUE = {"true", "yes", "on"}
 _FALSE = {"false", "no", "off"}
 
@@ -105,9 +109,14 @@ def coerce(value: Any, tp: Any, key: str, *, nullable: bool = False) -> Any:
             return value.strip().lower() in _TRUE
         raise _fail(key, value, tp)
     if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value  # exact as written, however large
         num = _number(value)
         if num is None or not math.isfinite(num) or not num.is_integer():
             raise _fail(key, value, tp)
+        if abs(num) > _INT_LIMIT:  # `1e30` passes is_integer(), but no count or size means it
+            raise ConfigError(key, value, f"expected an integer; written as a number with a fraction or "
+                              f"exponent it must be at most {_INT_LIMIT:,} (2**53)")
         return int(num)
     if tp is float:
         num = _number(value)

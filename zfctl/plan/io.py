@@ -107,6 +107,11 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # write() and fsync() errors carry no name: the one line names the file
+            e.filename = str(path)
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -123,10 +128,12 @@ def dump_plan_yaml(plan: RunPlan, path: Path | str, *, comments: bool = True) ->
 def read_mapping(path: Path | str, what: str = "config file") -> dict:
     """Parse a YAML or JSON file into a dict; any problem is one UserError naming file and line."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path}: is a folder; give a YAML plan fragment or a DeepSpeed JSON file")
     if not path.is_file():
         raise UserError(f"{what} {path}: file not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is skipped
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{what} {path}: cannot read it ({e})") from None
     if path.suffix.lower() == ".json":

@@ -10,6 +10,7 @@ are accepted too.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from zfctl.plan.schema import MachineConfig
 GB = 1e9
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MAX_SIZE = 1e15  # 1 PB: no GPU or host has more; a larger size is a slip of the unit or an overflow
 
 
 @dataclass
@@ -31,8 +33,12 @@ class Machine:
 
 
 def parse_size(text: str | float, what: str) -> float:
-    """Bytes of a size like ``80GB``, ``128 GiB`` or ``1.5TB``; UserError naming ``what`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    """Bytes of a size like ``80GB``, ``128 GiB`` or ``1.5TB``; UserError naming ``what`` otherwise.
+
+    A size must be a finite, positive number up to ``MAX_SIZE``: ``1e400GB`` overflows a float to
+    inf, which would make every plan "fit"; anything above a petabyte is a typo, not a machine.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise UserError(f"{what} {text!r}: not a size; give a number with a unit, e.g. 80GB or 128GiB "
@@ -40,6 +46,9 @@ def parse_size(text: str | float, what: str) -> float:
     value = float(m.group(1)) * _UNITS[unit]
     if not value > 0:
         raise UserError(f"{what} {text!r}: must be positive, e.g. 80GB")
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise UserError(f"{what} {text!r}: larger than any machine (at most {MAX_SIZE / 1e15:g} PB); "
+                        "give the memory in GB, e.g. 80GB")
     return value
 
 

@@ -13,7 +13,10 @@ keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest 
 (the selected columns and every 1-D parameter) in ``Dc`` device columns.
 
 device  weights               w P      the model, in train.precision
-        gradients             w P      .grad of every param (freed after the step)
+        gradients             w P      .grad of every param (freed after the step); with
+                                       tuning.release_grads on the hook path (or topk_ratio 1), one
+                                       process and no accumulation: w x (the largest matrix + the
+                                       1-D params), each matrix's .grad freed in its hook
         selected state        16 D + 4 Dc  fp32 master, two moments and the gradient work buffer of
                                        the device columns, and a step counter per column
         gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
@@ -21,14 +24,19 @@ device  weights               w P      the model, in train.precision
         exchange in flight    4 w M    distributed.nproc > 1: two matrices' exchanges pending (M: the
                                        largest matrix), each its gathered send and received buffers
         install staging                CUDA: the device slots the install's H2D lands in
-        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32
+        activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
+                                       train.activation_checkpointing h w per token per layer + one
+                                       layer's 34 h w/2 (recompute per layer) + the logits
 host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
         fp32 moments          8 H
-        gradient accumulators 4 H x n  n = 2 with overlap_step on the host paths, else 1
+        gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
+                                       zenflow.tuning.host_accumulators resolves to 2
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         transfer ring         slots x slot bytes: D2H gradient chunks (the host paths)
         landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
-                                       backward's gradient columns, two steps alternating
+                                       backward's gradient columns, two steps alternating; with
+                                       tuning.release_grads a ring of chunk slots as large as the
+                                       in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
@@ -50,7 +58,10 @@ the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto``
 ``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
 GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
 ``host``. The choice is on the estimate (``MemoryEstimate.accumulate``) and in a note, and the
-optimizer is built with it.
+optimizer is built with it. ``zenflow.tuning.host_accumulators: auto`` resolves here the same way
+(``MemoryEstimate.host_accumulators``, zfctl/train/optim.py builds with it): with
+``overlap_step`` on a host path, 2 when the host total with the second accumulator stays within
+what the verdict lets the host use, else 1.
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
 (``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
@@ -64,6 +75,7 @@ from typing import Literal
 
 from zfctl.offload.bandwidth import inflight_bytes
 from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
+from zfctl.offload.device_to_host import landing_slots
 from zfctl.offload.layout import num_selected
 from zfctl.offload.ring import ring_slot_bytes
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
@@ -129,6 +141,7 @@ class MemoryEstimate:
     world_size: int = 1
     ranks_per_node: int = 1
     node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
+    host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -279,10 +292,11 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     notes: list[str] = []
     accumulate: Literal["host", "device"] = "host"
     world, per_node = d.nproc * d.nodes, d.nproc
+    n_acc = 1
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        accumulate = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
+        accumulate, n_acc = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
@@ -291,7 +305,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
-                          accumulate=accumulate, strategy=strategy, world_size=world, ranks_per_node=per_node,
+                          accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
                           node_host_total=node_host)
 
 
@@ -330,7 +344,8 @@ def _fsdp_gathered(size: ModelSize) -> tuple[int, int]:
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
-          machine: Machine, *, strategy: str) -> Literal["host", "device"]:
+          machine: Machine, *, strategy: str) -> tuple[Literal["host", "device"], int]:
+    """Add the plan's lines; returns the resolved ``accumulate`` and host accumulator count."""
     t, z, d = plan.train, plan.zenflow, plan.data
     tu = z.tuning
     w = 4 if t.precision == "fp32" else 2
@@ -368,23 +383,30 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         "zfctl/offload/device_adam.py DeviceAdam")
     if size.hidden and size.layers:
         tokens = t.micro_batch_size * d.max_length
-        acts = size.layers * tokens * size.hidden * 34 * w / 2
+        layer_acts = tokens * size.hidden * 34 * w / 2  # one decoder layer's saved activations
+        if t.activation_checkpointing is True:
+            # Each layer keeps its input (tokens x hidden x w); the backward recomputes one layer
+            # at a time, so one layer's full activations exist at once on top.
+            acts = size.layers * tokens * size.hidden * w + layer_acts
+            how = "recompute per layer"
+        else:
+            acts = size.layers * layer_acts
+            how = "no recompute"
         if size.vocab:
             acts += tokens * size.vocab * (w + 8)  # logits + fp32 upcast and its grad in the loss
-        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, no recompute",
-            "the model's forward/backward")
+        dev("activations (rough)", acts, f"micro_batch {t.micro_batch_size} x {d.max_length} tokens, {how}",
+            "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
-        return "host"
+        _released_gradients(plan, size, items, w, hook=True)
+        return "host", 1
 
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
-    n_acc = 2 if z.overlap_step and choice == "host" else 1
-    why = ("overlap_step: the next interval sums while the CPU update reads the last" if n_acc == 2 else
-           "the device path lands each interval's sum here once" if choice == "device" else "one interval")
-    host("gradient accumulators", 4 * c.host * n_acc, f"{n_acc} x fp32: {why}" + (pinned if choice == "device" else ""),
+    # One accumulator here; a host path's count and note are resolved once every line exists (below).
+    host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" + pinned,
          "zfctl/offload/host.py HostState.acc")
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
          "zfctl/offload/host.py, layout.py")
@@ -399,11 +421,20 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/ring.py Ring.h2d")
     hook = tu.stream_grads and choice == "host" and not fsdp  # fsdp: the in-step path (zfctl/offload/sharded.py)
     if hook:
-        host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
-             "zfctl/offload/stream.py GradStream.landing")
+        # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/device_to_host.py).
+        budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
+        if not cuda and not tu.inflight_mb:
+            budget = 4 * tu.ring_slots * slot
+        budget = max(min(budget, w * c.host), 1)
+        if _released_gradients(plan, size, items, w, hook=True):
+            n = landing_slots(budget, slot)
+            host("gradient landing buffers", n * slot, f"release_grads: a ring of {n} x {slot / 2**20:.3g} MiB "
+                 "chunk slots" + pinned, "zfctl/offload/stream.py GradStream.ring")
+        else:
+            host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
+                 "zfctl/offload/stream.py GradStream.landing")
         if cuda:
-            budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
-            dev("gradient temporaries in flight", min(budget, w * c.host),
+            dev("gradient temporaries in flight", budget,
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
                 "zfctl/offload/stream.py GradStream._make_room")
     if world > 1 and not fsdp:
@@ -419,7 +450,64 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
-    return choice
+    n_acc = 1
+    if choice == "host":
+        n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
+    return choice, n_acc
+
+
+def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
+                       machine: Machine) -> int:
+    """Resolve zenflow.tuning.host_accumulators on a host path (auto: 2 when the host total with the
+    second accumulator stays within the verdict's limit) and write the count into its line."""
+    z = plan.zenflow
+    line = next(i for i in items if i.name == "gradient accumulators")
+    if not z.overlap_step:
+        line.note = "1 x fp32: one interval (the step waits for the CPU update)"
+        return 1
+    choice = z.tuning.host_accumulators
+    if choice == "auto":
+        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
+        need = held + nbytes
+        n = 2 if not machine.host_ram or need <= host_limit(machine) else 1
+        notes.append(f"zenflow.tuning.host_accumulators (auto): {n}; a second host accumulator costs "
+                     f"{nbytes / GB:.2f} GB of host memory, {'used' if n == 2 else 'not used: it does not fit'}")
+    else:
+        n = int(choice)
+    line.bytes = nbytes * n
+    line.note = ("2 x fp32: overlap_step: the next interval sums into one while the CPU update reads the other"
+                 if n == 2 else "1 x fp32: overlap_step: the next interval's first writes wait for the CPU "
+                 "update to have read each chunk")
+    return n
+
+
+def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
+    """zenflow.tuning.release_grads (zfctl/offload/release.py) where it bounds the ``gradients``
+    line: the hook path (``hook``) in one process, a fixed update_interval, one micro-batch per
+    step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
+    1-D params' (not released), so the line becomes w x (the largest matrix + the 1-D params).
+    Returns whether the release applies at all."""
+    t, z = plan.train, plan.zenflow
+    if not (hook and z.tuning.release_grads and z.update_interval != "auto"):
+        return False
+    if t.gradient_accumulation_steps > 1 or plan.distributed.nproc > 1:
+        why = ("earlier micro-batches accumulate into .grad" if t.gradient_accumulation_steps > 1 else
+               "data parallel: selection steps all-reduce their scores from every .grad")
+        _note(items, "gradients", f"{t.precision}, .grad of every param (release_grads: {why})")
+        return True
+    largest = max((_numel(shape) for _, shape in size.shapes if len(shape) > 1), default=0)
+    if not largest:  # no shapes: the vocabulary matrix, or everything when even that is unknown
+        largest = size.vocab * size.hidden if size.vocab and size.hidden else size.params
+    dense = size.params - size.params_2d  # 1-D params: not released, tiny (zfctl/offload/release.py)
+    grads = next(i for i in items if i.name == "gradients")
+    grads.bytes = float(w * (largest + dense))
+    grads.note = f"{t.precision}, release_grads: one matrix's .grad at a time (the largest) + the 1-D params'"
+    grads.code = "autograd, each .grad freed in its hook (zfctl/offload/release.py)"
+    return True
+
+
+def _note(items: list[MemoryItem], name: str, note: str) -> None:
+    next(i for i in items if i.name == name).note = note
 
 
 def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: str,

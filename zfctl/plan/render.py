@@ -7,6 +7,7 @@ this run changes"; defaults are dimmed but still shown: the printout is the comp
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +18,9 @@ from zfctl.plan.io import plan_to_dict
 from zfctl.plan.machine import GB
 from zfctl.plan.memory import MemoryEstimate, host_limit
 from zfctl.plan.schema import SECTIONS, RunPlan
+
+if TYPE_CHECKING:  # for the annotations only
+    from zfctl.plan.fit import FitResult
 
 
 def short_value(value: object, limit: int = 90) -> str:
@@ -127,3 +131,30 @@ def print_memory(est: MemoryEstimate, console: Console) -> None:
         console.print(Text("it fits" + under, style="bold green"))
     else:
         console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"))
+
+
+def advice_lines(result: FitResult) -> list[str]:
+    """What to change when the plan does not fit, cheapest first, as ``--set`` flags to paste."""
+    if result.before.fits or result.before.size is None:
+        return []
+    if not result.fits:
+        tried = f" (even {' '.join(c.flags for c in result.changes)} is not enough)" if result.changes else ""
+        return [f"no change zfctl can make fits this machine{tried}; plan for a larger machine or a smaller model",
+                *result.notes]
+    lines = ["to make it fit, add (cheapest first; or pass --fit):"]
+    lines += [f"  {c.flags}    # {c.cost}" for c in result.changes]
+    m = result.estimate
+    dev = f"device {_gb(m.device_total)}, " if m.device_kind == "cuda" else ""
+    host = m.host_total + (m.device_total if m.device_kind == "cpu" else 0.0)
+    lines.append(f"  -> memory: {dev}host {_gb(host)}")
+    return lines
+
+
+def print_fit(result: FitResult, console: Console, *, applied: bool) -> None:
+    """The advice under a plan that does not fit; with --fit (``applied``), what was changed."""
+    if applied:
+        if result.changes:
+            console.print(Text("--fit changed: " + " ".join(c.flags for c in result.changes), style="bold"))
+        return
+    for line in advice_lines(result):
+        console.print(Text(line, style="yellow"), soft_wrap=True)

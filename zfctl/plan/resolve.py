@@ -19,6 +19,7 @@ from pathlib import Path
 from zfctl.errors import ConfigError
 from zfctl.plan.coerce import suggest
 from zfctl.plan.deepspeed import from_deepspeed, looks_like_deepspeed
+from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import check_sections, plan_from_dict, read_mapping
 from zfctl.plan.legacy import upgrade_fragment
 from zfctl.plan.overrides import apply_overrides, deep_merge, parse_override
@@ -73,15 +74,15 @@ def first_record(path: Path) -> object | None:
     and by the pre-flight check of ``zfctl finetune`` (zfctl/train/preflight.py)."""
     suffix = path.suffix.lower()
     try:
-        if suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
+        if suffix == ".jsonl":  # utf-8-sig: a byte-order mark (Windows editors write one) is skipped
+            with open(path, encoding="utf-8-sig") as f:
                 line = next((ln for ln in f if ln.strip()), None)
             return None if line is None else json.loads(line)
         if suffix == ".csv":
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 return next(csv.DictReader(f), None)
         if suffix == ".json" and path.stat().st_size < _JSON_SNIFF_LIMIT:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
             return data[0] if isinstance(data, list) and data else None
     except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
@@ -92,15 +93,17 @@ def _sniff_template(path: Path) -> dict:
     """Guess the template from the first record's fields; {} when unsure (defaults apply).
 
     ``messages`` / ``conversations`` (a list of turns) mean chat, ``instruction`` + ``output``
-    alpaca, ``text`` plain text.
+    alpaca, ``prompt`` + ``completion`` prompt_completion, ``text`` plain text.
     """
     first = first_record(path)
     if not isinstance(first, dict):
         return {}
-    if any(isinstance(first.get(f), list) for f in ("messages", "conversations")):
-        return {"template": "chat"}
+    if any(first.get(f) is not None for f in ("messages", "conversations")):
+        return {"template": "chat"}  # a malformed conversation is then named by the chat checks
     if "instruction" in first and "output" in first:
         return {"template": "alpaca"}
+    if "prompt" in first and "completion" in first:
+        return {"template": "prompt_completion"}
     if "text" in first:
         return {"template": "text", "text_field": "text"}
     return {}
@@ -116,6 +119,9 @@ def data_fragment(data: str, notes: list[str] | None = None) -> dict:
     if preset is not None:
         return _with_description(preset.load(), "data", data, preset.description)
     path = Path(data).expanduser()
+    if path.is_dir():
+        raise ConfigError("--data", data, "is a folder; give one of the .json/.jsonl/.csv/.parquet files in it "
+                          "or a data preset (`zfctl presets ls`)")
     if path.suffix.lower() in DATA_SUFFIXES:
         if not path.is_file():
             raise ConfigError(
@@ -237,4 +243,6 @@ def resolve_plan(
         plan.train.precision = choice.precision
         if notes is not None:
             notes.append(choice.reason)
+    # Resolved here too, once, against the plan's target machine: plan.yaml stores true or false.
+    resolve_activation_checkpointing(plan, notes=notes)
     return plan

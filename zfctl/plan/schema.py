@@ -45,6 +45,11 @@ class ModelConfig:
     description: str = _f("", "One line shown by `zfctl presets ls`.")
 
 
+# The fields each template reads, under the names data.fields maps to the record's own
+# (zfctl/train/data/templates.py renders them).
+TEMPLATE_FIELDS = {"alpaca": ("instruction", "input", "output"), "prompt_completion": ("prompt", "completion")}
+
+
 @dataclass
 class DataConfig:
     """What to train on and how records become token sequences."""
@@ -58,12 +63,19 @@ class DataConfig:
     path: str | None = _f(None, "Hub id, local path, or sample file name (for source=sample).")
     subset: str | None = _f(None, "Hub dataset configuration name (e.g. 'sst2' for glue).")
     split: str = _f("train", "Split to train on.")
-    template: Literal["alpaca", "text", "classification", "chat"] = _f(
+    template: Literal["alpaca", "prompt_completion", "text", "classification", "chat"] = _f(
         "alpaca",
-        "'alpaca' = instruction/input/output with loss on the response only; 'text' = plain "
+        "'alpaca' = instruction/input/output with loss on the response only; 'prompt_completion' = "
+        "prompt/completion (TRL's and OpenAI's format): the prompt as written, loss on the completion; 'text' = plain "
         "causal LM on `text_field`; 'classification' = `text_field` -> label word; 'chat' = "
         "conversations ('messages' role/content or ShareGPT 'conversations' from/value) rendered with "
         "the tokenizer's chat template, loss on the assistant's turns only.",
+    )
+    fields: dict = _f(
+        None,
+        "The record's field for each field the template reads (alpaca: instruction, input, output; "
+        "prompt_completion: prompt, completion), e.g. {instruction: question, output: answer}; a "
+        "field not named here is read under its own name.",
     )
     text_field: str = _f("text", "Field holding the text for template text/classification.")
     label_field: str = _f("label", "Field holding the label for template classification.")
@@ -109,6 +121,14 @@ class TrainConfig:
     eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
     eval_batches: int = _f(8, "Micro-batches per evaluation.")
     device: Literal["auto", "cuda", "cpu"] = _f("auto", "'auto' = cuda when available, else cpu.")
+    activation_checkpointing: bool | Literal["auto"] = _f(
+        "auto",
+        "Recompute each decoder layer's activations during backward instead of keeping them "
+        "(per layer, non-reentrant torch.utils.checkpoint): activations shrink to one layer input "
+        "per layer, for about one more forward pass per step. 'auto' = on when the plan does not "
+        "fit the machine (or machine.*) without it and comes closer with it; resolved when the plan "
+        "is made (plan.yaml holds true or false).",
+    )
 
 
 @dataclass

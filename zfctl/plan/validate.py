@@ -16,6 +16,7 @@ import math
 from zfctl.errors import ConfigError
 from zfctl.plan.machine import parse_size
 from zfctl.plan.schema import (
+    TEMPLATE_FIELDS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -152,12 +153,30 @@ def check_data(d: DataConfig) -> None:
             names,
             "template classification needs >= 2 label words, e.g. [negative, positive]",
         )
+    _check_fields(d)
     _need(
         not d.packing or d.template in ("text", "chat"),
         "data.packing",
         d.packing,
         f"packing applies to templates text and chat (data.template is {d.template})",
     )
+
+
+def _check_fields(d: DataConfig) -> None:
+    """data.fields: the template's field names mapped to non-empty record field names."""
+    if not d.fields:
+        return
+    roles = TEMPLATE_FIELDS.get(d.template)
+    if roles is None:
+        other = ("data.text_field / data.label_field name its fields" if d.template != "chat" else
+                 "its records hold 'messages' or 'conversations'")
+        raise ConfigError("data.fields", d.fields, f"template {d.template} reads no mapped fields ({other}); "
+                          "remove data.fields")
+    for role, name in d.fields.items():
+        _need(role in roles, f"data.fields.{role}", name,
+              f"template {d.template} reads {', '.join(roles)}; map one of those")
+        _need(isinstance(name, str) and bool(name.strip()), f"data.fields.{role}", name,
+              "must name the record's field, e.g. question")
 
 
 def check_train(t: TrainConfig) -> None:

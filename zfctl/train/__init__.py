@@ -35,8 +35,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
 
 
 def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: str | None = None) -> Path:
-    """Write a transformers folder from a checkpoint (see :func:`zfctl.train.export.export`)."""
-    from zfctl.train.export import export as _export
+    """Write a transformers folder from a checkpoint (see :func:`zfctl.train.hf_export.export`)."""
+    from zfctl.train.hf_export import export as _export
 
     return _export(Path(ckpt_dir), Path(output), force=force, push_to_hub=push_to_hub)
 

@@ -15,6 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+# What the dense line's fields mean, printed once above a run's first line (and kept in the
+# README's finetune section and `zfctl finetune --help`, tests/train/test_display.py checks them).
+STEP_LINE_LEGEND = (
+    "step line: loss = train loss, the mean since the last line (avg N) | lr = learning rate | tok/s = "
+    "tokens per second | ms = the whole step: fwd/bwd (device forward + backward) + opt (device "
+    "optimizer) + stall (host waits inside the step: gradient copies, the CPU update, installs); busy = "
+    "the device's share | cpu-adam = ms of the CPU AdamW update that finished this step | sel = share of "
+    "weights updated on the device every step (0.00 during zenflow.full_warm_up_rounds: plain AdamW) | "
+    "gnorm = gradient L2 norm before clipping | host/dev = peak memory, GiB")
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -99,6 +109,7 @@ class RichDisplay:
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="")
         self._progress.start()
+        self._progress.console.print(STEP_LINE_LEGEND, style="dim", highlight=False, soft_wrap=True)
 
     def step(self, rec: dict[str, Any], *, line: bool) -> None:
         self._window.append(rec["loss"])

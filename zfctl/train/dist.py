@@ -45,6 +45,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -270,8 +271,27 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 
 def peer_lost(e: BaseException) -> bool:
     """True when ``e`` is a collective failing because another rank of the job ended."""
+    return _peer_gone_phrase(e) is not None
+
+
+def _peer_gone_phrase(e: BaseException) -> str | None:
+    """Which of :data:`_PEER_GONE` the backend's message holds (its source path, addresses and
+    advice left out: the user's line names what happened in its own words)."""
     text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(s in text for s in _PEER_GONE)
+    return next((s for s in _PEER_GONE if s in text), None) if isinstance(e, RuntimeError) else None
+
+
+def continue_hint(run_dir: Path | None) -> str:
+    """How to go on after a job ended early: the run folder's checkpoint a resume takes, read now."""
+    if run_dir is None:
+        return "once that is fixed, continue from the newest checkpoint with `zfctl resume` on the run folder"
+    from zfctl.train.checkpoint import resolve_checkpoint
+
+    try:
+        step = resolve_checkpoint(run_dir).step
+    except UserError:
+        return f"{run_dir} has no checkpoint yet: once that is fixed, start the run again"
+    return f"once that is fixed, continue from its checkpoint of step {step} with `zfctl resume {run_dir}`"
 
 
 def timed_out(e: BaseException) -> bool:
@@ -305,7 +325,7 @@ def unanswered_ranks(env: DistEnv, grace: float) -> list[int] | None:
         return None
 
 
-def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exception:
+def rank_error(e: Exception, env: DistEnv, timeout: float | None = None, run_dir: Path | None = None) -> Exception:
     """What a rank reports for ``e`` when several processes run.
 
     A UserError gets ``rank R:`` in front (a plain UserError with the same exit code). A collective that
@@ -313,7 +333,8 @@ def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exce
     traceback per survivor: the rank that failed printed its own error, or torchrun names the
     rank that was killed. A collective that waited ``timeout`` (distributed.timeout) for a rank
     that neither answered nor died becomes one line naming that rank (exit ``TIMEOUT_EXIT``).
-    Anything else is returned as is (a bug keeps its traceback).
+    Anything else is returned as is (a bug keeps its traceback). The lines for a lost or hung
+    peer end with the resume command for ``run_dir`` and the step it continues from.
     """
     if env.world_size <= 1:
         return e
@@ -323,17 +344,21 @@ def rank_error(e: Exception, env: DistEnv, timeout: float | None = None) -> Exce
         who = (f"rank {', '.join(map(str, hung))} did not answer" if hung
                else "a collective waited too long for another process")
         hang = RunFailed(f"rank {env.rank}: {who} within {limit} (it hangs, or works far slower than the "
-                         "others); the job was stopped. Once that is fixed, continue from the newest checkpoint "
-                         "with `zfctl resume RUN_DIR`")
+                         f"others); the job was stopped; {continue_hint(run_dir)}")
         hang.exit_code = TIMEOUT_EXIT
         return hang
     if isinstance(e, UserError):
         out = UserError(f"rank {env.rank}: {e}")
         out.exit_code = e.exit_code  # a diverged run (RunFailed, 1) stays distinguishable from bad input (2)
         return out
-    if peer_lost(e):
-        first = str(e).strip().splitlines()[0][:200]
-        return RunFailed(f"rank {env.rank}: stopped because another process of this job ended (its error, "
-                         f"if it had one, is above; the collective said: {first}); once that is fixed, continue "
-                         "from the newest checkpoint with `zfctl resume RUN_DIR`")
+    phrase = _peer_gone_phrase(e)
+    if phrase is not None:
+        from zfctl.train.signals import stop_received
+
+        # torchrun SIGTERMs the survivors of a dead rank: this rank may have announced a stop
+        # checkpoint that its peers can no longer write with it.
+        what = ("the stop checkpoint was not written: another process of this job ended first" if stop_received()
+                else "stopped because another process of this job ended")
+        return RunFailed(f"rank {env.rank}: {what} (killed, or failed with its own error above; the "
+                         f"collective reported: {phrase}); {continue_hint(run_dir)}")
     return e

@@ -34,6 +34,9 @@ def load_inputs(plan: RunPlan, *, rank: int) -> tuple[PreTrainedTokenizerBase, P
     prepared = prepare_data(plan.data, tokenizer, seed=plan.train.seed)
     if rank == 0:
         Console().print(f"data: {prepared.summary()}", highlight=False, markup=False, soft_wrap=True)
+        if prepared.cache_warning:
+            Console(stderr=True).print(f"warning: {prepared.cache_warning}", style="yellow", highlight=False,
+                                       markup=False, soft_wrap=True)
     if len(prepared.train) == 0:
         raise UserError(f"data {plan.data.name!r} has no training records after slicing/filtering; "
                         "check data.start_idx/end_idx")

@@ -80,7 +80,8 @@ def finetune(plan: RunPlan, *, force: bool, debug_data: bool, argv: Sequence[str
         show_plan(plan)
     from zfctl.train import session  # the training side: imported only by a process that trains
 
-    return _as_rank(env, plan.distributed.timeout, lambda: session.run(plan, force=force, debug_data=debug_data))
+    return _as_rank(env, plan.distributed.timeout, lambda: session.run(plan, force=force, debug_data=debug_data),
+                    run_dir=Path(plan.checkpoint.output_dir))
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest_good: bool, nproc: int | None,
@@ -109,7 +110,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest
     from zfctl.train import session
 
     return _as_rank(dist_env(), None, lambda: session.resume(
-        ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, on_plan=show_plan, latest_good=latest_good))
+        ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, on_plan=show_plan, latest_good=latest_good),
+        run_dir=_run_folder_of(Path(os.environ.get(RESUME_FROM_ENV) or ckpt_dir)))
 
 
 def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
@@ -123,15 +125,24 @@ def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
     return Launched(relaunch(nproc, argv, extra_env))
 
 
-def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult]) -> RunResult:
-    """``work()``; a user error or a lost peer becomes one line naming this rank, a bug stays as is."""
+def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult], *, run_dir: Path) -> RunResult:
+    """``work()``; a user error or a lost peer becomes one line naming this rank (and, for a lost
+    peer, how to continue ``run_dir``), a bug stays as is."""
     try:
         return work()
     except Exception as e:
-        named = rank_error(e, env, timeout)
+        named = rank_error(e, env, timeout, run_dir=run_dir)
         if named is e:
             raise
         raise named from None
+
+
+def _run_folder_of(path: Path) -> Path:
+    """The run folder of what ``zfctl resume`` was given: a checkpoint folder, ``checkpoints/``,
+    or the run folder itself."""
+    if (path / ck.META).is_file():
+        return path.parent.parent
+    return path.parent if path.name == ck.CHECKPOINTS else path
 
 
 def _saved_world_size(info: ck.CheckpointInfo | None, nproc: int | None) -> int | None:

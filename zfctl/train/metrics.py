@@ -7,6 +7,7 @@ the records written after its checkpoint, so the file reads as one uninterrupted
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from zfctl.errors import UserError
+from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
+from zfctl.writable import os_error_line
 
 if TYPE_CHECKING:
     from zfctl.train.progress import StepResult
@@ -90,13 +92,21 @@ class MetricsWriter:
         self._sinks = sinks or []
 
     def log(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        try:
+            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        except OSError as e:
+            # A write() error carries no file name (a disk another process filled after the
+            # space check): name the file here, and say how the run continues.
+            raise RunFailed(f"cannot append to {self.path}: {os_error_line(e)}; the run stopped; free space "
+                            f"there, then continue from the newest checkpoint with `zfctl resume {self.path.parent}`"
+                            ) from None
         for s in self._sinks:
             s.log(record)
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            with contextlib.suppress(OSError):  # the buffered tail of a failed write fails again: said once, in log()
+                self._f.close()
         for s in self._sinks:
             s.close()
         self._sinks = []

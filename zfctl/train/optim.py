@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from zfctl.offload import StepStats, ZenFlowOptimizer
+    from zfctl.plan.memory import MemoryEstimate
 
 
 class TrainingOptimizer(Protocol):
@@ -83,8 +84,14 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     t = plan.train
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     zen = plan.zenflow
-    if zen.accumulate == "auto" and params and params[0][1].device.type == "cuda":
-        zen = replace(zen, accumulate=run_accumulate(plan))
+    cuda = bool(params) and params[0][1].device.type == "cuda"
+    host_auto = zen.tuning.host_accumulators == "auto" and zen.overlap_step and float(zen.topk_ratio) < 1
+    if (zen.accumulate == "auto" and cuda) or host_auto:
+        est = run_estimate(plan)
+        if zen.accumulate == "auto" and cuda:
+            zen = replace(zen, accumulate=est.accumulate)
+        if host_auto and est.size is not None:  # unknown size: the optimizer's own rule (offload/host.py)
+            zen = replace(zen, tuning=replace(zen.tuning, host_accumulators=est.host_accumulators))
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
@@ -93,11 +100,16 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
 
 
 def run_accumulate(plan: RunPlan) -> Literal["host", "device"]:
-    """``zenflow.accumulate: auto`` for the GPU this process runs on: the plan's memory estimate
-    (the rule `zfctl plan` shows) against this machine. The plan's ``machine.*`` sizes are the
-    target a user planned for (the printed verdict); a run on a smaller GPU must not take the
-    accumulator that target would hold."""
+    """``zenflow.accumulate: auto`` for the GPU this process runs on (``run_estimate``)."""
+    return run_estimate(plan).accumulate
+
+
+def run_estimate(plan: RunPlan) -> MemoryEstimate:
+    """The plan's memory estimate (the rules `zfctl plan` shows) against this machine: how
+    ``zenflow.accumulate: auto`` and ``zenflow.tuning.host_accumulators: auto`` resolve for the run.
+    The plan's ``machine.*`` sizes are the target a user planned for (the printed verdict); a run
+    on a smaller machine must not take the accumulators that target would hold."""
     from zfctl.plan.machine import this_machine
     from zfctl.plan.memory import estimate
 
-    return estimate(plan, this_machine()).accumulate
+    return estimate(plan, this_machine())

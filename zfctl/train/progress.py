@@ -9,6 +9,7 @@ reads them back, so save and load cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ class RunResult:
     final_train_loss: float | None
     final_eval_loss: float | None
     last_checkpoint: Path | None
+    already_finished: bool = False  # a resume found the run at its last step: nothing was trained
 
 
 @dataclass
@@ -89,18 +91,23 @@ class Restore:
 
 
 def trainer_state(progress: Progress, *, scheduler: dict[str, Any], sampler: SamplerPosition,
-                  num_train_samples: int, steps_per_epoch: int) -> dict[str, Any]:
+                  num_train_samples: int, steps_per_epoch: int, train_digest: str) -> dict[str, Any]:
     """``trainer.pt`` of a checkpoint saved at ``progress.step``."""
     return {**progress.state_dict(), ck.SCHEDULER_KEY: scheduler, ck.SAMPLER_KEY: sampler.to_dict(),
             ck.NUM_TRAIN_SAMPLES_KEY: num_train_samples, ck.STEPS_PER_EPOCH_KEY: steps_per_epoch,
-            ck.VERSION_KEY: __version__}
+            ck.TRAIN_DIGEST_KEY: train_digest, ck.VERSION_KEY: __version__}
 
 
-def read_trainer_state(info: ck.CheckpointInfo, *, rank: int, num_train_samples: int) -> tuple[Progress, Restore]:
+def read_trainer_state(info: ck.CheckpointInfo, *, rank: int, num_train_samples: int,
+                       train_digest: Callable[[], str], allow_changes: bool = False,
+                       note: Callable[[str], None] = lambda line: None) -> tuple[Progress, Restore]:
     """``trainer.pt`` and ``rank``'s RNG file of ``info`` (verified by the caller).
 
     Refuses training data with another number of records than the checkpoint's: its data
-    position would be meaningless.
+    position would be meaningless. Refuses the same number of records with other content (an
+    edited file, another template or tokenizer: ``train_digest()`` differs from the saved one)
+    unless ``allow_changes``, which continues on the new data with a ``note``. Checkpoints
+    written before the digest was saved are checked by their record count only.
     """
     trainer = ck.load_torch(info, ck.TRAINER_FILE)
     saved = trainer.get(ck.NUM_TRAIN_SAMPLES_KEY)
@@ -109,6 +116,13 @@ def read_trainer_state(info: ck.CheckpointInfo, *, rank: int, num_train_samples:
             f"the training data changed since the checkpoint ({saved} records "
             f"then, {num_train_samples} now): the data position would be meaningless; restore the data or "
             "start a new run")
+    digest = trainer.get(ck.TRAIN_DIGEST_KEY)
+    if digest is not None and digest != train_digest():
+        what = (f"the training data changed since the checkpoint {info.path}: the same {num_train_samples} "
+                "records, other tokens (the data file was edited, or its template or tokenizer changed)")
+        if not allow_changes:
+            raise UserError(f"{what}; restore the data, or pass --allow-changes to continue on the new data")
+        note(f"{what}; continuing on the new data (--allow-changes)")
     rng = ck.rng_file(rank)
     restore = Restore(checkpoint=info, sampler=SamplerPosition.from_dict(trainer[ck.SAMPLER_KEY]),
                       scheduler=trainer[ck.SCHEDULER_KEY],

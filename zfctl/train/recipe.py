@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rich.console import Console
 from typing_extensions import Self
 
+from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import dump_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.validate import check_max_length, check_packing
@@ -43,7 +44,7 @@ from zfctl.train.loss import (
     to_device,
 )
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
-from zfctl.train.models.load import load_model
+from zfctl.train.models.load import enable_activation_checkpointing, load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer
 from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_trainer_state, trainer_state
 from zfctl.train.rundir import RunFolder
@@ -64,6 +65,7 @@ class FinetuneRecipe:
     ``resumed_from`` and ``last_checkpoint`` are set by :meth:`load_checkpoint` and kept current
     by :meth:`train` and :meth:`save_checkpoint`. ``lock``: the run folder's lock (the caller may
     have taken it, and releases it). ``force``: a fresh run may replace an old run folder's contents.
+    ``allow_changes``: a resume may continue on training data whose content changed.
     """
 
     model: torch.nn.Module
@@ -76,12 +78,13 @@ class FinetuneRecipe:
     display: Display
 
     def __init__(self, plan: RunPlan, data: PreparedData, env: DistEnv, *, lock: FolderLock | None = None,
-                 force: bool = False) -> None:
+                 force: bool = False, allow_changes: bool = False) -> None:
         self.plan, self.data, self.env = plan, data, env
         self.device = train_device(plan, env)
         self.run_dir = Path(plan.checkpoint.output_dir)
         self.lock = lock if lock is not None else FolderLock()
         self.force = force
+        self.allow_changes = allow_changes  # resume: continue on training data that changed (load_checkpoint)
         self.progress = Progress()
         self.resumed_from: ck.CheckpointInfo | None = None
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run's state
@@ -106,8 +109,10 @@ class FinetuneRecipe:
         """
         if ckpt is None:
             return
-        self.progress, self._restore = read_trainer_state(ckpt, rank=self.env.rank,
-                                                          num_train_samples=len(self.data.train))
+        self.progress, self._restore = read_trainer_state(
+            ckpt, rank=self.env.rank, num_train_samples=len(self.data.train),
+            train_digest=lambda: self.data.train_digest, allow_changes=self.allow_changes,
+            note=self._note if self.env.rank == 0 else lambda line: None)
         self.resumed_from, self.last_checkpoint, self.saved_step = ckpt, ckpt.path, ckpt.step
 
     def setup(self) -> None:
@@ -120,6 +125,8 @@ class FinetuneRecipe:
         check_packing(plan.data.packing, getattr(self.model, "config", None))
         if restore is not None:
             ck.load_model_weights(restore.checkpoint, self.model)
+        if resolve_activation_checkpointing(plan):  # a plan made by zfctl says true/false; a library one may say auto
+            enable_activation_checkpointing(self.model)  # zfctl/train/models/load.py: per layer, non-reentrant
         self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
                                         world_size=env.world_size,
                                         position=restore.sampler if restore is not None else None)
@@ -150,6 +157,10 @@ class FinetuneRecipe:
             self._cleanup.callback(self.metrics.close)
         self.display = RichDisplay(Console()) if main else NullDisplay()
         self._cleanup.callback(self.display.close)
+
+    @staticmethod
+    def _note(line: str) -> None:
+        Console(stderr=True).print(f"note: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:
@@ -279,12 +290,12 @@ class FinetuneRecipe:
         write.py: rank 0 writes the shared files, each rank its optimizer share and RNG state)."""
         state = trainer_state(self.progress, scheduler=self.scheduler.state_dict(),
                               sampler=self.sampler.position, num_train_samples=len(self.data.train),
-                              steps_per_epoch=self.steps_per_epoch)
+                              steps_per_epoch=self.steps_per_epoch, train_digest=self.data.train_digest)
         path = ck.save_checkpoint(
             self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
-            barrier=self._barrier, estimate=self._checkpoint_bytes)
+            barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint)
         self.last_checkpoint, self.saved_step = path, step
         self.display.print(f"checkpoint {path}")
         return path

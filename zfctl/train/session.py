@@ -31,6 +31,7 @@ from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
 from zfctl.train.progress import RunResult
 from zfctl.train.recipe import FinetuneRecipe
+from zfctl.train.run_length import check_new_length, run_length
 from zfctl.train.rundir import RunFolder, plan_differences
 from zfctl.train.world_size import as_saved_world, fit_world_size
 
@@ -88,7 +89,9 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
     world size keeps the global batch by changing the gradient accumulation, or is refused when it
     cannot (``zfctl.train.world_size``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
-    state. ``max_steps`` moves the end of the run (the LR schedule follows it).
+    state. ``max_steps`` moves the end of the run; one that changes the LR of a step still to run is
+    refused unless ``allow_changes`` (zfctl/train/run_length.py). A checkpoint at the run's last
+    step returns at once with ``already_finished``: nothing is loaded, trained or evaluated.
     ``on_plan`` receives the plan that will run (the CLI prints it) before any data is loaded.
     Every file this process reads is checked against its digest first (one read each); a damaged
     one is refused naming the nearest intact older checkpoint. ``latest_good``: for a run folder,
@@ -113,6 +116,10 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
         # --latest-good chose a checkpoint whose every file verified just now (here or in the launcher)
         plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes,
                              verified=latest_good)
+        length = run_length(info, plan, env.world_size)
+        if length is not None and info.step >= length:  # nothing to train: say so, instead of loading and evaluating
+            return RunResult(output_dir=run_dir, steps=info.step, final_train_loss=None, final_eval_loss=None,
+                             last_checkpoint=info.path, already_finished=True)
         if on_plan is not None and env.rank == 0:
             on_plan(plan)
         if env.rank == 0:
@@ -120,9 +127,28 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
                             f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
         require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         _, prepared = load_inputs(plan, rank=env.rank)
-        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock), info)
+        return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock, allow_changes=allow_changes), info)
     finally:
         lock.release()
+
+
+def _run_folder_plan(path: Path, renamed: list[str], *, allow_changes: bool, rank: int) -> RunPlan | None:
+    """The run folder's plan.yaml, the user's place to edit a run (None: there is none). One that
+    cannot be read blocks nothing: the checkpoint holds its own digest-checked copy, which the
+    resume then writes back over it. Only ``allow_changes``, which asks for the edited plan,
+    needs it readable."""
+    if not path.is_file():
+        return None
+    try:
+        return load_plan_yaml(path, renamed)
+    except (UserError, OSError) as e:
+        if allow_changes:
+            raise UserError(f"--allow-changes resumes with the edited {path}, which cannot be read: {e}; fix "
+                            "it, or resume without --allow-changes to use the checkpoint's plan") from None
+        if rank == 0:
+            note(f"{path} cannot be read ({e}); resuming with the checkpoint's copy of the plan, which "
+                 "replaces it")
+        return None
 
 
 def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_steps: int | None,
@@ -137,8 +163,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     plan = load_plan_yaml(info.path / ck.PLAN_FILE, renamed)
     problems = []
     edited = run_dir / ck.PLAN_FILE
-    if edited.is_file():
-        current = as_saved_world(load_plan_yaml(edited, renamed), plan)  # an earlier resume's nproc is no edit
+    current = _run_folder_plan(edited, renamed, allow_changes=allow_changes, rank=env.rank)
+    if current is not None:
+        current = as_saved_world(current, plan)  # an earlier resume's nproc is no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current
@@ -160,5 +187,8 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         if max_steps < info.step:
             raise UserError(f"--max-steps {max_steps} is before the checkpoint's step {info.step}; "
                             f"give a value >= {info.step}")
+        stretched = check_new_length(info, plan, max_steps, allow_changes=allow_changes)
+        if stretched and env.rank == 0:
+            note(stretched)
         plan = replace(plan, train=replace(plan.train, max_steps=max_steps))
     return plan

@@ -19,6 +19,15 @@ from types import FrameType
 from typing import Any
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
+# The first stop signal this process received in a run, for a rank whose stop checkpoint then
+# cannot be written (a peer died: torchrun SIGTERMs the survivors): its error line says so
+# (zfctl/train/dist.py, rank_error) instead of leaving "writing a checkpoint" uncorrected.
+_received: int | None = None
+
+
+def stop_received() -> int | None:
+    """The signal number of the stop request this process received, if any."""
+    return _received
 
 
 class Interrupted(SystemExit):
@@ -53,8 +62,9 @@ class StopSignals:
         self._abort_message = abort_message
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        global _received
         if self.signum is None:
-            self.signum = signum
+            self.signum = _received = signum
             for s in self._previous:  # the next signal acts immediately
                 signal.signal(s, self._abort)
             if self._on_first is not None:

@@ -48,6 +48,7 @@ from zfctl.train.checkpoint.format import (
     STEP_KEY,
     STEPS_PER_EPOCH_KEY,
     TOKENS_SEEN_KEY,
+    TRAIN_DIGEST_KEY,
     TRAINER_FILE,
     VERSION_KEY,
     CheckpointInfo,
@@ -72,7 +73,8 @@ from zfctl.train.checkpoint.write import rotate, save_checkpoint
 __all__ = [
     "CHECKPOINTS", "LAST_LOSS_KEY", "LATEST", "META", "MODEL_FILE", "NUM_TRAIN_SAMPLES_KEY",
     "OPTIMIZER_BYTES_PER_PARAM", "PLAN_FILE", "SAMPLER_KEY", "SCHEDULER_KEY", "STEPS_PER_EPOCH_KEY",
-    "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "VERSION_KEY", "CheckpointInfo", "capture_rng",
+    "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "TRAIN_DIGEST_KEY", "VERSION_KEY", "CheckpointInfo",
+    "capture_rng",
     "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "last_size",
     "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch", "nearest_intact",
     "newest_listed", "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint",

@@ -24,6 +24,7 @@ LAST_LOSS_KEY = "last_loss"  # missing in early checkpoints: None
 SCHEDULER_KEY = "scheduler"  # LambdaLR.state_dict()
 SAMPLER_KEY = "sampler"  # SamplerPosition.to_dict(): the data position
 NUM_TRAIN_SAMPLES_KEY = "num_train_samples"  # the training set's size, to refuse changed data
+TRAIN_DIGEST_KEY = "train_digest"  # the training sequences' digest (PreparedData.train_digest); missing in early checkpoints
 STEPS_PER_EPOCH_KEY = "steps_per_epoch"
 VERSION_KEY = "zfctl_version"
 

@@ -14,13 +14,14 @@ folder is removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,13 +57,18 @@ from zfctl.train.testhooks import slow_checkpoint_write
 def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimizer_state: dict,
                     trainer_state: dict, write_plan: Callable[[Path], None], keep_last: int,
                     rank: int = 0, world_size: int = 1,
-                    barrier: Callable[[], None] = lambda: None, estimate: int = 0) -> Path:
+                    barrier: Callable[[], None] = lambda: None, estimate: int = 0,
+                    previous: Path | None | Literal["latest"] = "latest") -> Path:
     """Write ``run_dir/checkpoints/step-XXXXXX`` atomically; every rank calls this.
 
     Rank 0 writes the model, the trainer state, the plan and meta.json, renames the folder into
     place, moves ``latest`` and rotates old checkpoints; every rank writes its own optimizer and
     RNG files. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
     the expected size in bytes when no earlier checkpoint says it (see ``estimate_bytes``).
+    ``previous``: the run's own newest checkpoint (None: it has none yet), which a failed save
+    names as the way back; "latest": whatever ``latest`` names. They differ after a resume from
+    an older checkpoint: until this run's first save, ``latest`` still names the abandoned
+    timeline's newer checkpoint, which is not this run's past.
 
     Raises :class:`RunFailed` (nothing installed, ``.tmp-*`` removed) when the disk lacks the
     space, a write fails, or the model weights hold NaN/inf.
@@ -79,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
     try:
         check_free_space(root, last_size(root) or estimate, when=f"before the checkpoint of step {step}")
     except UserError as e:
-        raise RunFailed(f"{e}; {_last_good(root)}") from None
+        raise RunFailed(f"{e}; {_last_good(root, previous)}") from None
     if rank == 0:
         tmp.mkdir()
     barrier()  # tmp exists before any rank writes into it
@@ -102,7 +108,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
     except (OSError, NonFiniteTensorError) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_failed(e, step, root, rank) from None
+        raise _save_failed(e, step, root, rank, previous) from None
     barrier()  # every rank's files are durable
 
     if rank == 0:
@@ -119,7 +125,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
             _fsync_dir(tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failed(e, step, root, rank) from None
+            raise _save_failed(e, step, root, rank, previous) from None
         _install(tmp, final)
         _write_latest(root, final.name)
         # Retention only after the new checkpoint is in place and lists completely (every file
@@ -177,9 +183,10 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path, rank: int) -> RunFailed:
+def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path, rank: int,
+                 previous: Path | None | Literal["latest"]) -> RunFailed:
     """One line for a save that could not complete; the previous checkpoint is untouched."""
-    keep = _last_good(root)
+    keep = _last_good(root, previous)
     if isinstance(e, NonFiniteTensorError):
         return RunFailed(f"step {step}: the model weights hold NaN or inf ({e.name}); no checkpoint was "
                          f"written from this state; {keep}; lower train.lr or check the data")
@@ -190,11 +197,14 @@ def _save_failed(e: OSError | NonFiniteTensorError, step: int, root: Path, rank:
                      "free space or choose another --output")
 
 
-def _last_good(root: Path) -> str:
-    try:  # what a resume would take: ``latest``, not a later step of an abandoned timeline
-        prev: CheckpointInfo | None = resolve_checkpoint(root)
-    except UserError:
-        prev = None
+def _last_good(root: Path, previous: Path | None | Literal["latest"]) -> str:
+    """Where the run can continue from: ``previous`` (save_checkpoint's docstring), read back."""
+    prev: CheckpointInfo | None = None
+    with contextlib.suppress(UserError):  # unreadable: said as "no earlier checkpoint"
+        if previous == "latest":
+            prev = resolve_checkpoint(root)
+        elif previous is not None:
+            prev = read_checkpoint(previous)
     return (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
             else "no earlier checkpoint exists")
 

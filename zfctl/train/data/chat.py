@@ -4,7 +4,8 @@ A record holds one conversation, OpenAI-style ``{"messages": [{"role", "content"
 system, user, assistant) or ShareGPT-style ``{"conversations": [{"from", "value"}, ...]}`` (human,
 gpt, system: mapped to user, assistant, system). :func:`normalize` checks it and raises a
 RecordError naming the file, the record index and the field for an unknown role, an empty
-conversation, a conversation without an assistant turn, or one that opens with an answer.
+conversation, a conversation without an assistant turn, one that opens with an answer, or two
+user (or two assistant) turns in a row.
 
 **Rendering** is the tokenizer's own chat template through ``apply_chat_template``; a tokenizer
 without one gets zfctl's default (:func:`chat_template`). **The mask comes from per-turn
@@ -97,6 +98,13 @@ def normalize(rec: object, where: str, index: int) -> Conversation:
     if messages[0]["role"] == "assistant":
         raise RecordError(where, index, f"{field}[0].{role_key}", f"is {turns[0][role_key]!r}: the conversation "
                           "opens with an answer to nothing; start it with a system or user turn")
+    for i in range(1, len(messages)):
+        # Two user turns in a row (or two answers) are a merge or export mistake: the second turn's
+        # context would train as if the first had been answered. Most chat templates refuse it too.
+        if messages[i]["role"] == messages[i - 1]["role"] != "system":
+            raise RecordError(where, index, f"{field}[{i}].{role_key}", f"is {turns[i][role_key]!r} again, right "
+                              f"after {field}[{i - 1}]: turns must alternate between the user and the assistant; "
+                              "merge the two turns into one, or add the missing one between them")
     if not any(m["role"] == "assistant" for m in messages):
         assistant = next(k for k, v in roles.items() if v == "assistant")
         raise RecordError(where, index, field, f"has no {assistant} turn: nothing to train on")

@@ -4,7 +4,9 @@ JSON, JSON-lines and CSV files are parsed here rather than by `datasets`' builde
 one Arrow schema for the whole file and reject a mistyped record without saying which one,
 and CSV type inference turns an all-digit answer column into ints. Parsing ourselves keeps every
 value as the user wrote it, so a bad record is reported by file, index and field. Parquet is
-typed already and goes through `datasets`, as do hub ids.
+typed already and goes through `datasets`, as do hub ids. Text files are read as ``utf-8-sig``:
+a byte-order mark (what Windows editors and Excel's "CSV UTF-8" write first) is skipped, not an
+error.
 """
 
 from __future__ import annotations
@@ -129,8 +131,10 @@ def read_file(path: Path) -> RawSplit:
         elif suffix == ".json":
             records = _read_json(path)
         elif suffix == ".csv":
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 records = list(csv.DictReader(f))
+        elif _parquet_rows(path) == 0:  # datasets cannot build a table of none (a traceback)
+            records = []
         else:
             import datasets
 
@@ -146,9 +150,67 @@ def read_file(path: Path) -> RawSplit:
     return RawSplit(str(path), records, fingerprint)
 
 
+def _parquet_rows(path: Path) -> int:
+    """The row count in a parquet file's footer (nothing else is read); a file that is not parquet
+    is refused here in one line, before `datasets` logs its own error for it."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+
+
+def first_record(path: Path) -> object | None:
+    """The first record of a local data file, read as :func:`read_file` reads the whole file: for
+    the pre-flight check (zfctl/train/preflight.py), so that a file that cannot be read at all
+    (not UTF-8, not parquet, no records) is refused before the plan prints. Only the start of the
+    file is read; None for a .json list too large to peek into (the data pipeline checks it)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            if _parquet_rows(path) == 0:
+                raise UserError(f"{path}: holds no records")
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1))  # one row, not a row group
+            return batch.to_pylist()[0]
+        if suffix == ".json" and path.stat().st_size >= _JSON_PEEK_LIMIT:
+            return None
+        rec: object
+        if suffix == ".csv":
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                rec = next(csv.DictReader(f), None)
+        elif suffix == ".json":
+            records = _read_json(path)
+            rec = records[0] if records else None
+        else:
+            rec = _first_jsonl(path)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    if rec is None:
+        raise UserError(f"{path}: holds no records")
+    return rec
+
+
+_JSON_PEEK_LIMIT = 64 << 20  # a .json list must be parsed whole: only small ones are peeked into
+
+
+def _first_jsonl(path: Path) -> object | None:
+    with open(path, encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}: line {lineno} (record 0) is not valid JSON: {e.msg}") from None
+    return None
+
+
 def _read_jsonl(path: Path) -> list:
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -161,7 +223,7 @@ def _read_jsonl(path: Path) -> list:
 
 
 def _read_json(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -193,5 +255,10 @@ def read_hub(repo: str, subset: str | None, split: str) -> RawSplit:
         ds = datasets.load_dataset(repo, subset, split=split)
     except Exception as e:  # datasets raises many types (ValueError, FileNotFoundError, hub errors)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{where}: cannot be loaded: {msg}") from e
+        if model_hub.hub_offline_requested():
+            fix = ("HF_HUB_OFFLINE=1 allows only datasets already in the HF cache: download it once with the "
+                   f"hub reachable (HF_HUB_OFFLINE unset), or use {LOCAL_DATA}")
+        else:
+            fix = "check the dataset id, data.subset and data.split on its hub page"
+        raise UserError(f"{where}: cannot be loaded: {msg.rstrip('.')}; {fix}") from e
     return RawSplit(where, ds, f"{repo}:{subset}:{split}:{ds._fingerprint}")

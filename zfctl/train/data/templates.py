@@ -24,7 +24,7 @@ IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 CLASSIFICATION_PROMPT = "### Text:\n{text}\n\n### Label:\n"
-TEMPLATE_VERSION = 2  # bump when the rendering changes: it is part of the data cache key (2: packing)
+TEMPLATE_VERSION = 3  # bump when the rendering changes: it is part of the data cache key (3: data.fields)
 _CHUNK = 1024  # records per batched tokenizer call
 
 
@@ -45,13 +45,22 @@ class RecordError(UserError):
         super().__init__(f"{where}: record {index}: field {field!r} {problem}")
 
 
-def _text(rec: dict, field: str, where: str, index: int, *, required: bool = True) -> str:
-    """rec[field] as a non-empty string, or a RecordError saying what is wrong with it."""
+def _text(rec: dict, field: str, where: str, index: int, *, required: bool = True, role: str | None = None) -> str:
+    """rec[field] as a non-empty string, or a RecordError saying what is wrong with it. ``role``:
+    the template's name for the field (data.fields maps it), which a missing field's error names
+    with the mapping that would fix it."""
     if field not in rec or rec[field] is None:
         if not required:
             return ""
+        if field in rec:  # present, but JSON null (or an empty parquet cell)
+            raise RecordError(where, index, field, "is null; give it a text (or drop the record)")
         have = ", ".join(map(repr, rec)) or "no fields"
-        raise RecordError(where, index, field, f"is missing (the record has {have})")
+        fix = ""
+        if role is not None:
+            fix = (f"; if another field holds it, --set data.fields.{role}=THAT_FIELD"
+                   + ("" if role != "instruction" else
+                      ", or --set data.template=prompt_completion for prompt/completion records"))
+        raise RecordError(where, index, field, f"is missing (the record has {have}){fix}")
     value = rec[field]
     if not isinstance(value, str):
         raise RecordError(where, index, field, f"must be a string, got {type(value).__name__} {value!r:.40}")
@@ -63,7 +72,9 @@ def _text(rec: dict, field: str, where: str, index: int, *, required: bool = Tru
 def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:
     """The classification label as the word the model should produce."""
     field = cfg.label_field
-    if field not in rec or rec[field] is None:
+    if field in rec and rec[field] is None:
+        raise RecordError(where, index, field, "is null; give it a label (or drop the record)")
+    if field not in rec:
         raise RecordError(where, index, field, f"is missing (the record has {', '.join(map(repr, rec))})")
     label = rec[field]
     if isinstance(label, str) and label.strip().lstrip("-").isdigit() and cfg.label_names:
@@ -95,14 +106,21 @@ def render(rec: object, cfg: DataConfig, where: str, index: int) -> Rendered:
         raise RecordError(
             where, index, "<record>", f"must be an object with fields, got {type(rec).__name__}"
         )
+    fields = cfg.fields or {}
+
+    def field(role: str, *, required: bool = True) -> str:
+        return _text(rec, fields.get(role, role), where, index, required=required, role=role)
+
     if cfg.template == "alpaca":
-        instruction = _text(rec, "instruction", where, index)
-        inp = _text(rec, "input", where, index, required=False)
-        output = _text(rec, "output", where, index)
+        instruction = field("instruction")
+        inp = field("input", required=False)
+        output = field("output")
         prompt = (ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT).format(
             instruction=instruction, input=inp
         )
-        return Rendered(index, prompt, output, "output")
+        return Rendered(index, prompt, output, fields.get("output", "output"))
+    if cfg.template == "prompt_completion":  # TRL/OpenAI: the prompt is the text as the user wrote it
+        return Rendered(index, field("prompt"), field("completion"), fields.get("completion", "completion"))
     if cfg.template == "text":
         return Rendered(index, "", _text(rec, cfg.text_field, where, index), cfg.text_field)
     if cfg.template == "classification":
@@ -113,7 +131,7 @@ def render(rec: object, cfg: DataConfig, where: str, index: int) -> Rendered:
             _label_word(rec, cfg, where, index),
             cfg.label_field,
         )
-    raise UserError(f"data.template={cfg.template!r}: use alpaca, text, classification or chat")
+    raise UserError(f"data.template={cfg.template!r}: use alpaca, prompt_completion, text, classification or chat")
 
 
 def tokenize(rendered: Iterable[Rendered], tokenizer, where: str) -> Iterator[tuple[list[int], list[int]]]:

@@ -110,6 +110,33 @@ def load_model(cfg: ModelConfig, *, precision: str, device: torch.device, seed: 
     return model.to(dtype=dtype).to(device)
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer's activations in the backward pass (``train.activation_checkpointing``).
+
+    transformers' own switch, non-reentrant (``torch.utils.checkpoint(use_reentrant=False)``
+    around each decoder layer): the forward keeps only each layer's input, and the backward runs
+    the layer's forward again before its backward. Non-reentrant, because the reentrant variant
+    calls backward inside backward, where the parameters' gradient hooks that stream gradients to
+    the host (zfctl/offload/stream.py) would fire at the wrong time, and it needs an input that
+    requires grad. Costs about one more forward per step. A model class without the switch is a
+    ConfigError, never a run that silently keeps every activation.
+    """
+    kwargs = {"use_reentrant": False}
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError("train.activation_checkpointing", True,
+                          f"{type(model).__name__} does not support activation checkpointing in transformers; "
+                          "set train.activation_checkpointing=false")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the name since transformers 5.x
+    try:
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    except ValueError as e:  # an architecture whose layers have no checkpointing flag
+        raise ConfigError("train.activation_checkpointing", True,
+                          f"{type(model).__name__}: {e}; set train.activation_checkpointing=false") from None
+
+
 def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
     """A randomly initialised causal LM from a transformers config dict (fp32, CPU).
 

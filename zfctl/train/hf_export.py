@@ -2,8 +2,9 @@
 
 The checkpoint's ``model.safetensors`` holds the weights as training left them; with
 ``overlap_step`` one CPU update may still be in flight inside the optimizer state. Export rebuilds
-the optimizer on the CPU, loads that state and flushes it, so the exported weights are exactly the
-finished model (the one the final evaluation scored), not one interval behind.
+the optimizer on the CPU, loads that state and flushes it (zfctl/train/weights.py), so the
+exported weights are exactly the finished model (the one the final evaluation scored), not one
+interval behind.
 """
 
 from __future__ import annotations
@@ -15,23 +16,17 @@ import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
-import torch
 from rich.console import Console
 
 from zfctl.errors import UserError
 from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
-from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
+from zfctl.train.data.prompt_format import prompt_template
 from zfctl.train.lock import held
-from zfctl.writable import check_writable
+from zfctl.train.weights import EXPORT_MARKER, final_weights, quiet_transformers
+from zfctl.writable import check_writable, current_umask
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-# Written into every export; --force replaces only folders that hold it.
-EXPORT_MARKER = "zfctl-export.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -57,27 +52,6 @@ def check_hub(repo_id: str) -> str:
         raise UserError(f"--push-to-hub {repo_id}: no Hugging Face token; run `hf auth login` or set "
                         f"HF_TOKEN, or {later}")
     return token
-
-
-def _final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
-    """The checkpoint's model on the CPU, with any in-flight CPU update installed."""
-    from zfctl.train.models.load import load_model
-    from zfctl.train.optim import build_optimizer
-    from zfctl.train.world_size import load_optimizer_state
-
-    model = load_model(plan.model, precision=plan.train.precision, device=torch.device("cpu"),
-                       seed=plan.train.seed)
-    ck.load_model_weights(info, model)
-    trainer = ck.load_torch(info, ck.TRAINER_FILE)
-    # One process holds every host column: the pieces of all saved ranks are merged (as a resume
-    # on one process would, world_size.py). Costs the optimizer's host memory briefly.
-    opt = build_optimizer(model, plan, steps_per_epoch=int(trainer.get(ck.STEPS_PER_EPOCH_KEY, 1)))
-    try:
-        load_optimizer_state(opt, info, rank=0, world=1)
-        opt.flush()
-    finally:
-        opt.close()
-    return cast("PreTrainedModel", model)  # load_model builds transformers causal LMs only
 
 
 def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: str | None = None) -> Path:
@@ -129,24 +103,27 @@ def _export(info: ck.CheckpointInfo, output: Path, *, token: str | None, push_to
     from zfctl.train.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(plan.model)
-    if plan.data.template == "chat":
-        from zfctl.train.data.chat import chat_template
-
-        # The template the run rendered with (a tokenizer without one trained on zfctl's default):
-        # save_pretrained writes it, so apply_chat_template on the export renders the same text.
-        tokenizer.chat_template = chat_template(tokenizer)
-    model = _final_weights(info, plan)
+    # The prompt format the run trained on (alpaca's, or the chat template it rendered with):
+    # save_pretrained writes it as chat_template.jinja, so apply_chat_template on the export
+    # builds the prompt the model saw, never a tokenizer's own template it was not trained on.
+    tokenizer.chat_template = prompt_template(plan.data, tokenizer)
+    model = final_weights(info, plan)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)  # safetensors; tied weights stored once
+        with quiet_transformers():
+            model.save_pretrained(tmp)  # safetensors; tied weights stored once
         tokenizer.save_pretrained(tmp)
         dump_plan_yaml(plan, tmp / "zfctl-plan.yaml")
         (tmp / EXPORT_MARKER).write_text(json.dumps(
             {"checkpoint": str(info.path.resolve()), "step": info.step, "zfctl_version": info.version},
             indent=1) + "\n", encoding="utf-8")
+        # safetensors writes its file 0600; an export is meant to be shared and loaded by others
+        # like every other file here: 0666 less the umask.
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~current_umask())
         if output.exists():
             trash = output.with_name(f".{output.name}.trash-export")
             shutil.rmtree(trash, ignore_errors=True)
