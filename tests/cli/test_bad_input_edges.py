@@ -30,8 +30,8 @@ GOOD = {"instruction": "Say hi.", "output": "hi"}
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "width", 200)
-    monkeypatch.setattr(_common.err_console, "width", 200)
+    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
+    monkeypatch.setattr(_common.err_console, "_width", 200)
 
 
 def zf(*args: object):

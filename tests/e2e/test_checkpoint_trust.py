@@ -38,8 +38,8 @@ TINY = [
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "width", 300)
-    monkeypatch.setattr(_common.err_console, "width", 300)
+    monkeypatch.setattr(_common.console, "_width", 300)  # _width: restored to None (auto)
+    monkeypatch.setattr(_common.err_console, "_width", 300)  # _width: restored to None (auto)
 
 
 def zf(*args: object):

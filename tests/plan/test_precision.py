@@ -89,7 +89,7 @@ def test_presets_with_explicit_precision_keep_it(monkeypatch: pytest.MonkeyPatch
 
 def test_zfctl_plan_prints_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "read_cpu_info", lambda: cpu(EPYC_AVX2, model="AMD EPYC"))
-    monkeypatch.setattr(_common.err_console, "width", 300)
+    monkeypatch.setattr(_common.err_console, "_width", 300)  # _width: restored to None (auto)
     args = ["plan", "someorg/somemodel", "--data", "alpaca-sample", "--set", "train.device=cpu"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
