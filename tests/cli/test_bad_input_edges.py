@@ -1,4 +1,4 @@
-"""The bad-input tour's edges (issue 31, items 14-17): each one line, exit 2, nothing written, or,
+"""Bad input at the edges (unreadable data files, absurd numbers, weak messages): each one line, exit 2, nothing written, or,
 where the run may go on, one `warning:` line and no traceback.
 
 `plan` and `finetune` run in-process (the Typer app); `finetune` refuses these in its pre-flight,

@@ -421,7 +421,7 @@ def test_prepare_installs_the_carried_wheels_once_and_names_what_is_missing(tmp_
 
 
 def test_build_prerequisites_are_named_all_at_once():
-    """Issue 28, item 9: every missing prerequisite of the native build, each with its fix, in one
+    """Every missing prerequisite of the native build, each with its fix, in one
     list (prepare joins it into one line)."""
     none = {"cc": "gcc", "cc_found": False, "python_h": "/usr/include/python3.12/Python.h", "python_h_found": False,
             "python": "3.12", "setuptools": False, "cffi": False}
@@ -457,7 +457,7 @@ def test_prepare_names_the_missing_build_prerequisites_in_one_line_before_buildi
 
 
 def test_nccl_part_runs_the_host_hook_path_page_locked_and_the_device_path(tmp_path, monkeypatch):
-    """Issue 28, item 7: the NCCL part names its gradient paths (on CUDA `auto` would pick the
+    """The NCCL part names its gradient paths (on CUDA `auto` would pick the
     device path for tiny-llama every time): accumulate host with the hooks and page-locked
     memory, then accumulate device; each run's verdict, and the part's."""
     runs = []

@@ -1,4 +1,4 @@
-"""`zfctl plan` on the machines of issue 29's acceptance, `--fit`, the exit code of a plan that
+"""`zfctl plan` on the small machines the README promises (section "zfctl plan"), `--fit`, the exit code of a plan that
 does not fit, and the bad memory sizes (the real CLI, in-process)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def zf(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
 
-# Issue 29's acceptance rows: each machine fits the default preset with ZenFlow on (the 24 GB
+# The machines zfctl promises to fit: each fits the default preset with ZenFlow on (the 24 GB
 # card with --fit). What makes them fit: one host accumulator with overlap and a bounded landing
 # ring (16 B per host element instead of 24), and gradient release (one .grad at a time, not a
 # bf16 copy of every parameter) for the 24 GB card.

@@ -57,7 +57,7 @@ def test_steady_state_steps_make_no_implicit_sync(sync_is_an_error, path, clip, 
 
 
 def test_micro_batches_reach_the_device_without_a_sync(sync_is_an_error) -> None:
-    """Issue 28, item 5: ``to_device`` page-locks the collated batch and copies it with
+    """``to_device`` page-locks the collated batch and copies it with
     ``non_blocking``; a blocking copy from pageable memory would drain the device before every
     micro-batch after the first."""
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Where the data-parallel exchange plans its rounds (issue 28, item 4): with two batched copies,
+"""Where the data-parallel exchange plans its rounds (docs/design.md, section "Data parallel"): with two batched copies,
 on the main thread where the selection changes, never in the next backward's first gradient hook
 (on CUDA a plan there was one stream sync per piece and per unit, several hundred at 7B).
 
@@ -111,7 +111,7 @@ def _pending_bytes(pending) -> int:
 
 
 def test_an_exchange_in_flight_holds_what_the_plan_counts(monkeypatch) -> None:
-    """Issue 28, item 6: a launched exchange holds its gathered send buffers and this rank's
+    """A launched exchange holds its gathered send buffers and this rank's
     received share, at most twice the matrix (before the first selection every column is on the
     host path; a matrix one rank owns whole comes back whole). The plan's line is two of the
     largest: 4 w M."""

@@ -52,7 +52,7 @@ def _h2d(monkeypatch, pin: bool):
 
 
 def test_an_install_from_a_registered_master_returns_its_last_copy_as_the_fence(monkeypatch) -> None:
-    """Item 1 of issue 28: from page-locked memory the H2D copy is a DMA that reads the master
+    """The install fence (docs/design.md, "Threads and buffer ownership"): from page-locked memory the H2D copy is a DMA that reads the master
     after the call; the install must hand back the event after its last copy."""
     _, ring, src, fence = _h2d(monkeypatch, pin=True)
     records = [what for op, what in ring.stream.log if op == "record"]
@@ -114,7 +114,7 @@ def test_the_worker_waits_for_the_install_fence_before_it_writes_the_master(monk
 
 
 def test_load_state_dict_waits_for_the_update_in_flight(monkeypatch) -> None:
-    """Item 2 of issue 28: loading into a live optimizer whose CPU update still runs must wait
+    """Loading into a live optimizer whose CPU update still runs must wait
     for it before it fills master, moments and accumulator; else the update writes over the
     loaded state. The update is held back (a slow reader) until the load has returned or 1 s
     passed, so a load that does not wait is overwritten every time."""
@@ -167,7 +167,7 @@ def _deep(sd: dict) -> dict:
 
 
 def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) -> None:
-    """Item 3 of issue 28: at a boundary the compute stream already holds the install (it waits
+    """At a boundary the compute stream already holds the install (it waits
     for every H2D chunk) when the device path's sum is copied out. The copy stream must wait for
     the event after the interval's last add only, so the D2H overlaps the H2D; a wait for the
     compute stream would order it after the whole install."""

@@ -1,6 +1,6 @@
 """The micro-batch's way to the device (zfctl/train/loss.py ``to_device``): on CUDA page-locked,
 then an asynchronous copy, so the host does not wait for the device before each micro-batch
-(issue 28, item 5). No GPU here: the two tensor calls are recorded instead of run;
+(docs/design.md, section "Transfer scheduling"). No GPU here: the two tensor calls are recorded instead of run;
 tests/gpu/test_sync_points.py checks on a GPU that the copy makes no sync."""
 
 from __future__ import annotations
