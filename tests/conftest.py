@@ -53,3 +53,16 @@ def isa(request: pytest.FixtureRequest):
     N.set_isa(request.param)
     yield request.param
     N.set_isa(before)
+
+
+def widen_consoles(monkeypatch: pytest.MonkeyPatch, width: int = 200, *, err_only: bool = False) -> None:
+    """Widen zfctl's shared rich consoles for one test, so whole phrases stay on one line.
+
+    Through ``_width``, what rich's ``width`` property sets: undoing it restores None (sized from
+    COLUMNS again). Patching ``width`` itself would be undone by setting the width it read (80),
+    pinning it for every later test in the process."""
+    from zfctl.cli import _common
+
+    monkeypatch.setattr(_common.err_console, "_width", width)
+    if not err_only:
+        monkeypatch.setattr(_common.console, "_width", width)

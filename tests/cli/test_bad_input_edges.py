@@ -14,9 +14,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import widen_consoles
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.errors import UserError
 from zfctl.plan.schema import DataConfig, ModelConfig
 from zfctl.train.data import source as data_source
@@ -30,8 +31,7 @@ GOOD = {"instruction": "Say hi.", "output": "hi"}
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
-    monkeypatch.setattr(_common.err_console, "_width", 200)
+    widen_consoles(monkeypatch)
 
 
 def zf(*args: object):

@@ -7,10 +7,11 @@ import json
 import os
 
 import pytest
+from conftest import widen_consoles
 from typer.testing import CliRunner
 
 from zfctl.bench.report import noise_note, settings_line
-from zfctl.cli import _common, app
+from zfctl.cli import app
 
 runner = CliRunner()
 SMALL = ["bench", "--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--topk", "0.25", "--interval", "2",
@@ -18,10 +19,7 @@ SMALL = ["bench", "--hidden-dim", "32", "--nlayers", "1", "--dtype", "fp32", "--
 
 
 def test_tables_and_json_name_the_preset_the_set_keys_and_the_dtype(tmp_path, monkeypatch):
-    # the CLI's console is made at import, and an earlier test's monkeypatch of its `width` may
-    # have fixed it at 80; `_width` is what that property sets, and undoing this restores None
-    # (sized from COLUMNS again) instead of fixing the width for the tests after this one
-    monkeypatch.setattr(_common.console, "_width", 200)
+    widen_consoles(monkeypatch)
     old = os.umask(0o022)
     try:
         res = runner.invoke(app, [*SMALL, "--zenflow", "default", "--set", "zenflow.tuning.install_lag=1",

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import widen_consoles
 from typer.testing import CliRunner
 
 import zfctl.train
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.plan import machine
 from zfctl.train import session
 
@@ -22,8 +23,7 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rich wraps table cells at 80 columns; tests read whole phrases."""
-    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
-    monkeypatch.setattr(_common.err_console, "_width", 200)
+    widen_consoles(monkeypatch)
 
 
 @pytest.fixture

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import widen_consoles
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.errors import RunFailed, UserError
 from zfctl.train import checkpoint as ck
 from zfctl.train import checksum, recipe
@@ -38,8 +39,7 @@ TINY = [
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "_width", 300)  # _width: restored to None (auto)
-    monkeypatch.setattr(_common.err_console, "_width", 300)  # _width: restored to None (auto)
+    widen_consoles(monkeypatch, 300)
 
 
 def zf(*args: object):

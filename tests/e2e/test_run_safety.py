@@ -22,10 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import widen_consoles
 from proc_helpers import alive, children, metric_steps
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.train import lock
 from zfctl.train.checkpoint import read_checkpoint, resolve_checkpoint
 from zfctl.train.rundir import check_output_dir
@@ -45,8 +46,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
-    monkeypatch.setattr(_common.err_console, "_width", 200)
+    widen_consoles(monkeypatch)
 
 
 class Proc:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import widen_consoles
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.plan import plan_from_dict, plan_to_dict, precision, resolve_plan
 from zfctl.plan.precision import CpuInfo, cpu_native_bf16, read_cpu_info, resolve_precision
 
@@ -89,7 +90,7 @@ def test_presets_with_explicit_precision_keep_it(monkeypatch: pytest.MonkeyPatch
 
 def test_zfctl_plan_prints_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "read_cpu_info", lambda: cpu(EPYC_AVX2, model="AMD EPYC"))
-    monkeypatch.setattr(_common.err_console, "_width", 300)  # _width: restored to None (auto)
+    widen_consoles(monkeypatch, 300, err_only=True)
     args = ["plan", "someorg/somemodel", "--data", "alpaca-sample", "--set", "train.device=cpu"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

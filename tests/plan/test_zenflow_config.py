@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import widen_consoles
 from test_offload_helpers import snapshot
 from torch import nn
 from typer.testing import CliRunner
 
-from zfctl.cli import _common, app
+from zfctl.cli import app
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import AUTO_SELECT_STEPS, TuningConfig
@@ -47,8 +48,7 @@ MODEL = {"model": {"config": {"model_type": "llama"}}}  # the least a plan needs
 
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common.console, "_width", 200)  # _width: restored to None (auto), not pinned at 80
-    monkeypatch.setattr(_common.err_console, "_width", 200)
+    widen_consoles(monkeypatch)
 
 
 def zf(*args: object):
