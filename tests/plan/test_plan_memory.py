@@ -57,6 +57,16 @@ def held_bytes(root: object, exclude: set[int]) -> int:
     return sum(storages.values())
 
 
+def train_steps(model, opt, steps: int) -> None:
+    """``steps`` hook-path steps of the tiny model on one fixed batch."""
+    ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        opt.prepare_backward(final=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
 def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: int = 3) -> tuple[int, float]:
     """(bytes the optimizer holds after ``steps`` steps, the plan's engine lines) on CPU."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=model_overrides + plan_overrides +
@@ -64,12 +74,7 @@ def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: i
     model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0)
     opt = build_optimizer(model, plan, steps_per_epoch=100)
     try:
-        ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            opt.prepare_backward(final=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
+        train_steps(model, opt, steps)
         opt.zero_grad(set_to_none=True)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         held = held_bytes(opt, params)
@@ -217,12 +222,7 @@ def peak_gradient_bytes(overrides: list[str], steps: int = 6) -> tuple[int, floa
         p.register_post_accumulate_grad_hook(watch)
     opt = build_optimizer(model, plan, steps_per_epoch=100)
     try:
-        ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            opt.prepare_backward(final=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
+        train_steps(model, opt, steps)
     finally:
         opt.close()
     est = estimate(plan, Machine(64 * GB, False))

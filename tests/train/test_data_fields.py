@@ -7,10 +7,10 @@ prompt_completion fields to the record's own names; a missing field's error name
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from test_data_pipeline import write_jsonl
 from typer.testing import CliRunner
 
 from zfctl.cli import app
@@ -28,11 +28,6 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer(ModelConfig())
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def local(path: Path, **kw) -> DataConfig:
