@@ -35,12 +35,14 @@ def norm_rel_err(a: dict, b: dict) -> float:
 
 def loop(model, opt, data, *, hooks: bool, micro: int = 2, set_to_none: bool = True,
          overflow_at: int | None = None) -> list:
-    """Gradient accumulation over ``micro`` micro-batches per step on CUDA; ``hooks``: announce
-    the last backward (the hook path); ``overflow_at``: that step's loss is scaled to overflow fp16."""
+    """Gradient accumulation over ``micro`` micro-batches per step on the model's device; ``hooks``:
+    announce the last backward (the hook path); ``overflow_at``: that step's loss is scaled to
+    overflow fp16."""
+    device = next(model.parameters()).device
     stats = []
     for t, (x, y) in enumerate(data):
         opt.zero_grad(set_to_none=set_to_none)
-        for i, (xs, ys) in enumerate(zip(x.cuda().chunk(micro), y.cuda().chunk(micro))):
+        for i, (xs, ys) in enumerate(zip(x.to(device).chunk(micro), y.to(device).chunk(micro))):
             if hooks:
                 opt.prepare_backward(final=i == micro - 1)
             loss = F.mse_loss(model(xs).float(), ys.float()) / micro
@@ -55,10 +57,9 @@ def zen_run(cfg: ZenFlowConfig, device: str, *, steps: int = 24, dtype=torch.flo
             hooks: bool = True):
     model = tiny_net(device=device, dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
-        if device == "cuda":
-            stats = loop(model, opt, batches(steps, dtype=dtype), hooks=hooks)
-        else:
-            stats = train(model, opt, steps)
+        # The same micro-batches and hook announcements on either device, so that a CPU run is
+        # the reference of a CUDA run up to the matmul kernels' rounding.
+        stats = loop(model, opt, batches(steps, dtype=dtype), hooks=hooks)
         opt.flush()
     return {n: p.cpu() for n, p in snapshot(model).items()}, stats
 
@@ -98,11 +99,17 @@ def test_cuda_matches_cpu_implementation_fp32(path: str, overlap: bool, extra: d
     """Rings, transposes, hooks, the device sum and installs on CUDA against the same optimizer on
     CPU (where the same code runs synchronously): matmul kernels differ, the optimizer must not."""
     cfg = zen(overlap_step=overlap, **ZEN, **PATHS[path], **extra)
-    cpu, cpu_stats = zen_run(cfg, "cpu")
-    gpu, gpu_stats = zen_run(cfg, "cuda", hooks=path == "host-hooks")
+    hooks = path == "host-hooks"
+    cpu, cpu_stats = zen_run(cfg, "cpu", hooks=hooks)
+    gpu, gpu_stats = zen_run(cfg, "cuda", hooks=hooks)
     assert [s.installed for s in cpu_stats] == [s.installed for s in gpu_stats]
     assert [s.boundary for s in cpu_stats] == [s.boundary for s in gpu_stats]
-    assert max_rel_err(gpu, cpu) <= 1e-4
+    # In 2-norm per parameter, not element by element: an element whose gradient nearly cancels
+    # over an interval gets the host Adam step lr * g / (|g| + eps), which turns rounding into a
+    # visible move. On CPU alone, one micro-batch against two moves fc1.weight[41, 15] by 1.4e-4 at
+    # the first boundary: 4.6e-4 in max-norm, 3.4e-5 in 2-norm (torch AdamW: 4e-7). A missing wait
+    # or a wrong install moves whole columns by ~lr (1e-2) and fails either way.
+    assert norm_rel_err(gpu, cpu) <= 1e-4
     assert max_rel_err(gpu, {n: p.cpu() for n, p in snapshot(tiny_net()).items()}) > 1e-2  # it trained
 
 
