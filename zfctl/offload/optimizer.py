@@ -259,6 +259,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()
+        self.selector.release()  # no copy runs after step(): the staging's copies are blocking
         if self.host is not None and self.transfers is not None:
             self.host.wait_install()  # the last install's DMA may still read the master
             self.host.release()
