@@ -302,7 +302,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.transfers.replan()
         if released is not None:  # the released gradients, laid out by the new selection (release.py)
             d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
-                                self.pipeline.acc, self._raw_coef())
+                                self.pipeline.acc, self._raw_coef(), self.selector.stage)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release

@@ -104,7 +104,7 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
         cols = old_h[leaving]
         for d, h in zip(dev, host):
             if stage is not None and isinstance(h, torch.Tensor):
-                d2h += _out_staged(d, pos, h, cols, stage)
+                d2h += out_staged(d, pos, h, cols, stage)
                 continue
             moved = d.index_select(0, pos).to("cpu")
             h.index_copy_(0, cols, moved)
@@ -119,7 +119,7 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
         staying = d.index_select(0, stay_src)  # gathered before d is overwritten
         d.index_copy_(0, stay_dst, staying)
         if stage is not None and isinstance(h, torch.Tensor):
-            h2d += _in_staged(d, enter_dst, h, enter_cols, stage)
+            h2d += in_staged(d, enter_dst, h, enter_cols, stage)
             continue
         entering = h.index_select(0, enter_cols).to(device)  # PCIe H2D
         h2d += entering.numel() * entering.element_size()
@@ -127,25 +127,33 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
     return d2h, h2d
 
 
-def _out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging) -> int:
-    """Device rows ``pos`` of ``d`` into host rows ``cols`` of ``h``, through ``stage``; bytes moved."""
+def out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
+               mul: float | None = None) -> int:
+    """Device rows ``pos`` of ``d`` into host rows ``cols`` of ``h`` (times ``mul``, on the host, if
+    given), through ``stage``; bytes moved."""
     per, moved = stage.per_piece(math.prod(d.shape[1:])), 0
     for a in range(0, len(cols), per):
         tmp = d.index_select(0, pos[a : a + per])  # a device gather of this piece's rows
         buf = stage.view(tuple(tmp.shape))
         buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
+        if mul is not None:
+            buf.mul_(mul)
         h.index_copy_(0, cols[a : a + per], buf)
         moved += tmp.numel() * tmp.element_size()
     return moved
 
 
-def _in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging) -> int:
-    """Host rows ``cols`` of ``h`` into device rows ``dst`` of ``d``, through ``stage``; bytes moved."""
+def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
+              div: float | None = None) -> int:
+    """Host rows ``cols`` of ``h`` (divided by ``div``, on the host, if given) into device rows
+    ``dst`` of ``d``, through ``stage``; bytes moved."""
     per, moved = stage.per_piece(math.prod(h.shape[1:])), 0
     for a in range(0, len(cols), per):
         c = cols[a : a + per]
         buf = stage.view((len(c), *h.shape[1:]))
         torch.index_select(h, 0, c, out=buf)  # host gather, in place: no fresh pages
+        if div is not None:
+            buf.div_(div)
         # PCIe H2D from page-locked memory; blocking (the buffer is reused next piece). Off CUDA
         # ``to`` returns ``buf`` itself, which index_copy_ reads before the next piece rewrites it.
         d.index_copy_(0, dst[a : a + per], buf.to(d.device))
