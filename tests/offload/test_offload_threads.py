@@ -91,3 +91,29 @@ def test_without_overlap_the_update_takes_every_thread(monkeypatch) -> None:
     finally:
         N.set_num_threads(before)
     assert seen == {3}
+
+
+def test_device_path_update_takes_every_thread(monkeypatch) -> None:
+    """accumulate: device adds nothing on the host between boundaries: the background update's
+    AdamW runs on all cpu_threads, not on what the (idle) accumulation's share leaves."""
+    seen: set = set()
+    adam = N.adamw_step
+
+    def spy_adam(*a, **k):
+        seen.add((N.thread_pool(), N.thread_limit()))
+        return adam(*a, **k)
+
+    monkeypatch.setattr(N, "adamw_step", spy_adam)
+    before = N.get_num_threads()
+    cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3, accumulate="device")
+    model = tiny_net()
+    try:
+        with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
+            assert opt.accumulate == "device" and opt.threads == (0, 3)
+            for x, y in batches(5):
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    finally:
+        N.set_num_threads(before)
+    assert seen == {(0, 3)}

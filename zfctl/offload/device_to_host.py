@@ -322,7 +322,11 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     if config.cpu_threads:
         _native.set_num_threads(config.cpu_threads)
-    threads = split_threads(_native.get_num_threads(), config.tuning.accumulate_threads)
+    # The device path adds nothing on the host between boundaries (its sum lives on the device):
+    # the CPU update takes every core. Holding back the accumulation's share there (4 of 16)
+    # left a memory-bound update on 12 threads for nothing.
+    total = _native.get_num_threads()
+    threads = (0, max(1, total)) if on_device else split_threads(total, config.tuning.accumulate_threads)
     add = capped(_native, threads[0])
     path: GradientPath
     if on_device:

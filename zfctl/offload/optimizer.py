@@ -259,6 +259,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()
+        self.selector.release()  # no copy runs after step(): the staging's copies are blocking
         if self.host is not None and self.transfers is not None:
             self.host.wait_install()  # the last install's DMA may still read the master
             self.host.release()
@@ -301,7 +302,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.transfers.replan()
         if released is not None:  # the released gradients, laid out by the new selection (release.py)
             d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
-                                self.pipeline.acc, self._raw_coef())
+                                self.pipeline.acc, self._raw_coef(), self.selector.stage)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release

@@ -53,7 +53,7 @@ import torch
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix
 from zfctl.offload.scaler import param_norm
-from zfctl.offload.selection import column_l1
+from zfctl.offload.selection import Staging, column_l1, in_staged, out_staged
 
 
 class GradRelease:
@@ -130,13 +130,15 @@ class GradRelease:
 
 @torch.no_grad()
 def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.Tensor | None], loaded: set[int],
-             acc: torch.Tensor, coef: float) -> tuple[int, int]:
+             acc: torch.Tensor, coef: float, stage: Staging | None = None) -> tuple[int, int]:
     """After a selection on a release step: lay the work buffer's raw gradient out by the new
     selection (``device_state.index``; ``old``: the one the hooks gathered by), for the params in
     ``loaded``. Staying columns move inside the buffer; entering columns come back from the host
     sum, where the hooks added them times ``coef`` (1 / the fp16 loss scale, a power of two: the
     division is exact) as the interval's first step (a selection step always is: the step before
     it ends an interval); leaving columns go into that sum the same way. Returns (D2H, H2D) bytes.
+    ``stage``: the migration's page-locked buffer (selection.py ``Staging``), which both copies go
+    through in pieces; None: through fresh pageable tensors.
     """
     d2h = h2d = 0
     for slot in slots:
@@ -152,14 +154,22 @@ def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.T
         before = seg.clone()  # a device copy of k columns: ``seg`` is rewritten below
         leaving = ~torch.isin(old_h, new_h)
         if bool(leaving.any()):  # PCIe D2H: the leaving columns' gradient into the host sum
-            moved = before.index_select(0, torch.nonzero(leaving).flatten().to(seg.device)).to("cpu")
-            rows.index_copy_(0, old_h[leaving] - slot.host_c0, moved * coef)
-            d2h += moved.numel() * moved.element_size()
+            pos, cols = torch.nonzero(leaving).flatten().to(seg.device), old_h[leaving] - slot.host_c0
+            if stage is not None:
+                d2h += out_staged(before, pos, rows, cols, stage, mul=coef)
+            else:
+                moved = before.index_select(0, pos).to("cpu")
+                rows.index_copy_(0, cols, moved * coef)
+                d2h += moved.numel() * moved.element_size()
         stay_src = torch.searchsorted(old_h, new_h[stays]).to(seg.device)
         seg.index_copy_(0, torch.nonzero(stays).flatten().to(seg.device), before.index_select(0, stay_src))
         enter = new_h[~stays]
         if enter.numel():  # PCIe H2D: the entering columns' gradient, from the host sum
-            back = (rows.index_select(0, enter - slot.host_c0) / coef).to(seg.device)
-            seg.index_copy_(0, torch.nonzero(~stays).flatten().to(seg.device), back)
-            h2d += back.numel() * back.element_size()
+            dst = torch.nonzero(~stays).flatten().to(seg.device)
+            if stage is not None:
+                h2d += in_staged(seg, dst, rows, enter - slot.host_c0, stage, div=coef)
+            else:
+                back = (rows.index_select(0, enter - slot.host_c0) / coef).to(seg.device)
+                seg.index_copy_(0, dst, back)
+                h2d += back.numel() * back.element_size()
     return d2h, h2d

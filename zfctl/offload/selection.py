@@ -15,10 +15,13 @@ weights, so a column that leaves and re-enters continues exactly where it was.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
+
+from zfctl.offload import pinned
 
 
 class ColumnState(NamedTuple):
@@ -49,14 +52,44 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
+STAGE_BYTES = 64 * 2**20  # the migration's page-locked staging buffer (at least one column)
+
+
+class Staging:
+    """A reused host buffer (page-locked on CUDA, pinned.py) that every migration copy goes through.
+
+    Without it each copy of a migration landed in (or was gathered into) a freshly allocated
+    pageable tensor: a pageable PCIe copy (staged by the driver, several times slower than a DMA)
+    plus first-touch page faults on every new page, twice per byte moved, and at 1B parameters a
+    selection moves ~1.3 GB each way. The buffer is allocated once (the first selection) and
+    reused; transfers larger than it go in pieces of whole columns, one blocking copy each (a
+    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (or one column).
+    """
+
+    def __init__(self, elems: int, *, pin: bool, device: torch.device | None) -> None:
+        self.buf = pinned.empty(elems, torch.float32, pin=pin, device=device)
+
+    def per_piece(self, row_numel: int) -> int:
+        """Whole rows (columns of a matrix) that fit in one piece."""
+        return max(1, self.buf.numel() // max(1, row_numel))
+
+    def view(self, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        return self.buf[:n].view(shape)
+
+    def release(self) -> None:
+        pinned.release(self.buf)
+
+
 def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None,
-            new: torch.Tensor) -> tuple[int, int]:
+            new: torch.Tensor, stage: Staging | None = None) -> tuple[int, int]:
     """Move state so that ``dev`` rows hold the columns ``new`` (sorted), previously ``old``.
 
     ``host``: the same four states in ``ColumnState`` order, rows indexed by column id (the whole
     owned range). Returns (d2h_bytes, h2d_bytes). Cost: two tiny index copies to the host (a
-    device sync; selection steps only), one D2H per state tensor for the leaving columns and one
-    H2D for the entering ones.
+    device sync; selection steps only), a D2H per state tensor for the leaving columns and an H2D
+    for the entering ones; with ``stage`` (host tensors only) each goes through its page-locked
+    buffer in pieces, the host gathering and scattering in place, no new host memory.
     """
     device = dev.master.device
     new_h = new.to("cpu")
@@ -70,6 +103,9 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
         pos = torch.nonzero(leaving).flatten().to(device)
         cols = old_h[leaving]
         for d, h in zip(dev, host):
+            if stage is not None and isinstance(h, torch.Tensor):
+                d2h += out_staged(d, pos, h, cols, stage)
+                continue
             moved = d.index_select(0, pos).to("cpu")
             h.index_copy_(0, cols, moved)
             d2h += moved.numel() * moved.element_size()
@@ -81,8 +117,45 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
     enter_cols = new_h[~stays]
     for d, h in zip(dev, host):
         staying = d.index_select(0, stay_src)  # gathered before d is overwritten
+        d.index_copy_(0, stay_dst, staying)
+        if stage is not None and isinstance(h, torch.Tensor):
+            h2d += in_staged(d, enter_dst, h, enter_cols, stage)
+            continue
         entering = h.index_select(0, enter_cols).to(device)  # PCIe H2D
         h2d += entering.numel() * entering.element_size()
-        d.index_copy_(0, stay_dst, staying)
         d.index_copy_(0, enter_dst, entering)
     return d2h, h2d
+
+
+def out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
+               mul: float | None = None) -> int:
+    """Device rows ``pos`` of ``d`` into host rows ``cols`` of ``h`` (times ``mul``, on the host, if
+    given), through ``stage``; bytes moved."""
+    per, moved = stage.per_piece(math.prod(d.shape[1:])), 0
+    for a in range(0, len(cols), per):
+        tmp = d.index_select(0, pos[a : a + per])  # a device gather of this piece's rows
+        buf = stage.view(tuple(tmp.shape))
+        buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
+        if mul is not None:
+            buf.mul_(mul)
+        h.index_copy_(0, cols[a : a + per], buf)
+        moved += tmp.numel() * tmp.element_size()
+    return moved
+
+
+def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
+              div: float | None = None) -> int:
+    """Host rows ``cols`` of ``h`` (divided by ``div``, on the host, if given) into device rows
+    ``dst`` of ``d``, through ``stage``; bytes moved."""
+    per, moved = stage.per_piece(math.prod(h.shape[1:])), 0
+    for a in range(0, len(cols), per):
+        c = cols[a : a + per]
+        buf = stage.view((len(c), *h.shape[1:]))
+        torch.index_select(h, 0, c, out=buf)  # host gather, in place: no fresh pages
+        if div is not None:
+            buf.div_(div)
+        # PCIe H2D from page-locked memory; blocking (the buffer is reused next piece). Off CUDA
+        # ``to`` returns ``buf`` itself, which index_copy_ reads before the next piece rewrites it.
+        d.index_copy_(0, dst[a : a + per], buf.to(d.device))
+        moved += buf.numel() * buf.element_size()
+    return moved

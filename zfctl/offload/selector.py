@@ -25,7 +25,7 @@ from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.partition import OwnedRows, Partition
-from zfctl.offload.selection import HostRows, column_l1, migrate, top_columns
+from zfctl.offload.selection import STAGE_BYTES, HostRows, Staging, column_l1, migrate, top_columns
 from zfctl.offload.sharded import ShardedParams
 from zfctl.offload.stats import StepStats
 
@@ -42,6 +42,22 @@ class Selector:
         self.selected = not self.selectable  # nothing to choose: every device column is fixed
         self.warmup = config.full_warm_up_rounds if layout.host_slots else 0
         self.period = config.select_period(steps_per_epoch) if self.selectable else None
+        self._pin = config.tuning.pin_memory
+        self.stage: Staging | None = None  # the migration's host staging, made at the first selection
+
+    def _staging(self) -> Staging:
+        """The migration's reused host buffer (selection.py ``Staging``): ``STAGE_BYTES``, at
+        least one column of the tallest matrix; page-locked on CUDA with ``pin_memory``."""
+        if self.stage is None:
+            device = self.device.master.device
+            elems = max(STAGE_BYTES // 4, max(s.rows for s in self.selectable))
+            self.stage = Staging(elems, pin=self._pin and device.type == "cuda", device=device)
+        return self.stage
+
+    def release(self) -> None:
+        """Unpin the staging buffer (the optimizer's ``close()``)."""
+        if self.stage is not None:
+            self.stage.release()
 
     def due(self, t: int) -> bool:
         """Selection happens at t == W and every select period after it."""
@@ -80,10 +96,11 @@ class Selector:
             own = host.column_state(slot)
             rows: Sequence[HostRows] = own
             owned: list[OwnedRows] = []
+            stage = self._staging() if self.part is None else None  # owners' rows come by collectives
             if self.part is not None:  # this rank holds only some rows: owners supply the rest
                 owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.part.group, dev.master.device) for h in own]
                 rows = tuple(owned)
-            d2h, h2d = migrate(dev.column_state(slot), rows, index[slot.index], new)
+            d2h, h2d = migrate(dev.column_state(slot), rows, index[slot.index], new, stage)
             stats.d2h_bytes += d2h
             stats.h2d_bytes += h2d
             stats.comm_bytes += sum(o.sent for o in owned)
