@@ -44,16 +44,17 @@ def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
         raise UserError(f"checkpoint {info.path} is unreadable: {MODEL_FILE}: {e}") from None
 
 
-def load_optimizer(info: CheckpointInfo, name: str) -> Any:
+def load_optimizer(info: CheckpointInfo, name: str, *, lazy: bool = True) -> Any:
     """An optimizer state file of ``info``: its large tensors as file ranges the optimizer reads
-    straight into its buffers (tensorfile.py); a legacy ``.pt`` memory-mapped by torch.load."""
+    straight into its buffers (tensorfile.py); a legacy ``.pt`` memory-mapped by torch.load.
+    ``lazy=False``: every tensor read into memory (a state re-cut across strategies slices it)."""
     if name.endswith(".pt"):
         return load_torch(info, name, mmap=True)
     path = info.path / name
     if not path.is_file():
         raise UserError(f"checkpoint {info.path} has no {name}")
     try:
-        return load_state(path)
+        return load_state(path, lazy=lazy)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"checkpoint {info.path} is unreadable: {name}: {e}; pick another checkpoint") from None
 
