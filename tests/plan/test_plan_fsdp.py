@@ -85,7 +85,8 @@ def test_fsdp_refusals_are_one_line_exit_2_and_write_nothing(tmp_path) -> None:
     assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.nproc=3")
     run = tmp_path / "run"
     out = _zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--set", "distributed.strategy=fsdp",
-                 "--nproc", "2", "-o", str(run), cwd=str(tmp_path))
+                 "--nproc", "3", "-o", str(run), cwd=str(tmp_path))
     assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.strategy='fsdp'")
+    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.nproc=3"), out.stderr
+    assert "launching" not in out.stdout
     assert not run.exists()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from zfctl.errors import UserError
 from zfctl.offload.pieces import merge_states, owners
@@ -91,7 +91,7 @@ def fit_strategy(plan: RunPlan, strategy: str | None) -> tuple[RunPlan, str | No
         raise UserError(f"--strategy {strategy}: use one of {', '.join(STRATEGIES)}")
     if strategy is None or strategy == plan.distributed.strategy:
         return plan, None
-    fitted = replace(plan, distributed=replace(plan.distributed, strategy=strategy))
+    fitted = replace(plan, distributed=replace(plan.distributed, strategy=cast(Literal["zero2", "fsdp", "auto"], strategy)))
     return fitted, f"resuming under distributed.strategy {strategy}, saved under {plan.distributed.strategy}"
 
 
