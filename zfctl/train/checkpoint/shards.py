@@ -215,6 +215,26 @@ def _whole(shape: list[int] | tuple[int, ...]) -> Box:
     return tuple((0, x) for x in shape)
 
 
+def tie_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Every name of a tie group (tensors sharing memory) -> the group's names; tied weights are
+    stored once, under one of their names, so any name of the group finds them."""
+    groups = [[name, *others] for name, others in _remove_duplicate_names(tensors).items()]
+    return {n: group for group in groups for n in group}
+
+
+def stored_name(stored: StoredModel, name: str, alias: dict[str, list[str]]) -> str:
+    """The name ``name``'s tensor is stored under (itself, or another name of its tie group)."""
+    for a in alias.get(name, [name]):
+        if a in stored.tensors:
+            return a
+    raise UserError(f"checkpoint {stored.path} does not match the model: no {name} in {', '.join(stored.files)}")
+
+
+def index(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """``box`` as slices of the full tensor, or of a tensor whose own box is ``origin``."""
+    return _index(box, origin if origin is not None else tuple((0, hi) for _, hi in box))
+
+
 # -- reading -------------------------------------------------------------------------------------
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -276,10 +296,7 @@ def load_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
     stored = stored_model(info)
     state = model.state_dict()
     dests = {n: destination(t) for n, t in state.items()}
-    # Tied weights are stored once, under one of their names: any name of a tie group will do.
-    local = {n: d[0] for n, d in dests.items()}
-    groups = {name: [name, *others] for name, others in _remove_duplicate_names(local).items()}
-    alias = {n: group for group in groups.values() for n in group}
+    alias = tie_groups({n: d[0] for n, d in dests.items()})
     missing = [n for n in state if not any(a in stored.tensors for a in alias.get(n, [n]))]
     unexpected = [n for n in stored.tensors if n not in state]
     if missing or unexpected:
