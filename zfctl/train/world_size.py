@@ -33,7 +33,6 @@ from zfctl.offload.sharded import shard_state, unshard_state
 from zfctl.offload.state import FORMAT_V1
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
-from zfctl.train.checkpoint.format import model_shard_file
 from zfctl.train.optim import TrainingOptimizer
 
 
@@ -79,9 +78,9 @@ STRATEGIES = ("zero2", "fsdp", "auto")  # distributed.strategy's values (zfctl/p
 
 
 def saved_strategy(info: ck.CheckpointInfo) -> str:
-    """The strategy ``info`` was saved under (``meta.json``'s ``strategy``; checkpoints written
-    before it was recorded are zero2: the only strategy that trained then)."""
-    return str(info.meta.get("strategy", "zero2"))
+    """The strategy ``info`` was saved under: ``meta.json``'s ``strategy``; without it (checkpoints
+    written before it was recorded) fsdp if the model is in shard files, else zero2."""
+    return str(info.meta.get("strategy") or ("fsdp" if ck.is_sharded(info) else "zero2"))
 
 
 def fit_strategy(plan: RunPlan, strategy: str | None) -> tuple[RunPlan, str | None]:
@@ -110,11 +109,11 @@ def model_files(info: ck.CheckpointInfo, rank: int, world: int, strategy: str) -
     verifies): ``model.safetensors``; or of W model shards, rank 0's (it also holds the tensors
     that are not sharded) and those holding this rank's rows (fsdp), or all of them (zero2,
     one process: the whole model)."""
-    if ck.MODEL_FILE in info.meta.get("files", {}) or saved_strategy(info) != "fsdp":
+    if not ck.is_sharded(info):
         return [ck.MODEL_FILE]
     saved = info.world_size
     owners = range(saved) if strategy != "fsdp" or world == 1 else _fine_cut(saved, world, rank)[2]
-    return [model_shard_file(o) for o in sorted({0, *owners})]
+    return [ck.model_shard_file(o) for o in sorted({0, *owners})]
 
 
 def optimizer_files(info: ck.CheckpointInfo, rank: int, world: int, strategy: str) -> list[str] | None:
