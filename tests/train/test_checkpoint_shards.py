@@ -280,6 +280,8 @@ def test_one_rank_fsdp_loads_both_layouts_and_sizes_like_plain(shards, tmp_path)
         tied = _fsdp(_model(_plan(tied=True)), 1)
         assert ck.estimate_bytes(tied) == ck.estimate_bytes(_model(_plan(tied=True)))
         assert ck.estimate_bytes(tied) < ck.estimate_bytes(model)  # the tied head counted once
+        with pytest.raises(ValueError, match="piece 0 of 1, not of rank 1 of 2"):  # a caller's wrong rank
+            ck.save_model_shard(model, tmp_path / "x.safetensors", step=1, rank=1, world=2)
     finally:
         dist.destroy_process_group()
 
