@@ -85,7 +85,19 @@ def test_fsdp_refusals_are_one_line_exit_2_and_write_nothing(tmp_path) -> None:
     assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.nproc=3")
     run = tmp_path / "run"
     out = _zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--set", "distributed.strategy=fsdp",
-                 "--nproc", "2", "-o", str(run), cwd=str(tmp_path))
+                 "--nproc", "3", "-o", str(run), cwd=str(tmp_path))
     assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.strategy='fsdp'")
+    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: distributed.nproc=3"), out.stderr
+    assert "launching" not in out.stdout
     assert not run.exists()
+
+
+def test_fsdp_node_host_total_holds_one_whole_model_while_the_ranks_load_in_turn() -> None:
+    """zfctl/train/recipe.py: each rank of a node builds the whole model in host RAM in its turn;
+    with everything on the GPU (topk_ratio 1) that load is the node's host peak."""
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["distributed.nproc=8", "distributed.strategy=fsdp",
+                                                          "zenflow.topk_ratio=1", "train.device=cuda"])
+    est = estimate(plan, Machine(1024 * GB, True, "H100", 80 * GB))
+    whole = 2 * est.size.params
+    assert est.node_host_total == pytest.approx(whole + 7 * whole / 8)
+    assert any(n.startswith("fsdp model load: the 8 ranks of a node") for n in est.notes), est.notes

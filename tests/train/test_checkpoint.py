@@ -124,7 +124,7 @@ def test_a_resume_launcher_resolves_once_and_hands_its_ranks_the_folder(tmp_path
     monkeypatch.setattr(ck, "resolve_checkpoint", lambda *a, **k: calls.append(a) or real(*a, **k))
     monkeypatch.setattr(launch, "under_torchrun", lambda: False)
     monkeypatch.setattr(launch, "relaunch", lambda n, argv, extra_env=None: launched.append((n, extra_env)) or 0)
-    monkeypatch.setattr(launch, "_saved_world_size", lambda info, nproc: info.world_size)
+    monkeypatch.setattr(launch, "_saved_world_size", lambda info, nproc, strategy=None: info.world_size)
     launch.resume(tmp_path, max_steps=None, allow_changes=False, latest_good=True, nproc=2,
                   argv=["resume", str(tmp_path), "--latest-good", "--nproc", "2"], show_plan=print)
     assert len(calls) == 1

@@ -42,6 +42,15 @@ def resume(
             "global batch by changing train.gradient_accumulation_steps.",
         ),
     ] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            "--strategy",
+            help="distributed.strategy to continue under (zero2 or fsdp); default: the checkpoint's. "
+            "The model and optimizer state are re-cut; fsdp needs a world size that divides the "
+            "sharded dims.",
+        ),
+    ] = None,
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.train.dist import bind_to_launcher, dist_env
@@ -53,7 +62,8 @@ def resume(
 
     # The plan is read from the checkpoint and printed through the callback, before any loading.
     result = start(ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, latest_good=latest_good,
-                   nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console))
+                   nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console),
+                   strategy=strategy)
     if isinstance(result, Launched):
         raise typer.Exit(code=result.code)
     if not dist_env().is_main:

@@ -50,6 +50,9 @@ lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-r
   the per-column bookkeeping is not divided), plus what FSDP2 gathers: the root's parameters
   (embeddings, head, final norm: kept from forward to backward) and two decoder layers (the
   current and the prefetched one), and one layer's unsharded gradients with their fp32 reduce copy;
+  loading, the ranks of a node take turns building the whole model in host RAM and sharding it
+  (zfctl/train/recipe.py), so ``node_host_total`` is at least one whole model plus the shards the
+  earlier ranks keep (a note says it);
 * ``auto``: ``fsdp`` when ``W > 1`` and the GPU cannot hold the ``zero2`` lines, else ``zero2``
   (``MemoryEstimate.strategy``).
 
@@ -300,6 +303,13 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
     node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
+    if strategy == "fsdp" and world > 1 and size is not None:
+        # zfctl/train/recipe.py: the ranks of a node take turns building the whole model in host
+        # RAM and sharding it, before any optimizer state exists; the node's peak is the larger.
+        load = (4 if plan.train.precision == "fp32" else 2) * size.params
+        notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
+                     f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
+        node_host = max(node_host, load + (per_node - 1) * load / world)
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node)
     if d.strategy == "auto" and strategy == "fsdp":
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")

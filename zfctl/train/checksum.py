@@ -107,11 +107,18 @@ def save_model_hashed(model: torch.nn.Module, path: Path, metadata: dict[str, st
     for dropped in _remove_duplicate_names(state).values():  # tied weights: keep one name
         for name in dropped:
             del state[name]
-    head = safetensors_header(list(state.items()), metadata)
+    return save_tensors_hashed(list(state.items()), path, metadata)
+
+
+def save_tensors_hashed(tensors: list[tuple[str, torch.Tensor]], path: Path, metadata: dict[str, str]) -> str:
+    """``tensors`` as one safetensors file, each checked finite, hashed and written in turn (no
+    copy of them in memory); the digest. Raises :class:`NonFiniteTensorError` like
+    :func:`save_model_hashed`."""
+    head = safetensors_header(tensors, metadata)
 
     def fill(w: HashingWriter) -> None:
         w.write(head)
-        for name, t in state.items():
+        for name, t in tensors:
             t = t.detach()
             if t.is_floating_point() and not _all_finite(t):  # on the tensor's own device
                 raise NonFiniteTensorError(name)

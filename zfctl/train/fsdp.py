@@ -14,12 +14,16 @@ wrap, and zfctl needs every sharded dim to divide evenly (equal local rows on ev
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from zfctl.errors import ConfigError
+from zfctl.errors import ConfigError, RunFailed
+
+if TYPE_CHECKING:
+    from zfctl.plan.schema import RunPlan
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -92,3 +96,47 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, by_row: Iterable[st
         fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
     return model
+
+
+def resolve_strategy(plan: RunPlan, world_size: int) -> Literal["zero2", "fsdp"]:
+    """``distributed.strategy`` as this run trains it: ``auto`` is ``fsdp`` where the plan's
+    estimate on this machine says the whole model does not fit a GPU under ``zero2``
+    (zfctl/plan/memory.py). One process is ``zero2`` whatever the plan says (no group to shard
+    over: a resume of an fsdp run on one process)."""
+    s = plan.distributed.strategy
+    if world_size == 1:  # nothing to shard over (a resume of an fsdp run on one process)
+        return "zero2"
+    if s != "auto":
+        return s
+    from zfctl.train.optim import run_estimate
+
+    return run_estimate(plan).strategy
+
+
+def load_in_turns(local_rank: int, local_world: int, device: torch.device,
+                  load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``load()`` on every rank, the ranks of a node one after the other (``local_rank`` order):
+    each turn builds the full model in host RAM and shards it (``parallelize`` in ``load``),
+    which frees the full tensors, so a node's host peak holds one full model, not ``local_world``
+    of them; the price is ``local_world`` loads in sequence. Every turn ends with one tiny
+    all-reduce (every rank takes part, as a barrier): a rank whose load raised re-raises its
+    error, the others one line naming it, instead of waiting for it in the next collective."""
+    import torch.distributed as dist
+
+    model: torch.nn.Module | None = None
+    for turn in range(local_world):
+        error: Exception | None = None
+        if turn == local_rank:
+            try:
+                model = load()
+            except Exception as e:  # noqa: BLE001 -- any failure: re-raised below, after the others learnt of it
+                error = e
+        failed = torch.tensor([float(error is not None)], device=device)  # on NCCL a device sync, once a turn
+        dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RunFailed(f"local rank {turn} could not load the model (its error is its own line)")
+    assert model is not None
+    return model
+

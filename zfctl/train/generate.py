@@ -25,7 +25,7 @@ from zfctl.plan.io import load_plan_yaml
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.prompt_format import prompt_template
 from zfctl.train.lock import held
-from zfctl.train.weights import EXPORT_MARKER, final_weights, quiet_transformers
+from zfctl.train.weights import EXPORT_MARKER, final_weights, final_weights_files, quiet_transformers
 
 
 @dataclass
@@ -111,7 +111,7 @@ def load_generator(path: Path, device: torch.device, notes: list[str]) -> Genera
     if is_export(path):
         return _from_export(path, device, notes)
     info = ck.resolve_checkpoint(path, notes)
-    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, 0)])
+    ck.verify_checkpoint(info, final_weights_files(info))
     plan = load_plan_yaml(info.path / ck.PLAN_FILE)
     from zfctl.train.models.load import load_tokenizer
 

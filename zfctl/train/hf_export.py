@@ -24,7 +24,7 @@ from zfctl.plan.io import dump_plan_yaml, load_plan_yaml
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.prompt_format import prompt_template
 from zfctl.train.lock import held
-from zfctl.train.weights import EXPORT_MARKER, final_weights, quiet_transformers
+from zfctl.train.weights import EXPORT_MARKER, final_weights, final_weights_files, quiet_transformers
 from zfctl.writable import check_writable, current_umask
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -66,7 +66,7 @@ def export(ckpt_dir: Path, output: Path, *, force: bool = False, push_to_hub: st
     notes: list[str] = []
     info = ck.resolve_checkpoint(Path(ckpt_dir), notes)
     # Every file export reads, checked against its digest before anything is loaded or written.
-    ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE, ck.optimizer_file_in(info, 0)])
+    ck.verify_checkpoint(info, final_weights_files(info))
     check_export_dest(output, force)
     check_writable(output.parent, "--output", shown=output)
     for note in notes:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from zfctl.errors import ConfigError, UserError
+from zfctl.errors import UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
@@ -54,10 +54,6 @@ def finetune(plan: RunPlan, *, force: bool, debug_data: bool, argv: Sequence[str
     prints the plan (once per job: relaunched ranks stay quiet), so a mistake is one line in a
     second, not after the plan and a model load.
     """
-    if plan.distributed.strategy == "fsdp":  # before any process starts or anything is written
-        raise ConfigError("distributed.strategy", "fsdp",
-                          "the training loop runs zero2 only so far: the FSDP2 engine (zfctl/offload/sharded.py) "
-                          "has no checkpoint format yet; use zero2 or auto (auto trains under zero2)")
     env = dist_env()
     first = env.is_main and not os.environ.get(PLAN_PRINTED_ENV)
     if first:
@@ -85,17 +81,18 @@ def finetune(plan: RunPlan, *, force: bool, debug_data: bool, argv: Sequence[str
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest_good: bool, nproc: int | None,
-           argv: Sequence[str], show_plan: Callable[[RunPlan], None]) -> RunResult | Launched:
+           argv: Sequence[str], show_plan: Callable[[RunPlan], None],
+           strategy: str | None = None) -> RunResult | Launched:
     """Continue a run from ``ckpt_dir`` on ``nproc`` processes (default: the checkpoint's world
-    size; more than one relaunches under torchrun). ``show_plan`` prints the plan that will run,
-    read from the checkpoint, before any data is loaded."""
+    size; more than one relaunches under torchrun) under ``strategy`` (default: the saved one).
+    ``show_plan`` prints the plan that will run, read from the checkpoint, before any data is loaded."""
     if not under_torchrun():
         notes: list[str] = []
         try:
             info: ck.CheckpointInfo | None = ck.resolve_checkpoint(ckpt_dir, notes, latest_good=latest_good)
         except UserError:
             info = None  # resume reports why, in one process
-        saved = _saved_world_size(info, nproc)
+        saved = _saved_world_size(info, nproc, strategy)
         n = nproc if nproc is not None else (saved or 1)
         if n > 1 and info is not None:
             from zfctl.train.session import note
@@ -110,7 +107,8 @@ def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest
     from zfctl.train import session
 
     return _as_rank(dist_env(), None, lambda: session.resume(
-        ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, on_plan=show_plan, latest_good=latest_good),
+        ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, on_plan=show_plan, latest_good=latest_good,
+        strategy=strategy),
         run_dir=_run_folder_of(Path(os.environ.get(RESUME_FROM_ENV) or ckpt_dir)))
 
 
@@ -145,23 +143,28 @@ def _run_folder_of(path: Path) -> Path:
     return path.parent if path.name == ck.CHECKPOINTS else path
 
 
-def _saved_world_size(info: ck.CheckpointInfo | None, nproc: int | None) -> int | None:
+def _saved_world_size(info: ck.CheckpointInfo | None, nproc: int | None, strategy: str | None = None) -> int | None:
     """The world size recorded in the checkpoint; None if it cannot be read (resume reports why).
 
     ``nproc`` different from it: checked here, before N processes start, that the global batch can
-    be kept (zfctl/train/world_size.py), rather than by each rank after torchrun formed the group.
+    be kept (zfctl/train/world_size.py), rather than by each rank after torchrun formed the group;
+    and that fsdp (saved, or ``strategy``) shards the model evenly over that many.
     """
-    from zfctl.train.world_size import fit_world_size
+    from zfctl.plan.validate import check_strategy
+    from zfctl.train.world_size import fit_strategy, fit_world_size
 
     if info is None:
         return None
+    changed = nproc not in (None, info.world_size) or strategy is not None
     try:
-        plan = load_plan_yaml(info.path / ck.PLAN_FILE) if nproc not in (None, info.world_size) else None
+        plan = load_plan_yaml(info.path / ck.PLAN_FILE) if changed else None
     except UserError:
         return None
-    if plan is not None and nproc is not None:
+    if plan is not None:
+        n = nproc if nproc is not None else info.world_size
         try:
-            fit_world_size(plan, info.world_size, nproc)
+            plan, _ = fit_strategy(fit_world_size(plan, info.world_size, n)[0], strategy)
         except UserError as e:
             raise UserError(f"--nproc {nproc}: {e}") from None
+        check_strategy(plan)
     return info.world_size

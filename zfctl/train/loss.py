@@ -93,11 +93,14 @@ def all_reduce_sum(values: list[float], device: torch.device, world_size: int) -
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, eval_data: Sequence[dict] | None, collate: Callable,
              device: torch.device, *, micro_batch_size: int, max_batches: int, rank: int = 0,
-             world_size: int = 1) -> float | None:
+             world_size: int = 1, lockstep: bool = False) -> float | None:
     """Mean next-token loss over the first ``max_batches`` micro-batches of ``eval_data``.
 
     Always the same batches, in order, so evaluations are comparable across steps and runs.
     Ranks take every ``world_size``-th batch; the token-weighted sums are all-reduced once.
+    ``lockstep`` (an FSDP2 model, whose forward all-gathers each layer: a collective): every rank
+    runs the same number of forwards, a rank left without a batch in the last round running its
+    first batch again and counting nothing of it.
     """
     if not eval_data:
         return None
@@ -106,13 +109,17 @@ def evaluate(model: torch.nn.Module, eval_data: Sequence[dict] | None, collate: 
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
-    for b in range(rank, n_batches, world_size):
-        lo = b * micro_batch_size
+    rounds = -(-n_batches // world_size) if lockstep else len(range(rank, n_batches, world_size))
+    for j in range(rounds):
+        b = rank + j * world_size
+        counted = b < n_batches
+        lo = (b if counted else 0) * micro_batch_size
         batch = collate([eval_data[i] for i in range(lo, min(lo + micro_batch_size, len(eval_data)))])
-        n_tokens += targets(batch)
+        n_tokens += targets(batch) if counted else 0
         batch = to_device(batch, device)
         logits = model(**model_inputs(batch), use_cache=False).logits
-        loss_sum += lm_loss_sum(logits, batch["labels"]).double()
+        if counted:
+            loss_sum += lm_loss_sum(logits, batch["labels"]).double()
     model.train(was_training)
     total, tokens = all_reduce_sum([float(loss_sum), float(n_tokens)], device, world_size)  # sync
     return total / tokens if tokens else None

@@ -67,7 +67,8 @@ class TrainingOptimizer(Protocol):
 
 def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: int,
                     process_group: ProcessGroup | None = None,
-                    shard_group: ProcessGroup | None = None) -> ZenFlowOptimizer:
+                    shard_group: ProcessGroup | None = None,
+                    params: list[tuple[str, torch.Tensor]] | None = None) -> ZenFlowOptimizer:
     """A ``ZenFlowOptimizer`` configured from ``plan.train`` and ``plan.zenflow``.
 
     Every zenflow preset goes through the same optimizer: ``zero-offload`` is ``topk_ratio 0,
@@ -77,12 +78,15 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     ``named_parameters`` yields a tied weight once. Frozen parameters are left out. The token-indexed
     matrices are named as ``vocab_params``; ``zenflow.vocab_select`` decides what that changes.
     ``shard_group``: the model is FSDP2-sharded over it (zfctl/train/fsdp.py); the optimizer steps
-    the local shards (zfctl/offload/sharded.py).
+    the local shards (zfctl/offload/sharded.py). ``params``: the (name, tensor) pairs to step
+    instead of ``model``'s trainable parameters, under the same names (export installs one FSDP2
+    rank's update on copies of that rank's rows, zfctl/train/weights.py).
     """
     from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 
     t = plan.train
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if params is None:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     zen = plan.zenflow
     cuda = bool(params) and params[0][1].device.type == "cuda"
     host_auto = zen.tuning.host_accumulators == "auto" and zen.overlap_step and float(zen.topk_ratio) < 1

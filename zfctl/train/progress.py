@@ -79,12 +79,14 @@ class Restore:
     scheduler: dict[str, Any]
     rng: dict[str, Any] | None  # None: the checkpoint has no RNG file for this rank
 
-    def install(self, optimizer: TrainingOptimizer, scheduler: LambdaLR, *, rank: int, world_size: int) -> None:
+    def install(self, optimizer: TrainingOptimizer, scheduler: LambdaLR, *, rank: int, world_size: int,
+                strategy: str = "zero2") -> None:
         """Put the optimizer, scheduler and RNG state into the freshly built parts, RNG last:
         nothing may draw from it after the restore."""
-        # This rank's columns, from whichever saved ranks' files hold them (re-cut when the world
-        # size changed); a state that does not fit this plan is a one-line UserError.
-        load_optimizer_state(optimizer, self.checkpoint, rank, world_size)
+        # This rank's columns (zero2) or rows (fsdp), from whichever saved ranks' files hold them
+        # (re-cut when the world size or strategy changed); a state that does not fit this plan
+        # is a one-line UserError.
+        load_optimizer_state(optimizer, self.checkpoint, rank, world_size, strategy=strategy)
         restore_scheduler(scheduler, self.scheduler)
         if self.rng is not None:
             ck.restore_rng(self.rng)

@@ -16,6 +16,7 @@ opened, newest first, however far it got.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import ResumableSampler
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line
 from zfctl.train.dist import DistEnv, process_setup, train_device
+from zfctl.train.fsdp import resolve_strategy
 from zfctl.train.lock import FolderLock
 from zfctl.train.loss import (
     all_reduce_sum,
@@ -53,6 +55,7 @@ from zfctl.train.signals import StopSignals, interrupted, run_stop_signals
 from zfctl.train.testhooks import fail_or_hang
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.optim.lr_scheduler import LambdaLR
 
     from zfctl.train.data.prepare import PreparedData
@@ -81,6 +84,7 @@ class FinetuneRecipe:
                  force: bool = False, allow_changes: bool = False) -> None:
         self.plan, self.data, self.env = plan, data, env
         self.device = train_device(plan, env)
+        self.strategy = resolve_strategy(plan, env.world_size)  # zero2 or fsdp (auto resolved; one process: zero2)
         self.run_dir = Path(plan.checkpoint.output_dir)
         self.lock = lock if lock is not None else FolderLock()
         self.force = force
@@ -120,28 +124,73 @@ class FinetuneRecipe:
         the checkpoint's state when resuming; last, the output folder, metrics and console."""
         plan, t, env, restore = self.plan, self.plan.train, self.env, self._restore
         self._cleanup.enter_context(process_setup(plan, env, self.device))
-        self.model = load_model(plan.model, precision=t.precision, device=self.device, seed=t.seed)
-        check_max_length(plan.data.max_length, getattr(self.model, "config", None))  # hub/local models
-        check_packing(plan.data.packing, getattr(self.model, "config", None))
-        if restore is not None:
-            ck.load_model_weights(restore.checkpoint, self.model)
-        if resolve_activation_checkpointing(plan):  # a plan made by zfctl says true/false; a library one may say auto
-            enable_activation_checkpointing(self.model)  # zfctl/train/models/load.py: per layer, non-reentrant
+        shard_group = self._build_model(restore.checkpoint if restore is not None else None)
         self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
                                         world_size=env.world_size,
                                         position=restore.sampler if restore is not None else None)
         self.steps_per_epoch = max(1, self.sampler.batches_per_epoch() // t.gradient_accumulation_steps)
         self.total_steps = (int(t.max_steps) if t.max_steps is not None else
                             max(1, t.epochs * self.sampler.batches_per_epoch() // t.gradient_accumulation_steps))
+        # zero2: the optimizer averages the gradients over the world in step(); fsdp: FSDP2's
+        # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/sharded.py).
+        zero2_group = dist.group.WORLD if env.world_size > 1 and shard_group is None else None
         self.optimizer = build_optimizer(self.model, plan, steps_per_epoch=self.steps_per_epoch,
-                                         process_group=dist.group.WORLD if env.world_size > 1 else None)
+                                         process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
         if restore is not None:
-            restore.install(self.optimizer, self.scheduler, rank=env.rank, world_size=env.world_size)
+            restore.install(self.optimizer, self.scheduler, rank=env.rank, world_size=env.world_size,
+                            strategy=self.strategy)
             self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
+
+    def _build_model(self, ckpt: ck.CheckpointInfo | None) -> ProcessGroup | None:
+        """The model, with ``ckpt``'s weights and activation checkpointing as the plan says; under
+        fsdp sharded with FSDP2 and the group it is sharded over returned (None: zero2).
+
+        fsdp, the torchtitan order: each rank builds the whole model on the host, activation
+        checkpointing wraps its layers, then ``parallelize`` shards it layer by layer (moving each
+        shard to the device, so the device never holds the whole model); the ranks of a node
+        take turns (zfctl/train/fsdp.py ``load_in_turns``), so the node's host peak is one whole
+        model. A checkpoint's weights are then read into the shards, each rank its own rows
+        (zfctl/train/checkpoint/shards.py), whatever layout they were saved in."""
+        plan, t, env = self.plan, self.plan.train, self.env
+        ac = resolve_activation_checkpointing(plan)  # a plan made by zfctl says true/false; a library one may say auto
+
+        def build(device: torch.device) -> torch.nn.Module:
+            model = load_model(plan.model, precision=t.precision, device=device, seed=t.seed)
+            check_max_length(plan.data.max_length, getattr(model, "config", None))  # hub/local models
+            check_packing(plan.data.packing, getattr(model, "config", None))
+            return model
+
+        if self.strategy != "fsdp":
+            self.model = build(self.device)
+            if ckpt is not None:
+                ck.load_model_weights(ckpt, self.model)
+            if ac:
+                enable_activation_checkpointing(self.model)  # zfctl/train/models/load.py: per layer, non-reentrant
+            return None
+        from zfctl.offload import vocab_matrices
+        from zfctl.train.fsdp import check_shardable, data_parallel_mesh, load_in_turns, parallelize
+
+        # One 1-D mesh over every rank: the plan has no HSDP setting (docs/design.md, "ZenFlow on
+        # FSDP2 shards"), so rows are sharded over nproc x nodes ranks.
+        mesh = data_parallel_mesh(self.device.type, env.world_size)
+
+        def shard() -> torch.nn.Module:
+            model = build(torch.device("cpu"))  # fully_shard moves each shard to the mesh's device
+            by_row = vocab_matrices(model) if plan.zenflow.vocab_select == "rows" else []
+            check_shardable(model, env.world_size, by_row)
+            if ac:
+                enable_activation_checkpointing(model)
+            return parallelize(model, mesh, by_row=by_row)
+
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        self.model = load_in_turns(env.local_rank, local_world, self.device, shard)
+        if ckpt is not None:
+            ck.load_model_weights(ckpt, self.model)
+        return mesh.get_group("shard")
 
     def _claim_run_folder(self) -> None:
         """Every input is good: only now touch the output folder (rank 0 writes, all wait)."""
@@ -277,7 +326,8 @@ class FinetuneRecipe:
         t = self.plan.train
         eval_loss = evaluate(self.model, self.data.eval, self.data.collate, self.device,
                              micro_batch_size=t.micro_batch_size, max_batches=t.eval_batches,
-                             rank=self.env.rank, world_size=self.env.world_size)
+                             rank=self.env.rank, world_size=self.env.world_size,
+                             lockstep=self.strategy == "fsdp")
         if eval_loss is not None:
             if self.metrics is not None:
                 self.metrics.log({"kind": "eval", "step": step, "eval_loss": eval_loss})
@@ -295,7 +345,8 @@ class FinetuneRecipe:
             self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
-            barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint)
+            barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint,
+            strategy=self.strategy)
         self.last_checkpoint, self.saved_step = path, step
         self.display.print(f"checkpoint {path}")
         return path

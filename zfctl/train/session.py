@@ -24,8 +24,10 @@ from zfctl import __version__
 from zfctl.errors import UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.validate import check_strategy
 from zfctl.train import checkpoint as ck
 from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env
+from zfctl.train.fsdp import resolve_strategy
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
@@ -33,7 +35,7 @@ from zfctl.train.progress import RunResult
 from zfctl.train.recipe import FinetuneRecipe
 from zfctl.train.run_length import check_new_length, run_length
 from zfctl.train.rundir import RunFolder, plan_differences
-from zfctl.train.world_size import as_saved_world, fit_world_size
+from zfctl.train.world_size import as_saved_world, fit_strategy, fit_world_size, model_files
 
 __all__ = ["RunResult", "resume", "run"]
 
@@ -82,13 +84,15 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
 
 
 def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool = False,
-           on_plan: Callable[[RunPlan], None] | None = None, latest_good: bool = False) -> RunResult:
+           on_plan: Callable[[RunPlan], None] | None = None, latest_good: bool = False,
+           strategy: str | None = None) -> RunResult:
     """Continue a run from a checkpoint folder, or from a run folder's newest checkpoint.
 
     The plan comes from the checkpoint. A run-folder ``plan.yaml`` edited since is refused with
     the differences listed unless ``allow_changes`` (then the edited plan is used). A different
     world size keeps the global batch by changing the gradient accumulation, or is refused when it
-    cannot (``zfctl.train.world_size``); ``FinetuneRecipe.load_checkpoint`` re-cuts the optimizer
+    cannot (``zfctl.train.world_size``); ``strategy`` (``--strategy``; None: the saved one) changes
+    ``distributed.strategy`` the same way; ``FinetuneRecipe.setup`` re-cuts the model and optimizer
     state. ``max_steps`` moves the end of the run; one that changes the LR of a step still to run is
     refused unless ``allow_changes`` (zfctl/train/run_length.py). A checkpoint at the run's last
     step returns at once with ``already_finished``: nothing is loaded, trained or evaluated.
@@ -115,7 +119,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
     try:
         # --latest-good chose a checkpoint whose every file verified just now (here or in the launcher)
         plan = _resumed_plan(info, run_dir, env, max_steps=max_steps, allow_changes=allow_changes,
-                             verified=latest_good)
+                             verified=latest_good, strategy=strategy)
         length = run_length(info, plan, env.world_size)
         if length is not None and info.step >= length:  # nothing to train: say so, instead of loading and evaluating
             return RunResult(output_dir=run_dir, steps=info.step, final_train_loss=None, final_eval_loss=None,
@@ -152,12 +156,12 @@ def _run_folder_plan(path: Path, renamed: list[str], *, allow_changes: bool, ran
 
 
 def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_steps: int | None,
-                  allow_changes: bool, verified: bool = False) -> RunPlan:
+                  allow_changes: bool, verified: bool = False, strategy: str | None = None) -> RunPlan:
     """The plan a resume runs: the checkpoint's (its files this rank reads verified first, unless
     ``verified``: every file was), or the run folder's edited one with ``allow_changes``; refused
-    if it changed without it."""
+    if it changed without it. ``strategy``: ``distributed.strategy`` to run under (None: kept)."""
     if not verified:
-        ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.MODEL_FILE, ck.TRAINER_FILE,
+        ck.verify_checkpoint(info, [ck.PLAN_FILE, ck.TRAINER_FILE,
                                     ck.optimizer_file_in(info, env.rank), ck.rng_file(env.rank)])
     renamed: list[str] = []  # keys of an older zfctl, mapped alike in both plans (zfctl/plan/legacy.py)
     plan = load_plan_yaml(info.path / ck.PLAN_FILE, renamed)
@@ -171,11 +175,18 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
             plan = current
         problems += diffs
     plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/world_size.py
+    plan, restrategy = fit_strategy(plan, strategy)
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
-    if resharded and env.rank == 0:
-        note(resharded)
+    if strategy is not None:
+        check_strategy(plan)  # fsdp on a world size that does not divide: refused before any load
+    if not verified:  # the model files this rank reads, in the layout it was saved in
+        ck.verify_checkpoint(info, model_files(info, env.rank, env.world_size,
+                                               resolve_strategy(plan, env.world_size)))
+    for line in (resharded, restrategy):
+        if line and env.rank == 0:
+            note(line)
     if env.rank == 0:
         for line in dict.fromkeys(renamed):
             note(line)

@@ -5,6 +5,7 @@ A checkpoint folder holds everything a run needs to continue on the same traject
 | file | content |
 | --- | --- |
 | ``model.safetensors`` | model weights as the optimizer left them (tied tensors stored once) |
+| ``model-rankRRRRR.safetensors`` | instead, under ``distributed.strategy: fsdp``: that rank's FSDP2 shard of the weights (shards.py) |
 | ``optimizer-rankRRRRR.safetensors`` | the optimizer's full state_dict (ZenFlow: selection, device and host masters and moments, counters, unfinished-interval accumulators, auto-interval statistics, loss scaler), streamed from the live buffers (tensorfile.py); checkpoints written before that hold ``optimizer-rankRRRRR.pt`` (torch.save), which still loads |
 | ``rng-rankRRRRR.pt`` | torch CPU/CUDA, Python and NumPy RNG states of that rank |
 | ``trainer.pt`` | step, LR-scheduler state, data position, the run's counters (keys in format.py) |
@@ -18,6 +19,7 @@ checkpoint as ck; ck.save_checkpoint(...)``):
 * write.py: the multi-rank save protocol, atomic installation, ``latest``, rotation;
 * find.py: listing, resolving a path to a checkpoint, digest checks (*listed* vs *intact*);
 * load.py: model weights, optimizer state and torch files back into the run;
+* shards.py: model weights as FSDP2 shards, one file per rank, read into any layout;
 * space.py: the free-space check before a run and before each save, stale-folder cleaning;
 * rng.py: the RNG state of one rank.
 
@@ -53,6 +55,7 @@ from zfctl.train.checkpoint.format import (
     VERSION_KEY,
     CheckpointInfo,
     legacy_optimizer_file,
+    model_shard_file,
     optimizer_file,
     optimizer_file_in,
     rng_file,
@@ -60,6 +63,13 @@ from zfctl.train.checkpoint.format import (
 )
 from zfctl.train.checkpoint.load import load_model_weights, load_optimizer, load_torch
 from zfctl.train.checkpoint.rng import capture_rng, restore_rng
+from zfctl.train.checkpoint.shards import (
+    full_tensors,
+    is_sharded,
+    model_files_in,
+    model_shard_files,
+    save_model_shard,
+)
 from zfctl.train.checkpoint.space import (
     OPTIMIZER_BYTES_PER_PARAM,
     check_free_space,
@@ -75,8 +85,9 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM", "PLAN_FILE", "SAMPLER_KEY", "SCHEDULER_KEY", "STEPS_PER_EPOCH_KEY",
     "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "TRAIN_DIGEST_KEY", "VERSION_KEY", "CheckpointInfo",
     "capture_rng",
-    "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "last_size",
-    "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch", "nearest_intact",
-    "newest_listed", "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint",
-    "restore_rng", "rng_file", "rotate", "save_checkpoint", "step_name", "verify_checkpoint",
+    "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "full_tensors",
+    "is_sharded", "last_size", "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch",
+    "model_files_in", "model_shard_file", "model_shard_files", "nearest_intact", "newest_listed",
+    "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint", "restore_rng", "rng_file",
+    "rotate", "save_checkpoint", "save_model_shard", "step_name", "verify_checkpoint",
 ]

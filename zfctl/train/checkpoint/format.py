@@ -49,6 +49,12 @@ def optimizer_file_in(info: CheckpointInfo, rank: int) -> str:
     return legacy if legacy in info.meta.get("files", {}) else optimizer_file(rank)
 
 
+def model_shard_file(rank: int) -> str:
+    """The model file of ``rank`` under ``distributed.strategy: fsdp`` (shards.py): that rank's
+    FSDP2 shard of every parameter, in place of rank 0's whole ``model.safetensors``."""
+    return f"model-rank{rank:05d}.safetensors"
+
+
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 

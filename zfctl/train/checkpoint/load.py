@@ -11,15 +11,26 @@ from typing import Any
 
 import torch
 from safetensors.torch import _remove_duplicate_names
+from torch.distributed.tensor import DTensor
 
 from zfctl.errors import UserError
 from zfctl.train.checkpoint.format import MODEL_FILE, CheckpointInfo
+from zfctl.train.checkpoint.shards import is_sharded, load_weights
 from zfctl.train.tensorfile import load_state, tensors_of
 
 
 def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
     """Copy the checkpoint's weights into ``model`` (same architecture; strict), one tensor at a
-    time straight into the parameters: no second copy of the model in memory."""
+    time straight into the parameters: no second copy of the model in memory.
+
+    Either layout (``model.safetensors``, or the FSDP2 shard files of any number of ranks) into
+    either kind of model (plain, or FSDP2-sharded over any number of ranks, where each rank reads
+    the rows it holds only): shards.py. A plain file into a plain model reads each tensor straight
+    into its parameter (tensorfile.py ``FileTensor.copy_to``).
+    """
+    if is_sharded(info) or any(isinstance(t, DTensor) for t in model.state_dict().values()):
+        load_weights(info, model)
+        return
     path = info.path / MODEL_FILE
     try:
         stored = tensors_of(path)
@@ -44,16 +55,17 @@ def load_model_weights(info: CheckpointInfo, model: torch.nn.Module) -> None:
         raise UserError(f"checkpoint {info.path} is unreadable: {MODEL_FILE}: {e}") from None
 
 
-def load_optimizer(info: CheckpointInfo, name: str) -> Any:
+def load_optimizer(info: CheckpointInfo, name: str, *, lazy: bool = True) -> Any:
     """An optimizer state file of ``info``: its large tensors as file ranges the optimizer reads
-    straight into its buffers (tensorfile.py); a legacy ``.pt`` memory-mapped by torch.load."""
+    straight into its buffers (tensorfile.py); a legacy ``.pt`` memory-mapped by torch.load.
+    ``lazy=False``: every tensor read into memory (a state re-cut across strategies slices it)."""
     if name.endswith(".pt"):
         return load_torch(info, name, mmap=True)
     path = info.path / name
     if not path.is_file():
         raise UserError(f"checkpoint {info.path} has no {name}")
     try:
-        return load_state(path)
+        return load_state(path, lazy=lazy)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"checkpoint {info.path} is unreadable: {name}: {e}; pick another checkpoint") from None
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zfctl.errors import UserError
 from zfctl.train.checkpoint.find import newest_listed
@@ -34,11 +35,16 @@ def clean_stale(root: Path) -> list[Path]:
 
 
 def estimate_bytes(model: torch.nn.Module) -> int:
-    """Expected checkpoint size before the first save: the weights + the optimizer state."""
+    """Expected checkpoint size before the first save: the weights + the optimizer state.
+
+    Under FSDP2 (``model`` sharded) the same total: a DTensor's ``numel`` is the whole tensor's,
+    and the ranks' model and optimizer files together hold every element once (shards.py)."""
     seen, weights = set(), 0
     for t in model.state_dict().values():
-        if t.data_ptr() not in seen:  # tied tensors are stored once
-            seen.add(t.data_ptr())
+        # tied tensors are stored once: the same memory (a DTensor's: its local shard's)
+        key = (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+        if key not in seen:
+            seen.add(key)
             weights += t.numel() * t.element_size()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return weights + OPTIMIZER_BYTES_PER_PARAM * trainable

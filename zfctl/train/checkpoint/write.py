@@ -37,6 +37,7 @@ from zfctl.train.checkpoint.format import (
     PLAN_FILE,
     TRAINER_FILE,
     CheckpointInfo,
+    model_shard_file,
     optimizer_file,
     rng_file,
     step_name,
@@ -58,12 +59,14 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
                     trainer_state: dict, write_plan: Callable[[Path], None], keep_last: int,
                     rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] = lambda: None, estimate: int = 0,
-                    previous: Path | None | Literal["latest"] = "latest") -> Path:
+                    previous: Path | None | Literal["latest"] = "latest", strategy: str = "zero2") -> Path:
     """Write ``run_dir/checkpoints/step-XXXXXX`` atomically; every rank calls this.
 
     Rank 0 writes the model, the trainer state, the plan and meta.json, renames the folder into
     place, moves ``latest`` and rotates old checkpoints; every rank writes its own optimizer and
-    RNG files. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
+    RNG files. ``strategy`` ``fsdp`` (``model`` sharded by FSDP2): every rank writes its own
+    shard of the model instead (``model-rankRRRRR.safetensors``, zfctl/train/checkpoint/shards.py),
+    so no rank ever gathers the whole model; meta.json records the strategy. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
     the expected size in bytes when no earlier checkpoint says it (see ``estimate_bytes``).
     ``previous``: the run's own newest checkpoint (None: it has none yet), which a failed save
     names as the way back; "latest": whatever ``latest`` names. They differ after a resume from
@@ -92,7 +95,13 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
 
     digests: dict[str, str] = {}
     try:
-        if rank == 0:  # the model first: its NaN check refuses the save before the optimizer state is written
+        # The model first: its NaN check refuses the save before the optimizer state is written.
+        if strategy == "fsdp":  # this rank's rows of every weight; rank 0's file adds the unsharded tensors
+            from zfctl.train.checkpoint.shards import save_model_shard
+
+            shard = model_shard_file(rank)
+            digests[shard] = save_model_shard(model, tmp / shard, step=step, rank=rank, world=world_size)
+        elif rank == 0:
             digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
                                                     {"format": "pt", "step": str(step)})
         # Streamed from the live state: no copy of it in memory (tensorfile.py).
@@ -119,7 +128,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
                 part.unlink()
             files = {name: (tmp / name).stat().st_size for name in sorted(digests)}
             _write_json(tmp / META, {
-                "zfctl_version": __version__, "step": step, "world_size": world_size,
+                "zfctl_version": __version__, "step": step, "world_size": world_size, "strategy": strategy,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
                 "hash": HASH_NAME, "digests": {n: digests[n] for n in sorted(digests)}})
             _fsync_dir(tmp)
