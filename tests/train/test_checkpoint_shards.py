@@ -116,12 +116,22 @@ def _train_and_save(rank: int, world: int, out: Path) -> None:
         whole = _whole(model)  # as saved: the update in flight not installed
         opt.flush()
         flushed = _whole(model)  # what these ranks would export
+        # and a checkpoint of the flushed state: nothing in flight (export builds no optimizer)
+        done = out / "flushed"
+        if rank == 0:
+            done.mkdir()
+        dist.barrier()
+        ck.save_model_shard(model, done / ck.model_shard_file(rank), step=STEPS, rank=rank, world=world)
+        save_state_hashed(opt.state_dict(), done / ck.optimizer_file(rank))
     finally:
         opt.close()
     if rank == 0:
         torch.save({ck.STEP_KEY: STEPS, ck.STEPS_PER_EPOCH_KEY: SPE}, ckpt / ck.TRAINER_FILE)
         dump_plan_yaml(plan, ckpt / ck.PLAN_FILE)
         _write_meta(ckpt, STEPS, world)
+        for name in (ck.TRAINER_FILE, ck.PLAN_FILE):
+            shutil.copy(ckpt / name, done / name)
+        _write_meta(done, STEPS, world)
         torch.save(whole, out / "whole.pt")
         torch.save(flushed, out / "flushed.pt")
 
@@ -302,6 +312,10 @@ def test_export_from_shards_equals_unsharded_export_and_the_flushed_ranks(shards
     assert [n for n in sa if not torch.equal(sa[n], flushed[n])] == []
     # the install mattered: the saved weights alone are one update behind
     assert [n for n in sa if not torch.equal(sa[n], whole[n])]
+    # a checkpoint with nothing in flight exports its weights as they are
+    assert not any(load_state(out / "flushed" / ck.optimizer_file(r))["counters"]["pending_install"] for r in range(2))
+    sc = AutoModelForCausalLM.from_pretrained(export(out / "flushed", tmp_path / "from-flushed")).state_dict()
+    assert [n for n in sc if not torch.equal(sc[n], flushed[n])] == []
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """`export`: a checkpoint -> a folder `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-The checkpoint's ``model.safetensors`` holds the weights as training left them; with
+The checkpoint's ``model.safetensors`` (or FSDP2 shard files) holds the weights as training left them; with
 ``overlap_step`` one CPU update may still be in flight inside the optimizer state. Export rebuilds
 the optimizer on the CPU, loads that state and flushes it (zfctl/train/weights.py), so the
 exported weights are exactly the finished model (the one the final evaluation scored), not one

@@ -11,6 +11,7 @@ behind. (A module of its own: ``generate`` needs the weights, not the folder wri
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -103,6 +104,10 @@ def install_sharded(info: ck.CheckpointInfo, plan: RunPlan, model: torch.nn.Modu
             raise UserError(f"checkpoint {info.path} is unreadable: {name} is not the optimizer state of FSDP2 "
                             f"rank {rank} of {world} (its fsdp_shard is {state.get('fsdp_shard')}); pick another "
                             "checkpoint")
+        if not state["counters"]["pending_install"]:
+            # nothing in flight: flush would install nothing and loading writes no parameter
+            # (offload/state.py), so the weights as loaded are final; no optimizer is built
+            continue
         boxes = {n: pieces[n][rank][1] for n, _ in trainable}
         # trainable copies (the optimizer steps what requires grad), contiguous like a local shard
         rows = [(n, p.detach()[index(boxes[n])].contiguous().clone().requires_grad_(True)) for n, p in trainable]
@@ -118,3 +123,8 @@ def install_sharded(info: ck.CheckpointInfo, plan: RunPlan, model: torch.nn.Modu
         with torch.no_grad():
             for (n, p), (_, local) in zip(trainable, rows):
                 p[index(boxes[n])].copy_(local)
+        # Free this rank's optimizer before the next one is built: the optimizer holds reference
+        # cycles (its parts point back at it), which only the collector breaks, and until it runs
+        # two ranks' states would be alive at once.
+        del opt, rows, state
+        gc.collect()
