@@ -28,7 +28,9 @@ from test_fsdp import BATCH, STEPS, _batches, _loss, _model
 from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
 from zfctl.offload.device_to_host import DuringBackward, InStep
+from zfctl.plan import resolve_plan
 from zfctl.train.fsdp import data_parallel_mesh, decoder_layers, parallelize
+from zfctl.train.models.load import load_model
 
 pytestmark = pytest.mark.slow  # 2 spawned ranks, 4 runs of 30 steps: ~1-2 min on 2 cores
 
@@ -36,24 +38,30 @@ CASES: dict[str, dict] = {"default": {}, "zero-offload": {"topk_ratio": 0.0, "up
 MICRO = 2  # micro-batches per rank and step
 
 
-def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False) -> dict:
+def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False, device: str = "cpu",
+           precision: str = "fp32") -> dict:
     """One rank's run: its losses, its final local weights, the warnings it gave, and (``stream``)
     what the hooks did. ``unhook``: the DTensors' hooks removed, as on a torch whose FSDP2 does
-    not call them."""
-    model = _model()
-    mesh = data_parallel_mesh("cpu", dist.get_world_size())
+    not call them. ``device`` cuda: also which stream each hook ran on."""
+    model = _model() if (device, precision) == ("cpu", "fp32") else load_model(
+        resolve_plan("tiny-llama", "alpaca-sample").model, precision=precision, device=torch.device(device), seed=7)
+    world = dist.get_world_size()
+    mesh = data_parallel_mesh(device, world)
     parallelize(model, mesh, by_row=vocab_matrices(model))
-    config = ZenFlowConfig(**CASES[case], cpu_threads=1, tuning=TuningConfig(pin_memory=False, stream_grads=stream))
+    config = ZenFlowConfig(**CASES[case], cpu_threads=1, tuning=TuningConfig(pin_memory=device == "cuda", stream_grads=stream))
     opt = ZenFlowOptimizer(model.named_parameters(), config, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0,
                            vocab_params=vocab_matrices(model), shard_group=mesh.get_group("shard"))
     assert isinstance(opt.gradient_path, DuringBackward if stream else InStep)
     log: list[tuple] = []  # ("hook", name) / ("layer", i): layer i's backward begins / ("end",)
+    streams: set[int] = set()  # cuda: the streams the hooks ran on
     if stream:
         gs = opt.gradient_path.stream
         landed = gs.on_grad
 
         def on_grad(index: int, p: torch.Tensor) -> None:
             log.append(("hook", opt.names[index]))
+            if device == "cuda":
+                streams.add(torch.cuda.current_stream().cuda_stream)
             landed(index, p)
 
         gs.on_grad = on_grad  # type: ignore[method-assign]
@@ -62,7 +70,7 @@ def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False) ->
     if unhook:
         assert opt.sharded is not None
         opt.sharded.close()
-    rank, data, per = dist.get_rank(), _batches(), BATCH // (2 * MICRO)
+    rank, data, per = dist.get_rank(), _batches().to(device), BATCH // (2 * MICRO)
     losses, chunks, logs = [], [], []
     with opt, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
@@ -75,16 +83,17 @@ def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False) ->
                 log.clear()
                 (loss / MICRO).backward()
                 log.append(("end",))
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(float(total) / (2 * MICRO))
+                total += loss.detach().float().cpu()
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(float(total) / (world * MICRO))
             stats = opt.step()
             chunks.append((stats.selection, stats.early_chunks, stats.in_step_chunks, len(opt.transfers.chunks)))
             logs.append(list(log))
             opt.zero_grad(set_to_none=True)
         weights = {n: p.detach().clone() for n, p in zip(opt.names, opt.params)}
     return {"losses": losses, "weights": weights, "chunks": chunks, "logs": logs,
-            "warned": [str(w.message) for w in warned if w.category is RuntimeWarning],
+            "warned": [str(w.message) for w in warned if w.category is RuntimeWarning], "streams": streams,
             "host": [opt.names[s.index] for s in opt.layout.host_slots]}
 
 
@@ -156,3 +165,24 @@ def test_hooks_that_never_fire_are_reported_once_and_step_moves_the_gradients(ru
         assert unhooked["losses"] == res["default", True]["losses"][:3]
         assert [(e, s == n) for _, e, s, n in unhooked["chunks"]] == [(0, True)] * 3
         assert len(unhooked["warned"]) == 1 and "no gradient reached the host during backward" in unhooked["warned"][0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_rank_streams_from_the_reduce_stream_bit_for_bit(tmp_path, device: str) -> None:
+    """One FSDP2 rank in this process (gloo on CPU; on CUDA, NCCL and bf16): the same bits as the
+    in-step path, every host chunk landed in a hook, and on CUDA every hook ran on FSDP2's
+    post-reduce stream, not the default stream (the copy stream waits on that one, stream.py)."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=rendezvous(tmp_path), rank=0,
+                            world_size=1)
+    try:
+        precision = "bf16" if device == "cuda" else "fp32"
+        hooked = _train("default", True, device=device, precision=precision)
+        in_step = _train("default", False, device=device, precision=precision)
+    finally:
+        dist.destroy_process_group()
+    assert hooked["losses"] == in_step["losses"]
+    for name, w in hooked["weights"].items():
+        assert torch.equal(w, in_step["weights"][name]), name
+    assert all(e == n > 0 and s == 0 for sel, e, s, n in hooked["chunks"] if not sel)
+    if device == "cuda":
+        assert hooked["streams"] and torch.cuda.default_stream().cuda_stream not in hooked["streams"]
