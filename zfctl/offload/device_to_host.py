@@ -185,7 +185,8 @@ class DuringBackward(InStep):
     those of ``release_grads`` in one process, release.py) take :class:`InStep`'s copy."""
 
     def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
-                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool) -> None:
+                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool,
+                 hooks: bool = True) -> None:
         super().__init__(transfers, accumulate)
         layout, itemsize = transfers.layout, transfers.itemsize
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
@@ -207,7 +208,7 @@ class DuringBackward(InStep):
         self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
                                  pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
                                  exchange=exchange, gate=transfers.host.gate, ring_slots=ring,
-                                 slot_bytes=slot_bytes, hooks=not release)
+                                 slot_bytes=slot_bytes, hooks=hooks and not release)
         self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
 
     def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
@@ -297,9 +298,11 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, release: bool) -> HostSide:
+                    exchange: Any, release: bool, hooks: bool = True) -> HostSide:
     """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
-    the hook path's gradients are released in their hooks (release.py), if it is the one chosen."""
+    the hook path's gradients are released in their hooks (release.py), if it is the one chosen.
+    ``hooks=False``: the hook path registers no hooks on ``params``, its owner calls
+    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py)."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -333,7 +336,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
         path = SummedOnDevice(transfers, device)
     elif config.tuning.stream_grads:
         path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange,
-                              release=release)
+                              release=release, hooks=hooks)
     else:
         path = InStep(transfers, add)
     return HostSide(host, transfers, path, accumulate, threads)

@@ -15,7 +15,8 @@ as zeros, one parameter group, a skipped fp16 step is no step) are listed in doc
 by row under ``zenflow.vocab_select: rows``. With a ``process_group`` of several ranks, ``step()``
 first averages the gradients where they are read (do not also wrap the model in DDP). With a
 ``shard_group`` instead, the parameters are FSDP2 shards and the optimizer steps its local rows
-(sharded.py: FSDP2 has already averaged the gradients; scores and norms are summed over the group).
+(sharded.py: FSDP2 has already averaged the gradients; scores and norms are summed over the group;
+the hook path takes each layer's shards from FSDP2's hooks once it has reduced them).
 """
 
 from __future__ import annotations
@@ -80,8 +81,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 raise ValueError("give process_group (zero2) or shard_group (fsdp), not both")
             self.sharded = ShardedParams(named, shard_group, by_row)
             named = self.sharded.local
-            # Gradients exist only once FSDP2's reduce-scatter ran, after backward: no hook path.
-            config = replace(config, tuning=replace(config.tuning, stream_grads=False))
         self.config, self.names, self.params = config, [n for n, _ in named], [p for _, p in named]
         self.device = self.params[0].device
         fp16 = any(p.dtype == torch.float16 for p in self.params)
@@ -112,9 +111,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
         if self.layout.host_slots:
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   release=release)
+                                   release=release, hooks=self.sharded is None)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
+            if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
+                # The hook path on FSDP2 shards: autograd never accumulates into the local shards,
+                # FSDP2 calls the DTensors' hooks once it has reduced each layer (sharded.py).
+                self.sharded.hook_grads([s.index for s in self.layout.host_slots], self._shard_reduced)
+        self._hook_warned = False  # _check_hooks
         self.release = self._build_release(release)
         # Without overlap the CPU update runs alone while step() waits: it takes every core (0).
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
@@ -136,6 +140,28 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                   else [s.index for s in self.layout.slots if not s.dense])
         return GradRelease(self.params, self.layout, self.device_state, stream=stream, hooked=hooked,
                            norm=self.scale.needs_norm and self.exchange is None)
+
+    def _shard_reduced(self, index: int) -> None:
+        """FSDP2 has reduced param ``index``'s gradient shard (sharded.py ``hook_grads``): on the
+        announced last backward, the hook path lands its host columns now, as zero2's hooks do."""
+        assert self.sharded is not None and isinstance(self.gradient_path, DuringBackward)
+        stream = self.gradient_path.stream
+        if stream.armed:
+            self.sharded.pull_grad(index)
+            stream.on_grad(index, self.params[index])
+
+    def _check_hooks(self, stats: StepStats) -> None:
+        """FSDP2 shards, an announced last backward: warn once if no gradient hook fired (a torch
+        whose FSDP2 does not call the sharded parameters' post-accumulate-grad hooks). The
+        results are the same (step() lands what no hook did); only the overlap is lost."""
+        if stats.early_chunks or not stats.in_step_chunks or self._hook_warned:
+            return
+        self._hook_warned = True
+        import warnings
+
+        warnings.warn("zenflow.tuning.stream_grads under FSDP2: no gradient reached the host during backward "
+                      f"(torch {torch.__version__} did not run the sharded parameters' post-accumulate-grad "
+                      "hooks); step() moves them instead", RuntimeWarning, stacklevel=3)
 
     def _raw_sums(self) -> bool:
         """Whether the host sums are raw (release.py: the clip factor waits for the boundary). Off
@@ -199,8 +225,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
                           d2h_gbps=self.gradient_path.d2h_gbps)
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
+        streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
             self.sharded.pull_grads()
+            path = self.gradient_path
+            streamed = isinstance(path, DuringBackward) and path.stream.armed
         grads = [p.grad for p in self.params]  # None where a hook released it (release.py)
         if self.sharded is not None and self.scale.needs_norm:  # the global norm: one all-reduce
             sq = self.sharded.sum_of_squares(grads, self.device)
@@ -231,6 +260,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._finish(stats, norm, host_norm, tail)
         if self.sharded is not None:
             self.sharded.release_grads()
+            if streamed:
+                self._check_hooks(stats)
         self._disarm()
         return stats
 
@@ -256,6 +287,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._closed = True
         if self.release is not None:
             self.release.close()
+        if self.sharded is not None:
+            self.sharded.close()
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()

@@ -28,6 +28,7 @@ ranks' columns could differ from one process's, and every rank still agrees (sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ class ShardedParams:
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dtensors: list[DTensor] = []
+        self._handles: list[Any] = []  # hook_grads' hooks
         self.local: list[tuple[str, torch.Tensor]] = []
         for name, p in named:
             if not isinstance(p, DTensor):
@@ -67,9 +69,36 @@ class ShardedParams:
 
     def pull_grads(self) -> None:
         """Point each local shard's ``.grad`` at its DTensor gradient's local shard (no copy)."""
-        for p, (_, local) in zip(self.dtensors, self.local):
-            g = p.grad
-            local.grad = g.to_local() if isinstance(g, DTensor) else g
+        for i in range(len(self.local)):
+            self.pull_grad(i)
+
+    def pull_grad(self, index: int) -> None:
+        """``pull_grads`` for one parameter."""
+        g, local = self.dtensors[index].grad, self.local[index][1]
+        local.grad = g.to_local() if isinstance(g, DTensor) else g
+
+    def hook_grads(self, indices: list[int], on_grad: Callable[[int], None]) -> None:
+        """Call ``on_grad(index)`` as soon as FSDP2 has reduced parameter ``index``'s gradient.
+
+        FSDP2's ``foreach_reduce`` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), run
+        by each group's ``FSDPParamGroup.post_backward`` when that group's backward ends (a
+        decoder layer's, then the root's from the end-of-backward callback), reduce-scatters the
+        group's gradients (HSDP: then all-reduces them over the replicas), divides and casts them
+        to the parameter dtype, assigns (or, a later micro-batch, adds into) each sharded
+        parameter's ``.grad``, and then calls that DTensor's post-accumulate-grad hooks itself
+        (autograd never sees the sharded parameter), inside ``stream(post_reduce_stream)``: the
+        stream that wrote ``.grad``, so work the hook queues on the current stream is ordered
+        after it. docs/design.md, "ZenFlow on FSDP2 shards", has the contract and the
+        alternative that does not fit (``set_all_reduce_hook``)."""
+        for i in indices:
+            self._handles.append(self.dtensors[i].register_post_accumulate_grad_hook(
+                lambda _p, i=i: on_grad(i)))
+
+    def close(self) -> None:
+        """Remove the ``hook_grads`` hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def release_grads(self) -> None:
         """Drop the local references, so ``zero_grad`` frees the gradients."""

@@ -58,6 +58,10 @@ as soon as its copy has landed, and a hook that reuses a slot first waits for th
 it (``ring_fences``, stall). Host memory: the ring, whatever the model's size. After each landing
 ``on_final`` tells release.py that the param's ``.grad`` may be taken and freed.
 
+On FSDP2 shards (``distributed.strategy: fsdp``) the hooks are the sharded DTensors', which FSDP2
+calls once it has reduce-scattered each layer, on the stream that wrote ``.grad`` (sharded.py
+``hook_grads``, docs/design.md "ZenFlow on FSDP2 shards"); the rest is this code.
+
 Without CUDA the same code runs synchronously: the hook copies straight into the landing buffer
 and, when the coefficient is known, accumulates at once (that is how CI tests the logic).
 """

@@ -429,14 +429,14 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     if cuda:
         dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
             "zfctl/offload/ring.py Ring.h2d")
-    hook = tu.stream_grads and choice == "host" and not fsdp  # fsdp: the in-step path (zfctl/offload/sharded.py)
+    hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/sharded.py hook_grads)
     if hook:
         # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/device_to_host.py).
         budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
         if not cuda and not tu.inflight_mb:
             budget = 4 * tu.ring_slots * slot
         budget = max(min(budget, w * c.host), 1)
-        if _released_gradients(plan, size, items, w, hook=True):
+        if not fsdp and _released_gradients(plan, size, items, w, hook=True):  # fsdp: no release
             n = landing_slots(budget, slot)
             host("gradient landing buffers", n * slot, f"release_grads: a ring of {n} x {slot / 2**20:.3g} MiB "
                  "chunk slots" + pinned, "zfctl/offload/stream.py GradStream.ring")
