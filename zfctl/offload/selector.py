@@ -46,11 +46,15 @@ class Selector:
         self.stage: Staging | None = None  # the migration's host staging, made at the first selection
 
     def _staging(self) -> Staging:
-        """The migration's reused host buffer (selection.py ``Staging``): ``STAGE_BYTES``, at
-        least one column of the tallest matrix; page-locked on CUDA with ``pin_memory``."""
+        """The migration's reused host buffer (selection.py ``Staging``): ``STAGE_BYTES`` or the
+        largest matrix, whichever is smaller, at least one column of the tallest matrix;
+        page-locked on CUDA with ``pin_memory``."""
         if self.stage is None:
             device = self.device.master.device
-            elems = max(STAGE_BYTES // 4, max(s.rows for s in self.selectable))
+            # No larger than the largest matrix (a migration never moves more of one state
+            # tensor at once), no smaller than one column: the plan's "selection staging" line.
+            largest = max(s.rows * s.cols for s in self.selectable)
+            elems = max(min(STAGE_BYTES // 4, largest), max(s.rows for s in self.selectable))
             self.stage = Staging(elems, pin=self._pin and device.type == "cuda", device=device)
         return self.stage
 

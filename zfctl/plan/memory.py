@@ -38,6 +38,8 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
                                        tuning.release_grads a ring of chunk slots as large as the
                                        in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
+        selection staging     min(64 MiB, 4 M)  a selection's column migration (one process or
+                                       fsdp; zero2 ranks migrate by collectives), page-locked on CUDA
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
 device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host
@@ -81,6 +83,7 @@ from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
 from zfctl.offload.device_to_host import landing_slots
 from zfctl.offload.layout import num_selected
 from zfctl.offload.ring import ring_slot_bytes
+from zfctl.offload.selection import STAGE_BYTES
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checksum import CHUNK_BYTES
@@ -457,6 +460,10 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
+    if 0 < r < 1 and c.largest and (world == 1 or fsdp):
+        # zfctl/offload/selector.py Selector._staging: made at the first selection, kept.
+        host("selection staging", min(STAGE_BYTES, 4 * c.largest), "a selection's column migration" + pinned,
+             "zfctl/offload/selection.py Staging")
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
