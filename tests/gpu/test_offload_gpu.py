@@ -292,7 +292,8 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     transient = {"gradient temporaries in flight"}  # freed once each copy lands
     planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload") and i.name not in transient)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
-    locked = sum(est.item(n) for n in ("fp32 master", "transfer ring", "gradient landing buffers"))
+    locked = sum(est.item(n) for n in ("fp32 master", "transfer ring", "gradient landing buffers",
+                                       "selection staging"))
     locked += est.item("gradient accumulators") if acc == "device" else 0
     assert pinned_now == pytest.approx(locked, rel=0.01), (pinned_now, locked)
     stats = torch.cuda.host_memory_stats()
