@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import pytest
 import torch
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.stream import GradStream
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
@@ -166,10 +168,26 @@ def test_a_second_final_backward_is_refused() -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+@pytest.mark.parametrize("slow_thread", [False, True], ids=["", "slow-thread"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["step-path", "hook-path"])
-def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool) -> None:
+def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool, slow_thread: bool, monkeypatch) -> None:
     """The interval's first step writes the accumulator instead of adding (no zeroing pass), so a
-    matrix without a gradient at that step must write zeros, not keep an older interval's sum."""
+    matrix without a gradient at that step must write zeros, not keep an older interval's sum.
+
+    ``slow_thread``: every job of the accumulation thread starts 20 ms late. On CPU the hooks of
+    the next step add on the training thread, so they must wait for the zero sum queued before
+    them (GradStream._start_window); without that wait the zero sum lands after the next step's
+    add and wipes it, which the un-delayed case showed only now and then."""
+    if slow_thread:
+        submit = GradStream._submit
+
+        def late(self, fn, *args):
+            def run(*a):
+                time.sleep(0.02)
+                return fn(*a)
+            return submit(self, run, *args)
+
+        monkeypatch.setattr(GradStream, "_submit", late)
     cfg = zen(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: acc0 again at 6
 
     def go(hook_path: bool, zeros: bool):

@@ -226,6 +226,13 @@ class GradStream:
         if self.started:
             return
         self.started = True  # first hook of the window: landing[w] must be free again
+        if not self.cuda and self.coef is not None and self._last_job is not None and not self._last_job.done():
+            # CPU, coefficient known: this window's hooks add on the training thread (_land), so
+            # the jobs queued on the accumulation thread before them (the zero sum of an interval's
+            # first step, a late add) must be done first: they write the same accumulator ranges.
+            t0 = time.perf_counter()
+            self._last_job.result()  # host wait (stall), at most once per window
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
         if self.ring_slots:  # the ring's slots are waited for one by one (_ring_view)
             return
         self._w = 1 - self._w
