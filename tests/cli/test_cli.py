@@ -295,8 +295,9 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     class Result:
         output_dir, steps, already_finished = tmp_path, 7, False
 
-    def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None, latest_good=False):
-        seen["resume"] = (Path(ckpt_dir), max_steps, allow_changes, latest_good)
+    def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None, latest_good=False,
+                    strategy=None):
+        seen["resume"] = (Path(ckpt_dir), max_steps, allow_changes, latest_good, strategy)
         on_plan(resolve_plan("tiny-llama", "sst2-sample"))  # the loop hands the saved plan back
         return Result()
 
@@ -310,9 +311,10 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     monkeypatch.setattr(zfctl.train, "export", fake_export)
     res = zf("resume", tmp_path, "--max-steps", "7", "--allow-changes")
     assert res.exit_code == 0, res.output
-    assert seen["resume"] == (tmp_path, 7, True, False)
+    assert seen["resume"] == (tmp_path, 7, True, False, None)
     assert "sst2-sample" in res.output and "done 7 steps" in res.output  # plan printed via on_plan
     assert zf("resume", tmp_path, "--latest-good").exit_code == 0 and seen["resume"][3] is True
+    assert zf("resume", tmp_path, "--strategy", "fsdp").exit_code == 0 and seen["resume"][4] == "fsdp"
     exp = zf("export", tmp_path, "--output", tmp_path / "hf", "--force", "--push-to-hub", "me/tiny")
     assert exp.exit_code == 0, exp.output
     assert seen["export"] == (tmp_path, tmp_path / "hf", True, "me/tiny")
