@@ -1,7 +1,7 @@
 """HSDP (``distributed.hsdp``): two ``torchrun`` "nodes" of 2 processes on 127.0.0.1 (gloo) shard
 within a node and replicate across the two (zfctl/train/fsdp.py), lose what one process with the
-same global batch loses, write one replica's 2 shards, and resume as flat fsdp on 2 ranks of one
-node with the losses of the uninterrupted run (docs/design.md, "ZenFlow on FSDP2 shards")."""
+same global batch loses, write one replica's 2 shards, and resume as HSDP again and as flat fsdp
+on 2 ranks of one node with the losses of the uninterrupted run (docs/design.md, "ZenFlow on FSDP2 shards")."""
 
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ HSDP = [*SAME, "checkpoint.keep_last=4", "distributed.strategy=fsdp",
         f"distributed.nproc={PER_NODE}", f"distributed.nodes={NODES}", "distributed.hsdp=true"]
 
 
-def _two_nodes(out: Path) -> list[str]:
-    """``zfctl finetune`` under two torchrun launches joined by one c10d rendezvous; the logs."""
-    sets = [a for s in [*TINY, *HSDP, "train.micro_batch_size=1"] for a in ("--set", s)]
+def _two_nodes(*args: str) -> list[str]:
+    """``zfctl ARGS`` under two torchrun launches joined by one c10d rendezvous; the logs."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zfctl-hsdp",
-           "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out), *sets]
+           "-m", "zfctl", *args]
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for _ in range(NODES)]
     try:
@@ -47,7 +46,8 @@ def test_hsdp_two_nodes_match_one_process_and_resume_as_flat_fsdp_on_two_ranks(t
     one, run = tmp_path / "one", tmp_path / "hsdp"
     sets = [a for s in [*TINY, *SAME, "train.micro_batch_size=4"] for a in ("--set", s)]
     zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(one), *sets)
-    _two_nodes(run)
+    sets = [a for s in [*TINY, *HSDP, "train.micro_batch_size=1"] for a in ("--set", s)]
+    _two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), *sets)
     straight = losses(run)
     assert len(straight) == 8
     assert_close(straight, losses(one), tol=1e-4)  # 4 ranks, micro-batch 1 = one process, micro-batch 4
@@ -65,6 +65,11 @@ def test_hsdp_two_nodes_match_one_process_and_resume_as_flat_fsdp_on_two_ranks(t
     for r in range(2):
         with safe_open(str(ckpt / f"model-rank{r:05d}.safetensors"), "pt") as f:
             assert (f.metadata()["shard_rank"], f.metadata()["shard_world"]) == (str(r), "2")
+
+    # Resumed as it ran (2 x 2 HSDP) from step 6: each rank reads its shard rank's files
+    # (global ranks 2 and 3 those of 0 and 1) and its own RNG state; steps 7..8 continue.
+    _two_nodes("resume", str(run / "checkpoints/step-000006"))
+    assert_close(losses(run)[6:], straight[6:], tol=1e-4)
 
     # Resumed on 2 ranks of one node: flat fsdp over 2, the accumulation doubled for the global
     # batch of 4; steps 4..8 continue the uninterrupted HSDP run.
