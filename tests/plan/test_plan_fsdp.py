@@ -143,3 +143,13 @@ def test_hsdp_needs_nproc_to_divide_the_sharded_dims_not_nproc_x_nodes() -> None
     with pytest.raises(ConfigError, match="over nproc x nodes = 6 ranks"):
         resolve_plan("tiny-llama", "alpaca-sample", overrides=over)
     assert resolve_plan("tiny-llama", "alpaca-sample", overrides=[*over, "distributed.hsdp=true"]).distributed.hsdp
+
+
+def test_hsdp_refusal_is_one_error_line_exit_2(tmp_path) -> None:
+    run = tmp_path / "run"
+    out = _zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--set", "distributed.strategy=fsdp",
+                 "--set", "distributed.hsdp=true", "--nproc", "2", "-o", str(run), cwd=str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("error: distributed.hsdp='true': HSDP replicates across nodes"), out.stderr
+    assert "set distributed.nodes" in out.stderr and "launching" not in out.stdout and not run.exists()

@@ -82,11 +82,12 @@ def hsdp_replicas(plan: RunPlan, world_size: int, local_world: int) -> int:
     return world_size // local_world
 
 
-def shard_place(plan: RunPlan, rank: int, world_size: int, local_world: int) -> tuple[int, int]:
+def shard_place(plan: RunPlan, strategy: str, rank: int, world_size: int, local_world: int) -> tuple[int, int]:
     """``rank``'s place (rank, size) among the pieces its optimizer state and model shard are cut
-    into: under fsdp the shard group of :func:`data_parallel_mesh` (HSDP: the ranks of its node,
-    consecutive under torchrun), else the world. What a resume reads and verifies (world_size.py)."""
-    if resolve_strategy(plan, world_size) != "fsdp":
+    into: under ``strategy`` fsdp the shard group of :func:`data_parallel_mesh` (HSDP: the ranks of
+    its node, consecutive under torchrun), else the world. What a resume reads and verifies
+    (world_size.py)."""
+    if strategy != "fsdp":
         return rank, world_size
     size = world_size // hsdp_replicas(plan, world_size, local_world)
     return rank % size, size

@@ -182,9 +182,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     if strategy is not None:
         check_strategy(plan)  # fsdp on a world size that does not divide: refused before any load
     if not verified:  # the model and optimizer files this rank reads, in the layout they were saved in
-        rank, world = shard_place(plan, env.rank, env.world_size, env.local_world_size)
-        ck.verify_checkpoint(info, [*model_files(info, rank, world, resolve_strategy(plan, env.world_size)),
-                                    ck.optimizer_file_in(info, rank)])
+        strategy_now = resolve_strategy(plan, env.world_size)
+        rank, world = shard_place(plan, strategy_now, env.rank, env.world_size, env.local_world_size)
+        ck.verify_checkpoint(info, [*model_files(info, rank, world, strategy_now), ck.optimizer_file_in(info, rank)])
     for line in (resharded, restrategy):
         if line and env.rank == 0:
             note(line)
