@@ -101,3 +101,55 @@ def test_fsdp_node_host_total_holds_one_whole_model_while_the_ranks_load_in_turn
     whole = 2 * est.size.params
     assert est.node_host_total == pytest.approx(whole + 7 * whole / 8)
     assert any(n.startswith("fsdp model load: the 8 ranks of a node") for n in est.notes), est.notes
+
+
+def test_hsdp_shards_within_a_node_so_the_per_gpu_and_per_node_lines_divide_by_nproc() -> None:
+    """distributed.hsdp: FSDP2 shards over the 8 ranks of a node and replicates across the 2
+    nodes, so a GPU holds 1/8 of the weights (not 1/16) and a node's host the same as one 8-rank
+    node of flat fsdp."""
+    gpu = Machine(1024 * GB, True, "H100", 80 * GB)
+    over = ["distributed.nproc=8", "distributed.nodes=2", "distributed.strategy=fsdp"]
+    flat = estimate(resolve_plan("llama2-70b", "alpaca", overrides=over), gpu)
+    hsdp = estimate(resolve_plan("llama2-70b", "alpaca", overrides=[*over, "distributed.hsdp=true"]), gpu)
+    one_node = estimate(resolve_plan("llama2-70b", "alpaca", overrides=["distributed.nproc=8",
+                                                                        "distributed.strategy=fsdp"]), gpu)
+    assert hsdp.item("weights") == pytest.approx(2 * 68.977e9 / 8, rel=1e-6)  # bf16, 1/8 shard
+    assert hsdp.item("weights") == pytest.approx(2 * flat.item("weights"), rel=1e-6)
+    assert hsdp.item("fp32 master") == pytest.approx(one_node.item("fp32 master"))
+    assert hsdp.device_total == pytest.approx(one_node.device_total)
+    assert hsdp.node_host_total == pytest.approx(one_node.node_host_total)
+    assert hsdp.node_host_total > flat.node_host_total
+    assert (hsdp.world_size, hsdp.ranks_per_node) == (16, 8)
+    assert any(n.startswith("distributed.hsdp: weights, gradients") for n in hsdp.notes), hsdp.notes
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["distributed.strategy=zero2", "distributed.nodes=2"], "set distributed.strategy: fsdp"),
+    (["distributed.strategy=fsdp"], "distributed.nodes is 1"),
+])
+def test_hsdp_without_fsdp_or_on_one_node_is_refused(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match="distributed.hsdp") as e:
+        resolve_plan("tiny-llama", "alpaca-sample", overrides=[*overrides, "distributed.hsdp=true"])
+    assert needle in str(e.value)
+
+
+def test_hsdp_needs_nproc_to_divide_the_sharded_dims_not_nproc_x_nodes() -> None:
+    """3 x 2 = 6 ranks: flat fsdp and HSDP both refuse 3 (the shard group); 2 x 3 nodes shards
+    over 2 under HSDP (accepted) where flat fsdp over 6 is refused."""
+    with pytest.raises(ConfigError, match=r"distributed.nproc=3: .* over nproc = 3 ranks"):
+        resolve_plan("tiny-llama", "alpaca-sample", overrides=["distributed.strategy=fsdp", "distributed.nproc=3",
+                                                               "distributed.nodes=2", "distributed.hsdp=true"])
+    over = ["distributed.strategy=fsdp", "distributed.nproc=2", "distributed.nodes=3"]
+    with pytest.raises(ConfigError, match="over nproc x nodes = 6 ranks"):
+        resolve_plan("tiny-llama", "alpaca-sample", overrides=over)
+    assert resolve_plan("tiny-llama", "alpaca-sample", overrides=[*over, "distributed.hsdp=true"]).distributed.hsdp
+
+
+def test_hsdp_refusal_is_one_error_line_exit_2(tmp_path) -> None:
+    run = tmp_path / "run"
+    out = _zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--set", "distributed.strategy=fsdp",
+                 "--set", "distributed.hsdp=true", "--nproc", "2", "-o", str(run), cwd=str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("error: distributed.hsdp='true': HSDP replicates across nodes"), out.stderr
+    assert "set distributed.nodes" in out.stderr and "launching" not in out.stdout and not run.exists()

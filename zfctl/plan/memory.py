@@ -54,7 +54,8 @@ lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-r
   current and the prefetched one), and one layer's unsharded gradients with their fp32 reduce copy;
   loading, the ranks of a node take turns building the whole model in host RAM and sharding it
   (zfctl/train/recipe.py), so ``node_host_total`` is at least one whole model plus the shards the
-  earlier ranks keep (a note says it);
+  earlier ranks keep (a note says it); with ``distributed.hsdp`` the shards are ``1/R``, not
+  ``1/W`` (sharded within a node, every node holds a whole copy);
 * ``auto``: ``fsdp`` when ``W > 1`` and the GPU cannot hold the ``zero2`` lines, else ``zero2``
   (``MemoryEstimate.strategy``).
 
@@ -312,14 +313,24 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         load = (4 if plan.train.precision == "fp32" else 2) * size.params
         notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
                      f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
-        node_host = max(node_host, load + (per_node - 1) * load / world)
+        node_host = max(node_host, load + (per_node - 1) * load / fsdp_shards(plan))
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node)
+    if strategy == "fsdp" and d.hsdp and world > 1:
+        notes.append(f"distributed.hsdp: weights, gradients and optimizer state sharded over the {per_node} ranks "
+                     f"of a node, each of the {d.nodes} nodes holding a whole copy")
     if d.strategy == "auto" and strategy == "fsdp":
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
                           accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
                           node_host_total=node_host)
+
+
+def fsdp_shards(plan: RunPlan) -> int:
+    """The ranks FSDP2 shards a weight over: nproc x nodes, or with ``distributed.hsdp`` the
+    nproc ranks of one node (every node holds a whole copy: zfctl/train/fsdp.py)."""
+    d = plan.distributed
+    return d.nproc if d.hsdp else d.nproc * d.nodes
 
 
 def shard_shapes(size: ModelSize, world: int, by_row: bool) -> ModelSize:
@@ -365,9 +376,10 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     r = float(z.topk_ratio)
     world = plan.distributed.nproc * plan.distributed.nodes
     fsdp = strategy == "fsdp" and world > 1
+    shards = fsdp_shards(plan)
     whole = size
     if fsdp:  # this rank's shards: the layout ZenFlow plans for them (zfctl/offload/sharded.py)
-        size = shard_shapes(size, world, z.vocab_select == "rows")
+        size = shard_shapes(size, shards, z.vocab_select == "rows")
     c = layout_counts(size, r, z.vocab_select == "rows")
     if world > 1 and not fsdp:  # zero2: 1/W of the host columns per rank (zfctl/offload/partition.py)
         c = replace(c, host=-(-c.host // world), host_cols=-(-c.host_cols // world))
@@ -380,7 +392,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     def host(name: str, nbytes: float, note: str, code: str) -> None:
         items.append(MemoryItem("host", name, float(nbytes), note, code))
 
-    share = f", fsdp: 1/{world} shard" if fsdp else ""
+    share = f", {'hsdp' if plan.distributed.hsdp else 'fsdp'}: 1/{shards} shard" if fsdp else ""
     dev("weights", w * p, f"{t.precision}, {p / 1e9:.3g}B params{share}", "the model (zfctl/train/models/load.py)")
     dev("gradients", w * p, f"{t.precision}, .grad of every param{share}", "autograd")
     if fsdp:

@@ -166,6 +166,13 @@ class DistributedConfig:
         "holds 1/W of them plus two layers gathered); 'auto' = fsdp when the plan says the model "
         "does not fit a GPU under zero2.",
     )
+    hsdp: bool = _f(
+        False,
+        "Under strategy fsdp on nodes > 1 (HSDP): shard within a node, replicate across nodes. The "
+        "all-gathers stay on a node's fast links (only the gradient all-reduce crosses nodes), at the "
+        "cost of every node holding a whole copy of the sharded state (weights, gradients, host "
+        "optimizer state divide by nproc, not nproc x nodes). Checkpoints hold one replica's nproc shards.",
+    )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "'auto' = nccl on CUDA, gloo on CPU.")
     timeout: float | None = _f(
         None,

@@ -259,6 +259,12 @@ def check_strategy(p: RunPlan) -> None:
     known by name only cannot be checked here; ``check_shardable`` (zfctl/train/fsdp.py) is the
     same check on a built model."""
     d = p.distributed
+    if d.hsdp and d.strategy != "fsdp":
+        raise ConfigError("distributed.hsdp", "true", f"HSDP shards with FSDP2, distributed.strategy is {d.strategy}; "
+                          "set distributed.strategy: fsdp, or distributed.hsdp: false")
+    if d.hsdp and d.nodes == 1:
+        raise ConfigError("distributed.hsdp", "true", "HSDP replicates across nodes and distributed.nodes is 1; "
+                          "set distributed.nodes to the node count, or distributed.hsdp: false")
     if d.strategy != "fsdp":
         return
     from zfctl.plan.memory import model_size  # memory.py imports this package's schema: import late
@@ -266,7 +272,8 @@ def check_strategy(p: RunPlan) -> None:
     size = model_size(p)
     if size is None:
         return
-    world = d.nproc * d.nodes
+    world = d.nproc if d.hsdp else d.nproc * d.nodes  # HSDP: rows are sharded within a node
+    over = "nproc" if d.hsdp else "nproc x nodes"
     if not size.layers:
         raise ConfigError("distributed.strategy", "fsdp",
                           "the model has no decoder layers for FSDP2 to wrap; use distributed.strategy: zero2")
@@ -285,7 +292,7 @@ def check_strategy(p: RunPlan) -> None:
     for name, size_ in dims:
         if size_ and size_ % world:
             raise ConfigError("distributed.nproc", d.nproc,
-                              f"fsdp shards {name} ({size_}) evenly over nproc x nodes = {world} ranks; use a "
+                              f"fsdp shards {name} ({size_}) evenly over {over} = {world} ranks; use a "
                               "world size that divides it, or distributed.strategy: zero2")
 
 

@@ -81,6 +81,11 @@ class DistEnv:
         """Rank 0: the only one that prints, writes metrics and writes shared checkpoint files."""
         return self.rank == 0
 
+    @property
+    def local_world_size(self) -> int:
+        """The processes on this node (torchrun's LOCAL_WORLD_SIZE; without it the world)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
 
 def dist_env() -> DistEnv:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun's variables)."""

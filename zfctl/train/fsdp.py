@@ -73,6 +73,26 @@ def data_parallel_mesh(device_type: str, world_size: int, *, replicas: int = 1) 
     return init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 
+def hsdp_replicas(plan: RunPlan, world_size: int, local_world: int) -> int:
+    """How many replicas :func:`data_parallel_mesh` makes for this run: with ``distributed.hsdp``
+    the nodes torchrun actually launched (``world_size / LOCAL_WORLD_SIZE``), so that a resume of
+    an HSDP run on one node shards over that node (flat fsdp); 1 otherwise."""
+    if not plan.distributed.hsdp or world_size <= local_world or world_size % local_world:
+        return 1
+    return world_size // local_world
+
+
+def shard_place(plan: RunPlan, strategy: str, rank: int, world_size: int, local_world: int) -> tuple[int, int]:
+    """``rank``'s place (rank, size) among the pieces its optimizer state and model shard are cut
+    into: under ``strategy`` fsdp the shard group of :func:`data_parallel_mesh` (HSDP: the ranks of
+    its node, consecutive under torchrun), else the world. What a resume reads and verifies
+    (world_size.py)."""
+    if strategy != "fsdp":
+        return rank, world_size
+    size = world_size // hsdp_replicas(plan, world_size, local_world)
+    return rank % size, size
+
+
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, by_row: Iterable[str] = ()) -> torch.nn.Module:
     """Shard ``model`` in place with FSDP2 over ``mesh`` (``data_parallel_mesh``: 1-D, or HSDP's
     2-D replicate x shard): each decoder layer, then the root (embeddings, final norm, head).

@@ -16,7 +16,6 @@ opened, newest first, however far it got.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +93,7 @@ class FinetuneRecipe:
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run's state
         self.saved_step: int | None = None  # its step
         self._restore: Restore | None = None
+        self.shard: tuple[int, int] | None = None  # fsdp: (rank, size) in the shard group (_build_model)
         self._checkpoint_bytes = 0  # expected size of a checkpoint before the first is written
         self._cleanup = contextlib.ExitStack()
 
@@ -140,8 +140,9 @@ class FinetuneRecipe:
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
         if restore is not None:
-            restore.install(self.optimizer, self.scheduler, rank=env.rank, world_size=env.world_size,
-                            strategy=self.strategy)
+            # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
+            rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
+            restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy)
             self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
 
@@ -172,25 +173,33 @@ class FinetuneRecipe:
                 enable_activation_checkpointing(self.model)  # zfctl/train/models/load.py: per layer, non-reentrant
             return None
         from zfctl.offload import vocab_matrices
-        from zfctl.train.fsdp import check_shardable, data_parallel_mesh, load_in_turns, parallelize
+        from zfctl.train.fsdp import (
+            check_shardable,
+            data_parallel_mesh,
+            hsdp_replicas,
+            load_in_turns,
+            parallelize,
+        )
 
-        # One 1-D mesh over every rank: the plan has no HSDP setting (docs/design.md, "ZenFlow on
-        # FSDP2 shards"), so rows are sharded over nproc x nodes ranks.
-        mesh = data_parallel_mesh(self.device.type, env.world_size)
+        # A 1-D mesh over every rank, or with distributed.hsdp HSDP's (replicate, shard) mesh: rows
+        # sharded within a node, replicated across nodes (docs/design.md, "ZenFlow on FSDP2 shards").
+        mesh = data_parallel_mesh(self.device.type, env.world_size,
+                                  replicas=hsdp_replicas(plan, env.world_size, env.local_world_size))
+        group = mesh.get_group("shard")
+        self.shard = place = (dist.get_rank(group), dist.get_world_size(group))
 
         def shard() -> torch.nn.Module:
             model = build(torch.device("cpu"))  # fully_shard moves each shard to the mesh's device
             by_row = vocab_matrices(model) if plan.zenflow.vocab_select == "rows" else []
-            check_shardable(model, env.world_size, by_row)
+            check_shardable(model, place[1], by_row)  # HSDP: the shard group's size
             if ac:
                 enable_activation_checkpointing(model)
             return parallelize(model, mesh, by_row=by_row)
 
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        self.model = load_in_turns(env.local_rank, local_world, self.device, shard)
+        self.model = load_in_turns(env.local_rank, env.local_world_size, self.device, shard)
         if ckpt is not None:
             ck.load_model_weights(ckpt, self.model)
-        return mesh.get_group("shard")
+        return group
 
     def _claim_run_folder(self) -> None:
         """Every input is good: only now touch the output folder (rank 0 writes, all wait)."""
@@ -346,7 +355,7 @@ class FinetuneRecipe:
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
             barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint,
-            strategy=self.strategy)
+            strategy=self.strategy, shard=self.shard)
         self.last_checkpoint, self.saved_step = path, step
         self.display.print(f"checkpoint {path}")
         return path

@@ -27,7 +27,7 @@ from zfctl.plan.schema import RunPlan
 from zfctl.plan.validate import check_strategy
 from zfctl.train import checkpoint as ck
 from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env
-from zfctl.train.fsdp import resolve_strategy
+from zfctl.train.fsdp import resolve_strategy, shard_place
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
 from zfctl.train.metrics import require_sinks
@@ -181,9 +181,10 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
     if strategy is not None:
         check_strategy(plan)  # fsdp on a world size that does not divide: refused before any load
-    if not verified:  # the model files this rank reads, in the layout it was saved in
-        ck.verify_checkpoint(info, model_files(info, env.rank, env.world_size,
-                                               resolve_strategy(plan, env.world_size)))
+    if not verified:  # the model and optimizer files this rank reads, in the layout they were saved in
+        strategy_now = resolve_strategy(plan, env.world_size)
+        rank, world = shard_place(plan, strategy_now, env.rank, env.world_size, env.local_world_size)
+        ck.verify_checkpoint(info, [*model_files(info, rank, world, strategy_now), ck.optimizer_file_in(info, rank)])
     for line in (resharded, restrategy):
         if line and env.rank == 0:
             note(line)

@@ -111,7 +111,7 @@ def model_files(info: ck.CheckpointInfo, rank: int, world: int, strategy: str) -
     one process: the whole model)."""
     if not ck.is_sharded(info):
         return [ck.MODEL_FILE]
-    saved = info.world_size
+    saved = info.shard_world
     owners = range(saved) if strategy != "fsdp" or world == 1 else _fine_cut(saved, world, rank)[2]
     return [ck.model_shard_file(o) for o in sorted({0, *owners})]
 
@@ -120,7 +120,7 @@ def optimizer_files(info: ck.CheckpointInfo, rank: int, world: int, strategy: st
     """The optimizer files ``rank`` reads when resharding across strategies or fsdp world sizes
     (load_optimizer_state); None where the zero2 rule applies (this rank's file, or the owners of
     its columns, found from the files' ``partition``)."""
-    saved, was = info.world_size, saved_strategy(info)
+    saved, was = info.shard_world, saved_strategy(info)
     if was != "fsdp" and strategy != "fsdp":
         return None
     if was == strategy and saved == world:
@@ -137,8 +137,9 @@ def load_optimizer_state(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, 
     optimizer's buffers, piece by piece (zfctl/train/tensorfile.py). Across strategies or fsdp
     world sizes the state goes through one process's state (zfctl/offload/sharded.py): the files
     read are read whole into memory (:func:`_recut`). Raises UserError (one line) when the state
-    does not fit."""
-    saved = info.world_size
+    does not fit. Under fsdp ``rank`` and ``world`` are the place in the shard group (HSDP: within
+    a node), and an HSDP checkpoint is an fsdp checkpoint of its ``shard_world`` files."""
+    saved = info.shard_world
     base = ck.optimizer_file_in(info, min(rank, saved - 1))  # the replicated part is the same in every file
     try:
         files = optimizer_files(info, rank, world, strategy)
@@ -179,7 +180,7 @@ def _recut(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, files: list[st
     if any(st.get("format") == FORMAT_V1 for st in states):
         raise UserError(f"cannot resume {info.path} under another strategy: it was written by zfctl "
                         f"{info.version}, whose optimizer files cannot be re-cut; resume it as it was saved")
-    was, saved = saved_strategy(info), info.world_size
+    was, saved = saved_strategy(info), info.shard_world
     if was == "fsdp" and strategy == "fsdp":  # rows [rank/world, (rank+1)/world) of every column
         m, parts, olds = _fine_cut(saved, world, rank)
         fine = []

@@ -68,3 +68,10 @@ class CheckpointInfo:
     world_size: int
     version: str
     meta: dict[str, Any]
+
+    @property
+    def shard_world(self) -> int:
+        """How many model and optimizer files an fsdp checkpoint holds: ``meta.json``'s
+        ``shard_world``, the shard group's size (HSDP: nproc, one replica writes; write.py);
+        without it (flat fsdp, zero2, checkpoints written before it was recorded) the world size."""
+        return int(self.meta.get("shard_world", self.world_size))

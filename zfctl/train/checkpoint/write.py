@@ -59,14 +59,21 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
                     trainer_state: dict, write_plan: Callable[[Path], None], keep_last: int,
                     rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] = lambda: None, estimate: int = 0,
-                    previous: Path | None | Literal["latest"] = "latest", strategy: str = "zero2") -> Path:
+                    previous: Path | None | Literal["latest"] = "latest", strategy: str = "zero2",
+                    shard: tuple[int, int] | None = None) -> Path:
     """Write ``run_dir/checkpoints/step-XXXXXX`` atomically; every rank calls this.
 
     Rank 0 writes the model, the trainer state, the plan and meta.json, renames the folder into
     place, moves ``latest`` and rotates old checkpoints; every rank writes its own optimizer and
     RNG files. ``strategy`` ``fsdp`` (``model`` sharded by FSDP2): every rank writes its own
     shard of the model instead (``model-rankRRRRR.safetensors``, zfctl/train/checkpoint/shards.py),
-    so no rank ever gathers the whole model; meta.json records the strategy. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
+    so no rank ever gathers the whole model; meta.json records the strategy. ``shard``: this
+    rank's (rank, size) in FSDP2's shard group (None: the world's). Under HSDP every replica holds
+    the same shards and optimizer state, so only the first replica (global ranks ``0..size-1``,
+    torchrun's rank order) writes model and optimizer files, as shard ``rank`` of ``size``, and
+    meta.json records ``shard_world`` = size (``CheckpointInfo.shard_world``: a reader re-cuts it
+    as an fsdp checkpoint of that many ranks); every rank still writes its RNG state and takes
+    every barrier. ``barrier`` must synchronise all ranks (a no-op for one process). ``estimate``:
     the expected size in bytes when no earlier checkpoint says it (see ``estimate_bytes``).
     ``previous``: the run's own newest checkpoint (None: it has none yet), which a failed save
     names as the way back; "latest": whatever ``latest`` names. They differ after a resume from
@@ -93,19 +100,23 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
         tmp.mkdir()
     barrier()  # tmp exists before any rank writes into it
 
+    shard_rank, shard_world = shard if shard is not None else (rank, world_size)
+    # HSDP: the first replica's ranks are shard ranks 0..shard_world-1; the others hold copies.
+    writes_state = rank == shard_rank
     digests: dict[str, str] = {}
     try:
         # The model first: its NaN check refuses the save before the optimizer state is written.
-        if strategy == "fsdp":  # this rank's rows of every weight; rank 0's file adds the unsharded tensors
+        if strategy == "fsdp" and writes_state:  # this rank's rows of every weight; rank 0's adds the unsharded tensors
             from zfctl.train.checkpoint.shards import save_model_shard
 
-            shard = model_shard_file(rank)
-            digests[shard] = save_model_shard(model, tmp / shard, step=step, rank=rank, world=world_size)
+            name = model_shard_file(rank)
+            digests[name] = save_model_shard(model, tmp / name, step=step, rank=shard_rank, world=shard_world)
         elif rank == 0:
             digests[MODEL_FILE] = save_model_hashed(model, tmp / MODEL_FILE,
                                                     {"format": "pt", "step": str(step)})
         # Streamed from the live state: no copy of it in memory (tensorfile.py).
-        digests[optimizer_file(rank)] = save_state_hashed(optimizer_state, tmp / optimizer_file(rank))
+        if writes_state:
+            digests[optimizer_file(rank)] = save_state_hashed(optimizer_state, tmp / optimizer_file(rank))
         digests[rng_file(rank)] = save_torch_hashed(capture_rng(), tmp / rng_file(rank))
         if rank == 0:
             slow_checkpoint_write(step)
@@ -127,9 +138,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, optimiz
                 digests.update(json.loads(part.read_text(encoding="utf-8")))
                 part.unlink()
             files = {name: (tmp / name).stat().st_size for name in sorted(digests)}
+            hsdp = {"shard_world": shard_world} if shard_world != world_size else {}
             _write_json(tmp / META, {
                 "zfctl_version": __version__, "step": step, "world_size": world_size, "strategy": strategy,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+                **hsdp, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
                 "hash": HASH_NAME, "digests": {n: digests[n] for n in sorted(digests)}})
             _fsync_dir(tmp)
         except OSError as e:

@@ -1,0 +1,80 @@
+"""HSDP (``distributed.hsdp``): two ``torchrun`` "nodes" of 2 processes on 127.0.0.1 (gloo) shard
+within a node and replicate across the two (zfctl/train/fsdp.py), lose what one process with the
+same global batch loses, write one replica's 2 shards, and resume as HSDP again and as flat fsdp
+on 2 ranks of one node with the losses of the uninterrupted run (docs/design.md, "ZenFlow on FSDP2 shards")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from test_distributed_cli import ENV, ROOT, TINY, assert_close, losses, zfctl
+from test_multinode import NODES, PER_NODE, _free_port
+
+# 8 steps, a checkpoint every 3: step 3 is one step into an update interval (update_interval 2),
+# its CPU update in flight; re-selection at step 4 comes after the resume. release_grads=false in
+# both runs: fsdp clips every step by its own factor (tests/e2e/test_fsdp_cli.py says why).
+SAME = ["train.max_steps=8", "zenflow.tuning.release_grads=false"]
+HSDP = [*SAME, "checkpoint.keep_last=4", "distributed.strategy=fsdp",
+        f"distributed.nproc={PER_NODE}", f"distributed.nodes={NODES}", "distributed.hsdp=true"]
+
+
+def _two_nodes(*args: str) -> list[str]:
+    """``zfctl ARGS`` under two torchrun launches joined by one c10d rendezvous; the logs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zfctl-hsdp",
+           "-m", "zfctl", *args]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for _ in range(NODES)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    return logs
+
+
+@pytest.mark.slow
+def test_hsdp_two_nodes_match_one_process_and_resume_as_flat_fsdp_on_two_ranks(tmp_path: Path) -> None:
+    one, run = tmp_path / "one", tmp_path / "hsdp"
+    sets = [a for s in [*TINY, *SAME, "train.micro_batch_size=4"] for a in ("--set", s)]
+    zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(one), *sets)
+    sets = [a for s in [*TINY, *HSDP, "train.micro_batch_size=1"] for a in ("--set", s)]
+    _two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), *sets)
+    straight = losses(run)
+    assert len(straight) == 8
+    assert_close(straight, losses(one), tol=1e-4)  # 4 ranks, micro-batch 1 = one process, micro-batch 4
+
+    # One replica's shards: model and optimizer files of shard ranks 0..1 (global ranks 0..1),
+    # the RNG state of every rank; meta.json says the files are 2 shards of a 4-rank job.
+    ckpt = run / "checkpoints/step-000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert (meta["world_size"], meta["shard_world"], meta["strategy"]) == (4, 2, "fsdp")
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert [n for n in names if n.startswith(("model", "optimizer"))] == [
+        "model-rank00000.safetensors", "model-rank00001.safetensors",
+        "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"]
+    assert [n for n in names if n.startswith("rng")] == [f"rng-rank{r:05d}.pt" for r in range(4)]
+    for r in range(2):
+        with safe_open(str(ckpt / f"model-rank{r:05d}.safetensors"), "pt") as f:
+            assert (f.metadata()["shard_rank"], f.metadata()["shard_world"]) == (str(r), "2")
+
+    # Resumed as it ran (2 x 2 HSDP) from step 6: each rank reads its shard rank's files
+    # (global ranks 2 and 3 those of 0 and 1) and its own RNG state; steps 7..8 continue.
+    _two_nodes("resume", str(run / "checkpoints/step-000006"))
+    assert_close(losses(run)[6:], straight[6:], tol=1e-4)
+
+    # Resumed on 2 ranks of one node: flat fsdp over 2, the accumulation doubled for the global
+    # batch of 4; steps 4..8 continue the uninterrupted HSDP run.
+    log = zfctl("resume", str(ckpt), "--nproc", "2")
+    assert "train.gradient_accumulation_steps 1 -> 2 keeps the global batch of 4 sequences" in log, log
+    resumed = losses(run)
+    assert resumed[:3] == straight[:3]
+    assert_close(resumed[3:], straight[3:], tol=1e-4)
