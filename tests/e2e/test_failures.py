@@ -163,7 +163,9 @@ def test_a_stop_that_a_dead_peer_prevents_is_corrected_in_the_survivors_error(tm
     assert job.finish(timeout=30) == 137
     log = job.out
     newest = assert_checkpoints_whole(run)
-    (line,) = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
+    lines = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
+    assert len(lines) == 1, log
+    line = lines[0]
     assert "stop requested: finishing this step and writing a checkpoint" in log, log
     assert line.startswith("error: rank 0: the stop checkpoint was not written: another process of this job "
                            "ended first"), log
