@@ -26,7 +26,7 @@ from proc_helpers import alive, children, metric_steps
 
 from zfctl.train.checkpoint import damaged_files, read_checkpoint, resolve_checkpoint
 from zfctl.train.dist import TIMEOUT_EXIT
-from zfctl.train.testhooks import FAIL_ENV, HANG_ENV
+from zfctl.train.testhooks import FAIL_ENV, HANG_ENV, SLOW_TEARDOWN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -136,10 +136,12 @@ def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoin
     log = job.out
     assert rc == 137, log  # 128 + SIGKILL: the killed rank's code, not the survivor's
     assert "Traceback" not in log and "ChildFailedError" not in log, log
-    assert "error: rank 1 exited with code 137" in log, log
     assert not any(alive(pid) for pid in ranks.values()), log
     newest = assert_checkpoints_whole(run)
     assert newest >= 1
+    # the launcher names the killed rank and, since it could not, says where to continue from
+    assert (f"error: rank 1 exited with code 137; once that is fixed, continue from its checkpoint of step "
+            f"{newest} with `zfctl resume {run}`") in log.splitlines(), log
     # The survivor (if torchrun's shutdown let it say anything) names the real run folder and the
     # step a resume continues from, and corrects a stop it announced on torchrun's SIGTERM.
     survivor = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
@@ -153,8 +155,11 @@ def test_a_sigkilled_rank_ends_the_job_within_seconds_and_leaves_whole_checkpoin
 def test_a_stop_that_a_dead_peer_prevents_is_corrected_in_the_survivors_error(tmp_path):
     # What torchrun does when a rank dies (SIGTERM to the survivors), made certain: rank 0 gets the
     # SIGTERM as rank 1 is SIGKILLed, announces its stop checkpoint, and cannot write it.
+    # torchrun's own SIGTERM follows within ~0.2 s. SLOW_TEARDOWN_ENV makes rank 0's teardown as
+    # slow as a loaded box can (1 s), so that signal always lands before rank 0's error line is
+    # out: the line must come all the same (zfctl/train/signals.py, hold_signals).
     run = tmp_path / "run"
-    job = Job(run)
+    job = Job(run, env={SLOW_TEARDOWN_ENV: "1"})
     job.wait_for(lambda: (run / "checkpoints/latest").exists() and len(rank_pids(job)) == 2,
                  "a first checkpoint, both ranks training")
     ranks = rank_pids(job)
@@ -163,14 +168,25 @@ def test_a_stop_that_a_dead_peer_prevents_is_corrected_in_the_survivors_error(tm
     assert job.finish(timeout=30) == 137
     log = job.out
     newest = assert_checkpoints_whole(run)
-    lines = [ln for ln in log.splitlines() if ln.startswith("error: rank 0:")]
-    assert len(lines) == 1, log
-    line = lines[0]
+    resume = f"continue from its checkpoint of step {newest} with `zfctl resume {run}`"
     assert "stop requested: finishing this step and writing a checkpoint" in log, log
+    assert "Traceback" not in log and "pair.cc" not in log, log
+    assert f"error: rank 1 exited with code 137; once that is fixed, {resume}" in log.splitlines(), log
+    said = [ln for ln in log.splitlines() if ln.startswith(("error: rank 0:", "aborted by a second"))]
+    assert len(said) == 1, log
+    line = said[0]
+    if line.startswith("aborted"):
+        # torchrun's SIGTERM reached rank 0 while it was still computing, before a collective had
+        # told it of the dead peer: a second signal, which no rank can tell from the user's own
+        # second Ctrl-C (its sender is not known to a Python handler), so it aborts as that does,
+        # naming the newest checkpoint. Rare: rank 0 is usually in a collective already.
+        print("rank 0 aborted on torchrun's SIGTERM before its collective failed")  # pytest -s
+        assert line == (f"aborted by a second SIGTERM: no checkpoint was written; the newest in {run} "
+                        f"is step {newest} (continue: zfctl resume {run})"), log
+        return
     assert line.startswith("error: rank 0: the stop checkpoint was not written: another process of this job "
                            "ended first"), log
-    assert line.endswith(f"continue from its checkpoint of step {newest} with `zfctl resume {run}`"), log
-    assert "Traceback" not in log and "pair.cc" not in log, log
+    assert line.endswith(resume), log
 
 
 @pytest.mark.slow

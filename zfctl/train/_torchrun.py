@@ -5,9 +5,10 @@
 torchrun turns a failed rank into a ``ChildFailedError`` traceback and a signal into a
 ``SignalException`` traceback, although the rank has already printed its own one-line error (or
 its stop message and checkpoint). Here both end as the ranks' exit code (the first rank to fail,
-a signal's as 128 + its number; a rank that died without a word, e.g. SIGKILLed, is named and its
-code preferred), so the launcher can exit with it. Under the ``--nproc`` launcher it also dies
-with the launcher and has its ranks die with it (zfctl.train.dist, ``bind_to_launcher``).
+a signal's as 128 + its number; a rank that died without a word, e.g. SIGKILLed, is named, with
+the resume command for the run folder, and its code preferred), so the launcher can exit with it.
+Under the ``--nproc`` launcher it also dies with the launcher and has its ranks die with it
+(zfctl.train.dist, ``bind_to_launcher``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from zfctl.train.dist import PARENT_ENV, TIMEOUT_EXIT, bind_to_launcher
+from zfctl.train.dist import PARENT_ENV, RUN_DIR_ENV, TIMEOUT_EXIT, bind_to_launcher, continue_hint
 
 
 def main(argv: list[str]) -> int:
@@ -48,8 +50,10 @@ def main(argv: list[str]) -> int:
         # Every such rank, not just the "first" failure: torchrun's timestamps have 1 s
         # resolution, so a killed rank and a peer that stopped because of it can tie.
         silent = {r: c for r, c in codes.items() if c not in (1, 2, 130, 143)}
+        run_dir = os.environ.get(RUN_DIR_ENV)  # read now: the newest checkpoint the job left
+        hint = f"; {continue_hint(Path(run_dir))}" if run_dir and silent else ""
         for r, c in silent.items():
-            print(f"error: rank {r} exited with code {c}", file=sys.stderr)
+            print(f"error: rank {r} exited with code {c}{hint}", file=sys.stderr)
         return next(iter(silent.values())) if silent else codes[e.get_first_failure()[0]]
     except SignalException as e:  # the launcher signalled torchrun before the ranks existed
         return 128 + int(e.sigval)

@@ -63,6 +63,9 @@ PARENT_ENV = "ZFCTL_DIE_WITH_PID"
 # The checkpoint a ``resume`` launcher resolved (and, with --latest-good, verified) once: its ranks
 # load that folder instead of resolving (and hashing) the run folder again, each of them.
 RESUME_FROM_ENV = "ZFCTL_RESUME_CHECKPOINT"
+# The run folder of an --nproc job (set by the launcher, zfctl/train/launch.py): torchrun's line for
+# a rank that died without a word (zfctl.train._torchrun) says how to continue it.
+RUN_DIR_ENV = "ZFCTL_RUN_DIR"
 # The exit code of a rank that waited distributed.timeout for a peer (coreutils' `timeout` uses it).
 TIMEOUT_EXIT = 124
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

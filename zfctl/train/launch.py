@@ -26,6 +26,7 @@ from zfctl.train import checkpoint as ck
 from zfctl.train.dist import (
     PLAN_PRINTED_ENV,
     RESUME_FROM_ENV,
+    RUN_DIR_ENV,
     DistEnv,
     dist_env,
     rank_error,
@@ -120,7 +121,17 @@ def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
     if prepare is not None:
         prepare()
     Console().print(f"launching {nproc} processes under torchrun (standalone)")
-    return Launched(relaunch(nproc, argv, extra_env))
+    # torchrun inherits this process's environment: its line for a rank that died without a word
+    # says how to continue the run folder (zfctl/train/_torchrun.py)
+    before = os.environ.get(RUN_DIR_ENV)
+    os.environ[RUN_DIR_ENV] = str(folder.path)
+    try:
+        return Launched(relaunch(nproc, argv, extra_env))
+    finally:
+        if before is None:
+            del os.environ[RUN_DIR_ENV]
+        else:
+            os.environ[RUN_DIR_ENV] = before
 
 
 def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult], *, run_dir: Path) -> RunResult:
@@ -129,6 +140,10 @@ def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult],
     try:
         return work()
     except Exception as e:
+        if env.world_size > 1:  # torchrun's SIGTERM (a peer died) must not end us before our line
+            from zfctl.train.signals import hold_signals
+
+            hold_signals()
         named = rank_error(e, env, timeout, run_dir=run_dir)
         if named is e:
             raise

@@ -51,7 +51,7 @@ from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_
 from zfctl.train.rundir import RunFolder
 from zfctl.train.schedule import Cadence, build_scheduler
 from zfctl.train.signals import StopSignals, interrupted, run_stop_signals
-from zfctl.train.testhooks import fail_or_hang
+from zfctl.train.testhooks import fail_or_hang, slow_teardown
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -100,7 +100,9 @@ class FinetuneRecipe:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            slow_teardown()  # tests only: zfctl/train/testhooks.py
         self.cleanup()
 
     def load_checkpoint(self, ckpt: ck.CheckpointInfo | None) -> None:
@@ -238,7 +240,7 @@ class FinetuneRecipe:
         self.model.train()
         timer = StepTimer(self.device)
         stop = run_stop_signals(self.display.print, rank=self.env.rank, run_dir=self.run_dir,
-                                newest=lambda: self.saved_step)
+                                newest=lambda: self.saved_step, world_size=self.env.world_size)
         self.display.start(total, start)
         if start == 0 and when.eval_every > 0:  # the baseline the falling eval loss is read against
             self._evaluate(0)

@@ -6,6 +6,13 @@ exactly resumable one. A second signal aborts at once without a checkpoint, for 
 cannot wait for the step to end; it says so in one line (which checkpoint the run folder still
 has) and exits 130 / 143 through the normal unwinding, so the CPU worker thread and the run
 folder's lock are still released.
+
+A rank of a multi-process job whose loop ends with an error (a peer died: the collective
+raised) does not go back to the default handlers at once: torchrun SIGTERMs the survivors of a
+dead rank within a fraction of a second, and on a loaded machine that signal can land while the
+rank is still tearing down, before its one error line is out; the default action would end it
+without a word, as if it had said what happened. :func:`hold_signals` absorbs one such signal
+instead, until the process exits (docs/design.md, "Failures and the run folder").
 """
 
 from __future__ import annotations
@@ -47,19 +54,44 @@ class Aborted(SystemExit):
         self.signum = signum
 
 
+# The handlers :func:`hold_signals` replaced, once it has been called in this process.
+_before_hold: dict[int, Callable[[int, FrameType | None], Any] | int | None] | None = None
+
+
+def hold_signals() -> None:
+    """Absorb the next SIGINT/SIGTERM this process receives; a further one acts as the handlers
+    before the call would. For a rank of a multi-process job that is about to report an error:
+    torchrun's SIGTERM must not end it before its line is out (module docstring), and torchrun
+    SIGKILLs it after 30 s in any case. Once per process (a rank exits after its error line);
+    main thread only."""
+    global _before_hold
+    if _before_hold is not None or threading.current_thread() is not threading.main_thread():
+        return
+    _before_hold = {s: signal.getsignal(s) for s in _HANDLED}
+    for s in _HANDLED:
+        signal.signal(s, _held)
+
+
+def _held(signum: int, frame: FrameType | None) -> None:
+    for s, prev in (_before_hold or {}).items():  # the next one is not absorbed
+        signal.signal(s, prev)
+
+
 class StopSignals:
     """Context manager turning SIGINT/SIGTERM into a polled stop request.
 
     Outside the main thread (signal handlers cannot be installed there) it never fires, and the
-    process keeps Python's default handling.
+    process keeps Python's default handling. ``hold_on_error``: leaving with an exception other
+    than the stop's own, call :func:`hold_signals` (a rank of a multi-process job).
     """
 
     def __init__(self, on_first: Callable[[int], None] | None = None,
-                 abort_message: Callable[[int], str | None] | None = None) -> None:
+                 abort_message: Callable[[int], str | None] | None = None, *, hold_on_error: bool = False) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal()
         self._on_first = on_first
         self._abort_message = abort_message
+        self._hold_on_error = hold_on_error
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         global _received
@@ -89,19 +121,26 @@ class StopSignals:
             for s in _HANDLED:
                 self._previous[s] = signal.signal(s, self._handle)
 
-    def __exit__(self, *exc: object) -> None:
-        # Always the caller's handlers again: after the stop checkpoint (on disk, every rank past
-        # its final barrier) a further signal may end the process the default way.
-        for s, prev in self._previous.items():
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # The caller's handlers again: after the stop checkpoint (on disk, every rank past its
+        # final barrier) a further signal may end the process the default way.
+        previous, self._previous = self._previous, {}
+        for s, prev in previous.items():
             signal.signal(s, prev)
-        self._previous = {}
+        # A failed rank's error line is still to come: one more signal (torchrun's, after a peer
+        # died) must not end it silently first.
+        if (previous and self._hold_on_error and exc_type is not None
+                and not issubclass(exc_type, (Interrupted, Aborted))):
+            hold_signals()
 
 
 def run_stop_signals(say: Callable[[str], None], *, rank: int, run_dir: Path,
-                     newest: Callable[[], int | None]) -> StopSignals:
+                     newest: Callable[[], int | None], world_size: int = 1) -> StopSignals:
     """The loop's :class:`StopSignals`: ``say`` announces the first signal on the console; the
-    second one's line (rank 0 only) names the newest checkpoint, step ``newest()`` (None: none)."""
+    second one's line (rank 0 only) names the newest checkpoint, step ``newest()`` (None: none).
+    With several processes a loop that fails holds the next signal (:func:`hold_signals`)."""
     return StopSignals(
+        hold_on_error=world_size > 1,
         on_first=lambda s: say("[yellow]stop requested: finishing this step and writing a checkpoint "
                                "(press Ctrl-C again to abort without one)"),
         abort_message=lambda s: None if rank != 0 else "no checkpoint was written; " + (

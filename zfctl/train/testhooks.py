@@ -24,6 +24,10 @@ HANG_ENV = "ZFCTL_TEST_HANG_STEP"
 # meta.json), so a test can SIGKILL or signal the process mid-write deterministically
 # (tests/cli/test_train_cli.py, tests/e2e/test_run_safety.py).
 SLOW_WRITE_ENV = "ZFCTL_TEST_SLOW_CHECKPOINT"
+# "SECONDS": a rank whose run failed sleeps that long before it tears down (and before its error
+# line), as a loaded machine may be that slow there: torchrun's SIGTERM to the survivors of a
+# dead rank then lands inside that window (tests/e2e/test_failures.py).
+SLOW_TEARDOWN_ENV = "ZFCTL_TEST_SLOW_TEARDOWN"
 
 
 def fail_or_hang(rank: int, step: int) -> None:
@@ -43,3 +47,10 @@ def slow_checkpoint_write(step: int) -> None:
         at, _, seconds = spec.partition(":")
         if int(at) == step:
             time.sleep(float(seconds or 30))
+
+
+def slow_teardown() -> None:
+    """:data:`SLOW_TEARDOWN_ENV`, called as a failed run starts its teardown (zfctl/train/recipe.py)."""
+    spec = os.environ.get(SLOW_TEARDOWN_ENV)
+    if spec:
+        time.sleep(float(spec))
