@@ -6,14 +6,12 @@ on 2 ranks of one node with the losses of the uninterrupted run (docs/design.md,
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_distributed_cli import ENV, ROOT, TINY, assert_close, losses, zfctl
-from test_multinode import NODES, PER_NODE, _free_port
+from test_distributed_cli import TINY, assert_close, losses, zfctl
+from test_multinode import NODES, PER_NODE, two_nodes
 
 # 8 steps, a checkpoint every 3: step 3 is one step into an update interval (update_interval 2),
 # its CPU update in flight; re-selection at step 4 comes after the resume. release_grads=false in
@@ -23,31 +21,13 @@ HSDP = [*SAME, "checkpoint.keep_last=4", "distributed.strategy=fsdp",
         f"distributed.nproc={PER_NODE}", f"distributed.nodes={NODES}", "distributed.hsdp=true"]
 
 
-def _two_nodes(*args: str) -> list[str]:
-    """``zfctl ARGS`` under two torchrun launches joined by one c10d rendezvous; the logs."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zfctl-hsdp",
-           "-m", "zfctl", *args]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for _ in range(NODES)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in nodes] == [0, 0], logs
-    return logs
-
-
 @pytest.mark.slow
 def test_hsdp_two_nodes_match_one_process_and_resume_as_flat_fsdp_on_two_ranks(tmp_path: Path) -> None:
     one, run = tmp_path / "one", tmp_path / "hsdp"
     sets = [a for s in [*TINY, *SAME, "train.micro_batch_size=4"] for a in ("--set", s)]
     zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(one), *sets)
     sets = [a for s in [*TINY, *HSDP, "train.micro_batch_size=1"] for a in ("--set", s)]
-    _two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), *sets)
+    two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(run), *sets, rdzv_id="zfctl-hsdp")
     straight = losses(run)
     assert len(straight) == 8
     assert_close(straight, losses(one), tol=1e-4)  # 4 ranks, micro-batch 1 = one process, micro-batch 4
@@ -68,7 +48,7 @@ def test_hsdp_two_nodes_match_one_process_and_resume_as_flat_fsdp_on_two_ranks(t
 
     # Resumed as it ran (2 x 2 HSDP) from step 6: each rank reads its shard rank's files
     # (global ranks 2 and 3 those of 0 and 1) and its own RNG state; steps 7..8 continue.
-    _two_nodes("resume", str(run / "checkpoints/step-000006"))
+    two_nodes("resume", str(run / "checkpoints/step-000006"), rdzv_id="zfctl-hsdp")
     assert_close(losses(run)[6:], straight[6:], tol=1e-4)
 
     # Resumed on 2 ranks of one node: flat fsdp over 2, the accumulation doubled for the global

@@ -23,14 +23,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_two_nodes_of_two_processes_match_one_process(tmp_path: Path) -> None:
-    one, multi = tmp_path / "one", tmp_path / "2x2"
-    finetune(one, NODES * PER_NODE, 1)  # micro_batch 4 on one process: the same global batch
-    sets = [a for s in [*TINY, "train.micro_batch_size=1"] for a in ("--set", s)]
+def two_nodes(*args: str, rdzv_id: str = "zfctl-2x2") -> list[str]:
+    """``zfctl ARGS`` under NODES torchrun launches of PER_NODE processes joined by one c10d
+    rendezvous on 127.0.0.1, as on NODES machines; every launch must exit 0. Their logs."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zfctl-2x2",
-           "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(multi), *sets]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", rdzv_id,
+           "-m", "zfctl", *args]
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for _ in range(NODES)]
     try:
@@ -40,7 +38,16 @@ def test_two_nodes_of_two_processes_match_one_process(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in nodes] == [0, 0], logs
+    assert [p.returncode for p in nodes] == [0] * NODES, logs
+    return logs
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_match_one_process(tmp_path: Path) -> None:
+    one, multi = tmp_path / "one", tmp_path / "2x2"
+    finetune(one, NODES * PER_NODE, 1)  # micro_batch 4 on one process: the same global batch
+    sets = [a for s in [*TINY, "train.micro_batch_size=1"] for a in ("--set", s)]
+    logs = two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(multi), *sets)
     assert sum(log.count("run plan") for log in logs) == 1  # rank 0 of the whole job prints, once
 
     l1, l4 = losses(one), losses(multi)
