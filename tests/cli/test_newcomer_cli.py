@@ -120,7 +120,7 @@ def test_resume_max_steps_refuses_an_lr_change_and_allows_what_keeps_it() -> Non
     note = check_new_length(four, _saved("linear", 4), 30, allow_changes=True)
     assert note is not None and note.endswith("(--allow-changes)") and "linear" in note
     assert check_new_length(four, _saved("constant", 4), 300, allow_changes=False) is None
-    # the case: a finished 118-step demo resumed to 236 would re-warm from ~0
+    # a finished 118-step demo resumed to 236 steps would re-warm from ~0 (README, resume --max-steps)
     done = SimpleNamespace(step=118, world_size=1)
     with pytest.raises(UserError, match="step 119 would train at lr 0.00[0-9]+ instead of 0,"):
         check_new_length(done, _saved("cosine", 118), 236, allow_changes=False)
