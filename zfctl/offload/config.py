@@ -95,6 +95,20 @@ class TuningConfig:
         "update takes the rest); 0 = auto, ~10/38 of them by bytes moved per element.",
         ge=0,
     )
+    reserved_cores: Interval = _f(
+        "auto",
+        "Physical cores of this rank's share kept for the training thread (the thread that launches "
+        "device work, the backward's thread, data loading): the native pools never run there. "
+        "auto = with a GPU 2 from 8 cores up, 1 with 3-7, none with 1-2; none on the CPU "
+        "(docs/design.md, 'Threads and buffer ownership').",
+        ge=0,
+    )
+    pin_threads: Literal["auto", "on", "off"] = _f(
+        "auto",
+        "Pin each native pool thread to a CPU of its own (the CPUs this process may use, split by "
+        "local rank, on the GPU's NUMA node). auto = on with a GPU; off on the CPU, where torch's "
+        "compute shares every core and a pinned thread cannot dodge a busy one.",
+    )
     ring_slots: int = _f(4, "Slots in each transfer ring (host slots for D2H gradients, device slots for H2D params).", ge=1)
     ring_slot_mb: float = _f(
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from zfctl.errors import ConfigError
+from zfctl.offload import cores
 from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
@@ -37,7 +38,7 @@ from zfctl.offload.pcie import count_waits
 from zfctl.offload.ring import Ring, ring_slot_bytes
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
-from zfctl.offload.threads import capped, split_threads
+from zfctl.offload.threads import capped
 
 Fence = Callable[[], Any]
 
@@ -321,15 +322,16 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
                               committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
                               acc_bytes=4 * layout.host_numel)
-    host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
-    transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
-    if config.cpu_threads:
-        _native.set_num_threads(config.cpu_threads)
+    # The core split (cores.py): the training thread's reserved cores, the pools' pinned CPUs, and
+    # on a multi-node machine the GPU's NUMA node, where the host state is allocated and bound.
     # The device path adds nothing on the host between boundaries (its sum lives on the device):
-    # the CPU update takes every core. Holding back the accumulation's share there (4 of 16)
-    # left a memory-bound update on 12 threads for nothing.
-    total = _native.get_num_threads()
-    threads = (0, max(1, total)) if on_device else split_threads(total, config.tuning.accumulate_threads)
+    # the CPU update takes every pool core there.
+    plan = cores.plan_for(config, device, on_device=on_device)
+    with cores.on_node(plan):
+        host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
+        transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
+    cores.bind_host(plan, _native, [host.master, host.exp_avg, host.exp_avg_sq, *host.acc])
+    threads = cores.apply(plan, _native)
     add = capped(_native, threads[0])
     path: GradientPath
     if on_device:
