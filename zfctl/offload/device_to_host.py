@@ -265,7 +265,7 @@ class SummedOnDevice(NoHostColumns):
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None:
         self.sum.add(grads, coef, first=first)
-        count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
+        count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
         return self.sum.copy_out(acc)  # the fp32 sum, once per interval (counted there: ledger.py)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -79,11 +80,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Tab:
-    """The bytes and waits of one step, filled from any thread (a lock per addition)."""
+    """The bytes and waits of one step, filled from any thread (a lock per addition). ``wait_ms``:
+    how long the waits of each kind took (host waits by the wall clock, the compute stream's from
+    CUDA events, read one step late): timings for the bench, never for tests."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
         self.waits: dict[str, int] = {}
+        self.wait_ms: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def moved(self, kind: str, nbytes: int) -> None:
@@ -94,11 +98,12 @@ class Tab:
         with self._lock:
             self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
 
-    def waited(self, kind: str, n: int = 1) -> None:
+    def waited(self, kind: str, n: int = 1, ms: float = 0.0) -> None:
         if kind not in WAIT_KINDS:
             raise KeyError(f"wait kind {kind!r} is not in ledger.WAIT_KINDS: add it there with who waits for what")
         with self._lock:
             self.waits[kind] = self.waits.get(kind, 0) + n
+            self.wait_ms[kind] = self.wait_ms.get(kind, 0.0) + ms
 
     def total(self, prefix: str) -> int:
         """Bytes of every kind starting with ``prefix`` (``"d2h."``, ``"h2d."``, ``"host."``)."""
@@ -123,9 +128,18 @@ class Ledger:
         """``nbytes`` of kind ``kind`` (``BYTE_KINDS``) moved now."""
         self.tab().moved(kind, nbytes)
 
-    def waited(self, kind: str) -> None:
-        """One wait of kind ``kind`` (``WAIT_KINDS``) written here."""
-        self.tab().waited(kind)
+    def waited(self, kind: str, ms: float = 0.0) -> None:
+        """One wait of kind ``kind`` (``WAIT_KINDS``) written here, which took ``ms``."""
+        self.tab().waited(kind, ms=ms)
+
+    @contextlib.contextmanager
+    def waiting(self, kind: str) -> Iterator[None]:
+        """One wait of kind ``kind``: the block is the wait, its wall time what it cost."""
+        tab, t0 = self.tab(), time.perf_counter()
+        try:
+            yield
+        finally:
+            tab.waited(kind, ms=(time.perf_counter() - t0) * 1e3)
 
     def close(self) -> Tab:
         """End the open step: return its tab and open the next step's."""
@@ -185,8 +199,8 @@ def counted_wait(ledger: Ledger, kind: str, wait: Callable[[], Any]) -> Callable
     worker's fences: charged to the step that submitted the update)."""
 
     def run() -> Any:
-        ledger.waited(kind)
-        return wait()
+        with ledger.waiting(kind):
+            return wait()
 
     return run
 

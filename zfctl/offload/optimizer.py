@@ -418,7 +418,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         assert self.host is not None and self.transfers is not None  # only the host path installs
         _, fence = self.transfers.install(self.params)  # its bytes: counted by the ring (ledger.py)
         self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs)  # the compute stream waiting for the copies
+        count_waits(stats, self.transfers.h2d.stall_pairs, "device.install")  # compute waiting for the copies
         # Whole column ranges were written: put the device-owned columns back.
         self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
         if self.exchange is not None:  # each owner's columns to every rank (collectives)

@@ -77,8 +77,8 @@ def timed_wait(stream: Any, event: Any) -> tuple[Any, Any]:
 def host_wait(ledger: Any, kind: str, event: Any) -> None:
     """The calling thread blocks until ``event`` fired (``event.synchronize()``), counted as one
     wait of ``kind`` (ledger.py ``WAIT_KINDS``)."""
-    ledger.waited(kind)
-    event.synchronize()
+    with ledger.waiting(kind):
+        event.synchronize()
 
 
 def device_wait(ledger: Any, kind: str, stream: Any, event: Any) -> tuple[Any, Any]:
@@ -97,10 +97,11 @@ def waited_ms(pairs: list[tuple[Any, Any]]) -> float:
     return total
 
 
-def count_waits(stats: Any, pairs: list[tuple[Any, Any]]) -> None:
+def count_waits(stats: Any, pairs: list[tuple[Any, Any]], kind: str | None = None) -> None:
     """Add the device-side waits of one step (the compute stream idle until a copy landed,
-    :func:`timed_wait`) to its ``StepStats``: to ``device_wait_ms`` and to the stall, read one step
-    late like the device timings (``StepStats.defer``), so no sync now."""
+    :func:`timed_wait`) to its ``StepStats``: to ``device_wait_ms`` and to the stall (and to
+    ``wait_ms[kind]``, the waits :func:`device_wait` counted), read one step late like the device
+    timings (``StepStats.defer``), so no sync now."""
     if not pairs:
         return
     pairs = list(pairs)
@@ -109,5 +110,7 @@ def count_waits(stats: Any, pairs: list[tuple[Any, Any]]) -> None:
         ms = waited_ms(pairs)
         st.device_wait_ms += ms
         st.stall_ms += ms
+        if kind is not None:
+            st.tab.waited(kind, n=0, ms=ms)
 
     stats.defer(read)

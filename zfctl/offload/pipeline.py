@@ -154,8 +154,8 @@ class Pipeline:
     def settle(self, stats: StepStats | None = None) -> None:
         """Wait for an in-flight update without installing it: its result becomes pending."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
-            self.ledger.waited("host.cpu_update")
-            ms = self.worker.wait()
+            with self.ledger.waiting("host.cpu_update"):
+                ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True

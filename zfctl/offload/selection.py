@@ -140,8 +140,8 @@ def out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.
         tmp = d.index_select(0, pos[a : a + per])  # a device gather of this piece's rows
         buf = stage.view(tuple(tmp.shape))
         nbytes = tmp.numel() * tmp.element_size()
-        ledger.waited("host.migrate_copy")
-        buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
+        with ledger.waiting("host.migrate_copy"):
+            buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
         if mul is not None:
             buf.mul_(mul)
         h.index_copy_(0, cols[a : a + per], buf)
@@ -165,8 +165,8 @@ def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.T
             buf.div_(div)
         # PCIe H2D from page-locked memory; blocking (the buffer is reused next piece). Off CUDA
         # ``to`` returns ``buf`` itself, which index_copy_ reads before the next piece rewrites it.
-        ledger.waited("host.migrate_copy")
-        d.index_copy_(0, dst[a : a + per], buf.to(d.device))
+        with ledger.waiting("host.migrate_copy"):
+            d.index_copy_(0, dst[a : a + per], buf.to(d.device))
         nbytes = buf.numel() * buf.element_size()
         # the gather reads h and writes the stage, (div: reads and writes it), the DMA reads it
         ledger.moved("host.migrate", nbytes)

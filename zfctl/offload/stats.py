@@ -88,6 +88,12 @@ class StepStats:
         """Waits this step wrote by kind (ledger.py ``WAIT_KINDS``: who waited for what)."""
         return self.tab.waits
 
+    @property
+    def wait_ms(self) -> dict[str, float]:
+        """How long this step's waits of each kind took (host: wall clock; the compute stream's:
+        CUDA events, filled by :meth:`resolve`). Timings, for the bench's gap columns."""
+        return self.tab.wait_ms
+
     # The totals each way, from the ledger. Adding to them (``stats.d2h_bytes += n``) still works
     # and books the bytes as "unlabelled", which the ledger tests refuse: name a kind instead.
     @property

@@ -233,20 +233,18 @@ class GradStream:
             # CPU, coefficient known: this window's hooks add on the training thread (_land), so
             # the jobs queued on the accumulation thread before them (the zero sum of an interval's
             # first step, a late add) must be done first: they write the same accumulator ranges.
-            self.ledger.waited("host.hook_slot")
-            if not self._last_job.done():
-                t0 = time.perf_counter()
+            t0 = time.perf_counter()
+            with self.ledger.waiting("host.hook_slot"):
                 self._last_job.result()  # host wait (stall), at most once per window
-                self.wait_ms += (time.perf_counter() - t0) * 1e3
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
         if self.ring_slots:  # the ring's slots are waited for one by one (_ring_view)
             return
         self._w = 1 - self._w
         fence = self.fences[self._w]
-        if fence is not None:
-            self.ledger.waited("host.hook_slot")  # written every window; blocks only when late
-        if fence is not None and not fence.done():
+        if fence is not None:  # written every window; blocks only when the job is late
             t0 = time.perf_counter()
-            fence.result()  # host wait: the accumulation of two steps ago still reads it
+            with self.ledger.waiting("host.hook_slot"):
+                fence.result()  # host wait: the accumulation of two steps ago still reads it
             self.wait_ms += (time.perf_counter() - t0) * 1e3
 
     def _complete_oldest(self) -> None:
@@ -325,11 +323,10 @@ class GradStream:
             return self.landing[self._w][ch.off : ch.off + ch.numel]
         self._next_slot += 1
         fence, self.ring_fences[j] = self.ring_fences[j], None
-        if fence is not None:
-            self.ledger.waited("host.hook_slot")  # written for every reused slot; blocks only when late
-        if fence is not None and not fence.done():
+        if fence is not None:  # written for every reused slot; blocks only when the job is late
             t0 = time.perf_counter()
-            fence.result()  # host wait: the thread is still adding what slot j held
+            with self.ledger.waiting("host.hook_slot"):
+                fence.result()  # host wait: the thread is still adding what slot j held
             self.wait_ms += (time.perf_counter() - t0) * 1e3
         nbytes = ch.numel * dtype.itemsize
         assert nbytes <= self.slot_bytes, "chunks are planned to fit one ring slot (chunks.plan_chunks)"
@@ -339,12 +336,13 @@ class GradStream:
         """Bound the device temporaries in flight: wait for the oldest copies (stall)."""
         while self.inflight and self.inflight_bytes + nbytes > self.budget_bytes:
             event, b = self.inflight.popleft()
-            self.ledger.waited("host.hook_budget")  # over budget: this copy must have landed
-            if not event.query():
-                t0 = time.perf_counter()
-                event.synchronize()  # sync point: one earlier chunk's D2H
-                self.wait_ms += (time.perf_counter() - t0) * 1e3
-                self.budget_waits += 1
+            with self.ledger.waiting("host.hook_budget"):  # over budget: this copy must have landed
+                landed = event.query()
+                if not landed:
+                    t0 = time.perf_counter()
+                    event.synchronize()  # sync point: one earlier chunk's D2H
+                    self.wait_ms += (time.perf_counter() - t0) * 1e3
+                    self.budget_waits += 1
             self.inflight_bytes -= b
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> Future:
@@ -419,8 +417,8 @@ class GradStream:
     def drain(self) -> None:
         """Wait for every queued accumulation (checkpoints, loading, closing)."""
         if self._last_job is not None:
-            self.ledger.waited("host.acc_drain")
-            self._last_job.result()
+            with self.ledger.waiting("host.acc_drain"):
+                self._last_job.result()
 
     def close(self) -> None:
         for h in self._handles:
