@@ -105,6 +105,11 @@ class Tab:
             self.waits[kind] = self.waits.get(kind, 0) + n
             self.wait_ms[kind] = self.wait_ms.get(kind, 0.0) + ms
 
+    def read(self) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
+        """Copies of (bytes, waits, wait_ms), taken under the lock: a helper thread may still add."""
+        with self._lock:
+            return dict(self.bytes), dict(self.waits), dict(self.wait_ms)
+
     def total(self, prefix: str) -> int:
         """Bytes of every kind starting with ``prefix`` (``"d2h."``, ``"h2d."``, ``"host."``)."""
         with self._lock:

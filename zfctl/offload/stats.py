@@ -80,19 +80,20 @@ class StepStats:
 
     @property
     def bytes(self) -> dict[str, int]:
-        """Bytes this step moved by kind (ledger.py ``BYTE_KINDS``: PCIe each way, host memory)."""
-        return self.tab.bytes
+        """Bytes this step moved by kind (ledger.py ``BYTE_KINDS``: PCIe each way, host memory); a
+        copy (its helper-thread work adds to the step's tab until it is done: read after ``flush``)."""
+        return self.tab.read()[0]
 
     @property
     def waits(self) -> dict[str, int]:
-        """Waits this step wrote by kind (ledger.py ``WAIT_KINDS``: who waited for what)."""
-        return self.tab.waits
+        """Waits this step wrote by kind (ledger.py ``WAIT_KINDS``: who waited for what); a copy."""
+        return self.tab.read()[1]
 
     @property
     def wait_ms(self) -> dict[str, float]:
         """How long this step's waits of each kind took (host: wall clock; the compute stream's:
-        CUDA events, filled by :meth:`resolve`). Timings, for the bench's gap columns."""
-        return self.tab.wait_ms
+        CUDA events, filled by :meth:`resolve`). Timings, for the bench's gap columns; a copy."""
+        return self.tab.read()[2]
 
     # The totals each way, from the ledger. Adding to them (``stats.d2h_bytes += n``) still works
     # and books the bytes as "unlabelled", which the ledger tests refuse: name a kind instead.
