@@ -40,12 +40,22 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
     A sync point, once per optimizer construction (~1-2 ms plus the allocation). The first copy
     warms the path (driver mapping of the pinned page), the second is timed.
     """
+    return _measure(device, nbytes, to_host=True)
+
+
+def measure_h2d_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float | None:
+    """The same probe host -> device (the install's direction; `zfctl bench` prints both)."""
+    return _measure(device, nbytes, to_host=False)
+
+
+def _measure(device: torch.device, nbytes: int, *, to_host: bool) -> float | None:
     if device.type != "cuda":
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     # Page-locked at its exact size and unpinned again below (the caching host allocator would keep
     # the block pinned for the life of the process).
-    dst = pinned.empty(nbytes, torch.uint8, pin=True, device=device)
+    host = pinned.empty(nbytes, torch.uint8, pin=True, device=device)
+    src, dst = (dev, host) if to_host else (host, dev)
     stream = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -56,5 +66,5 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
         end.record(stream)
     end.synchronize()
     ms = start.elapsed_time(end)
-    pinned.release(dst)
+    pinned.release(host)
     return nbytes / (ms * 1e6) if ms > 0 else None

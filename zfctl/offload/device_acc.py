@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from zfctl.offload.layout import Layout, as_matrix
-from zfctl.offload.pcie import copy_async, timed_wait
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import copy_async, device_wait
 
 # `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
 # this share of its memory. The margin is wide because a plan's activation estimate is rough.
@@ -71,6 +72,8 @@ def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.T
 class DeviceAccumulator:
     """The fp32 interval sum of the host-owned columns, on the device."""
 
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
+
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
         self.cuda = device.type == "cuda"
@@ -96,7 +99,7 @@ class DeviceAccumulator:
                 continue
             copied = self._copied.pop(slot.index, None)
             if copied is not None:  # this slot's rows are still being copied out: wait for them only
-                self.stall_pairs.append(timed_wait(compute, copied))  # device-side wait
+                self.stall_pairs.append(device_wait(self.ledger, "device.sum_copy", compute, copied))  # device-side
             view = slot.host_view(self.buf)
             g = grads[slot.index]
             if g is None:  # a missing gradient counts as zero
@@ -119,6 +122,9 @@ class DeviceAccumulator:
     def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
         """Start the PCIe D2H of the interval sum into ``dst`` (page-locked host), one matrix at a
         time; returns the wait the CPU worker must do first (None: already done, CPU)."""
+        nbytes = self.buf.numel() * self.buf.element_size()
+        self.ledger.moved("d2h.sum", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+        self.ledger.moved("host.land", nbytes)  # ... written into the host accumulator
         if not self.cuda:
             dst.copy_(self.buf)
             return None

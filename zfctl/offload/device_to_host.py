@@ -34,6 +34,7 @@ from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.host import HostState, accumulator_count
 from zfctl.offload.layout import Layout
+from zfctl.offload.ledger import NOWHERE, Ledger, counted_accumulate
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.ring import Ring, ring_slot_bytes
 from zfctl.offload.stats import StepStats
@@ -69,13 +70,6 @@ class Transfers:
     def replan(self) -> None:
         """Re-plan the chunks after the device-owned columns changed (a selection, a load)."""
         self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
-        # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
-        self.host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self.chunks)
-
-    def accumulate_bytes(self, first: bool) -> int:
-        """Host memory one step's accumulation touches: per host-owned element, read the gradient,
-        write acc (and read it too after the interval's first step)."""
-        return self.host_elems * (self.itemsize + (4 if first else 8))
 
     def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
         """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
@@ -169,10 +163,9 @@ class InStep(NoHostColumns):
     def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
                  stats: StepStats) -> None:
         t = self.transfers
-        stats.host_bytes += t.accumulate_bytes(first)
         wait = t.host.gate.waiter() if first else None  # one accumulator: the update in flight reads it
-        stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first,
-                                             wait_read=wait)
+        # Bytes: counted where they move (the ring's D2H, the native accumulate; ledger.py).
+        offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first, wait_read=wait)
         stats.in_step_chunks = len(t.chunks)
         stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
 
@@ -229,10 +222,8 @@ class DuringBackward(InStep):
             super().add_host(grads, acc, coef, first=first, stats=stats)
             return
         t = self.transfers
-        stats.host_bytes += t.accumulate_bytes(first)
         fence = self.stream.finish(stats, coef, t.itemsize)  # the hooks moved it; the thread adds it
         self._fence = fence.result if fence is not None else None
-        stats.d2h_bytes += stats.early_bytes + stats.in_step_bytes
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
         fence, self._fence = self._fence, None
@@ -275,12 +266,10 @@ class SummedOnDevice(NoHostColumns):
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None:
         self.sum.add(grads, coef, first=first)
-        count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
+        count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
-        stats.d2h_bytes += 4 * self.transfers.layout.host_numel  # the fp32 sum, once per interval
-        stats.host_bytes += 4 * self.transfers.host_elems
-        return self.sum.copy_out(acc)
+        return self.sum.copy_out(acc)  # the fp32 sum, once per interval (counted there: ledger.py)
 
     def drain(self) -> None:
         self.sum.wait()
@@ -299,11 +288,12 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, release: bool, hooks: bool = True) -> HostSide:
+                    exchange: Any, release: bool, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
     """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
     the hook path's gradients are released in their hooks (release.py), if it is the one chosen.
     ``hooks=False``: the hook path registers no hooks on ``params``, its owner calls
-    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py)."""
+    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py). ``ledger``:
+    where the transfers, the accumulation and the host state count their bytes and waits."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -332,7 +322,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
         transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     cores.bind_host(plan, _native, [host.master, host.exp_avg, host.exp_avg_sq, *host.acc])
     threads = cores.apply(plan, _native)
-    add = capped(_native, threads[0])
+    add = counted_accumulate(capped(_native, threads[0]), ledger)  # host.sum bytes, on whichever thread adds
     path: GradientPath
     if on_device:
         path = SummedOnDevice(transfers, device)
@@ -341,4 +331,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
                               release=release, hooks=hooks)
     else:
         path = InStep(transfers, add)
+    for part in (transfers.d2h, transfers.h2d, host, getattr(path, "stream", None), getattr(path, "sum", None)):
+        if part is not None:
+            part.ledger = ledger  # each counts what it moves and waits for (ledger.py)
     return HostSide(host, transfers, path, accumulate, threads)

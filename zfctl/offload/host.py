@@ -41,6 +41,8 @@ import torch
 from zfctl.offload import pinned
 from zfctl.offload.acc_gate import AccGate
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import host_wait
 from zfctl.offload.selection import ColumnState
 
 AUTO_HOST_SHARE = 0.85  # host_accumulators: auto without a plan: the host state within this share of free RAM
@@ -87,6 +89,8 @@ class HostState:
     ``pin_acc``: page-lock the accumulators (the device path's interval sum is DMA'd into them).
     """
 
+    ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
+
     def __init__(self, layout: Layout, params: list[torch.Tensor], *, accumulators: int,
                  pin_master: bool = False, pin_acc: bool = False) -> None:
         self.layout = layout
@@ -122,7 +126,7 @@ class HostState:
         """Host wait until no install DMA reads ``master`` any more (before anyone writes it)."""
         fence, self.install_fence = self.install_fence, None
         if fence is not None:
-            fence.synchronize()  # sync point: the last H2D chunk of the install
+            host_wait(self.ledger, "host.install_dma", fence)  # sync point: the install's last H2D chunk
 
     def set_device_owned(self, slot: ParamSlot, index: torch.Tensor) -> None:
         """Mark which of ``slot``'s columns the device owns (``index``: column ids, any device)."""

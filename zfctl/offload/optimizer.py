@@ -44,6 +44,7 @@ from zfctl.offload.device_to_host import (
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import named_params, plan_layout
+from zfctl.offload.ledger import Ledger
 from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
@@ -109,9 +110,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # reads every step's per-matrix gradient masses from .grad in step(), nor on FSDP2 shards,
         # whose gradients arrive by FSDP2's reduce-scatter into the sharded params (sharded.py).
         release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
+        self.ledger = Ledger()  # each step's bytes and waits, counted where they happen (StepStats.bytes/waits)
         if self.layout.host_slots:
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   release=release, hooks=self.sharded is None)
+                                   release=release, hooks=self.sharded is None, ledger=self.ledger)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
             if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
@@ -124,6 +126,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device,
                                  update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
+        for part in (self.pipeline, self.pipeline.worker, self.selector):
+            if part is not None:
+                part.ledger = self.ledger
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -222,8 +227,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
         t, hp = self.pipeline.t, self._hyper()
         warm = t < self.selector.warmup
+        # The step's ledger tab opened when the last step closed: its backward's hooks are in it.
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
-                          d2h_gbps=self.gradient_path.d2h_gbps)
+                          d2h_gbps=self.gradient_path.d2h_gbps, tab=self.ledger.tab())
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
@@ -242,6 +248,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.pipeline.discard_interval()  # the hooks added the skipped step into the host sum
             self._disarm()
             stats.skipped, stats.grad_norm = True, math.inf
+            self.ledger.close()
             self.last_stats = stats
             return stats
         if self.selector.due(t):  # 2. selection: drain the CPU pipeline, choose, migrate
@@ -272,8 +279,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
         if self.host is not None:
-            self.drain()
-            self.pipeline.collect(StepStats(step=self.pipeline.t))
+            stats = StepStats(step=self.pipeline.t)
+            with self.ledger.charging(stats.tab):  # no step's bytes: the flush's own
+                self.drain()
+                self.pipeline.collect(stats)
 
     def drain(self) -> None:
         """Wait until no accumulation job (hook path) or sum copy (device path) still runs."""
@@ -336,8 +345,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if released is not None:  # the released gradients, laid out by the new selection (release.py)
             d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
                                 self.pipeline.acc, self._raw_coef(), self.selector.stage)
-            stats.d2h_bytes += d2h
-            stats.h2d_bytes += h2d
+            self.ledger.moved("d2h.migrate", d2h)  # the leaving columns' released gradient
+            self.ledger.moved("h2d.migrate", h2d)  # the entering columns' released gradient
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
             self.gradient_path.stream.replan(self.transfers.chunks)
         stats.selection = True
@@ -373,7 +382,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             add_coef, clip = self._raw_coef(), self.scale.clip_factor(host_coef)
         self.gradient_path.add_host(grads, self.pipeline.acc, add_coef, first=self.pipeline.first_of_interval,
                                     stats=stats)
-        stats.d2h_bytes += 4 * len(values)
         stats.offload_ms = (time.perf_counter() - c) * 1e3
         if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
             self.pipeline.collect(stats)
@@ -402,17 +410,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                             pieces=tuple(order) if order is not None else None)
         if clip != 1.0:
             update = replace(update, grad_scale=update.grad_scale * clip)
-        stats.host_bytes += self.transfers.host_elems * 28  # master, moments read+written (24 B), acc read (4 B)
         self.pipeline.submit(update, stats, background=background,
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
         """Copy the host's finished update into the model params (the pipeline decides when)."""
         assert self.host is not None and self.transfers is not None  # only the host path installs
-        nbytes, fence = self.transfers.install(self.params)
-        stats.h2d_bytes += nbytes
+        _, fence = self.transfers.install(self.params)  # its bytes: counted by the ring (ledger.py)
         self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs)  # the compute stream waiting for the copies
+        count_waits(stats, self.transfers.h2d.stall_pairs, "device.install")  # compute waiting for the copies
         # Whole column ranges were written: put the device-owned columns back.
         self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
         if self.exchange is not None:  # each owner's columns to every rank (collectives)
@@ -427,6 +433,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.update_interval = self.pipeline.last_interval
         stats.selected_fraction = self.selector.selected_fraction()
         self.pipeline.advance()
+        self.ledger.close()  # the next step's tab opens: the next backward's hooks count into it
         self.last_stats = stats
 
     # -- checkpoints (state.py) ----------------------------------------------------------------

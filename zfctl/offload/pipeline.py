@@ -33,6 +33,7 @@ import torch
 
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
+from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker
 
@@ -41,6 +42,8 @@ Install = Callable[[StepStats], None]
 
 class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
+
+    ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
                  install: Install, lag: int = 0, device: torch.device | None = None,
@@ -130,8 +133,10 @@ class Pipeline:
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-        after = prepare()
-        worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
+        after, dma = prepare(), _install_wait(host)
+        waits = [counted_wait(self.ledger, kind, w) for kind, w in (("worker.grads", after), ("worker.install", dma))
+                 if w is not None]
+        worker.submit(update, waits)
         if background:  # ... then this one runs in the background (one accumulator: cur stays)
             self.cur = (self.cur + 1) % len(host.acc)
             self.age = 0
@@ -149,7 +154,8 @@ class Pipeline:
     def settle(self, stats: StepStats | None = None) -> None:
         """Wait for an in-flight update without installing it: its result becomes pending."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
-            ms = self.worker.wait()
+            with self.ledger.waiting("host.cpu_update"):
+                ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from zfctl.offload import pinned
-from zfctl.offload.pcie import copy_async, timed_wait
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import copy_async, device_wait, host_wait
 
 Fill = Callable[[torch.Tensor], None]
 
@@ -50,8 +51,11 @@ class Ring:
 
     ``host_slots``: allocate the host slots of the D2H direction (page-locked when ``pin_memory`` on
     CUDA) now; a ring that only copies host to device (the install's) or only ``fetch``es scalars
-    (the device accumulation path's) needs none.
+    (the device accumulation path's) needs none. ``ledger``: where its bytes and waits are counted
+    (ledger.py; the optimizer gives its own).
     """
+
+    ledger: Ledger = NOWHERE
 
     def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool, *,
                  host_slots: bool = True) -> None:
@@ -93,10 +97,13 @@ class Ring:
             i = n % self.nslots
             if len(inflight) == self.nslots:  # the oldest chunk occupies slot i: wait, consume, reuse
                 view, old_tag, event = inflight.popleft()
-                event.synchronize()  # sync point: that chunk's D2H copy
+                host_wait(self.ledger, "host.d2h_chunk", event)  # sync point: that chunk's D2H copy
                 consume(view, old_tag)
             view = self._slot(i, numel, dtype)
-            total += view.numel() * view.element_size()
+            nbytes = view.numel() * view.element_size()
+            total += nbytes
+            self.ledger.moved("d2h.grad", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+            self.ledger.moved("host.land", nbytes)  # ... written into the host slot
             if not self.cuda:
                 fill(view)
                 consume(view, tag)
@@ -109,7 +116,7 @@ class Ring:
             inflight.append((view, tag, event))
         while inflight:
             view, tag, event = inflight.popleft()
-            event.synchronize()  # sync point: the chunk's D2H copy
+            host_wait(self.ledger, "host.d2h_chunk", event)  # sync point: the chunk's D2H copy
             consume(view, tag)
         return total
 
@@ -127,7 +134,10 @@ class Ring:
         self.stall_pairs = []
         for n, (src, tag) in enumerate(chunks):
             i = n % self.nslots
-            total += src.numel() * src.element_size()
+            nbytes = src.numel() * src.element_size()
+            total += nbytes
+            self.ledger.moved("h2d.install", nbytes)  # PCIe H2D (CPU: what would cross it) ...
+            self.ledger.moved("host.install", nbytes)  # ... read from the host source
             if not self.cuda:
                 deliver(src, tag)  # the same memory: a synchronous host copy in ``deliver``
                 continue
@@ -139,7 +149,7 @@ class Ring:
             copied = copy_async(self.stream, dev, src, after=self._freed[i])  # PCIe H2D: the master's columns
             if pinned.holds(src):  # a DMA reading the master after this returns: the fence
                 last = copied
-            self.stall_pairs.append(timed_wait(compute, copied))  # the compute stream waits for the copy
+            self.stall_pairs.append(device_wait(self.ledger, "device.install", compute, copied))  # compute waits for it
             deliver(dev, tag)  # compute stream: scatter into the params
             freed = torch.cuda.Event()
             freed.record(compute)
@@ -164,6 +174,7 @@ class Ring:
         The copy is ordered after the compute work enqueued so far, not after what the caller
         enqueues next, so the device update can be launched before the host waits for the scalars.
         """
+        self.ledger.moved("d2h.scalars", t.numel() * t.element_size())
         if not self.cuda:
             return lambda: t
         assert self.stream is not None  # CUDA: created in __init__
@@ -171,8 +182,10 @@ class Ring:
         event = copy_async(self.stream, host, t, after=torch.cuda.current_stream(self.device))  # PCIe D2H: scalars
         t.record_stream(self.stream)
 
+        ledger = self.ledger
+
         def result() -> torch.Tensor:
-            event.synchronize()  # sync point: only the work enqueued before fetch()
+            host_wait(ledger, "host.scalars", event)  # sync point: only the work enqueued before fetch()
             return host
 
         return result

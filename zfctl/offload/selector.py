@@ -24,6 +24,7 @@ from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.partition import OwnedRows, Partition
 from zfctl.offload.selection import STAGE_BYTES, HostRows, Staging, column_l1, migrate, top_columns
 from zfctl.offload.sharded import ShardedParams
@@ -32,6 +33,8 @@ from zfctl.offload.stats import StepStats
 
 class Selector:
     """The selection schedule and the selection step of one optimizer."""
+
+    ledger: Ledger = NOWHERE  # where the migration's bytes and waits are counted (ledger.py)
 
     def __init__(self, layout: Layout, device: DeviceAdam, config: ZenFlowConfig, *,
                  steps_per_epoch: int | None, part: Partition | None = None,
@@ -56,6 +59,7 @@ class Selector:
             largest = max(s.rows * s.cols for s in self.selectable)
             elems = max(min(STAGE_BYTES // 4, largest), max(s.rows for s in self.selectable))
             self.stage = Staging(elems, pin=self._pin and device.type == "cuda", device=device)
+            self.stage.ledger = self.ledger
         return self.stage
 
     def release(self) -> None:
@@ -105,8 +109,8 @@ class Selector:
                 owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.part.group, dev.master.device) for h in own]
                 rows = tuple(owned)
             d2h, h2d = migrate(dev.column_state(slot), rows, index[slot.index], new, stage)
-            stats.d2h_bytes += d2h
-            stats.h2d_bytes += h2d
+            self.ledger.moved("d2h.migrate", d2h)  # leaving columns' state
+            self.ledger.moved("h2d.migrate", h2d)  # entering columns' state
             stats.comm_bytes += sum(o.sent for o in owned)
             index[slot.index] = new
             host.set_device_owned(slot, new)
