@@ -2,8 +2,8 @@
 
 User mistakes raise `zfctl.errors.UserError` anywhere below the CLI; `ZfctlGroup.invoke` turns
 them into one red line on stderr and exit code 2 (no traceback). So does an `OSError` (a write to
-a read-only, forbidden or full place: its path and errno meaning). Anything else is a bug and
-keeps its traceback.
+a read-only, forbidden or full place: its path and errno meaning), except a closed pipe on stdout,
+which ends the verb quietly. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ class ZfctlGroup(TyperGroup):
         except UserError as e:
             error_line(str(e))
             raise typer.Exit(code=getattr(e, "exit_code", 2)) from None
+        except BrokenPipeError:
+            # The reader went away (`zfctl plan --json | head`): not the user's mistake and no
+            # `error:` line. Typer's main silences stdout and exits 1, as rich does for the writes
+            # it makes itself and as Python's docs advise ("Note on SIGPIPE").
+            raise
         except OSError as e:  # the disk, not the code: a full, read-only or forbidden path
             from zfctl.writable import os_error_line
 

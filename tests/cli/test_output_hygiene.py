@@ -1,0 +1,52 @@
+"""What a verb prints is the product (issue 36): no `error:` for a closed pipe, no line twice.
+
+The cases here are the small defects a new user met in the first hour: ``zfctl ... | head``
+ending with ``error: Broken pipe (EPIPE)``, and ``--debug-data`` printing the data summary twice.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from zfctl.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_into_closed_pipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``zfctl ARGS`` with stdout a pipe whose reader has already gone (``| head`` that has read
+    its lines): the first write fails with EPIPE, deterministically."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "zfctl", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              check=False, text=True, cwd=cwd, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [
+    ["finetune", "--help"],  # the issue's case: Typer's help, written by rich
+    ["plan", "tiny-llama", "--data", "alpaca-sample", "--json"],  # print(): the write zfctl makes itself
+    ["presets", "ls"],
+], ids=["finetune-help", "plan-json", "presets-ls"])
+def test_a_closed_pipe_is_no_error(args: list[str], tmp_path: Path) -> None:
+    res = run_into_closed_pipe(args, tmp_path)
+    assert res.stderr == "", res.stderr  # was: error: Broken pipe (EPIPE), exit 2
+    assert res.returncode == 1  # what rich, Typer and Python's docs do when the reader is gone
+
+
+def test_debug_data_prints_the_data_line_once(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["finetune", "tiny-llama", "--data", "alpaca-sample", "--debug-data",
+                                   "--output", str(tmp_path / "r")], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    summary = [line for line in res.output.splitlines() if "train / " in line and "eval sequences" in line]
+    assert len(summary) == 1 and summary[0].startswith("data: alpaca-sample: "), summary
+    assert "⟦" in res.output  # the samples themselves are still there
+    assert not (tmp_path / "r").exists()
