@@ -50,3 +50,32 @@ def test_debug_data_prints_the_data_line_once(tmp_path: Path) -> None:
     assert len(summary) == 1 and summary[0].startswith("data: alpaca-sample: "), summary
     assert "⟦" in res.output  # the samples themselves are still there
     assert not (tmp_path / "r").exists()
+
+
+def test_bench_loss_under_recompute_does_not_warn_about_the_cache() -> None:
+    """`zfctl bench --activation-checkpointing on` printed transformers' "`use_cache=True` is
+    incompatible with gradient checkpointing" once per run: a training forward asks for no cache."""
+    import logging
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from zfctl.bench.model import _lm_loss
+    from zfctl.train.models.load import enable_activation_checkpointing
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=8))
+    enable_activation_checkpointing(model)  # what `zfctl bench --activation-checkpointing on` does
+    model.train()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    root = hf_logging.get_logger()  # transformers' loggers all propagate to this one
+    logging.Logger.warning_once.cache_clear()  # a warning_once shown earlier in this process shows again
+    root.addHandler(handler)
+    try:
+        _lm_loss(model, {"input_ids": torch.randint(0, 64, (1, 8))}).backward()
+    finally:
+        root.removeHandler(handler)
+    assert not [m for m in seen if "use_cache" in m], seen
