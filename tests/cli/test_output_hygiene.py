@@ -79,3 +79,25 @@ def test_bench_loss_under_recompute_does_not_warn_about_the_cache() -> None:
     finally:
         root.removeHandler(handler)
     assert not [m for m in seen if "use_cache" in m], seen
+
+
+def test_export_names_the_checkpoint_as_generate_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf`, as the README
+    quotes it and as `generate` names a checkpoint: relative to the current folder, not absolute."""
+    import json
+
+    import zfctl.train
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = (tmp_path / "runs" / "demo" / "checkpoints" / "step-000118").resolve()
+
+    def fake_export(ckpt_dir, output, *, force=False, push_to_hub=None):
+        Path(output).mkdir(parents=True)
+        (Path(output) / "zfctl-export.json").write_text(json.dumps({"checkpoint": str(ckpt), "step": 118}))
+        return Path(output)
+
+    monkeypatch.setattr(zfctl.train, "export", fake_export)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    res = CliRunner().invoke(app, ["export", "runs/demo", "--output", "runs/demo-hf"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == "exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf"
