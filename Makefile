@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.zfctl-installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
 NATIVE_STAMP := $(VENV)/.zfctl-native
 
-.PHONY: setup native test test-fast demo smollm2 bench lint clean gpu-check
+.PHONY: setup native test test-fast demo smollm2 bench lint clean gpu-check readme-figures
 
 # Native build and sanitizer targets (check-native) live next to the C sources.
 include native/native.mk
@@ -82,6 +82,11 @@ bench: setup
 PART ?= all
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py $(PART) $(if $(OUT),--out $(OUT))
+
+# The README's quotes of program output (plans, the memory table, the demo's closing lines and
+# step count) rewritten from the program; tests/cli/test_readme_figures.py fails when they drift.
+readme-figures: setup
+	$(PY) scripts/readme_figures.py --write
 
 # ruff on everything; mypy on the library (zfctl/, settings in pyproject.toml [tool.mypy]).
 lint: setup
