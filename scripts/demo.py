@@ -88,7 +88,7 @@ def closing_lines(run: Path = RUN) -> list[str]:
         "It shows the machinery (ZenFlow's offloaded optimizer, checkpoints, resume, export), not answer",
         f"quality: `zfctl generate {run}` answers noise such as `1`.",
         "a real answer: fine-tune SmolLM2-135M-Instruct, a small pretrained model (offline once",
-        "installed; ~6 GB RAM, a few seconds a step on a CPU):",
+        "installed; ~6 GB RAM; on 2 busy CPU cores ~20 s a step, so 30 steps take ~10 minutes):",
         *install,
         "  zfctl finetune smollm2-135m --data alpaca-sample --max-steps 30 --output runs/smollm2",
         "  zfctl generate runs/smollm2 --prompt 'What is 12 + 7?'",
