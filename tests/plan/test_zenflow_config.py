@@ -22,7 +22,7 @@ from zfctl.cli import app
 from zfctl.errors import ConfigError, UserError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import AUTO_SELECT_STEPS, TuningConfig
-from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
+from zfctl.offload.sizing import AUTO_DEVICE_SHARE, device_fits
 from zfctl.plan import memory, plan_from_dict, plan_to_dict, resolve_plan
 from zfctl.plan.coerce import section_from_dict
 from zfctl.plan.deepspeed import from_deepspeed

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import console, note_line
+from zfctl.cli._common import VerboseOpt, console, note_line
 from zfctl.errors import UserError
 
 
@@ -34,6 +34,7 @@ def generate(
     temperature: Annotated[
         float, typer.Option("--temperature", min=0.0, help="0 = greedy (the most likely token each time).")
     ] = 0.0,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Generate from a fine-tuned model in the prompt format its run trained on (streamed)."""
     if (prompt is None) == (not chat):
@@ -42,6 +43,9 @@ def generate(
         raise UserError("--chat needs a terminal on stdin; for piped or scripted input use --prompt TEXT")
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty; give the text to answer")
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads: its "Loading weights" bar reads the environment once
     import torch
 
     from zfctl.train.generate import load_generator, read_turns

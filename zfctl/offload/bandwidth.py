@@ -15,23 +15,9 @@ import torch
 
 from zfctl.offload import pinned
 
+# The budget rule itself (rate x window, clamped: ``inflight_bytes``) is arithmetic the plan applies
+# too, so it lives in sizing.py, which imports no torch.
 PROBE_BYTES = 64 * 2**20  # long enough that launch overhead (~10 us) is under 1% at 50 GB/s
-WINDOW_MS = 2.0  # copy time the in-flight bytes should cover
-MIN_BYTES = 16 * 2**20  # below this a hook waits on nearly every large matrix
-MAX_BYTES = 1024 * 2**20  # device memory held by temporaries, whatever the link
-
-
-def inflight_bytes(gbps: float, *, window_ms: float = WINDOW_MS, lo: int = MIN_BYTES,
-                   hi: int = MAX_BYTES) -> int:
-    """Bytes that ``window_ms`` of copy at ``gbps`` (1e9 B/s) moves, clamped to ``[lo, hi]``.
-
-    A pure function of its arguments; a non-positive or non-finite rate gives ``lo``.
-    """
-    if lo > hi:
-        raise ValueError(f"inflight_bytes: lo ({lo}) > hi ({hi})")
-    if not gbps > 0 or gbps == float("inf"):
-        return lo
-    return int(min(hi, max(lo, gbps * 1e9 * window_ms / 1e3)))
 
 
 def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float | None:

@@ -37,18 +37,7 @@ import torch
 from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import copy_async, device_wait
-
-# `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
-# this share of its memory. The margin is wide because a plan's activation estimate is rough.
-AUTO_DEVICE_SHARE = 0.85
-
-
-def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) -> bool:
-    """``accumulate: auto``'s one rule: the device accumulator (``acc_bytes``) is used when it and
-    everything else the device holds for the run (``committed_bytes``) stay within
-    ``AUTO_DEVICE_SHARE`` of the device's memory (``total_bytes``). Pure arithmetic: the run
-    plan passes its estimate (zfctl/plan/memory.py)."""
-    return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
+from zfctl.offload.sizing import device_fits  # `accumulate: auto`'s one rule, shared with the plan
 
 
 def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.Tensor]) -> str:

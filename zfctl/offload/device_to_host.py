@@ -28,7 +28,7 @@ import torch
 
 from zfctl.errors import ConfigError
 from zfctl.offload import cores
-from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
+from zfctl.offload.bandwidth import measure_d2h_gbps
 from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
@@ -36,7 +36,8 @@ from zfctl.offload.host import HostState, accumulator_count
 from zfctl.offload.layout import Layout
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_accumulate
 from zfctl.offload.pcie import count_waits
-from zfctl.offload.ring import Ring, ring_slot_bytes
+from zfctl.offload.ring import Ring
+from zfctl.offload.sizing import inflight_bytes, landing_slots, ring_slot_bytes  # the plan's rules too
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
 from zfctl.offload.threads import capped
@@ -245,12 +246,6 @@ class DuringBackward(InStep):
 
     def close(self) -> None:
         self.stream.close()
-
-
-def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
-    """release_grads: slots of the landing ring, enough for the device temporaries in flight
-    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
-    return max(2, -(-budget_bytes // slot_bytes))
 
 
 class SummedOnDevice(NoHostColumns):

@@ -189,12 +189,3 @@ class Ring:
             return host
 
         return result
-
-
-def ring_slot_bytes(want: int, nslots: int, max_rows: int, host_numel: int, itemsize: int) -> int:
-    """Bytes per slot: ``want`` (zenflow.tuning.ring_slot_mb), but no more than the slots need to hold
-    the whole host-path gradient (a small model's ring stays small), and at least one column of
-    the tallest matrix; a multiple of 64 bytes, so every dtype view of a slot is aligned."""
-    need = -(-host_numel * itemsize // nslots)
-    size = max(min(want, need), max_rows * itemsize)
-    return -(-size // 64) * 64

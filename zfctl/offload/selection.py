@@ -53,9 +53,6 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-STAGE_BYTES = 64 * 2**20  # the migration's page-locked staging buffer (at least one column)
-
-
 class Staging:
     """A reused host buffer (page-locked on CUDA, pinned.py) that every migration copy goes through.
 
@@ -64,7 +61,7 @@ class Staging:
     plus first-touch page faults on every new page, twice per byte moved, and at 1B parameters a
     selection moves ~1.3 GB each way. The buffer is allocated once (the first selection) and
     reused; transfers larger than it go in pieces of whole columns, one blocking copy each (a
-    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (or one column).
+    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (sizing.py; or one column).
     ``ledger``: where the host bytes and the blocking copies of the pieces are counted (ledger.py).
     """
 

@@ -26,8 +26,9 @@ from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.partition import OwnedRows, Partition
-from zfctl.offload.selection import STAGE_BYTES, HostRows, Staging, column_l1, migrate, top_columns
+from zfctl.offload.selection import HostRows, Staging, column_l1, migrate, top_columns
 from zfctl.offload.sharded import ShardedParams
+from zfctl.offload.sizing import STAGE_BYTES
 from zfctl.offload.stats import StepStats
 
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from zfctl.errors import UserError
+from zfctl.gpu_probe import no_cuda_reason
 from zfctl.plan.schema import MachineConfig
 
 GB = 1e9
@@ -58,6 +59,8 @@ def this_machine() -> Machine:
         ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         ram = 0.0
+    if no_cuda_reason() is not None:  # no GPU driver: torch (~2 s to import) could only say "no CUDA"
+        return Machine(ram, False)
     import torch
 
     try:

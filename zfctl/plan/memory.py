@@ -79,15 +79,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from zfctl.offload.bandwidth import inflight_bytes
-from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
-from zfctl.offload.device_to_host import landing_slots
-from zfctl.offload.layout import num_selected
-from zfctl.offload.ring import ring_slot_bytes
-from zfctl.offload.selection import STAGE_BYTES
+# The engine's size rules, torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
+from zfctl.offload.sizing import (
+    AUTO_DEVICE_SHARE,
+    CHUNK_BYTES,
+    STAGE_BYTES,
+    device_fits,
+    inflight_bytes,
+    landing_slots,
+    num_selected,
+    ring_slot_bytes,
+)
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
-from zfctl.train.checksum import CHUNK_BYTES
 
 # GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported: estimate() takes a Machine and
 # applies the share, so its callers (zfctl/cli/_common.py, tests) import them from here too.

@@ -18,17 +18,20 @@ from pathlib import Path
 from zfctl.errors import UserError
 from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
-from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM
 from zfctl.train.data.chat import normalize
 from zfctl.train.data.source import first_record, resolve
 from zfctl.train.data.templates import render
-from zfctl.train.rundir import RunFolder
 from zfctl.writable import nearest_existing
 
 
 def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
     """Raise a UserError for a bad output folder or a local data file of the wrong shape."""
     if output:
+        # Here, not at the top: the run folder's checks load the checkpoint code and with it torch
+        # (~2 s), which `zfctl plan` (check_for_plan) must not pay (tests/cli/test_light_verbs.py).
+        from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM
+        from zfctl.train.rundir import RunFolder
+
         folder = RunFolder(Path(plan.checkpoint.output_dir), force=force)
         folder.check()
         size = model_size(plan)  # from the config: no model is built (None for hub models)
