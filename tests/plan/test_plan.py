@@ -12,9 +12,10 @@ import yaml
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan import dump_plan_yaml, load_plan_yaml, plan_from_dict, plan_to_dict, resolve_plan
 from zfctl.plan.deepspeed import from_deepspeed
-from zfctl.plan.memory import GB, Machine, _built_size, _llama_size, estimate
+from zfctl.plan.memory import GB, Machine, estimate
 from zfctl.plan.overrides import parse_override
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.sizes import _built_size, _llama_size
 
 # DeepSpeedExamples' ZenFlow fine-tuning config (training/DeepSpeed-ZenFlow/finetuning/zf_config.json),
 # as described in REFERENCE-NOTES.md section 9.2.
