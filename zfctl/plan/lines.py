@@ -190,14 +190,15 @@ def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], no
 
 def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
     """zenflow.tuning.release_grads (zfctl/offload/release.py) where it bounds the ``gradients``
-    line: the hook path (``hook``) in one process, a fixed update_interval, one micro-batch per
-    step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
+    line: the hook path (``hook``) in one process (``nproc x nodes`` = 1), a fixed update_interval,
+    one micro-batch per step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
     1-D params' (not released), so the line becomes w x (the largest matrix + the 1-D params).
     Returns whether the release applies at all."""
     t, z = plan.train, plan.zenflow
     if not (hook and z.tuning.release_grads and z.update_interval != "auto"):
         return False
-    if t.gradient_accumulation_steps > 1 or plan.distributed.nproc > 1:
+    # Every rank of the job counts, not this node's: nodes 2 x nproc 1 is data parallel too.
+    if t.gradient_accumulation_steps > 1 or plan.distributed.nproc * plan.distributed.nodes > 1:
         why = ("earlier micro-batches accumulate into .grad" if t.gradient_accumulation_steps > 1 else
                "data parallel: selection steps all-reduce their scores from every .grad")
         _note(items, "gradients", f"{t.precision}, .grad of every param (release_grads: {why})")

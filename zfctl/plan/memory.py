@@ -21,7 +21,7 @@ device  weights               w P      the model, in train.precision
                                        the device columns, and a step counter per column
         gradient accumulator  4 H      accumulate=device: the interval's fp32 sum
         temporaries in flight          hook path on CUDA: transposed gradient chunks whose D2H runs
-        exchange in flight    4 w M    distributed.nproc > 1: two matrices' exchanges pending (M: the
+        exchange in flight    4 w M    W > 1 (zero2): two matrices' exchanges pending (M: the
                                        largest matrix), each its gathered send and received buffers
         install staging                CUDA: the device slots the install's H2D lands in
         activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
