@@ -33,6 +33,17 @@ from zfctl.train.checksum import CHUNK_BYTES
 CHECKPOINT_CHUNK = CHUNK_BYTES  # zfctl/train/checksum.py streams checkpoints through one chunk this size
 ASSUMED_D2H_GBPS = 55.0  # the hook path measures its rate at start; the plan assumes an H100's pinned D2H
 COLUMN_BYTES = 13  # per host column: fp32 step counter, bool owner flag, int64 element offset
+# The process before any buffer of the run: Python, torch, transformers, the tokenizer and the
+# prepared data, and with CUDA the host side of its libraries (cuBLAS, cuDNN, NCCL) and driver.
+# CPU: scripts/memory_proof.py's runs peaked 0.44-0.47 GB above their lines (tiny-llama widened to
+# hidden 768, 1 and 6 layers, alpaca-sample, torch 2.13 on this repo's 2-core VM); CUDA:
+# /work/shared/GPU-BASELINE.md's 6-layer 7B run held 31.9 GB against 29.9 GB of lines (an H200,
+# torch 2.11 + CUDA 13). Constants, not a rule: the libraries' size does not scale with the model.
+PROCESS_BASELINE = {"cpu": 0.45 * GB, "cuda": 2.0 * GB}
+# The CUDA context on the device (kernels of torch and its libraries, driver state), outside
+# torch's caching allocator, so no `torch.cuda.max_memory_reserved` sees it: 300-600 MB with
+# CUDA 12/13's lazy module loading on an H100/H200; the plan takes 0.5 GB (not measured here).
+CUDA_CONTEXT = 0.5 * GB
 
 
 @dataclass
@@ -43,6 +54,18 @@ class MemoryItem:
     note: str = ""
     code: str = ""  # what allocates it
 
+
+
+def process_lines(items: list[MemoryItem], device_kind: str) -> None:
+    """The process's own memory, before any line of the run (``PROCESS_BASELINE``, ``CUDA_CONTEXT``):
+    one host line per rank, and on CUDA the context on its GPU."""
+    cuda = device_kind == "cuda"
+    items.append(MemoryItem("host", "process baseline", PROCESS_BASELINE[device_kind],
+                            "Python, torch, transformers, tokenizer, data" + (", CUDA libraries" if cuda else ""),
+                            "the process (zfctl/plan/lines.py PROCESS_BASELINE)"))
+    if cuda:
+        items.append(MemoryItem("device", "CUDA context", CUDA_CONTEXT, "kernels and driver state, outside torch's "
+                                "allocator", "the CUDA driver (zfctl/plan/lines.py CUDA_CONTEXT)"))
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,

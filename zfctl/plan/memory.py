@@ -85,8 +85,11 @@ from zfctl.plan.lines import (
     ASSUMED_D2H_GBPS,
     CHECKPOINT_CHUNK,
     COLUMN_BYTES,
+    CUDA_CONTEXT,
+    PROCESS_BASELINE,
     MemoryItem,
     _fill,
+    process_lines,
 )
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
@@ -104,8 +107,8 @@ from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, _verdict, host_limit
 # modules; this one assembles them. GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported:
 # estimate() takes a Machine and applies the share, so its callers (zfctl/cli/_common.py, tests)
 # import them from here, as they import the sizes and the verdict's constants.
-__all__ = ["ASSUMED_D2H_GBPS", "AUTO_DEVICE_SHARE", "CHECKPOINT_CHUNK", "COLUMN_BYTES", "DEVICE_MARGIN", "GB",
-           "HOST_RESERVE", "Counts", "Machine", "MemoryEstimate", "MemoryItem", "ModelSize", "estimate",
+__all__ = ["ASSUMED_D2H_GBPS", "AUTO_DEVICE_SHARE", "CHECKPOINT_CHUNK", "COLUMN_BYTES", "CUDA_CONTEXT",
+           "DEVICE_MARGIN", "GB", "HOST_RESERVE", "PROCESS_BASELINE", "Counts", "Machine", "MemoryEstimate", "MemoryItem", "ModelSize", "estimate",
            "fsdp_shards", "host_limit", "layout_counts", "model_size", "parse_size", "shard_shapes"]
 
 
@@ -141,13 +144,15 @@ class MemoryEstimate:
         return sum(i.bytes for i in self.items if i.name == name)
 
 
-def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
-    """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this one)."""
+def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | None = None) -> MemoryEstimate:
+    """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this
+    one). ``size``: the model's, when known better than the plan says (a built hub model,
+    zfctl/plan/sizes.py ``size_of_model``); default: from the plan (``model_size``)."""
     machine = machine or target_machine(plan.machine)
     d = plan.distributed
     strategy = d.strategy
     if strategy == "auto":  # fsdp only where zero2's whole model per GPU does not fit
-        zero2 = estimate(replace(plan, distributed=replace(d, strategy="zero2")), machine)
+        zero2 = estimate(replace(plan, distributed=replace(d, strategy="zero2")), machine, size=size)
         device_short = any(r.startswith("device memory") for r in zero2.reasons)
         if d.nproc * d.nodes == 1 or not device_short:
             return zero2
@@ -155,7 +160,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     device_kind = (
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
-    size = model_size(plan)
+    size = size if size is not None else model_size(plan)
     items: list[MemoryItem] = []
     notes: list[str] = []
     accumulate: Literal["host", "device"] = "host"
@@ -164,6 +169,9 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
+        # First, so that the auto rules below (the device accumulator, a second host accumulator)
+        # count what the process holds before any buffer of the run.
+        process_lines(items, device_kind)
         accumulate, n_acc = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
     device_total = sum(i.bytes for i in items if i.where == "device")
     host_total = sum(i.bytes for i in items if i.where == "host")
@@ -174,7 +182,8 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
         load = (4 if plan.train.precision == "fp32" else 2) * size.params
         notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
                      f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
-        node_host = max(node_host, load + (per_node - 1) * load / fsdp_shards(plan))
+        node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
+                        (per_node - 1) * load / fsdp_shards(plan))
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node)
     if strategy == "fsdp" and d.hsdp and world > 1:
         notes.append(f"distributed.hsdp: weights, gradients and optimizer state sharded over the {per_node} ranks "
