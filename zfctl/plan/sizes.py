@@ -9,6 +9,7 @@ its matrices between device and host columns (``layout_counts``, as zfctl/offloa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from zfctl.offload.layout import num_selected
 from zfctl.plan.schema import RunPlan
@@ -78,11 +79,19 @@ def _built_size(c: dict) -> ModelSize:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zfctl.offload.layout import vocab_matrices
-
     cfg = AutoConfig.for_model(**c)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
+    return size_of_model(model)
+
+
+def size_of_model(model: Any) -> ModelSize:
+    """A built model's sizes (its parameters' global shapes: an FSDP2 DTensor's are the whole
+    weight's), for a plan that could not know them before the model was loaded (a hub model
+    named by id alone: zfctl/train/optim.py ``settle_for_model``)."""
+    from zfctl.offload.layout import vocab_matrices
+
+    cfg = getattr(model, "config", None)
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return ModelSize(
         sum(_numel(s) for _, s in named),
