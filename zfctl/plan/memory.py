@@ -12,7 +12,10 @@ keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest 
 ``H`` elements and ``Hc`` columns in the matrices with host columns, ``D`` device-owned elements
 (the selected columns and every 1-D parameter) in ``Dc`` device columns.
 
-device  weights               w P      the model, in train.precision
+host    process baseline               Python, torch, transformers, tokenizer, data; CUDA libraries
+                                       (lines.py PROCESS_BASELINE: 0.45 GB, 2 GB with CUDA), per rank
+device  CUDA context                   the context outside torch's allocator (CUDA_CONTEXT, 0.5 GB)
+        weights               w P      the model, in train.precision
         gradients             w P      .grad of every param (freed after the step); with
                                        tuning.release_grads on the hook path (or topk_ratio 1), one
                                        process and no accumulation: w x (the largest matrix + the
@@ -63,11 +66,12 @@ Page-locked buffers are pinned at their exact size (zfctl/offload/pinned.py), so
 the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
 ``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
 GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
-``host``. The choice is on the estimate (``MemoryEstimate.accumulate``) and in a note, and the
-optimizer is built with it. ``zenflow.tuning.host_accumulators: auto`` resolves here the same way
-(``MemoryEstimate.host_accumulators``, zfctl/train/optim.py builds with it): with
-``overlap_step`` on a host path, 2 when the host total with the second accumulator stays within
-what the verdict lets the host use, else 1.
+``host`` (``MemoryEstimate.accumulate``, and a note). ``zenflow.tuning.host_accumulators: auto``
+resolves here the same way (``MemoryEstimate.host_accumulators``): with ``overlap_step`` on a host
+path, 2 when the host total with the second accumulator stays within what the verdict lets the
+host use, else 1. zfctl/plan/settle.py writes both answers into the plan, once, for the plan's
+machine; the run builds them (zfctl/train/optim.py) and only checks that its machine holds the
+plan (zfctl/plan/holds.py).
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
 (``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
