@@ -96,6 +96,11 @@ def finetune(
         plan = fitted.plan
         if fitted.changes:
             notes.append("--fit changed: " + " ".join(c.flags for c in fitted.changes))
+    from zfctl.plan.settle import settle
+
+    # Every auto decided once, for the plan as it will run (after --fit), against the machine it
+    # names: printed, saved as plan.yaml, built by the run, which only checks it (zfctl/plan/settle.py).
+    plan = settle(plan, notes=notes)
     if env.is_main:
         for note in notes:
             note_line(note)

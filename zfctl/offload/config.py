@@ -62,7 +62,8 @@ class TuningConfig:
         "the second while the CPU update reads the first (4 B per host element more); 1 = one, "
         "16 B/param in all, and the next interval's first writes wait for the update to have read "
         "each chunk (a step waits when the update takes longer than about one step); auto = 2 "
-        "when the plan's host total with it fits the machine, else 1. Same results either way.",
+        "when the plan's host total with it fits the machine, else 1, decided when the plan is made "
+        "(plan.yaml holds 1 or 2). Same results either way.",
         ge=1, le=2,
     )
     stream_grads: bool = _f(
@@ -182,7 +183,8 @@ class ZenFlowConfig:
         "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
         "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
         "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
-        "(device when the memory estimate says it fits).",
+        "(device when the memory estimate says it fits the plan's machine; decided when the plan is "
+        "made, plan.yaml holds host or device, and the run builds that).",
     )
     cpu_threads: int = _f(
         0, "Threads for the native CPU AdamW; 0 = all cores this process may use.", ge=0

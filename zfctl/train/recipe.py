@@ -46,7 +46,7 @@ from zfctl.train.loss import (
 )
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
 from zfctl.train.models.load import enable_activation_checkpointing, load_model
-from zfctl.train.optim import TrainingOptimizer, build_optimizer
+from zfctl.train.optim import TrainingOptimizer, build_optimizer, settle_for_model
 from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_trainer_state, trainer_state
 from zfctl.train.rundir import RunFolder
 from zfctl.train.schedule import Cadence, build_scheduler
@@ -136,6 +136,9 @@ class FinetuneRecipe:
         # zero2: the optimizer averages the gradients over the world in step(); fsdp: FSDP2's
         # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/sharded.py).
         zero2_group = dist.group.WORLD if env.world_size > 1 and shard_group is None else None
+        # A plan that could not size its model (a hub id alone) still says auto: settled once, with
+        # the built model's shapes, and saved so (zfctl/train/optim.py); any other plan is as made.
+        self.plan = plan = settle_for_model(plan, self.model)
         self.optimizer = build_optimizer(self.model, plan, steps_per_epoch=self.steps_per_epoch,
                                          process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
