@@ -54,6 +54,8 @@ class FakeCuda:
         monkeypatch.setattr(c, "mem_get_info", lambda i=None: (int(self.free[_index(i)]), int(self.totals[_index(i)])))
         monkeypatch.setattr(c, "memory_reserved", lambda i=None: 0)
         monkeypatch.setattr(c, "get_per_process_memory_fraction", lambda i=None: self.fraction)
+        # The plan's torch-free probe (zfctl/gpu_probe.py) sees no driver here: it must ask torch.
+        monkeypatch.setattr(machine_mod, "no_cuda_reason", lambda: None)
 
 
 def _index(i: object) -> int:
