@@ -14,8 +14,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
-The column chunks and the two rings that move them inside ``step()`` (gradients D2H, installed
-params H2D) are :class:`Transfers`, shared by the paths and the install.
+The column chunks and the two rings that move them (gradients D2H inside ``step()``, installed
+params H2D: install.py) are :class:`Transfers`, shared by the paths and the install.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 
 from zfctl.errors import ConfigError
 from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
-from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
+from zfctl.offload.chunks import offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, accumulator_count
+from zfctl.offload.host import HostState, accumulator_count, upload_dtype
 from zfctl.offload.layout import Layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.ring import Ring, ring_slot_bytes
@@ -56,12 +56,12 @@ class Transfers:
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
         # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
-        # lives on the device, which only fetches scalars). H2D: the same column ranges of the fp32
-        # master, 4/itemsize times the bytes, copied straight from it into device slots.
+        # lives on the device, which only fetches scalars). H2D: the same column ranges of the
+        # install source, also in the model dtype (the upload buffer, or an fp32 model's master),
+        # copied straight from it into device slots.
         self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
                         host_slots=not on_device)
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory,
-                        host_slots=False)
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory, host_slots=False)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
 
@@ -76,9 +76,6 @@ class Transfers:
         write acc (and read it too after the interval's first step)."""
         return self.host_elems * (self.itemsize + (4 if first else 8))
 
-    def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
-        """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
-        return install_params(self.h2d, self.chunks, self.host.master, params)
 
     def release(self) -> None:
         self.d2h.release()
@@ -308,7 +305,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     dtypes = {params[s.index].dtype for s in layout.host_slots}
     if len(dtypes) > 1:
         raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
-    itemsize = dtypes.pop().itemsize
+    dtype = dtypes.pop()
+    itemsize = dtype.itemsize
     accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
@@ -319,9 +317,13 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     # collected (SummedOnDevice.finish).
     hook = config.tuning.stream_grads and not on_device
     count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
-                              committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
+                              committed_bytes=(16 + (2 * itemsize if hook else 0) + (itemsize if itemsize < 4 else 0))
+                              * layout.host_numel,
                               acc_bytes=4 * layout.host_numel)
-    host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
+    # bf16/fp16: the CPU AdamW writes the installed params in the model dtype (host.py upload), and
+    # only that buffer is page-locked for the install's DMA; fp32: the master itself is.
+    host = HostState(layout, params, accumulators=count, upload=upload_dtype(dtype), pin=cuda_pin,
+                     pin_acc=cuda_pin and on_device)
     transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     if config.cpu_threads:
         _native.set_num_threads(config.cpu_threads)

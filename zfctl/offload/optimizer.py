@@ -43,6 +43,7 @@ from zfctl.offload.device_to_host import (
 )
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
+from zfctl.offload.install import Installer
 from zfctl.offload.layout import named_params, plan_layout
 from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
@@ -124,6 +125,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device,
                                  update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
+        self.installer = Installer(self.device)  # the install stream and its per-module events
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -182,6 +184,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     # -- the loop's calls ---------------------------------------------------------------------
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Each module's forward waits only for its own params' install (install.py); returns the
+        modules hooked. One process only: FSDP2's all-gathers and zero2's broadcast read the params
+        outside the modules' forwards, so there the compute stream waits for the whole install."""
+        if self.host is None or self.sharded is not None or self.exchange is not None:
+            return 0
+        return self.installer.attach(model.modules(), self.params, [s.index for s in self.layout.host_slots])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -224,6 +234,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         warm = t < self.selector.warmup
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
                           d2h_gbps=self.gradient_path.d2h_gbps)
+        count_waits(stats, self.installer.wait_all())  # the forward's waits for its layers; then the device update
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
@@ -274,6 +285,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.host is not None:
             self.drain()
             self.pipeline.collect(StepStats(step=self.pipeline.t))
+            self.installer.wait_all()  # whoever reads the params next, on the compute stream
 
     def drain(self) -> None:
         """Wait until no accumulation job (hook path) or sum copy (device path) still runs."""
@@ -290,6 +302,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             self.sharded.close()
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
+        self.installer.close()  # the hooks off; the params' next reader comes after the last install
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()
         self.selector.release()  # no copy runs after step(): the staging's copies are blocking
@@ -328,6 +341,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
         self.pipeline.collect(stats)
+        count_waits(stats, self.installer.wait_all())  # the migration writes the device master the install reads
         old = list(self.device_state.index)
         if released is not None:
             self.gradient_path.drain()  # the hooks' accumulation jobs: regather reads the sum
@@ -402,19 +416,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                             pieces=tuple(order) if order is not None else None)
         if clip != 1.0:
             update = replace(update, grad_scale=update.grad_scale * clip)
-        stats.host_bytes += self.transfers.host_elems * 28  # master, moments read+written (24 B), acc read (4 B)
+        stats.host_bytes += self.transfers.host_elems * self.host.update_bytes  # the CPU AdamW's traffic
         self.pipeline.submit(update, stats, background=background,
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
-        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        """The host's finished update into the model params (the pipeline decides when), on the
+        install stream (install.py); each param's device-owned columns are put back after its chunks."""
         assert self.host is not None and self.transfers is not None  # only the host path installs
-        nbytes, fence = self.transfers.install(self.params)
+        p, sel = self.params, self.selector.selected
+        nbytes, fence = self.installer.run(self.transfers.h2d, self.transfers.chunks, self.host.install_source, p,
+                                           lambda slot: self.device_state.write_params(p, sel, only=[slot]))
         stats.h2d_bytes += nbytes
-        self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs)  # the compute stream waiting for the copies
-        # Whole column ranges were written: put the device-owned columns back.
-        self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
+        self.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
+        count_waits(stats, self.installer.take_waits())  # no hooks: the compute stream waits for it all
         if self.exchange is not None:  # each owner's columns to every rank (collectives)
             stats.comm_bytes += self.exchange.share_installed()
 
@@ -436,6 +451,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
         Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
         group: it loads into the same rank of the same world size only."""
+        self.installer.wait_all()  # a checkpoint reads the params next
         sd = state.save(self)
         if self.sharded is not None:
             sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
@@ -452,6 +468,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if saved != here:
             raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
                              f"{here}: sharded row states load into the same rank and world size only")
+        self.installer.wait_all()  # the load writes the device master an install's restore reads
         state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
 
     def host_ranges(self) -> list[tuple[str, int, int]]:

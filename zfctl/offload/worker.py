@@ -126,7 +126,7 @@ class CpuWorker:
             h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
             beta1=update.beta1, beta2=update.beta2, eps=update.eps,
             weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-            repeat=update.repeat,
+            repeat=update.repeat, out=h.upload,  # bf16/fp16: the install source (host.py upload)
         )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:

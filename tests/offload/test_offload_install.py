@@ -1,0 +1,278 @@
+"""Installs (docs/design.md, "Transfer scheduling", H2D parameters): what they move and who waits.
+
+* The bf16/fp16 install DMAs the upload buffer the CPU AdamW writes in the model dtype (host.py):
+  the params it installs are bit for bit those of the install that DMA'd the fp32 master and
+  rounded on the device (``upload_dtype`` replaced, the engine before the upload buffer), at half
+  the PCIe bytes.
+* The install runs on its own stream (install.py). Through the CUDA shim (tests/offload/
+  cuda_shim.py) the compute stream's waits are read back: with the forward hooks attached, each
+  module's forward waits for its own parameters' scatter and nothing waits for the whole install
+  before the forward; without them the compute stream waits for all of it at install time.
+  ``install_waits`` is the checker; its own tests plant the two faults it must see.
+* The upload buffer's fence: the event after the last DMA that reads it is what the next CPU
+  update (its writer) waits for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_shim import FakeStream, as_cuda, fake_cuda
+from test_offload_helpers import batches, tiny_net, zen
+
+from zfctl.offload import ZenFlowOptimizer, device_to_host, pinned
+
+HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
+# Boundaries every 3 steps, selections at t = 1 and every 4 steps after: installs on both sides of
+# each selection, with the device-owned columns changing between them.
+BASE = {"topk_ratio": 0.25, "update_interval": 3, "select_interval": 4, "full_warm_up_rounds": 1,
+        "overlap_step": True}
+
+
+def _train(dtype: torch.dtype, accumulators: int, steps: int = 14, **extra):
+    """Params after every step, the steps' stats, and whether the engine had an upload buffer."""
+    cfg = zen(**BASE, host_accumulators=accumulators, **extra)
+    model = tiny_net(dtype=dtype)
+    out, stats, elems = [], [], []
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        upload = opt.host.upload is not None
+        for x, y in batches(steps, dtype=dtype):
+            opt.zero_grad(set_to_none=True)
+            if extra.get("stream_grads"):
+                opt.prepare_backward(final=True)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            opt.scale_loss(loss).backward()
+            stats.append(opt.step())
+            elems.append(opt.transfers.host_elems)  # what this step's update (if any) touched
+            out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        opt.flush()
+    return out, (stats, elems), upload
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("accumulators", [1, 2])
+@pytest.mark.parametrize("path", ["step", "hooks"])
+def test_the_upload_buffer_installs_the_bits_of_the_fp32_master(monkeypatch, dtype, accumulators, path) -> None:
+    """The params after every step, the upload buffer's install against the fp32 master's (the
+    device rounding while scattering, as before the upload buffer): the same bits, at half the
+    install bytes, and the CPU update's host bytes 2 B per element more (it writes the upload)."""
+    extra = {"stream_grads": path == "hooks", "accumulate": "host"}
+    got, (got_stats, elems), upload = _train(dtype, accumulators, **extra)
+    monkeypatch.setattr(device_to_host, "upload_dtype", lambda d: None)
+    want, (want_stats, _), master = _train(dtype, accumulators, **extra)
+    assert upload and not master  # the seam took: the reference installs from the fp32 master
+    installs = [i for i, s in enumerate(got_stats) if s.installed]
+    selections = [i for i, s in enumerate(got_stats) if s.selection]
+    assert len(installs) >= 4 and any(installs[0] < s < installs[-1] for s in selections)
+    for t, (a, b) in enumerate(zip(got, want)):
+        for n in a:
+            assert torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)), (t, n)
+    for a, b, n in zip(got_stats, want_stats, elems):
+        assert (a.installed, a.boundary, a.selection) == (b.installed, b.boundary, b.selection)
+        if not a.selection:  # (a selection's migration moves its own bytes, the same in both)
+            assert 2 * a.h2d_bytes == b.h2d_bytes and (a.h2d_bytes > 0) == a.installed
+        assert a.host_bytes - b.host_bytes == (2 * n if a.boundary else 0)
+
+
+def test_an_fp32_model_installs_from_its_master_without_an_upload_buffer() -> None:
+    """fp32: the master is the model-dtype copy; there is no upload buffer, 4 B per element move."""
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
+        assert opt.host.upload is None and opt.host.install_source is opt.host.master
+        assert opt.host.update_bytes == 28
+    model = tiny_net(dtype=torch.bfloat16)
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
+        assert opt.host.upload.dtype == torch.bfloat16 and opt.host.install_source is opt.host.upload
+        assert opt.host.update_bytes == 30
+
+
+# -- the install stream's waits, through the CUDA shim ------------------------------------------
+def install_waits(compute: FakeStream, install: FakeStream,
+                  params: dict[str, list[torch.Tensor]]) -> tuple[list[tuple], int]:
+    """Read the compute stream's waits against the install stream's scatters; returns the faults
+    and the number of installs seen (each ordered after the compute stream by its own wait).
+
+    ``params``: each hooked module's name -> the params it owns; the compute log must hold
+    ``("forward", name)`` markers (a pre-hook registered after the optimizer's). An install is the
+    install stream's scatters (copies into a param's memory) after its wait for an event recorded
+    on the compute stream, which places it on the compute stream's timeline. A compute-stream
+    wait for an event of the install stream covers every scatter before that event's record.
+    Faults: ``("unordered", position)``, a scatter before the install stream waited for the
+    compute stream; ``("missing", module, param)``, a module's forward with one of its params' scatters not
+    waited for; ``("early", module, param)``, a forward after a wait that covered a param whose own
+    module has not run yet since the install: the whole-install wait that holds back the
+    first layers for the last ones.
+    """
+    spans = {name: [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in ps]
+             for name, ps in params.items()}
+    owner = {}  # (module, param i) per scatter position in the install stream's log
+    unordered: list[tuple] = []
+    starts = {}  # the compute event an install waited for -> its scatter positions
+    current = None
+    for pos, (op, what) in enumerate(install.log):
+        if op == "wait_event" and what.stream is compute:
+            current = starts.setdefault(what, [])
+        elif op == "copy":
+            hit = [(m, i) for m, ss in spans.items() for i, (lo, hi) in enumerate(ss) if lo <= what[0] < hi]
+            if hit and current is not None:
+                current.append(pos)
+                owner[pos] = hit
+            elif hit:
+                unordered.append(("unordered", pos))
+    faults: list[tuple] = []
+    pending: dict[tuple, set[int]] = {}  # (module, param i) -> its scatter positions not waited for
+    waited: set[tuple] = set()  # params covered by a wait since the last install
+    ran: set[str] = set()  # modules forwarded since the last install
+    for op, what in compute.log:
+        if op == "record" and what in starts:
+            ran, waited = set(), set()
+            for pos in starts[what]:
+                for key in owner[pos]:
+                    pending.setdefault(key, set()).add(pos)
+        elif op == "wait_event" and what.stream is install:
+            upto = len(what.after)
+            for key in list(pending):
+                left = {p for p in pending[key] if p >= upto}
+                if len(left) < len(pending[key]):
+                    waited.add(key)
+                pending[key] = left
+                if not left:
+                    del pending[key]
+        elif op == "forward":
+            ran.add(what)
+            faults += [("missing", what, i) for (m, i) in pending if m == what]
+            faults += [("early", what, key) for key in waited if key[0] not in ran]
+            waited = {key for key in waited if key[0] in ran}  # reported once
+    return unordered + faults, sum(bool(v) for v in starts.values())
+
+
+def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None):
+    """A bf16 tiny net trained on CPU with the install's CUDA branch (fake streams): the
+    compute and install streams' logs and the hooked modules' params."""
+    shim = fake_cuda(monkeypatch)
+    model = tiny_net(dtype=torch.bfloat16)
+    # One selection (t = 1, no install pending then): a later one would collect the update in
+    # flight and wait for that whole install before its migration (optimizer.py ``_reselect``).
+    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        as_cuda(opt.transfers.h2d, "stream")
+        installer = as_cuda(opt.installer, "stream")
+        hooked = opt.attach_install_waits(model) if hooks else 0
+        owned = {}
+        for name, m in model.named_modules():
+            ps = [p for p in m.parameters(recurse=False) if p.dim() == 2]
+            if ps:
+                owned[name] = ps
+                m.register_forward_pre_hook(lambda _m, _a, name=name: shim.compute.log.append(("forward", name)))
+        if plant is not None:
+            plant(opt, monkeypatch)
+        installs = 0
+        for x, y in batches(steps, dtype=torch.bfloat16):
+            opt.zero_grad(set_to_none=True)
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):  # two micro-batches: two forwards per step
+                torch.nn.functional.mse_loss(model(xs).float(), ys.float()).backward()
+            installs += opt.step().installed
+        opt.transfers.h2d.cuda = installer.cuda = False  # close() on CPU
+    assert installs >= 3 and hooked == (3 if hooks else 0)
+    faults, seen = install_waits(shim.compute, installer.stream, owned)
+    assert seen == installs  # every install was read (each ordered after the compute stream)
+    return faults, shim
+
+
+def test_with_hooks_each_forward_waits_for_its_own_layer_only(monkeypatch) -> None:
+    """Hooks attached: every module's first forward after an install waits for its own params'
+    scatter, and no wait before it covers a later module's (no whole-install wait)."""
+    faults, _ = _shim_run(monkeypatch, hooks=True)
+    assert faults == []
+
+
+def test_without_hooks_the_compute_stream_waits_for_the_whole_install(monkeypatch) -> None:
+    """A library user's loop (no hooks): the compute stream waits for all of it at install time,
+    so nothing is missing, and the first forward waits for the last layer's columns too."""
+    faults, _ = _shim_run(monkeypatch, hooks=False)
+    assert not [f for f in faults if f[0] == "missing"]
+    assert {f[1] for f in faults if f[0] == "early"} == {"fc1"}
+
+
+def test_the_checker_sees_a_whole_install_wait_come_back(monkeypatch) -> None:
+    """Planted: with hooks attached, a wait for the whole install right after it is enqueued."""
+    def plant(opt, mp):
+        install = opt.pipeline._install
+
+        def then_wait(stats):
+            install(stats)
+            opt.installer.wait_all()
+
+        mp.setattr(opt.pipeline, "_install", then_wait)
+
+    faults, _ = _shim_run(monkeypatch, hooks=True, plant=plant)
+    assert faults and {f[0] for f in faults} == {"early"}
+
+
+def test_the_checker_sees_a_missing_layer_wait(monkeypatch) -> None:
+    """Planted: one module's forward pre-hook does not wait (its event is dropped)."""
+    def plant(opt, mp):
+        before = opt.installer._before_forward
+        last = max(k for keys in opt.installer._owners.values() for k in keys)  # the head's key
+
+        def skip_head(key):
+            if key == last:
+                opt.installer._pending.pop(key, None)
+                return
+            before(key)
+
+        mp.setattr(opt.installer, "_before_forward", skip_head)
+
+    faults, _ = _shim_run(monkeypatch, hooks=True, plant=plant)
+    assert faults and {(f[0], f[1]) for f in faults} == {("missing", "head")}
+
+
+def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypatch) -> None:
+    """bf16, page-locked upload buffer (registered through the shim): each install's fence is the
+    event after its last copy that reads the upload buffer, the master is not read by any copy,
+    and the CPU update after the install waits for that fence before it writes the upload
+    (pipeline.py ``_install_wait``). A selection's migration, which writes the master only, does
+    not wait for it (``HostState.wait_master``)."""
+    shim = fake_cuda(monkeypatch)
+    model = tiny_net(dtype=torch.bfloat16)
+    cfg = zen(**BASE, accumulate="host", stream_grads=False)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        ring = as_cuda(opt.transfers.h2d, "stream")
+        installer = as_cuda(opt.installer, "stream")
+        host = opt.host
+        host.upload = pinned.empty(host.upload.numel(), torch.bfloat16, pin=True)  # as on CUDA
+        host.refresh_upload()
+        up = (host.upload.data_ptr(), host.upload.data_ptr() + 2 * host.upload.numel())
+        master = (host.master.data_ptr(), host.master.data_ptr() + 4 * host.master.numel())
+        fences, waited = [], []
+        install = opt.pipeline._install
+
+        def fenced(stats):
+            install(stats)
+            fences.append(host.install_fence)
+
+        monkeypatch.setattr(opt.pipeline, "_install", fenced)
+        run = opt.pipeline.worker.run
+
+        def checked(update):
+            waited.append(all(f in shim.host_syncs for f in fences))  # every earlier install's fence
+            return run(update)
+
+        monkeypatch.setattr(opt.pipeline.worker, "run", checked)
+        selections = 0
+        for x, y in batches(14, dtype=torch.bfloat16):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+            stats = opt.step()
+            if stats.selection and stats.installed:  # collected, installed, migrated: fence kept
+                selections += 1
+                assert host.install_fence is fences[-1] and fences[-1] not in shim.host_syncs
+        opt.pipeline.settle()
+        reads = [pos for pos, (op, what) in enumerate(ring.stream.log) if op == "copy" and up[0] <= what[1] < up[1]]
+        assert not [w for op, w in ring.stream.log if op == "copy" and master[0] <= w[1] < master[1]]
+        ring.cuda = installer.cuda = False  # close() on CPU
+    assert len(fences) >= 4 and all(f is not None for f in fences)
+    for fence in fences:  # the event after the last copy before it that reads the upload buffer
+        assert fence.stream is ring.stream
+        assert max(p for p in reads if p < len(fence.after)) == len(fence.after) - 1
+    assert len(waited) >= 4 and all(waited) and selections >= 2
