@@ -98,14 +98,15 @@ def install_waits(compute: FakeStream, install: FakeStream,
     on the compute stream, which places it on the compute stream's timeline. A compute-stream
     wait for an event of the install stream covers every scatter before that event's record.
     Faults: ``("unordered", position)``, a scatter before the install stream waited for the
-    compute stream; ``("missing", module, param)``, a module's forward with one of its params' scatters not
-    waited for; ``("early", module, param)``, a forward after a wait that covered a param whose own
-    module has not run yet since the install: the whole-install wait that holds back the
-    first layers for the last ones.
+    compute stream; ``("missing", module, shape)``, a module's forward with one of its params'
+    scatters not waited for; ``("early", module, owners)``, a forward after a wait that covered a
+    param none of whose modules has run yet since the install: the whole-install wait that holds
+    back the first layers for the last ones.
     """
-    spans = {name: [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in ps]
-             for name, ps in params.items()}
-    owner = {}  # (module, param i) per scatter position in the install stream's log
+    unique = {id(p): p for ps in params.values() for p in ps}  # a tied matrix: one param, two owners
+    owners = {k: {m for m, ps in params.items() if any(id(p) == k for p in ps)} for k in unique}
+    spans = {k: (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for k, p in unique.items()}
+    owner = {}  # scatter position in the install stream's log -> the param it writes
     unordered: list[tuple] = []
     starts = {}  # the compute event an install waited for -> its scatter positions
     current = None
@@ -113,67 +114,101 @@ def install_waits(compute: FakeStream, install: FakeStream,
         if op == "wait_event" and what.stream is compute:
             current = starts.setdefault(what, [])
         elif op == "copy":
-            hit = [(m, i) for m, ss in spans.items() for i, (lo, hi) in enumerate(ss) if lo <= what[0] < hi]
+            hit = [k for k, (lo, hi) in spans.items() if lo <= what[0] < hi]
             if hit and current is not None:
                 current.append(pos)
-                owner[pos] = hit
+                owner[pos] = hit[0]
             elif hit:
                 unordered.append(("unordered", pos))
     faults: list[tuple] = []
-    pending: dict[tuple, set[int]] = {}  # (module, param i) -> its scatter positions not waited for
-    waited: set[tuple] = set()  # params covered by a wait since the last install
+    pending: dict[int, set[int]] = {}  # param -> its scatter positions not waited for yet
+    waited: set[int] = set()  # params covered by a wait whose owners have not run yet
     ran: set[str] = set()  # modules forwarded since the last install
     for op, what in compute.log:
         if op == "record" and what in starts:
             ran, waited = set(), set()
             for pos in starts[what]:
-                for key in owner[pos]:
-                    pending.setdefault(key, set()).add(pos)
+                pending.setdefault(owner[pos], set()).add(pos)
         elif op == "wait_event" and what.stream is install:
             upto = len(what.after)
-            for key in list(pending):
-                left = {p for p in pending[key] if p >= upto}
-                if len(left) < len(pending[key]):
-                    waited.add(key)
-                pending[key] = left
+            for k in list(pending):
+                left = {p for p in pending[k] if p >= upto}
+                if len(left) < len(pending[k]):
+                    waited.add(k)
+                pending[k] = left
                 if not left:
-                    del pending[key]
+                    del pending[k]
         elif op == "forward":
             ran.add(what)
-            faults += [("missing", what, i) for (m, i) in pending if m == what]
-            faults += [("early", what, key) for key in waited if key[0] not in ran]
-            waited = {key for key in waited if key[0] in ran}  # reported once
+            faults += [("missing", what, unique[k].shape) for k in pending if what in owners[k]]
+            early = {k for k in waited if not owners[k] & ran}
+            faults += [("early", what, sorted(owners[k])) for k in early]
+            waited = set()  # each reported once
     return unordered + faults, sum(bool(v) for v in starts.values())
 
 
-def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None):
-    """A bf16 tiny net trained on CPU with the install's CUDA branch (fake streams): the
-    compute and install streams' logs and the hooked modules' params."""
-    shim = fake_cuda(monkeypatch)
+def _tiny_net_losses(steps: int):
+    """The tiny net and its loop: two micro-batches per step (two forwards)."""
     model = tiny_net(dtype=torch.bfloat16)
+
+    def losses():
+        for x, y in batches(steps, dtype=torch.bfloat16):
+            yield [torch.nn.functional.mse_loss(model(xs).float(), ys.float()) for xs, ys in zip(x.chunk(2), y.chunk(2))]
+
+    return model, losses, {}
+
+
+def _tiny_llama_losses(steps: int):
+    """A one-layer Llama with tied embeddings (the embedding and the head share one matrix, owned
+    by two modules), by-row vocabulary matrices, one micro-batch per step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zfctl.offload import vocab_matrices
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(steps)]
+
+    def losses():
+        for ids in data:
+            yield [model(input_ids=ids, labels=ids).loss]
+
+    return model, losses, {"vocab_params": vocab_matrices(model), "vocab_select": "rows"}
+
+
+def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None, net=_tiny_net_losses):
+    """A bf16 model trained on CPU with the install's CUDA branch (fake streams): the faults
+    ``install_waits`` reads from the compute and install streams' logs."""
+    shim = fake_cuda(monkeypatch)
+    model, losses, extra = net(steps)
+    vocab = extra.pop("vocab_params", ())
     # One selection (t = 1, no install pending then): a later one would collect the update in
     # flight and wait for that whole install before its migration (optimizer.py ``_reselect``).
-    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False)
-    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False, **extra)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=vocab, **HP) as opt:
         as_cuda(opt.transfers.h2d, "stream")
         installer = as_cuda(opt.installer, "stream")
         hooked = opt.attach_install_waits(model) if hooks else 0
+        host = {id(opt.params[s.index]) for s in opt.layout.host_slots}
         owned = {}
         for name, m in model.named_modules():
-            ps = [p for p in m.parameters(recurse=False) if p.dim() == 2]
+            ps = [p for p in m.parameters(recurse=False) if id(p) in host]
             if ps:
                 owned[name] = ps
                 m.register_forward_pre_hook(lambda _m, _a, name=name: shim.compute.log.append(("forward", name)))
         if plant is not None:
             plant(opt, monkeypatch)
         installs = 0
-        for x, y in batches(steps, dtype=torch.bfloat16):
+        for micro in losses():
             opt.zero_grad(set_to_none=True)
-            for xs, ys in zip(x.chunk(2), y.chunk(2)):  # two micro-batches: two forwards per step
-                torch.nn.functional.mse_loss(model(xs).float(), ys.float()).backward()
+            for loss in micro:
+                loss.backward()
             installs += opt.step().installed
         opt.transfers.h2d.cuda = installer.cuda = False  # close() on CPU
-    assert installs >= 3 and hooked == (3 if hooks else 0)
+    assert installs >= 3 and hooked == (len(owned) if hooks else 0)
     faults, seen = install_waits(shim.compute, installer.stream, owned)
     assert seen == installs  # every install was read (each ordered after the compute stream)
     return faults, shim
@@ -184,6 +219,15 @@ def test_with_hooks_each_forward_waits_for_its_own_layer_only(monkeypatch) -> No
     scatter, and no wait before it covers a later module's (no whole-install wait)."""
     faults, _ = _shim_run(monkeypatch, hooks=True)
     assert faults == []
+
+
+def test_hf_llama_layers_wait_for_their_own_install(monkeypatch) -> None:
+    """The same on a transformers Llama: embedding, attention and MLP projections, the head tied
+    to the embedding (its one matrix owned by two modules, installed first with the embedding)."""
+    faults, _ = _shim_run(monkeypatch, hooks=True, steps=10, net=_tiny_llama_losses)
+    assert faults == []
+    faults, _ = _shim_run(monkeypatch, hooks=False, steps=10, net=_tiny_llama_losses)
+    assert {f[0] for f in faults} == {"early"}  # no hooks: the whole install before the first layer
 
 
 def test_without_hooks_the_compute_stream_waits_for_the_whole_install(monkeypatch) -> None:
