@@ -112,6 +112,31 @@ def test_one_host_accumulator_with_overlap_allocates_what_the_plan_says(model, s
     assert held2 - held == planned2 - planned == one_acc  # exactly one accumulator more
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_upload_buffer_line_is_what_the_engine_allocates(precision) -> None:
+    """bf16: the engine holds the upload buffer the CPU AdamW writes for the install (2 B per host
+    element, zfctl/offload/host.py) and the plan has its line; fp32 has neither."""
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
+        "train.device=cpu", f"train.precision={precision}", "zenflow.full_warm_up_rounds=0",
+        "zenflow.accumulate=host", "zenflow.select_interval=4", "zenflow.update_interval=2"])
+    model = load_model(plan.model, precision=precision, device=torch.device("cpu"), seed=0)
+    opt = build_optimizer(model, plan, steps_per_epoch=100)
+    try:
+        train_steps(model, opt, 3)
+        opt.zero_grad(set_to_none=True)
+        held = held_bytes(opt, {p.untyped_storage().data_ptr() for p in model.parameters()})
+        upload = opt.host.upload
+    finally:
+        opt.close()
+    est = estimate(plan, Machine(64 * GB, False))
+    planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+    assert held == pytest.approx(planned, rel=0.02), (held, planned)
+    if precision == "bf16":
+        assert est.item("upload buffer") == upload.numel() * 2 == est.item("fp32 master") / 2
+    else:
+        assert upload is None and "upload buffer" not in {i.name for i in est.items}
+
+
 def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -> None:
     """auto = 2 when the host total with the second accumulator stays within what the verdict lets
     the host use; the plan shows the count and the run builds with it for its own machine."""

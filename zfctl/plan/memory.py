@@ -23,11 +23,13 @@ device  weights               w P      the model, in train.precision
         temporaries in flight          hook path on CUDA: transposed gradient chunks whose D2H runs
         exchange in flight    4 w M    distributed.nproc > 1: two matrices' exchanges pending (M: the
                                        largest matrix), each its gathered send and received buffers
-        install staging                CUDA: the device slots the install's H2D lands in
+        install staging                CUDA: the device slots (model dtype) the install's H2D lands in
         activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
                                        train.activation_checkpointing h w per token per layer + one
                                        layer's 34 h w/2 (recompute per layer) + the logits
-host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
+host    fp32 master           4 H      page-locked on CUDA for an fp32 model (the install DMAs from it)
+        upload buffer         w H      bf16/fp16 only: the CPU AdamW's model-dtype copy of the
+                                       host columns, what an install DMAs; page-locked on CUDA
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
                                        zenflow.tuning.host_accumulators resolves to 2
@@ -427,7 +429,13 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
 
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
-    host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
+    # What an install DMAs (zfctl/offload/host.py install_source): bf16/fp16, the upload buffer the
+    # CPU AdamW writes in the model dtype (only it is page-locked); fp32, the master itself.
+    host("fp32 master", 4 * c.host, "4 B per host-column element" + (pinned if w == 4 else ""),
+         "zfctl/offload/host.py HostState.master")
+    if w < 4:
+        host("upload buffer", w * c.host, f"{w} B per host-column element: the CPU AdamW's {t.precision} copy "
+             "that an install moves" + pinned, "zfctl/offload/host.py HostState.upload")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
     # One accumulator here; a host path's count and note are resolved once every line exists (below).
@@ -437,12 +445,11 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
          "zfctl/offload/host.py, layout.py")
     want = int(tu.ring_slot_mb * 2**20)
     slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
-    h2d_slot = slot * 4 // w
     if choice != "device":  # the device path copies its sum out whole (device_acc.py), not through the ring
         host("transfer ring", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
              pinned, "zfctl/offload/ring.py Ring")
     if cuda:
-        dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
+        dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
             "zfctl/offload/ring.py Ring.h2d")
     hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/sharded.py hook_grads)
     if hook:
