@@ -1,9 +1,9 @@
 """Installs (docs/design.md, "Transfer scheduling", H2D parameters): what they move and who waits.
 
 * The bf16/fp16 install DMAs the upload buffer the CPU AdamW writes in the model dtype (host.py):
-  the params it installs are bit for bit those of the install that DMA'd the fp32 master and
-  rounded on the device (``upload_dtype`` replaced, the engine before the upload buffer), at half
-  the PCIe bytes.
+  the params it installs are bit for bit those of the install that DMAs the fp32 master and
+  rounds on the device (``zenflow.tuning.upload_buffer: false``, the engine before the upload
+  buffer existed), at half the PCIe bytes.
 * The install runs on its own stream (install.py). Through the CUDA shim (tests/offload/
   cuda_shim.py) the compute stream's waits are read back: with the forward hooks attached, each
   module's forward waits for its own parameters' scatter and nothing waits for the whole install
@@ -20,7 +20,8 @@ import torch
 from cuda_shim import FakeStream, as_cuda, fake_cuda
 from test_offload_helpers import batches, tiny_net, zen
 
-from zfctl.offload import ZenFlowOptimizer, device_to_host, pinned
+from zfctl.offload import ZenFlowOptimizer, pinned
+from zfctl.offload import host as host_module
 
 HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
 # Boundaries every 3 steps, selections at t = 1 and every 4 steps after: installs on both sides of
@@ -52,15 +53,14 @@ def _train(dtype: torch.dtype, accumulators: int, steps: int = 14, **extra):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("accumulators", [1, 2])
 @pytest.mark.parametrize("path", ["step", "hooks"])
-def test_the_upload_buffer_installs_the_bits_of_the_fp32_master(monkeypatch, dtype, accumulators, path) -> None:
+def test_the_upload_buffer_installs_the_bits_of_the_fp32_master(dtype, accumulators, path) -> None:
     """The params after every step, the upload buffer's install against the fp32 master's (the
     device rounding while scattering, as before the upload buffer): the same bits, at half the
     install bytes, and the CPU update's host bytes 2 B per element more (it writes the upload)."""
     extra = {"stream_grads": path == "hooks", "accumulate": "host"}
-    got, (got_stats, elems), upload = _train(dtype, accumulators, **extra)
-    monkeypatch.setattr(device_to_host, "upload_dtype", lambda d: None)
-    want, (want_stats, _), master = _train(dtype, accumulators, **extra)
-    assert upload and not master  # the seam took: the reference installs from the fp32 master
+    got, (got_stats, elems), upload = _train(dtype, accumulators, upload_buffer=True, **extra)
+    want, (want_stats, _), master = _train(dtype, accumulators, upload_buffer=False, **extra)
+    assert upload and not master  # the reference installs from the fp32 master
     installs = [i for i, s in enumerate(got_stats) if s.installed]
     selections = [i for i, s in enumerate(got_stats) if s.selection]
     assert len(installs) >= 4 and any(installs[0] < s < installs[-1] for s in selections)
@@ -74,16 +74,19 @@ def test_the_upload_buffer_installs_the_bits_of_the_fp32_master(monkeypatch, dty
         assert a.host_bytes - b.host_bytes == (2 * n if a.boundary else 0)
 
 
-def test_an_fp32_model_installs_from_its_master_without_an_upload_buffer() -> None:
-    """fp32: the master is the model-dtype copy; there is no upload buffer, 4 B per element move."""
-    model = tiny_net()
-    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
-        assert opt.host.upload is None and opt.host.install_source is opt.host.master
-        assert opt.host.update_bytes == 28
-    model = tiny_net(dtype=torch.bfloat16)
-    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE), **HP) as opt:
-        assert opt.host.upload.dtype == torch.bfloat16 and opt.host.install_source is opt.host.upload
-        assert opt.host.update_bytes == 30
+def test_which_models_get_an_upload_buffer(monkeypatch) -> None:
+    """fp32: none, the master is the model-dtype copy (4 B per element move). bf16 with
+    ``upload_buffer: auto`` and no plan: one where the host state with it fits 85% of the free
+    RAM (host.py ``upload_dtype``), else none; ``true`` regardless."""
+    def build(dtype, **kw):
+        with ZenFlowOptimizer(tiny_net(dtype=dtype).named_parameters(), zen(**BASE, **kw), **HP) as opt:
+            return opt.host.upload, opt.host.install_source is opt.host.master, opt.host.update_bytes
+
+    assert build(torch.float32, upload_buffer=True) == (None, True, 28)
+    upload, from_master, nbytes = build(torch.bfloat16)
+    assert upload.dtype == torch.bfloat16 and not from_master and nbytes == 30
+    monkeypatch.setattr(host_module, "available_ram", lambda: 1000.0)  # a host with no room
+    assert build(torch.bfloat16)[0] is None and build(torch.bfloat16, upload_buffer=True)[0] is not None
 
 
 # -- the install stream's waits, through the CUDA shim ------------------------------------------

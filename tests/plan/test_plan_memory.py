@@ -133,8 +133,32 @@ def test_the_upload_buffer_line_is_what_the_engine_allocates(precision) -> None:
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
     if precision == "bf16":
         assert est.item("upload buffer") == upload.numel() * 2 == est.item("fp32 master") / 2
+        assert est.upload_buffer
     else:
         assert upload is None and "upload buffer" not in {i.name for i in est.items}
+
+
+def test_the_upload_buffer_is_planned_where_the_host_holds_it() -> None:
+    """zenflow.tuning.upload_buffer: auto adds the bf16 copy (2 B per host element) only where the
+    host total with it fits: Llama-2-7B on a 128 GB host has no room for its 13.5 GB (the install
+    then moves the fp32 master, page-locked instead), a 256 GB host has."""
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=80GB", "machine.host_memory=128GB"])
+    small = estimate(plan)
+    assert not small.upload_buffer and small.item("upload buffer") == 0 and small.fits
+    assert "page-locked" in next(i for i in small.items if i.name == "fp32 master").note
+    assert any("upload_buffer (auto): off" in n for n in small.notes)
+    big = estimate(plan, Machine(256 * GB, True, "H100", 80 * GB))
+    assert big.upload_buffer and big.item("upload buffer") == pytest.approx(big.item("fp32 master") / 2)
+    assert "page-locked" not in next(i for i in big.items if i.name == "fp32 master").note
+    assert big.host_total == pytest.approx(small.host_total + big.item("upload buffer"))
+    forced = estimate(replace_tuning(plan, upload_buffer=False), Machine(256 * GB, True, "H100", 80 * GB))
+    assert not forced.upload_buffer and forced.host_total == pytest.approx(small.host_total)
+
+
+def replace_tuning(plan, **kw):
+    from dataclasses import replace
+
+    return replace(plan, zenflow=replace(plan.zenflow, tuning=replace(plan.zenflow.tuning, **kw)))
 
 
 def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -> None:

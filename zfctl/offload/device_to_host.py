@@ -317,13 +317,14 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     # collected (SummedOnDevice.finish).
     hook = config.tuning.stream_grads and not on_device
     count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
-                              committed_bytes=(16 + (2 * itemsize if hook else 0) + (itemsize if itemsize < 4 else 0))
-                              * layout.host_numel,
+                              committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
                               acc_bytes=4 * layout.host_numel)
-    # bf16/fp16: the CPU AdamW writes the installed params in the model dtype (host.py upload), and
-    # only that buffer is page-locked for the install's DMA; fp32: the master itself is.
-    host = HostState(layout, params, accumulators=count, upload=upload_dtype(dtype), pin=cuda_pin,
-                     pin_acc=cuda_pin and on_device)
+    # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in the
+    # model dtype (host.py upload) and only that buffer is page-locked for the install's DMA;
+    # fp32, or without it: the master itself is.
+    upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * layout.host_numel,
+                          committed_bytes=(12 + 4 * count + (2 * itemsize if hook else 0)) * layout.host_numel)
+    host = HostState(layout, params, accumulators=count, upload=upload, pin=cuda_pin, pin_acc=cuda_pin and on_device)
     transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     if config.cpu_threads:
         _native.set_num_threads(config.cpu_threads)

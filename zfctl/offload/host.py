@@ -4,21 +4,24 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 
 | buffer | size (elements) | owner between boundaries | owner while a CPU update runs |
 | --- | --- | --- | --- |
-| master (fp32; page-locked on CUDA only for an fp32 model) | this rank's matrix columns | main thread (migration, state_dict); an fp32 model's install DMA reads it until ``install_fence`` | CPU worker (reads and writes, after ``install_fence``) |
-| upload (model dtype, bf16/fp16 models only; page-locked on CUDA) | as master | the install's H2D DMA reads it until ``install_fence`` | CPU worker (writes, after ``install_fence``) |
+| master (fp32; page-locked on CUDA when it is the install source) | this rank's matrix columns | main thread (migration, state_dict); the install's DMA reads it until ``install_fence`` when it is the source | CPU worker (reads and writes, after ``install_fence``) |
+| upload (model dtype, bf16/fp16 with ``upload_buffer``; page-locked on CUDA) | as master | the install's H2D DMA reads it until ``install_fence`` | CPU worker (writes, after ``install_fence``) |
 | exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
 | steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
 | acc[i] (fp32) | as master | the accumulation path fills acc[cur] | CPU worker reads the interval it was handed; with one accumulator, the next interval's first writes follow the worker's watermark (``gate``, acc_gate.py) |
 
-The install's source (``install_source``; chunks.py, install.py). For a bf16/fp16 model it is
+The install's source (``install_source``; chunks.py, install.py). For a bf16/fp16 model with
+``zenflow.tuning.upload_buffer`` (``upload_dtype``: auto is on where the host holds it) it is
 ``upload``: the CPU AdamW writes the new params rounded to the model dtype (round to nearest
 even, native/kernels.h) in the same pass that writes the master (``adamw_step(out=...)``), so
 an install DMAs 2 B per element instead of the 4 B of the fp32 master, and the scatter on the
 device is a plain copy: the same bits the device's rounding of the master gave. Cost: 2 B per
 element of host memory and 2 B more written per element by the update; the master is then not
 read by any DMA and stays pageable (a selection's migration goes through its own page-locked
-staging, selection.py). An fp32 model has no upload buffer: the master is its own model-dtype
-copy, page-locked on CUDA, and the install DMAs from it. The upload holds the master's rounding
+staging, selection.py). An fp32 model has no upload buffer (the master is its own model-dtype
+copy), nor a bf16/fp16 one without ``upload_buffer`` (the device rounds the master while it
+scatters it, 4 B per element over PCIe): the master is then page-locked on CUDA and the install
+DMAs from it. The upload holds the master's rounding
 for every host-owned column at every install: the update before it wrote them all (a selection
 collects the update in flight first, so no install comes between a migration and the next
 update), and a load recomputes it (``refresh_upload``).
@@ -31,8 +34,8 @@ first writes wait for it to pass (``gate``, acc_gate.py). The device path always
 interval sum lands in the host accumulator only at the boundary, after the previous update was
 collected (optimizer.py ``_boundary``: collect, copy out, submit). There is ONE set of moments in
 every mode. Host memory per matrix element: 12 B (master + moments) + 4 B per accumulator (+ 2 B
-of upload for a bf16/fp16 model), plus 13 B per column of bookkeeping (docs/design.md, "Host memory"; zfctl/plan/memory.py counts the
-same).
+of upload buffer), plus 13 B per column of bookkeeping (docs/design.md, "Host memory";
+zfctl/plan/memory.py counts the same).
 
 Rows of the selected columns exist here too (their host copy is stale while the device owns
 them); keeping the full column range avoids re-packing the buffers at every re-selection and lets
@@ -72,12 +75,20 @@ def accumulator_count(choice: int | str, *, overlap: bool, summed_on_host: bool,
     return 2 if free is None or committed_bytes + acc_bytes <= AUTO_HOST_SHARE * free else 1
 
 
-def upload_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The upload buffer's dtype for a model in ``dtype`` (module docstring): the dtype itself for
-    bf16/fp16, None for fp32 (the master is its own copy). A seam: tests replace it with
-    ``lambda d: None`` to install from the master and round on the device, as before the upload
-    buffer existed (tests/offload/test_offload_install.py compares the two bit for bit)."""
-    return dtype if dtype.itemsize < 4 else None
+def upload_dtype(choice: bool | str, dtype: torch.dtype, *, committed_bytes: int, upload_bytes: int) -> torch.dtype | None:
+    """``zenflow.tuning.upload_buffer`` for a model in ``dtype``: the upload buffer's dtype, or None
+    for none (the install then DMAs the fp32 master). fp32 has none (the master is its own copy);
+    bf16/fp16 as ``choice`` says, and ``auto`` when what the host state takes (``committed_bytes``)
+    plus the buffer (``upload_bytes``) stays within ``AUTO_HOST_SHARE`` of the RAM available now.
+    A run plan resolves ``auto`` before the optimizer is built (zfctl/plan/memory.py,
+    zfctl/train/optim.py); this rule is for a library user without a plan."""
+    if dtype.itemsize >= 4 or choice is False:
+        return None
+    if choice == "auto":
+        free = available_ram()
+        if free is not None and committed_bytes + upload_bytes > AUTO_HOST_SHARE * free:
+            return None
+    return dtype
 
 
 def available_ram() -> float | None:

@@ -27,9 +27,10 @@ device  weights               w P      the model, in train.precision
         activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
                                        train.activation_checkpointing h w per token per layer + one
                                        layer's 34 h w/2 (recompute per layer) + the logits
-host    fp32 master           4 H      page-locked on CUDA for an fp32 model (the install DMAs from it)
-        upload buffer         w H      bf16/fp16 only: the CPU AdamW's model-dtype copy of the
-                                       host columns, what an install DMAs; page-locked on CUDA
+host    fp32 master           4 H      page-locked on CUDA when the install DMAs from it
+        upload buffer         w H      bf16/fp16 with zenflow.tuning.upload_buffer (auto: where the
+                                       host holds it): the CPU AdamW's model-dtype copy of the host
+                                       columns, what an install DMAs instead; page-locked on CUDA
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
                                        zenflow.tuning.host_accumulators resolves to 2
@@ -151,6 +152,7 @@ class MemoryEstimate:
     ranks_per_node: int = 1
     node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
     host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
+    upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -325,7 +327,7 @@ def estimate(plan: RunPlan, machine: Machine | None = None) -> MemoryEstimate:
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
                           accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
-                          node_host_total=node_host)
+                          node_host_total=node_host, upload_buffer=any(i.name == "upload buffer" for i in items))
 
 
 def fsdp_shards(plan: RunPlan) -> int:
@@ -429,13 +431,9 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
 
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
-    # What an install DMAs (zfctl/offload/host.py install_source): bf16/fp16, the upload buffer the
-    # CPU AdamW writes in the model dtype (only it is page-locked); fp32, the master itself.
-    host("fp32 master", 4 * c.host, "4 B per host-column element" + (pinned if w == 4 else ""),
-         "zfctl/offload/host.py HostState.master")
-    if w < 4:
-        host("upload buffer", w * c.host, f"{w} B per host-column element: the CPU AdamW's {t.precision} copy "
-             "that an install moves" + pinned, "zfctl/offload/host.py HostState.upload")
+    # Page-locked while it is what an install DMAs; the upload buffer (_upload_buffer, below) takes
+    # that over for bf16/fp16 where it fits (zfctl/offload/host.py install_source).
+    host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
     # One accumulator here; a host path's count and note are resolved once every line exists (below).
@@ -489,7 +487,30 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     n_acc = 1
     if choice == "host":
         n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
+    if w < 4:
+        _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned)
     return choice, n_acc
+
+
+def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
+                   machine: Machine, pinned: str) -> None:
+    """Resolve zenflow.tuning.upload_buffer for a bf16/fp16 model (auto: on when the host total with
+    it stays within the verdict's limit, after the accumulators took theirs) and add its line; it,
+    not the master, is then page-locked."""
+    choice = plan.zenflow.tuning.upload_buffer
+    if choice == "auto":
+        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
+        on = not machine.host_ram or held + nbytes <= host_limit(machine)
+        notes.append(f"zenflow.tuning.upload_buffer (auto): {'on' if on else 'off'}; the CPU update's "
+                     f"{plan.train.precision} copy of the host columns halves an install's PCIe bytes for "
+                     f"{nbytes / GB:.2f} GB of host memory, {'used' if on else 'not used: it does not fit'}")
+    else:
+        on = bool(choice)
+    if not on:
+        return
+    next(i for i in items if i.name == "fp32 master").note = "4 B per host-column element"
+    items.append(MemoryItem("host", "upload buffer", nbytes, f"the CPU AdamW's {plan.train.precision} copy of "
+                            "the host columns, what an install moves" + pinned, "zfctl/offload/host.py HostState.upload"))
 
 
 def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,

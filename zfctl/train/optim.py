@@ -96,12 +96,15 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     zen = plan.zenflow
     cuda = bool(params) and params[0][1].device.type == "cuda"
     host_auto = zen.tuning.host_accumulators == "auto" and zen.overlap_step and float(zen.topk_ratio) < 1
-    if (zen.accumulate == "auto" and cuda) or host_auto:
+    upload_auto = zen.tuning.upload_buffer == "auto" and t.precision != "fp32" and float(zen.topk_ratio) < 1
+    if (zen.accumulate == "auto" and cuda) or host_auto or upload_auto:
         est = run_estimate(plan)
         if zen.accumulate == "auto" and cuda:
             zen = replace(zen, accumulate=est.accumulate)
         if host_auto and est.size is not None:  # unknown size: the optimizer's own rule (offload/host.py)
             zen = replace(zen, tuning=replace(zen.tuning, host_accumulators=est.host_accumulators))
+        if upload_auto and est.size is not None:
+            zen = replace(zen, tuning=replace(zen.tuning, upload_buffer=est.upload_buffer))
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
@@ -116,7 +119,8 @@ def run_accumulate(plan: RunPlan) -> Literal["host", "device"]:
 
 def run_estimate(plan: RunPlan) -> MemoryEstimate:
     """The plan's memory estimate (the rules `zfctl plan` shows) against this machine: how
-    ``zenflow.accumulate: auto`` and ``zenflow.tuning.host_accumulators: auto`` resolve for the run.
+    ``zenflow.accumulate: auto``, ``zenflow.tuning.host_accumulators: auto`` and
+    ``zenflow.tuning.upload_buffer: auto`` resolve for the run.
     The plan's ``machine.*`` sizes are the target a user planned for (the printed verdict); a run
     on a smaller machine must not take the accumulators that target would hold."""
     from zfctl.plan.machine import this_machine
