@@ -323,3 +323,28 @@ def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypa
         assert fence.stream is ring.stream
         assert max(p for p in reads if p < len(fence.after)) == len(fence.after) - 1
     assert len(waited) >= 4 and all(waited) and selections >= 2
+
+
+def test_a_second_install_before_the_forward_keeps_the_first_ones_waits(monkeypatch) -> None:
+    """Two installs with no forward between them, the second touching only the head: fc1 and fc2
+    still wait for the first install's events (install.py ``_publish`` keeps the modules
+    an earlier install left waiting)."""
+    shim = fake_cuda(monkeypatch)
+    model = tiny_net(dtype=torch.bfloat16)
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE, accumulate="host", stream_grads=False), **HP) as opt:
+        ring, installer = as_cuda(opt.transfers.h2d, "stream"), as_cuda(opt.installer, "stream")
+        assert opt.attach_install_waits(model) == 3
+        owned = {}
+        for name in ("fc1", "fc2", "head"):
+            m = getattr(model, name)
+            owned[name] = [m.weight]
+            m.register_forward_pre_hook(lambda _m, _a, name=name: shim.compute.log.append(("forward", name)))
+        chunks = opt.transfers.chunks
+        last = [ch for ch in chunks if ch.slot.name == "head.weight"]
+        assert last and len(last) < len(chunks)
+        for part in (chunks, last):
+            installer.run(ring, part, opt.host.install_source, opt.params, lambda slot: None)
+        model(batches(1, dtype=torch.bfloat16)[0][0])
+        ring.cuda = installer.cuda = False  # close() on CPU
+    faults, seen = install_waits(shim.compute, installer.stream, owned)
+    assert seen == 2 and faults == []

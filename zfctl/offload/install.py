@@ -128,7 +128,9 @@ class Installer:
             self._wait(done)  # the next step's first use comes after the whole install
             self._done, self._pending = None, {}
             return
-        pending: dict[int, Any] = {}
+        # Modules an earlier install left waiting keep their event (this install may not touch
+        # their params); the others take this install's, later on the same stream.
+        pending: dict[int, Any] = dict(self._pending)
         loose = None
         for index, event in self._events.items():  # install order: a module keeps its last param's event
             if index not in self._owners:
