@@ -215,6 +215,8 @@ def test_each_layer_waits_for_its_own_install_under_a_slow_install_stream(slow_c
     ref, _ = _run(cfg, dtype=dtype, hooks=False)  # no hooks: the whole install waited for at once
     delay_copies(DELAY)
     got, stats = _run(cfg, dtype=dtype, hooks=False, layer_waits=True, slow_install=True)
+    for s in stats:
+        s.resolve()  # the last step's device timings (no later step() read them)
     installed = [i for i, s in enumerate(stats) if s.installed]
     assert len(installed) >= 2
     # The forward after an install waited on the device for its layers (counted in that step).
