@@ -182,7 +182,7 @@ def _tiny_llama_losses(steps: int):
     return model, losses, {"vocab_params": vocab_matrices(model), "vocab_select": "rows"}
 
 
-def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None, net=_tiny_net_losses):
+def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None, net=_tiny_net_losses, **tuning):
     """A bf16 model trained on CPU with the install's CUDA branch (fake streams): the faults
     ``install_waits`` reads from the compute and install streams' logs."""
     shim = fake_cuda(monkeypatch)
@@ -190,7 +190,7 @@ def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None, net=_tin
     vocab = extra.pop("vocab_params", ())
     # One selection (t = 1, no install pending then): a later one would collect the update in
     # flight and wait for that whole install before its migration (optimizer.py ``_reselect``).
-    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False, **extra)
+    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False, **extra, **tuning)
     with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=vocab, **HP) as opt:
         as_cuda(opt.transfers.h2d, "stream")
         installer = as_cuda(opt.installer, "stream")
@@ -221,6 +221,13 @@ def test_with_hooks_each_forward_waits_for_its_own_layer_only(monkeypatch) -> No
     """Hooks attached: every module's first forward after an install waits for its own params'
     scatter, and no wait before it covers a later module's (no whole-install wait)."""
     faults, _ = _shim_run(monkeypatch, hooks=True)
+    assert faults == []
+
+
+def test_without_an_upload_buffer_the_fp32_master_goes_the_same_way(monkeypatch) -> None:
+    """``upload_buffer: false`` (bf16): the install's device slots take the master's fp32 chunks
+    (twice the bytes of the model-dtype slots) and the layers wait the same way."""
+    faults, _ = _shim_run(monkeypatch, hooks=True, upload_buffer=False)
     assert faults == []
 
 

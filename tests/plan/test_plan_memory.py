@@ -153,6 +153,8 @@ def test_the_upload_buffer_is_planned_where_the_host_holds_it() -> None:
     assert big.host_total == pytest.approx(small.host_total + big.item("upload buffer"))
     forced = estimate(replace_tuning(plan, upload_buffer=False), Machine(256 * GB, True, "H100", 80 * GB))
     assert not forced.upload_buffer and forced.host_total == pytest.approx(small.host_total)
+    # the install's device slots hold the source's chunks: bf16 with the buffer, the fp32 master's without
+    assert small.item("install staging") == 2 * big.item("install staging") == 4 * 64 * 2**20
 
 
 def replace_tuning(plan, **kw):

@@ -57,11 +57,14 @@ class Transfers:
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
         # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
         # lives on the device, which only fetches scalars). H2D: the same column ranges of the
-        # install source, also in the model dtype (the upload buffer, or an fp32 model's master),
-        # copied straight from it into device slots.
+        # install source, copied straight from it into device slots: the model dtype (the upload
+        # buffer, or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an
+        # upload buffer, 4/itemsize times the bytes.
         self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
                         host_slots=not on_device)
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory, host_slots=False)
+        source = host.install_source.element_size()
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory,
+                        host_slots=False)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
 

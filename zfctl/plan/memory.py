@@ -487,16 +487,20 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     n_acc = 1
     if choice == "host":
         n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
-    if w < 4:
-        _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned)
+    if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned):
+        # no upload buffer: the install's device slots take the fp32 master's chunks, 4/w the bytes
+        staging = next((i for i in items if i.name == "install staging"), None)
+        if staging is not None:
+            staging.bytes *= 4 // w
+            staging.note = f"{tu.ring_slots} x {staging.bytes / tu.ring_slots / 2**20:.3g} MiB fp32 slots (the master's)"
     return choice, n_acc
 
 
 def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
-                   machine: Machine, pinned: str) -> None:
+                   machine: Machine, pinned: str) -> bool:
     """Resolve zenflow.tuning.upload_buffer for a bf16/fp16 model (auto: on when the host total with
     it stays within the verdict's limit, after the accumulators took theirs) and add its line; it,
-    not the master, is then page-locked."""
+    not the master, is then page-locked. Returns whether it is on."""
     choice = plan.zenflow.tuning.upload_buffer
     if choice == "auto":
         held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
@@ -507,10 +511,11 @@ def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes:
     else:
         on = bool(choice)
     if not on:
-        return
+        return False
     next(i for i in items if i.name == "fp32 master").note = "4 B per host-column element"
     items.append(MemoryItem("host", "upload buffer", nbytes, f"the CPU AdamW's {plan.train.precision} copy of "
                             "the host columns, what an install moves" + pinned, "zfctl/offload/host.py HostState.upload"))
+    return True
 
 
 def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
