@@ -224,6 +224,20 @@ def test_each_layer_waits_for_its_own_install_under_a_slow_install_stream(slow_c
     assert _same(ref, got)
 
 
+def test_a_bf16_install_from_the_fp32_master_under_slow_copies(slow_copies) -> None:
+    """``upload_buffer: false``: a bf16 install DMAs the page-locked fp32 master (device slots of
+    twice the model-dtype size) and rounds on the device; the fence is then the master's, which
+    the CPU worker waits for before it writes it. Same bits as the upload buffer's install."""
+    cfg = zen(**ZEN, **PATHS["host-step"], overlap_step=True)
+    delay_copies(0)
+    ref, _ = _run(cfg, dtype=torch.bfloat16, hooks=False)
+    delay_copies(DELAY)
+    got, stats = _run(zen(**ZEN, **PATHS["host-step"], overlap_step=True, upload_buffer=False),
+                      dtype=torch.bfloat16, hooks=False, layer_waits=True)
+    assert sum(s.installed for s in stats) >= 2
+    assert _same(ref, got)
+
+
 def test_install_device_slot_waits_for_the_scatter_that_reads_it() -> None:
     """The direct H2D path reuses device slot i for chunk i + slots only after the scatter of
     chunk i has read it: a device-side wait of the copy stream (ring.py ``_freed``). Here the
