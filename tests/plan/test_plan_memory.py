@@ -169,7 +169,9 @@ def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -
     from zfctl.plan import machine as machine_mod
 
     plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB"])
-    one = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB", "zenflow.tuning.host_accumulators=1"])
+    # the edge is counted without the upload buffer, which auto takes only after the accumulators
+    one = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB", "zenflow.tuning.host_accumulators=1",
+                                                         "zenflow.tuning.upload_buffer=false"])
     base = estimate(one, Machine(1e15, True, "gpu", 48 * GB))
     acc = base.item("gradient accumulators")
     assert base.host_accumulators == 1 and base.accumulate == "host"
