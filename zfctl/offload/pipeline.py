@@ -184,8 +184,8 @@ class Pipeline:
     def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
         """Restore counters, policy and the unfinished interval's sum (into ``live_acc`` when it is
         not the host accumulator). A saved ``upload`` (states written before the install read the
-        master) is ignored: it held the master's values rounded to the model dtype, which the
-        install computes again from the master, to the same bits."""
+        master) is ignored: it held the master's values rounded to the model dtype, which the load
+        computes again from the master, to the same bits (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             self.worker.wait()  # discard: everything it wrote is overwritten below
         c = sd["counters"]
