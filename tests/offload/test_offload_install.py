@@ -4,11 +4,12 @@
   the params it installs are bit for bit those of the install that DMAs the fp32 master and
   rounds on the device (``zenflow.tuning.upload_buffer: false``, the engine before the upload
   buffer existed), at half the PCIe bytes.
-* The install runs on its own stream (install.py). Through the CUDA shim (tests/offload/
-  cuda_shim.py) the compute stream's waits are read back: with the forward hooks attached, each
-  module's forward waits for its own parameters' scatter and nothing waits for the whole install
-  before the forward; without them the compute stream waits for all of it at install time.
-  ``install_waits`` is the checker; its own tests plant the two faults it must see.
+* The install runs on its own stream (install.py). Through the CUDA shim
+  (tests/offload/cuda_shim.py) the compute stream's waits are read back: with the forward hooks
+  attached, each module's forward waits for its own parameters' scatter and nothing waits for
+  the whole install before the forward; without them the compute stream waits for all of it at
+  install time. ``install_waits`` is the checker; tests plant a whole-install wait and a missing
+  layer wait and see it report them.
 * The upload buffer's fence: the event after the last DMA that reads it is what the next CPU
   update (its writer) waits for.
 """
