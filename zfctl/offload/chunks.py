@@ -102,9 +102,9 @@ def install_params(ring: Ring, chunks: list[Chunk], source: torch.Tensor, params
     """Copy the host's new values of whole column ranges into the model params (PCIe H2D).
 
     ``source`` is the install source (HostState.install_source): the upload buffer, which the CPU
-    AdamW wrote in the model dtype (round to nearest even, native/kernels.h), or an fp32 model's
-    master; the scatter is then a plain copy. (An fp32 master into a bf16/fp16 param would be
-    rounded by ``copy_`` to nearest even too, the same bits.) ``stream``: where the scatters run
+    AdamW wrote in the model dtype (round to nearest even, native/kernels.h), and the scatter is a
+    plain copy; or the fp32 master (an fp32 model, or no upload buffer), which ``copy_`` into a
+    bf16/fp16 param rounds to nearest even on the device, the same bits. ``stream``: where the scatters run
     (the install stream, install.py; None: the current stream). ``finished(slot)`` runs on that
     stream after a param's last chunk (the chunks of one param are consecutive): the caller puts
     the device-owned columns back there, since the column ranges carried them stale. Returns

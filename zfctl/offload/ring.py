@@ -13,7 +13,7 @@ native kernel). Slot i is refilled only after its chunk was consumed. The host s
 allocated when the ring is built: ``slots x slot_bytes`` of host memory, counted by the plan.
 
 H2D (updated params, an install): the sources are ranges of the install source (the upload
-buffer the CPU AdamW writes in the model dtype, or an fp32 model's master: host.py), copied by
+buffer the CPU AdamW writes in the model dtype, or the fp32 master: host.py), copied by
 the ring's stream straight into device slot i (no host copy: the main thread only enqueues); the
 install stream (install.py) waits for that copy, ``deliver(slot)`` scatters it into the params,
 and an event after the scatter frees the device slot for chunk i + slots: a device-side wait of
