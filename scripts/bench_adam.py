@@ -142,6 +142,8 @@ def native_cases(base: Base, threads: int, tensors: int) -> list[Case]:
                     adam(p, g, m, v)
                 elif kind == "runs":
                     adam(p, g, m, v, runs=runs)
+                elif kind == "runs-out":  # the CPU worker's call: fp32 sum in, bf16 upload out (offload/host.py)
+                    adam(p, g, m, v, runs=runs, out=out)
                 elif kind == "b":
                     adam(p, g16, m, v, out=out)
                 else:  # one call per tensor: what a call costs
@@ -158,6 +160,8 @@ def native_cases(base: Base, threads: int, tensors: int) -> list[Case]:
         cases.append(({**key, "impl": "zfctl, one call per tensor", "tensors": tensors}, make("per-tensor")))
         cases.append(({**key, "impl": f"zfctl, 90% in {len(keep)} runs", "fraction": len(keep) * 4096 / n},
                       make("runs")))
+        cases.append(({**key, "impl": f"zfctl, 90% in {len(keep)} runs, bf16 out", "fraction": len(keep) * 4096 / n,
+                       "bytes": COUNTED_BYTES + 2}, make("runs-out")))
     return cases
 
 
@@ -293,7 +297,7 @@ def table(rows: list[dict], probes: dict[int, dict[str, float]]) -> str:
     lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         n = r["params"] * r.get("fraction", 1.0)
-        gbs = COUNTED_BYTES * n / (r["ms"] * 1e-3) / 1e9
+        gbs = r.get("bytes", COUNTED_BYTES) * n / (r["ms"] * 1e-3) / 1e9
         pr = probes[r["threads"]]
         lines.append(f"| ({r['workload']}) | {r['impl']} | {r['threads']} | {r['tensors']} | {r['ms']:.1f} | "
                      f"{r['best']:.1f} | {n / (r['ms'] * 1e-3) / 1e9:.2f} | {gbs:.1f} | "

@@ -94,6 +94,7 @@ def run_trial(
     clock = clock_for(device)
     with ZenFlowOptimizer(list(module.named_parameters()), zf, vocab_params=vocab_matrices(module),
                           **opt_kwargs) as opt:
+        opt.attach_install_waits(module)  # each layer's forward waits for its own install, as in training
         for i in range(warmup):
             loss = loss_fn(module, batches[i])
             opt.prepare_backward(final=True)  # gradients stream to the host during backward

@@ -28,6 +28,7 @@ from zfctl.offload.correction import DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
+AutoBool = Union[bool, Literal["auto"]]  # noqa: UP007
 # An integer (steps), or 'auto', 'epoch', 'N epochs': strings the validator checks (EPOCHS).
 SelectInterval = Union[int, str]  # noqa: UP007
 EPOCHS = re.compile(r"^(\d+)\s*epochs?$")
@@ -66,6 +67,14 @@ class TuningConfig:
         "(plan.yaml holds 1 or 2). Same results either way.",
         ge=1, le=2,
     )
+    upload_buffer: AutoBool = _f(
+        "auto",
+        "bf16/fp16 models: the CPU AdamW also writes the updated host columns in the model dtype, "
+        "and an install moves those: half the PCIe bytes of the fp32 master, for 2 B per host "
+        "element of host memory (page-locked on CUDA, where the master then is not). false = the "
+        "install moves the fp32 master and the GPU rounds it (the same bits). auto = on when the "
+        "plan's host total with it fits the machine. fp32 models have none.",
+    )
     stream_grads: bool = _f(
         True,
         "Copy the non-selected gradient columns to the host during the last backward of a step "
@@ -79,8 +88,9 @@ class TuningConfig:
         "interval's summed gradient by the interval's mean clip factor (docs/design.md, Algorithm).",
     )
     pin_memory: bool = _f(
-        True, "Page-lock the host buffers PCIe copies read or write (fp32 master, the device "
-        "path's accumulator, landing buffers, transfer ring): async DMAs instead of staged copies."
+        True, "Page-lock the host buffers PCIe copies read or write (the install's source: the "
+        "upload buffer or the fp32 master; the device path's accumulator, landing buffers, "
+        "transfer ring): async DMAs instead of staged copies."
     )
     auto_ratio: float = _f(
         0.99,
@@ -282,7 +292,7 @@ def expectation(tp: Any, meta: typing.Mapping[str, Any]) -> str:
     if base is None:
         return "use one of " + ", ".join(str(w) for w in words)
     if base is bool:
-        return "must be true or false"
+        return "must be true or false" + "".join(f" or {w}" for w in words)
     what = "an integer" if base is int else "a number"
     if meta.get("unit"):
         what += f" of {meta['unit']}"

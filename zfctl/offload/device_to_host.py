@@ -14,8 +14,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
-The column chunks and the two rings that move them inside ``step()`` (gradients D2H, installed
-params H2D) are :class:`Transfers`, shared by the paths and the install.
+The column chunks and the two rings that move them (gradients D2H inside ``step()``, installed
+params H2D: install.py) are :class:`Transfers`, shared by the paths and the install.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 from zfctl.errors import ConfigError
 from zfctl.offload import cores
 from zfctl.offload.bandwidth import measure_d2h_gbps
-from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
+from zfctl.offload.chunks import offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, accumulator_count
+from zfctl.offload.host import HostState, accumulator_count, upload_dtype
 from zfctl.offload.layout import Layout
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_accumulate
 from zfctl.offload.pcie import count_waits
@@ -59,11 +59,14 @@ class Transfers:
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
         # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
-        # lives on the device, which only fetches scalars). H2D: the same column ranges of the fp32
-        # master, 4/itemsize times the bytes, copied straight from it into device slots.
+        # lives on the device, which only fetches scalars). H2D: the same column ranges of the
+        # install source, copied straight from it into device slots: the model dtype (the upload
+        # buffer, or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an
+        # upload buffer, 4/itemsize times the bytes.
         self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
                         host_slots=not on_device)
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory,
+        source = host.install_source.element_size()
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory,
                         host_slots=False)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
@@ -72,9 +75,6 @@ class Transfers:
         """Re-plan the chunks after the device-owned columns changed (a selection, a load)."""
         self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
 
-    def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
-        """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
-        return install_params(self.h2d, self.chunks, self.host.master, params)
 
     def release(self) -> None:
         self.d2h.release()
@@ -294,7 +294,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     dtypes = {params[s.index].dtype for s in layout.host_slots}
     if len(dtypes) > 1:
         raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
-    itemsize = dtypes.pop().itemsize
+    dtype = dtypes.pop()
+    itemsize = dtype.itemsize
     accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
@@ -307,15 +308,21 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
                               committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
                               acc_bytes=4 * layout.host_numel)
+    # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in the
+    # model dtype (host.py upload) and only that buffer is page-locked for the install's DMA;
+    # fp32, or without it: the master itself is.
+    upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * layout.host_numel,
+                          committed_bytes=(12 + 4 * count + (2 * itemsize if hook else 0)) * layout.host_numel)
     # The core split (cores.py): the training thread's reserved cores, the pools' pinned CPUs, and
     # on a multi-node machine the GPU's NUMA node, where the host state is allocated and bound.
     # The device path adds nothing on the host between boundaries (its sum lives on the device):
     # the CPU update takes every pool core there.
     plan = cores.plan_for(config, device, on_device=on_device)
     with cores.on_node(plan):
-        host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
+        host = HostState(layout, params, accumulators=count, upload=upload, pin=cuda_pin, pin_acc=cuda_pin and on_device)
         transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
-    cores.bind_host(plan, _native, [host.master, host.exp_avg, host.exp_avg_sq, *host.acc])
+    buffers = [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]
+    cores.bind_host(plan, _native, buffers + ([host.upload] if host.upload is not None else []))
     threads = cores.apply(plan, _native)
     add = counted_accumulate(capped(_native, threads[0]), ledger)  # host.sum bytes, on whichever thread adds
     path: GradientPath

@@ -43,6 +43,7 @@ from zfctl.offload.device_to_host import (
 )
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
+from zfctl.offload.install import Installer
 from zfctl.offload.layout import named_params, plan_layout
 from zfctl.offload.ledger import Ledger
 from zfctl.offload.partition import Partition, group_info, partition_layout
@@ -129,6 +130,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         for part in (self.pipeline, self.pipeline.worker, self.selector):
             if part is not None:
                 part.ledger = self.ledger
+        self.installer = Installer(self.device)  # the install stream and its per-module events
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -187,6 +189,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     # -- the loop's calls ---------------------------------------------------------------------
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Each module's forward waits only for its own params' install (install.py); returns the
+        modules hooked. One process only: FSDP2's all-gathers and zero2's broadcast read the params
+        outside the modules' forwards, so there the compute stream waits for the whole install."""
+        if self.host is None or self.sharded is not None or self.exchange is not None:
+            return 0
+        return self.installer.attach(model.modules(), self.params, [s.index for s in self.layout.host_slots])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -230,6 +240,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # The step's ledger tab opened when the last step closed: its backward's hooks are in it.
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
                           d2h_gbps=self.gradient_path.d2h_gbps, tab=self.ledger.tab())
+        # The forward's waits for its layers (install.py); then the device update.
+        count_waits(stats, self.installer.wait_all(), "device.install")
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
@@ -283,6 +295,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             with self.ledger.charging(stats.tab):  # no step's bytes: the flush's own
                 self.drain()
                 self.pipeline.collect(stats)
+            self.installer.wait_all()  # whoever reads the params next, on the compute stream
 
     def drain(self) -> None:
         """Wait until no accumulation job (hook path) or sum copy (device path) still runs."""
@@ -299,6 +312,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             self.sharded.close()
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
+        self.installer.close()  # the hooks off; the params' next reader comes after the last install
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()
         self.selector.release()  # no copy runs after step(): the staging's copies are blocking
@@ -337,6 +351,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
         self.pipeline.collect(stats)
+        count_waits(stats, self.installer.wait_all())  # the migration writes the device master the install reads
         old = list(self.device_state.index)
         if released is not None:
             self.gradient_path.drain()  # the hooks' accumulation jobs: regather reads the sum
@@ -414,13 +429,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
-        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        """The host's finished update into the model params (the pipeline decides when), on the
+        install stream (install.py); each param's device-owned columns are put back after its chunks."""
         assert self.host is not None and self.transfers is not None  # only the host path installs
-        _, fence = self.transfers.install(self.params)  # its bytes: counted by the ring (ledger.py)
-        self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs, "device.install")  # compute waiting for the copies
-        # Whole column ranges were written: put the device-owned columns back.
-        self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
+        p, sel = self.params, self.selector.selected
+        # Its bytes are counted by the ring (ledger.py).
+        _, fence = self.installer.run(self.transfers.h2d, self.transfers.chunks, self.host.install_source, p,
+                                      lambda slot: self.device_state.write_params(p, sel, only=[slot]))
+        self.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
+        count_waits(stats, self.installer.take_waits(), "device.install")  # no hooks: compute waits for it all
         if self.exchange is not None:  # each owner's columns to every rank (collectives)
             stats.comm_bytes += self.exchange.share_installed()
 
@@ -443,6 +460,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
         Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
         group: it loads into the same rank of the same world size only."""
+        self.installer.wait_all()  # a checkpoint reads the params next
         sd = state.save(self)
         if self.sharded is not None:
             sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
@@ -459,6 +477,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if saved != here:
             raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
                              f"{here}: sharded row states load into the same rank and world size only")
+        self.installer.wait_all()  # the load writes the device master an install's restore reads
         state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
 
     def host_ranges(self) -> list[tuple[str, int, int]]:

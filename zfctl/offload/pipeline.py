@@ -126,7 +126,8 @@ class Pipeline:
         returns the wait for what is still writing ``update.acc`` (the gradient path's ``finish``:
         the hook path's last accumulation job, or the device path's copy of the interval sum into
         its one host accumulator, which the previous update may still have been reading). The
-        worker also waits for the install DMA that may still read the master (HostState).
+        worker also waits for the install DMA that may still read the install source, the upload
+        buffer or the master it writes (HostState.install_fence).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
@@ -189,8 +190,8 @@ class Pipeline:
     def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
         """Restore counters, policy and the unfinished interval's sum (into ``live_acc`` when it is
         not the host accumulator). A saved ``upload`` (states written before the install read the
-        master) is ignored: it held the master's values rounded to the model dtype, which the
-        install computes again from the master, to the same bits."""
+        master) is ignored: it held the master's values rounded to the model dtype, which the load
+        computes again from the master, to the same bits (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             self.worker.wait()  # discard: everything it wrote is overwritten below
         c = sd["counters"]
@@ -213,6 +214,7 @@ class Pipeline:
 
 
 def _install_wait(host: HostState) -> Callable[[], Any] | None:
-    """The wait for the install DMA still reading ``host.master``, handed to the worker by value."""
+    """The wait for the install DMA still reading ``host.install_source`` (the upload buffer, or an
+    fp32 model's master), handed to the worker by value."""
     fence, host.install_fence = host.install_fence, None
     return fence.synchronize if fence is not None else None

@@ -83,7 +83,7 @@ class Selector:
         Data parallel: returns each matrix's total L1 mass (the auto interval's input: no rank
         holds the whole gradient), else None.
         """
-        host.wait_install()  # migration writes the master: the last install's DMA must be done
+        host.wait_master()  # migration writes the master: an fp32 model's install DMA must be done
         dev, index = self.device, self.device.index
         old = list(index)
         shared = None

@@ -125,12 +125,12 @@ class CpuWorker:
 
     def _adamw(self, update: CpuUpdate, step: int, runs: torch.Tensor) -> None:
         h = self._host
-        count_adamw(self.ledger, h.master, update.acc, runs=runs)  # host.sum + host.update, this step's tab
+        count_adamw(self.ledger, h.master, update.acc, runs=runs, out=h.upload)  # host.sum + host.update, this step's tab
         self.native.adamw_step(
             h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
             beta1=update.beta1, beta2=update.beta2, eps=update.eps,
             weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-            repeat=update.repeat,
+            repeat=update.repeat, out=h.upload,  # bf16/fp16: the install source (host.py upload)
         )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:

@@ -131,6 +131,8 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
 
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
+    # Page-locked while it is what an install DMAs; the upload buffer (_upload_buffer, below) takes
+    # that over for bf16/fp16 where it fits (zfctl/offload/host.py install_source).
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
@@ -141,12 +143,11 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
          "zfctl/offload/host.py, layout.py")
     want = int(tu.ring_slot_mb * 2**20)
     slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
-    h2d_slot = slot * 4 // w
     if choice != "device":  # the device path copies its sum out whole (device_acc.py), not through the ring
         host("transfer ring", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
              pinned, "zfctl/offload/ring.py Ring")
     if cuda:
-        dev("install staging", tu.ring_slots * h2d_slot, f"{tu.ring_slots} x {h2d_slot / 2**20:.3g} MiB fp32 slots",
+        dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
             "zfctl/offload/ring.py Ring.h2d")
     hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/sharded.py hook_grads)
     if hook:
@@ -186,7 +187,35 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     n_acc = 1
     if choice == "host":
         n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
+    if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned):
+        # no upload buffer: the install's device slots take the fp32 master's chunks, 4/w the bytes
+        staging = next((i for i in items if i.name == "install staging"), None)
+        if staging is not None:
+            staging.bytes *= 4 // w
+            staging.note = f"{tu.ring_slots} x {staging.bytes / tu.ring_slots / 2**20:.3g} MiB fp32 slots (the master's)"
     return choice, n_acc
+
+
+def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
+                   machine: Machine, pinned: str) -> bool:
+    """Resolve zenflow.tuning.upload_buffer for a bf16/fp16 model (auto: on when the host total with
+    it stays within the verdict's limit, after the accumulators took theirs) and add its line; it,
+    not the master, is then page-locked. Returns whether it is on."""
+    choice = plan.zenflow.tuning.upload_buffer
+    if choice == "auto":
+        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
+        on = not machine.host_ram or held + nbytes <= host_limit(machine)
+        notes.append(f"zenflow.tuning.upload_buffer (auto): {'on' if on else 'off'}; the CPU update's "
+                     f"{plan.train.precision} copy of the host columns halves an install's PCIe bytes for "
+                     f"{nbytes / GB:.2f} GB of host memory, {'used' if on else 'not used: it does not fit'}")
+    else:
+        on = bool(choice)
+    if not on:
+        return False
+    next(i for i in items if i.name == "fp32 master").note = "4 B per host-column element"
+    items.append(MemoryItem("host", "upload buffer", nbytes, f"the CPU AdamW's {plan.train.precision} copy of "
+                            "the host columns, what an install moves" + pinned, "zfctl/offload/host.py HostState.upload"))
+    return True
 
 
 def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,

@@ -26,11 +26,14 @@ device  CUDA context                   the context outside torch's allocator (CU
         temporaries in flight          hook path on CUDA: transposed gradient chunks whose D2H runs
         exchange in flight    4 w M    W > 1 (zero2): two matrices' exchanges pending (M: the
                                        largest matrix), each its gathered send and received buffers
-        install staging                CUDA: the device slots the install's H2D lands in
+        install staging                CUDA: the device slots (model dtype) the install's H2D lands in
         activations           rough: 34 h w/2 bytes per token per layer + logits in fp32; with
                                        train.activation_checkpointing h w per token per layer + one
                                        layer's 34 h w/2 (recompute per layer) + the logits
-host    fp32 master           4 H      page-locked on CUDA (the install DMAs from it)
+host    fp32 master           4 H      page-locked on CUDA when the install DMAs from it
+        upload buffer         w H      bf16/fp16 with zenflow.tuning.upload_buffer (auto: where the
+                                       host holds it): the CPU AdamW's model-dtype copy of the host
+                                       columns, what an install DMAs instead; page-locked on CUDA
         fp32 moments          8 H
         gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
                                        zenflow.tuning.host_accumulators resolves to 2
@@ -136,6 +139,7 @@ class MemoryEstimate:
     ranks_per_node: int = 1
     node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
     host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
+    upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -198,5 +202,5 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
                           accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
-                          node_host_total=node_host)
+                          node_host_total=node_host, upload_buffer=any(i.name == "upload buffer" for i in items))
 

@@ -7,6 +7,7 @@ written into the plan's own fields (docs/design.md, "Defaults and the numbers be
 | ``train.activation_checkpointing`` | true or false | fit.py ``resolve_activation_checkpointing`` (resolve.py too) |
 | ``zenflow.accumulate`` | host or device | the estimate: lines.py ``_accumulate`` (``device_fits``) |
 | ``zenflow.tuning.host_accumulators`` | 1 or 2 | the estimate: lines.py ``_host_accumulators`` |
+| ``zenflow.tuning.upload_buffer`` | true or false | the estimate: lines.py ``_upload_buffer`` (false for fp32) |
 | ``zenflow.tuning.release_grads`` | false where the plan's own settings leave nothing to release | :func:`release_ruled_out` |
 
 ``zfctl plan`` and ``zfctl finetune`` settle the plan after ``--fit`` (which searches with ``auto``
@@ -35,7 +36,7 @@ from zfctl.plan.sizes import ModelSize
 
 # (section, field) of what settle() writes, for a comparison that reads `auto` as "not decided yet".
 SETTLED = (("train", "precision"), ("train", "activation_checkpointing"), ("zenflow", "accumulate"),
-           ("zenflow.tuning", "host_accumulators"))
+           ("zenflow.tuning", "host_accumulators"), ("zenflow.tuning", "upload_buffer"))
 
 
 def unsettled(plan: RunPlan) -> bool:
@@ -61,13 +62,15 @@ def settle(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | N
     if t.activation_checkpointing == "auto":
         resolve_activation_checkpointing(plan, machine, notes=notes)
     est: MemoryEstimate | None = None
-    if z.accumulate == "auto" or z.tuning.host_accumulators == "auto":
+    if "auto" in (z.accumulate, z.tuning.host_accumulators, z.tuning.upload_buffer):
         est = estimate(plan, machine, size=size)
         if est.size is not None:
             if z.accumulate == "auto":
                 z.accumulate = est.accumulate
             if z.tuning.host_accumulators == "auto":
                 z.tuning.host_accumulators = est.host_accumulators
+            if z.tuning.upload_buffer == "auto":
+                z.tuning.upload_buffer = est.upload_buffer
     if z.tuning.release_grads:
         why = release_ruled_out(plan, est if est is not None and est.size is not None else None, size=size,
                                 machine=machine)

@@ -34,6 +34,12 @@ class TrainingOptimizer(Protocol):
         are final, so they stream to the host during that backward (zfctl/offload/stream.py)."""
         ...
 
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Let each of ``model``'s layers wait (on the device) only for its own part of an install
+        of the CPU update, not for the whole install (zfctl/offload/install.py); how many modules
+        were hooked (0 where an install is waited for whole: FSDP2, zero2)."""
+        ...
+
     def step(self) -> StepStats:
         """One optimizer step over the accumulated gradients; what it cost and did."""
         ...

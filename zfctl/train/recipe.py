@@ -142,6 +142,9 @@ class FinetuneRecipe:
         self.optimizer = build_optimizer(self.model, plan, steps_per_epoch=self.steps_per_epoch,
                                          process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
+        # An install of the CPU update runs on its own stream; each layer's forward waits only for
+        # its own columns (zfctl/offload/install.py), so the first layers compute while the last land.
+        self.optimizer.attach_install_waits(self.model)
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
         if restore is not None:
