@@ -129,7 +129,9 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
         w["device.sum_copy"] = mats  # the first add into each matrix waits for its copy out (device)
     if "install" in facets:
         w["host.cpu_update"] = 1  # collect: the update in flight
-        w["device.install"] = chunks  # the compute stream waits for each install chunk's H2D
+        # No module hooks attached here (install.py): the compute stream waits for the whole install
+        # once, device-side, at install time; the install stream waits for each chunk's H2D.
+        w["device.install"] = 1
     if "submit" in facets:
         if f.path != "step":
             w["worker.grads"] = 1  # the worker waits for the interval's sum (last job / copy out)

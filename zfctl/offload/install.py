@@ -39,13 +39,16 @@ from typing import Any
 import torch
 
 from zfctl.offload.chunks import Chunk, install_params
-from zfctl.offload.pcie import timed_wait
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import device_wait
 
 Restore = Callable[[Any], None]  # called with a ParamSlot once its chunks are scattered
 
 
 class Installer:
     """The install stream, the per-module events of the last install, and the forward hooks."""
+
+    ledger: Ledger = NOWHERE  # each compute-stream wait counts as one `device.install` (ledger.py)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -174,4 +177,4 @@ class Installer:
         return waits
 
     def _wait(self, event: Any) -> None:
-        self.waits.append(timed_wait(torch.cuda.current_stream(self.device), event))
+        self.waits.append(device_wait(self.ledger, "device.install", torch.cuda.current_stream(self.device), event))

@@ -127,10 +127,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device,
                                  update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
-        for part in (self.pipeline, self.pipeline.worker, self.selector):
+        self.installer = Installer(self.device)  # the install stream and its per-module events
+        for part in (self.pipeline, self.pipeline.worker, self.selector, self.installer):
             if part is not None:
                 part.ledger = self.ledger
-        self.installer = Installer(self.device)  # the install stream and its per-module events
         self._closed = False
         self.last_stats: StepStats | None = None
 
