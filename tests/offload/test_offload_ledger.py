@@ -80,12 +80,15 @@ def expected_bytes(step: int, f: Facts, moved: tuple[int, int, int, int]) -> dic
 
     The lines the pending engine changes touch (so the lead edits them, nowhere else):
     ``host.sum`` per step (host path: summed in the fused AdamW instead), ``h2d.install`` /
-    ``host.install`` (install: 2 B per host-owned element), the migration lines (selection).
+    ``host.install`` (install: host-owned elements only), the migration lines (selection).
     """
     facets, first = SCHEDULE[step]
     own = f.M - (f.K if step >= W else 0)  # host-owned elements once columns are selected
     # A release step lands its gradient in the hooks, before its selection re-plans the chunks.
     landed = f.M if step == W and f.path == "hook" else own
+    # The upload buffer (upload_buffer: auto): a model narrower than fp32 installs from the copy
+    # the CPU AdamW writes in the model's dtype; an fp32 model installs from the master itself.
+    upload = f.b if f.b < 4 else 0
     got: Counter[str] = Counter({"d2h.scalars": SCALARS})
     if f.path != "device":
         got["d2h.grad"] = got["host.land"] = f.b * f.M  # the gradient's column ranges, model dtype
@@ -94,9 +97,9 @@ def expected_bytes(step: int, f: Facts, moved: tuple[int, int, int, int]) -> dic
         if f.path == "device":
             got["d2h.sum"] = got["host.land"] = 4 * f.M  # the fp32 interval sum, once
         got["host.sum"] += 4 * own  # the CPU update reads the sum ...
-        got["host.update"] = 24 * own  # ... and reads + writes master, exp_avg, exp_avg_sq
+        got["host.update"] = (24 + upload) * own  # ... reads + writes master and moments, writes the copy
     if "install" in facets:
-        got["h2d.install"] = got["host.install"] = 4 * f.M  # the fp32 master's column ranges
+        got["h2d.install"] = got["host.install"] = (upload or 4) * f.M  # the install source's column ranges
     if "select" in facets:
         enter, enter_el, leave, leave_el = moved
         state_in, state_out = 12 * enter_el + 4 * enter, 12 * leave_el + 4 * leave  # master, moments; step
@@ -135,9 +138,31 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
     if "submit" in facets:
         if f.path != "step":
             w["worker.grads"] = 1  # the worker waits for the interval's sum (last job / copy out)
-        if "install" in facets:
-            w["worker.install"] = 1  # ... and for the install's DMA before it writes the master
+        if install_in_flight(step, upload=f.b < 4):
+            w["worker.install"] = 1  # ... and for the install DMA still reading what it writes
     return dict(w)
+
+
+def install_in_flight(step: int, *, upload: bool) -> bool:
+    """Whether an install's DMA fence is still unconsumed when ``step`` submits (HostState.install_fence).
+
+    An install sets the fence; the next submit consumes it (the worker writes the install source
+    after it). With no upload buffer the master is the source, so a selection's migration, which
+    writes the master, consumes it too (HostState.wait_master). A warm-up step installs after
+    its synchronous submit; later steps collect (install) before they submit."""
+    fence = False
+    for t, (facets, _) in enumerate(SCHEDULE[: step + 1]):
+        if "install" in facets and t >= W:
+            fence = True
+        if "select" in facets and not upload:
+            fence = False
+        if t == step:
+            return fence
+        if "submit" in facets:
+            fence = False
+        if "install" in facets and t < W:
+            fence = True
+    raise AssertionError("unreachable")
 
 
 def run(path: str, monkeypatch, dtype: str = "fp32"):
