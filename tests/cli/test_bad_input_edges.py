@@ -81,12 +81,12 @@ BAD_DATA = [
     ("not UTF-8", bad_utf8, "latin1.jsonl: not UTF-8 text"),
     ("a folder", a_folder, "data.jsonl': is a folder; give one of the .json/.jsonl/.csv/.parquet files in it"),
     ("instruction null", lambda t: jsonl(t / "null.jsonl", [{"instruction": None, "output": "x"}]),
-     "record 0: field 'instruction' is null; give it a text"),
+     "record 1: field 'instruction' is null; give it a text"),
     ("messages a string", lambda t: jsonl(t / "str.jsonl", [{"messages": "hello"}]),
-     "record 0: field 'messages' must be a list of turns, got str"),
+     "record 1: field 'messages' must be a list of turns, got str"),
     ("two user turns", lambda t: jsonl(t / "two.jsonl", [{"messages": [
         {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}]),
-     "record 0: field 'messages[1].role' is 'user' again, right after messages[0]: turns must alternate"),
+     "record 1: field 'messages[1].role' is 'user' again, right after messages[0]: turns must alternate"),
 ]
 
 

@@ -124,7 +124,7 @@ def _one_line_error(rc: int, log: str, *needles: str) -> None:
 @pytest.mark.slow
 def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
     before = tree_digest(finished_run)
-    bad = tmp_path / "bad.jsonl"  # record 1 lacks its `output` field
+    bad = tmp_path / "bad.jsonl"  # record 2 lacks its `output` field
     bad.write_text(json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n"
                    + json.dumps({"instruction": "a", "input": ""}) + "\n")
     broken = tmp_path / "broken"
