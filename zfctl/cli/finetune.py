@@ -82,6 +82,12 @@ def finetune(
     env = dist_env()
     flags = plan_flags(output, max_steps, nproc, gpu_memory=gpu_memory, host_memory=host_memory)
     plan, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=True)
+    if fit or (env.is_main and not os.environ.get(PLAN_PRINTED_ENV)):
+        from zfctl.train.preflight import check_data
+
+        # The data and model.config before any note on the plan: a micro-batch larger than the
+        # data is refused here, never fitted, and the notes never size memory for it first.
+        check_data(plan)
     if fit:  # every rank of an --nproc job fits the same plan the same way; nothing fits: one error line
         from zfctl.plan.fit import fit_or_fail
 

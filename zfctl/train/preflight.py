@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from zfctl.errors import UserError
+from zfctl.errors import ConfigError, UserError
 from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM
 from zfctl.train.data.chat import normalize
-from zfctl.train.data.source import first_record, resolve
+from zfctl.train.data.source import count_records, first_record, resolve
 from zfctl.train.data.templates import render
 from zfctl.train.rundir import RunFolder
 from zfctl.writable import nearest_existing
@@ -51,7 +51,12 @@ def check_for_plan(plan: RunPlan) -> None:
 
 
 def check_data(plan: RunPlan) -> None:
-    """A local data file's first record, read and rendered as the pipeline will (hub data: nothing)."""
+    """``model.config``'s keys (the architecture built from it), then a local data file's first
+    record, read and rendered as the pipeline will (hub data: nothing)."""
+    if plan.model.source == "config" and plan.model.config:
+        from zfctl.train.models.config_keys import check_config_keys
+
+        check_config_keys(dict(plan.model.config))
     if plan.data.source == "hub":
         return
     source = resolve(plan.data)
@@ -60,3 +65,29 @@ def check_data(plan: RunPlan) -> None:
         normalize(rec, source.train, 0)  # roles, turns, an assistant turn: no tokenizer needed
     elif rec is not None:
         render(rec, plan.data, source.train, 0)  # RecordError names the file, record and field
+    check_batch(plan, Path(source.train), held_out=source.eval is None)
+
+
+def check_batch(plan: RunPlan, train_file: Path, *, held_out: bool) -> None:
+    """Refuse a global micro-batch (``train.micro_batch_size`` x processes) larger than the
+    training records, before the plan sizes memory for it: no step could be filled, and on one
+    process the run would quietly train on fewer sequences per step than the plan printed. The
+    records are counted cheaply (``count_records``: None for a file too large to count now; the
+    run's sampler checks it then)."""
+    n = count_records(train_file)
+    if n is None:
+        return
+    d, t = plan.data, plan.train
+    records = max(0, (n if d.end_idx is None else min(d.end_idx, n)) - d.start_idx)
+    if held_out and d.validation_fraction > 0 and records > 1:
+        records -= max(1, round(d.validation_fraction * records))  # the pipeline's hold-out (prepare.py)
+    world = plan.distributed.nproc * plan.distributed.nodes
+    if records < 1 or t.micro_batch_size * world <= records:
+        return
+    fits = records // world
+    per = f" per process x {world} processes" if world > 1 else ""
+    fix = (f"use at most {fits:,} (a micro-batch is what fits the device memory at once; a larger batch is "
+           "train.gradient_accumulation_steps)" if fits >= 1 else f"use at most {records:,} processes, or more data")
+    raise ConfigError("train.micro_batch_size", t.micro_batch_size,
+                      f"one micro-batch{per} is more than the {records:,} training records of {d.name or train_file}; "
+                      f"{fix}")
