@@ -143,7 +143,27 @@ def test_next_commands_ask_for_allow_changes_only_where_the_lr_would_change(monk
         "zfctl resume runs/x --max-steps 12"]
     past = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=40", "train.warmup_steps=4"])
     assert finetune.next_commands(past, Path("my runs/x"), 40)[-1] == (
-        "zfctl resume 'my runs/x' --max-steps 80 --allow-changes")  # quoted for the shell
+        "zfctl resume 'my runs/x' --max-steps 50 --allow-changes")  # quoted for the shell
+
+
+def test_the_next_block_trains_further_gently_and_says_what_it_does_to_the_lr(monkeypatch) -> None:
+    """A finished cosine run's LR is ~0: doubling it would restart at half of train.lr (a 30-step
+    run's eval loss went 3.46 -> 4.92 that way); a quarter more restarts near a tenth, and the note
+    says so. A chat run is tried with --chat, not with an alpaca question."""
+    from zfctl.cli import finetune
+
+    monkeypatch.setattr(finetune, "activate_command", lambda: None)
+    run = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=30", "train.warmup_steps=2"])
+    assert finetune.next_commands(run, Path("r"), 30)[-1] == "zfctl resume r --max-steps 37 --allow-changes"
+    note = finetune.further_lr_note(run.train, 30)
+    assert note.startswith("`zfctl resume --max-steps 37 --allow-changes` stretches the cosine LR schedule to end "
+                           "at step 37: the LR, ~0 at the end of this run, restarts at 0.000286 at step 31 (10% of "
+                           "train.lr 0.003)"), note
+    flat = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=30", "train.schedule=constant"])
+    assert finetune.next_commands(flat, Path("r"), 30)[-1] == "zfctl resume r --max-steps 60"
+    assert "continues the same LR schedule (constant" in finetune.further_lr_note(flat.train, 30)
+    chat = resolve_plan("tiny-llama", "chat-sample", overrides=["train.max_steps=30"])
+    assert finetune.next_commands(chat, Path("r"), 30)[0] == "zfctl generate r --chat"
 
 
 def test_an_interactive_chat_keeps_the_conversation_and_other_templates_do_not() -> None:
