@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
 
     from zfctl.train.data.prepare import PreparedData
+    from zfctl.train.samples import SamplePrompts
 
 
 class FinetuneRecipe:
@@ -148,6 +150,10 @@ class FinetuneRecipe:
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
+        if t.sample_prompts:  # zfctl/train/samples.py: answered at each evaluation
+            from zfctl.train.samples import SamplePrompts
+
+            self.samples = SamplePrompts(plan, model_config=getattr(self.model, "config", None))
         if restore is not None:
             # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
             rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
@@ -362,6 +368,10 @@ class FinetuneRecipe:
             if self.metrics is not None:
                 self.metrics.log({"kind": "eval", "step": step, "eval_loss": eval_loss})
             self.display.print(format_eval_line(step, eval_loss, self.total_steps))
+        if self.samples is not None:  # the answers to train.sample_prompts, printed and logged
+            self.samples.show(step, self.total_steps, self.model, self.device, rank=self.env.rank,
+                              lockstep=self.strategy == "fsdp" and self.env.world_size > 1, say=self.display.print,
+                              log=None if self.metrics is None else partial(self.metrics.log, sinks=False))
         return eval_loss
 
     def save_checkpoint(self, step: int) -> Path:
