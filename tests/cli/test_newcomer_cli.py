@@ -67,9 +67,10 @@ def test_the_step_line_legend_names_every_field() -> None:
 def test_runs_shorter_than_their_warm_ups_are_warned_about() -> None:
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=10"])
     assert short_run_warnings(plan) == [
-        ("train.max_steps=10 is within zenflow.full_warm_up_rounds=20: every step of this run is plain AdamW on "
-         "the device (the step line's `sel 0.00`) and ZenFlow never engages; --set zenflow.full_warm_up_rounds=2 "
-         "to try ZenFlow in a short run"),
+        ("train.max_steps=10 is within zenflow.full_warm_up_rounds=20: every step of this run is a synchronous "
+         "full CPU-offload step (the CPU AdamW updates every weight matrix and the step waits; the step line's "
+         "`sel 0.00`) and ZenFlow's overlapped split never engages; --set zenflow.full_warm_up_rounds=2 to try "
+         "ZenFlow in a short run"),
         ("train.max_steps=10 is within train.warmup_steps=20: the learning rate never reaches train.lr=0.003; "
          "--set train.warmup_steps=1 for a short run")]
     fixed = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
@@ -78,6 +79,29 @@ def test_runs_shorter_than_their_warm_ups_are_warned_about() -> None:
     off = resolve_plan("tiny-llama", "alpaca-sample", zenflow="off", overrides=["train.max_steps=10"])
     assert [w.split(":")[0] for w in short_run_warnings(off)] == [
         "train.max_steps=10 is within train.warmup_steps=20"]  # no ZenFlow to engage
+
+
+def test_the_warm_up_is_described_one_way_everywhere() -> None:
+    """Defect 5: the README's library section and step-line table, scripts/library_example.py, the
+    short-run warning, the step-line legend, the default preset and the field's help said "plain
+    AdamW on the device" where the code runs synchronous full CPU-offload steps (metrics.jsonl:
+    cpu-adam every warm-up step, the whole model's bytes both ways)."""
+    from zfctl.offload.config import ZenFlowConfig
+
+    true = "synchronous full CPU-offload step"
+    texts = {
+        "README.md": (ROOT / "README.md").read_text(encoding="utf-8"),
+        "scripts/library_example.py": (ROOT / "scripts" / "library_example.py").read_text(encoding="utf-8"),
+        "presets/zenflow/default.yaml": (ROOT / "presets" / "zenflow" / "default.yaml").read_text(encoding="utf-8"),
+        "the short-run warning": short_run_warnings(resolve_plan("tiny-llama", "alpaca-sample",
+                                                                 overrides=["train.max_steps=10"]))[0],
+        "the step-line legend": STEP_LINE_LEGEND,
+        "zenflow.full_warm_up_rounds' help": ZenFlowConfig.__dataclass_fields__["full_warm_up_rounds"].metadata["help"],
+    }
+    for where, text in texts.items():
+        assert true in text, where
+        assert "plain AdamW on the device" not in text and "every step is plain AdamW" not in text, where
+    assert texts["README.md"].count(true) >= 3  # the step-line table, Short runs, the library section
 
 
 def test_finetune_prints_the_short_run_warnings_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -93,8 +117,8 @@ def test_finetune_prints_the_short_run_warnings_once(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ([], "give --prompt TEXT, or --chat"),
-    (["--prompt", "hi", "--chat"], "give --prompt TEXT, or --chat"),
+    ([], "give one of --prompt TEXT, --prompts FILE, or --chat"),
+    (["--prompt", "hi", "--chat"], "give one of --prompt TEXT, --prompts FILE, or --chat"),
     (["--chat"], "--chat needs a terminal on stdin"),
     (["--prompt", " "], "--prompt is empty"),
 ])

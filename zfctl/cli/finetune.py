@@ -69,7 +69,7 @@ def finetune(
     backward) + opt (device optimizer) + stall (host waits inside the step: gradient copies, the
     CPU update, installs), busy = the device's share; cpu-adam = ms of the CPU AdamW update that
     finished this step; sel = share of weights updated on the device every step (0.00 during
-    zenflow.full_warm_up_rounds: plain AdamW); gnorm = gradient L2 norm before clipping;
+    zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); gnorm = gradient L2 norm before clipping;
     host/dev = peak memory, GiB.
     """
     from zfctl.train.dist import PLAN_PRINTED_ENV, bind_to_launcher, dist_env

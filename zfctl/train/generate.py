@@ -50,11 +50,13 @@ class Generator:
         """One exchange's messages: the system turn (a chat run's), then ``text`` as the user's."""
         return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": text}]
 
-    def check_length(self, messages: list[dict[str, str]], what: str = "--prompt") -> None:
-        """Refuse ``messages`` whose rendered prompt leaves no room to answer (``what``: where it came from)."""
-        n, limit = len(self.prompt_ids(messages)), _position_limit(self.model)
-        if limit is not None and n >= limit:
-            raise UserError(f"{what}: {n} tokens with its format, the model's limit is {limit}; give a shorter prompt")
+    def check_length(self, messages: list[dict[str, str]], what: str = "--prompt") -> list[int]:
+        """The prompt's token ids; refused when they leave no room to answer (``what``: where it came from)."""
+        ids, limit = self.prompt_ids(messages), _position_limit(self.model)
+        if limit is not None and len(ids) >= limit:
+            raise UserError(f"{what}: {len(ids)} tokens with its format, the model's limit is {limit}; give a "
+                            "shorter prompt")
+        return ids
 
     def answer(self, text: str, *, system: str | None = None, max_new_tokens: int, temperature: float) -> str:
         """The answer to ``text`` alone (no earlier turns), decoded."""
@@ -65,8 +67,7 @@ class Generator:
                  on_text: Callable[[str], None] | None = None) -> list[int]:
         """The new token ids for ``messages`` (greedy when ``temperature`` is 0); ``on_text``
         receives the decoded text as it is produced."""
-        self.check_length(messages)
-        ids = torch.tensor([self.prompt_ids(messages)], device=self.model.device)
+        ids = torch.tensor([self.check_length(messages)], device=self.model.device)
         limit = _position_limit(self.model)
         if limit is not None:
             max_new_tokens = min(max_new_tokens, limit - ids.shape[1])
