@@ -80,6 +80,7 @@ def copy_of(run_dir: Path, tmp: Path) -> Path:
     return tmp / "run"
 
 
+@pytest.mark.slow
 def test_a_resume_that_fails_in_its_first_step_leaves_the_run_folder_as_it_was(three, tmp_path, monkeypatch):
     """Defect 2: the resume changes max_steps (plan.yaml would say 5) and its first step fails;
     plan.yaml, metrics.jsonl and the checkpoints are byte for byte as before. The resume that
@@ -102,6 +103,7 @@ def test_a_resume_that_fails_in_its_first_step_leaves_the_run_folder_as_it_was(t
     assert not any(f.exists() for f in leftovers), [f for f in leftovers if f.exists()]
 
 
+@pytest.mark.slow
 def test_bytes_that_are_not_text_in_latest_or_metrics_are_one_line(three, tmp_path):
     """`latest` is a pointer: bytes that name nothing are treated as a missing pointer (the newest
     readable checkpoint, with a note), in resume with and without --latest-good, export and
@@ -188,6 +190,7 @@ def test_an_edit_that_keeps_the_size_and_mtime_of_the_data_is_seen(tmp_path):
     assert prepare_data(cfg, tok, seed=0, cache_dir=tmp_path / "cache").stats.from_cache  # unchanged: a hit
 
 
+@pytest.mark.slow
 def test_fsdp_on_one_process_is_planned_and_resumed_as_the_zero2_it_trains(three, tmp_path):
     """Defect 4: the printed plan, plan.yaml and the checkpoint agree (zero2), with a note."""
     result = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", "distributed.strategy=fsdp", "--json")
@@ -214,6 +217,7 @@ def test_fsdp_on_one_process_is_planned_and_resumed_as_the_zero2_it_trains(three
     assert load_plan_yaml(out / PLAN_FILE).distributed.strategy == "zero2"
 
 
+@pytest.mark.slow
 def test_resume_ends_as_finetune_does(three, tmp_path):
     out = copy_of(three, tmp_path)
     result = zf("resume", out, "--max-steps", "4")
