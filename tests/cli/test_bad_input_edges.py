@@ -154,7 +154,7 @@ def test_a_byte_order_mark_is_read_not_refused(tmp_path: Path) -> None:
     assert data_source.read_file(bom).records[0] == {**GOOD, "output": "hi 0"}
     assert data_source.first_record(bom) == {**GOOD, "output": "hi 0"}
     assert data_source.read_file(csv_bom).records == [GOOD]  # the header's first name has no BOM in it
-    result = zf("plan", "tiny-llama", "--data", bom, "--json")
+    result = zf("plan", "tiny-llama", "--data", bom, "--json", "--set", "train.micro_batch_size=4")  # 6 records
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plan"]["data"]["template"] == "alpaca"  # guessed through the BOM
 

@@ -87,7 +87,7 @@ def finetune(
 
         # The data and model.config before any note on the plan: a micro-batch larger than the
         # data is refused here, never fitted, and the notes never size memory for it first.
-        check_data(plan)
+        check_data(plan, batch=not debug_data)
     if fit:  # every rank of an --nproc job fits the same plan the same way; nothing fits: one error line
         from zfctl.plan.fit import fit_or_fail
 

@@ -35,7 +35,7 @@ def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
         if size is not None:
             weight_bytes = 4 if plan.train.precision == "fp32" else 2
             folder.check_space(size.params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM))
-    check_data(plan)
+    check_data(plan, batch=output)
 
 
 def check_for_plan(plan: RunPlan) -> None:
@@ -50,9 +50,10 @@ def check_for_plan(plan: RunPlan) -> None:
     check_data(plan)
 
 
-def check_data(plan: RunPlan) -> None:
+def check_data(plan: RunPlan, *, batch: bool = True) -> None:
     """``model.config``'s keys (the architecture built from it), then a local data file's first
-    record, read and rendered as the pipeline will (hub data: nothing)."""
+    record, read and rendered as the pipeline will (hub data: nothing), then (``batch``; not for
+    ``--debug-data``, which trains nothing) that the data fills one global micro-batch."""
     if plan.model.source == "config" and plan.model.config:
         from zfctl.train.models.config_keys import check_config_keys
 
@@ -65,7 +66,8 @@ def check_data(plan: RunPlan) -> None:
         normalize(rec, source.train, 0)  # roles, turns, an assistant turn: no tokenizer needed
     elif rec is not None:
         render(rec, plan.data, source.train, 0)  # RecordError names the file, record and field
-    check_batch(plan, Path(source.train), held_out=source.eval is None)
+    if batch:
+        check_batch(plan, Path(source.train), held_out=source.eval is None)
 
 
 def check_batch(plan: RunPlan, train_file: Path, *, held_out: bool) -> None:
