@@ -169,16 +169,21 @@ def next_commands(plan, run: Path, steps: int) -> list[str]:
         try_it = f"zfctl generate {run_arg} --chat"
     else:
         try_it = f"zfctl generate {run_arg} --prompt {shlex.quote(_TRY.get(plan.data.template, 'What is 12 + 7?'))}"
-    # Training further moves the end of the LR schedule: refused without --allow-changes when that
-    # changes the LR of a step still to run (zfctl/train/run_length.py).
+    lines = [try_it, f"zfctl export {run_arg} --output {shlex.quote(str(run) + '-hf')}",
+             further_command(plan, run, steps)]
+    activate = activate_command()
+    return ([activate] if activate else []) + lines
+
+
+def further_command(plan, run: Path, steps: int) -> str:
+    """The resume that trains a run of ``steps`` further (:func:`further_steps`). It moves the end
+    of the LR schedule: refused without --allow-changes when that changes the LR of a step still
+    to run (zfctl/train/run_length.py), so the flag is added exactly then."""
     from zfctl.train.run_length import first_lr_change
 
     end = further_steps(plan.train, steps)
     allow = "" if first_lr_change(plan.train, steps, end, steps) is None else " --allow-changes"
-    lines = [try_it, f"zfctl export {run_arg} --output {shlex.quote(str(run) + '-hf')}",
-             f"zfctl resume {run_arg} --max-steps {end}{allow}"]
-    activate = activate_command()
-    return ([activate] if activate else []) + lines
+    return f"zfctl resume {shlex.quote(str(run))} --max-steps {end}{allow}"
 
 
 def activate_command() -> str | None:

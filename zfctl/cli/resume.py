@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from typing import Annotated
 
@@ -80,15 +79,12 @@ def resume(
     if not dist_env().is_main:
         return
     if result.already_finished and result.last_checkpoint is not None:
-        from zfctl.cli.finetune import further_lr_note, further_steps
+        from zfctl.cli.finetune import further_command, further_lr_note
 
         plan = load_plan_yaml(result.last_checkpoint / PLAN_FILE)
-        end = further_steps(plan.train, result.steps)
-        allow = "" if end == 2 * result.steps else " --allow-changes"
         console.print(f"[bold green]finished[/]: {result.output_dir} ended at step {result.steps} "
                       f"({result.last_checkpoint}); nothing to resume. To train further: "
-                      f"zfctl resume {shlex.quote(str(result.output_dir))} --max-steps {end}{allow}",
-                      highlight=False, soft_wrap=True)
+                      f"{further_command(plan, result.output_dir, result.steps)}", highlight=False, soft_wrap=True)
         note_line(further_lr_note(plan.train, result.steps))
         return
     from zfctl.cli.finetune import print_done

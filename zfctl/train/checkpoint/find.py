@@ -42,11 +42,14 @@ def older_checkpoint_fix(root: Path, before: int | None) -> str:
     the nearest intact one older than step ``before`` and the command that uses it, or how to
     start again when there is none."""
     older = nearest_intact(root, before)
+    in_run = root.name == CHECKPOINTS  # a run folder's checkpoints (not a checkpoint copied elsewhere)
     if older is not None:
         command = _USE_CHECKPOINT.get()
-        also = f" (or `zfctl resume {root.parent} --latest-good`)" if command is resume_with else ""
+        also = f" (or `zfctl resume {root.parent} --latest-good`)" if command is resume_with and in_run else ""
         return (f"the nearest intact checkpoint is {older.path} (step {older.step}): use it with "
                 f"`{command(older.path)}`{also}")
+    if not in_run:
+        return f"no older intact checkpoint exists next to it in {root}; use another checkpoint, or start a new run"
     return (f"no older intact checkpoint exists under {root}; start the run again with your `zfctl finetune` "
             f"command plus `--output {root.parent} --force`")
 
