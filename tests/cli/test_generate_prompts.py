@@ -128,6 +128,34 @@ def test_sample_prompts_are_answered_at_each_evaluation_without_touching_the_los
     assert any(r["answer"] for r in samples if r["step"] == 2)  # a real comparison, not of two empty answers
 
 
+def test_sample_answers_draw_nothing_from_any_rng_and_leave_the_model_as_it_was() -> None:
+    """What keeps a run with train.sample_prompts bit-identical to one without, on a model with
+    dropout too: greedy decoding leaves the torch RNG where it was, and the model in train mode."""
+    from zfctl.train.models.load import load_model
+    from zfctl.train.samples import SamplePrompts
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*TINY, "train.sample_prompts=['What is 12 + 7?']",
+                                                                  "model.config.attention_dropout=0.1"])
+    model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0).train()
+    samples = SamplePrompts(plan, model_config=model.config)
+    before = torch.get_rng_state()
+    [answer] = samples.answers(model, torch.device("cpu"), lockstep=False)
+    assert torch.equal(torch.get_rng_state(), before) and model.training
+    assert answer == load_generator_like(model, plan).answer("What is 12 + 7?", max_new_tokens=SAMPLE_TOKENS,
+                                                             temperature=0.0)
+
+
+def load_generator_like(model, plan):
+    """A Generator over ``model`` in ``plan``'s prompt format (what `zfctl generate` builds)."""
+    from zfctl.train.data.prompt_format import prompt_template
+    from zfctl.train.generate import Generator
+    from zfctl.train.models.load import load_tokenizer
+
+    tok = load_tokenizer(plan.model)
+    tok.chat_template = prompt_template(plan.data, tok)
+    return Generator(model.eval(), tok, "live", multi_turn=False)
+
+
 def test_sample_prompts_are_checked_next_to_the_field() -> None:
     for bad, needle in ((["ok", ""], "train.sample_prompts[1]=''"), (["ok", 3], "train.sample_prompts[1]=3"),
                         ([f"p{i}" for i in range(17)], "give at most 16")):
