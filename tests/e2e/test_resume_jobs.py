@@ -60,8 +60,10 @@ def test_the_resuming_line_comes_before_a_ranks_error(two_rank_run: Path, tmp_pa
     assert p.returncode == 2, p.stdout
     lines = p.stdout.splitlines()
     resuming = next(i for i, ln in enumerate(lines) if ln.startswith(f"resuming from {newest} (step 2"))
+    launching = lines.index("launching 2 processes under torchrun (standalone)")
     error = next(i for i, ln in enumerate(lines) if ln.startswith("error: rank 1: checkpoint "))
-    assert resuming < error, p.stdout
+    # printed by the launcher before any rank exists: not a race between rank 0's line and rank 1's error
+    assert resuming < launching < error, p.stdout
     assert "optimizer-rank00001.safetensors does not match the digest" in lines[error], lines[error]
     assert f"the nearest intact checkpoint is {intact} (step 1): use it with `zfctl resume {intact}`" in lines[error]
     assert "Traceback" not in p.stdout, p.stdout
