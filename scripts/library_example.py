@@ -59,8 +59,9 @@ def main(steps: int = 30, warm_up: int = 4) -> list[tuple[float, float]]:
             opt.scale_loss(loss).backward()   # loss scaling for fp16, identity otherwise
             stats = opt.step()                # StepStats: stall_ms, cpu_step_ms, bytes moved, ...
             opt.zero_grad(set_to_none=True)
-            history.append((float(loss), stats.selected_fraction))
-            print(f"step {step:3d}  loss {float(loss):.4f}  sel {stats.selected_fraction:.2f}  "
+            value = loss.item()               # a sync point; float(loss) would warn (loss requires grad)
+            history.append((value, stats.selected_fraction))
+            print(f"step {step:3d}  loss {value:.4f}  sel {stats.selected_fraction:.2f}  "
                   f"stall {stats.stall_ms:.1f} ms", flush=True)
         opt.flush()                           # install the last in-flight CPU update
     finally:

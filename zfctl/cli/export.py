@@ -34,5 +34,15 @@ def export(
 
     path = train_export(ckpt_dir, output, force=force, push_to_hub=push_to_hub)
     written = json.loads((path / EXPORT_MARKER).read_text(encoding="utf-8"))  # what export recorded
-    console.print(f"[bold green]exported[/] {written['checkpoint']} (step {written['step']}) -> {path}",
-                  highlight=False)
+    console.print(f"[bold green]exported[/] {_shown(written['checkpoint'])} (step {written['step']}) -> {path}",
+                  highlight=False, soft_wrap=True)
+
+
+def _shown(checkpoint: str) -> str:
+    """The checkpoint as `generate` names it: relative to the current folder when it lies under it
+    (``runs/demo/checkpoints/step-000118``), else absolute. The export's zfctl-export.json keeps
+    the absolute path."""
+    try:
+        return str(Path(checkpoint).relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return checkpoint

@@ -22,10 +22,12 @@ from zfctl.cli._common import (
     ModelArg,
     OutputOpt,
     SetOpt,
+    VerboseOpt,
     ZenflowOpt,
     console,
     note_line,
     plan_flags,
+    print_run_plan,
     resolve_from_cli,
     warning_line,
 )
@@ -58,11 +60,13 @@ def finetune(
             "Under your own torchrun (multi-node, slurm) leave it out.",
         ),
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Fine-tune MODEL on DATA with ZenFlow CPU-offloaded AdamW.
 
     Resolution order: model preset < data preset < zenflow preset < --config < --set < flags.
-    The resolved plan is printed first and saved as plan.yaml in the output folder.
+    The resolved plan is printed first (its main keys and those changed from their defaults;
+    all of it with --verbose) and saved as plan.yaml in the output folder.
 
     One line per logging.every steps: loss = train loss, the mean since the last line (avg N);
     lr = learning rate; tok/s = tokens per second; ms = the whole step: fwd/bwd (device forward +
@@ -72,6 +76,9 @@ def finetune(
     zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); gnorm = gradient L2 norm before clipping;
     host/dev = peak memory, GiB.
     """
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads: its bars read the environment once
     from zfctl.train.dist import PLAN_PRINTED_ENV, bind_to_launcher, dist_env
 
     bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
@@ -95,6 +102,11 @@ def finetune(
         plan = fitted.plan
         if fitted.changes:
             notes.append("--fit changed: " + " ".join(c.flags for c in fitted.changes))
+    from zfctl.plan.settle import settle
+
+    # Every auto decided once, for the plan as it will run (after --fit), against the machine it
+    # names: printed, saved as plan.yaml, built by the run, which only checks it (zfctl/plan/settle.py).
+    plan = settle(plan, notes=notes)
     if env.is_main:
         for note in notes:
             note_line(note)
@@ -204,13 +216,12 @@ def activate_command() -> str | None:
 
 
 def _show_plan(plan) -> None:
-    """The resolved plan, then the memory verdict under it, and a warning when the run is no
-    longer than its warm-ups (printed here, once the output folder and the data passed their
-    checks: a refused run is one line)."""
+    """The resolved plan (brief, or all of it with --verbose), then the memory verdict under it,
+    and a warning when the run is no longer than its warm-ups (printed here, once the output
+    folder and the data passed their checks: a refused run is one line)."""
     from zfctl.plan.advice import short_run_warnings
-    from zfctl.plan.render import print_plan
 
-    print_plan(plan, console)
+    print_run_plan(plan)
     _memory_line(plan)
     for line in short_run_warnings(plan):
         warning_line(line)

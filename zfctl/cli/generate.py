@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import console, err_console, note_line
+from zfctl.cli._common import VerboseOpt, console, err_console, note_line
 from zfctl.errors import UserError
 
 
@@ -48,6 +48,7 @@ def generate(
     temperature: Annotated[
         float, typer.Option("--temperature", min=0.0, help="0 = greedy (the most likely token each time).")
     ] = 0.0,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Generate from a fine-tuned model in the prompt format its run trained on (streamed)."""
     if sum((prompt is not None, prompts is not None, chat)) != 1:
@@ -62,6 +63,9 @@ def generate(
     from zfctl.train.prompts import read_prompts
 
     batch = read_prompts(prompts) if prompts is not None else None  # every line checked before the model loads
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads: its "Loading weights" bar reads the environment once
     import torch
 
     from zfctl.train.checkpoint import use_checkpoint_with

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import CkptDirArg, console, note_line
+from zfctl.cli._common import CkptDirArg, VerboseOpt, console, note_line, print_run_plan
 from zfctl.errors import UserError
 
 
@@ -52,16 +52,19 @@ def resume(
             "sharded dims.",
         ),
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
     from zfctl.train.world_size import STRATEGIES
 
     if strategy is not None and strategy not in STRATEGIES:  # before the checkpoint is even read
         raise UserError(f"--strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads: its bars read the environment once
     from zfctl.train.dist import bind_to_launcher, dist_env
 
     bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
-    from zfctl.plan.render import print_plan
     from zfctl.train.checkpoint import resume_with, use_checkpoint_with
     from zfctl.train.launch import Launched
     from zfctl.train.launch import resume as start
@@ -69,7 +72,7 @@ def resume(
     use_checkpoint_with(resume_with)  # a damaged checkpoint's line: resume an intact one, or --latest-good
     # The plan is read from the checkpoint and printed through the callback, before any loading.
     result = start(ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, latest_good=latest_good,
-                   nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console),
+                   nproc=nproc, argv=sys.argv[1:], show_plan=print_run_plan,
                    strategy=strategy)
     if isinstance(result, Launched):
         raise typer.Exit(code=result.code)

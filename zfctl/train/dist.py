@@ -52,6 +52,7 @@ import torch
 
 from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
+from zfctl.quiet import torchrun_env
 
 # Set by torchrun (elastic agent) in every worker; their presence means "do not relaunch".
 _TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -248,12 +249,13 @@ def bind_to_launcher() -> None:
 def relaunch(nproc: int, argv: Sequence[str], extra_env: dict[str, str] | None = None) -> int:
     """Run ``zfctl <argv>`` under torchrun on this node and wait; returns the ranks' exit code.
 
-    torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
-    per node each one should use about cores/N threads (``zenflow.cpu_threads``). SIGINT and
+    The ranks get OMP_NUM_THREADS=1 unless the user set it, as torchrun would give them, but set
+    here so that torchrun prints no banner about it (zfctl/quiet.py): with N processes per node
+    each one should use about cores/N threads (``zenflow.cpu_threads``). SIGINT and
     SIGTERM are forwarded to the ranks (module docstring); the launcher returns only once
     torchrun has exited, so nothing it started outlives it.
     """
-    env = {**os.environ, **(extra_env or {}), PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())}
+    env = torchrun_env({**os.environ, **(extra_env or {}), PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())})
     proc: subprocess.Popen | None = None
     pending: list[int] = []
 

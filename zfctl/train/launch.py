@@ -23,6 +23,7 @@ from rich.console import Console
 from zfctl.errors import UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.quiet import is_verbose, torchrun_env
 from zfctl.train import checkpoint as ck
 from zfctl.train.dist import (
     PLAN_PRINTED_ENV,
@@ -128,7 +129,10 @@ def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
     folder.check()
     if prepare is not None:
         prepare()
-    Console().print(f"launching {nproc} processes under torchrun (standalone)")
+    threads = ""
+    if is_verbose():  # torchrun's own banner says this in four lines; zfctl sets the value itself (quiet.py)
+        threads = f", OMP_NUM_THREADS={torchrun_env(dict(os.environ))['OMP_NUM_THREADS']} each"
+    Console().print(f"launching {nproc} processes under torchrun (standalone{threads})")
     # torchrun inherits this process's environment: its line for a rank that died without a word
     # says how to continue the run folder (zfctl/train/_torchrun.py)
     before = os.environ.get(RUN_DIR_ENV)

@@ -18,17 +18,20 @@ from pathlib import Path
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.memory import model_size
 from zfctl.plan.schema import RunPlan
-from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM
 from zfctl.train.data.chat import normalize
 from zfctl.train.data.source import count_records, first_record, resolve
 from zfctl.train.data.templates import render
-from zfctl.train.rundir import RunFolder
 from zfctl.writable import nearest_existing
 
 
 def preflight(plan: RunPlan, *, force: bool, output: bool = True) -> None:
     """Raise a UserError for a bad output folder or a local data file of the wrong shape."""
     if output:
+        # Here, not at the top: the run folder's checks load the checkpoint code and with it torch
+        # (~2 s), which `zfctl plan` (check_for_plan) must not pay (tests/cli/test_light_verbs.py).
+        from zfctl.train.checkpoint import OPTIMIZER_BYTES_PER_PARAM
+        from zfctl.train.rundir import RunFolder
+
         folder = RunFolder(Path(plan.checkpoint.output_dir), force=force)
         folder.check()
         size = model_size(plan)  # from the config: no model is built (None for hub models)
@@ -47,14 +50,17 @@ def check_for_plan(plan: RunPlan) -> None:
     if not place.is_dir():
         where = "exists and is not a folder" if place == Path(os.path.abspath(out)) else f"is under {place}, a file"
         raise UserError(f"output {out} {where}; choose another --output")
-    check_data(plan)
+    check_data(plan, model_keys=False)
 
 
-def check_data(plan: RunPlan, *, batch: bool = True) -> None:
-    """``model.config``'s keys (the architecture built from it), then a local data file's first
-    record, read and rendered as the pipeline will (hub data: nothing), then (``batch``; not for
-    ``--debug-data``, which trains nothing) that the data fills one global micro-batch."""
-    if plan.model.source == "config" and plan.model.config:
+def check_data(plan: RunPlan, *, batch: bool = True, model_keys: bool = True) -> None:
+    """``model.config``'s keys (``model_keys``: the architecture built from them), then a local
+    data file's first record, read and rendered as the pipeline will (hub data: nothing), then
+    (``batch``; not for ``--debug-data``, which trains nothing) that the data fills one global
+    micro-batch. ``zfctl plan`` leaves the keys out: checking them imports transformers (and with
+    it torch, seconds on a loaded machine), which that light verb never does; finetune, which
+    loads both anyway, refuses a mistyped key here, before its plan is printed."""
+    if model_keys and plan.model.source == "config" and plan.model.config:
         from zfctl.train.models.config_keys import check_config_keys
 
         check_config_keys(dict(plan.model.config))

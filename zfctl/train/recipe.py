@@ -48,7 +48,7 @@ from zfctl.train.loss import (
 )
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
 from zfctl.train.models.load import enable_activation_checkpointing, load_model
-from zfctl.train.optim import TrainingOptimizer, build_optimizer
+from zfctl.train.optim import TrainingOptimizer, build_optimizer, settle_for_model
 from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_trainer_state, trainer_state
 from zfctl.train.rundir import RunFolder
 from zfctl.train.schedule import Cadence, build_scheduler
@@ -145,9 +145,15 @@ class FinetuneRecipe:
         # zero2: the optimizer averages the gradients over the world in step(); fsdp: FSDP2's
         # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/sharded.py).
         zero2_group = dist.group.WORLD if env.world_size > 1 and shard_group is None else None
+        # A plan that could not size its model (a hub id alone) still says auto: settled once, with
+        # the built model's shapes, and saved so (zfctl/train/optim.py); any other plan is as made.
+        self.plan = plan = settle_for_model(plan, self.model)
         self.optimizer = build_optimizer(self.model, plan, steps_per_epoch=self.steps_per_epoch,
                                          process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
+        # An install of the CPU update runs on its own stream; each layer's forward waits only for
+        # its own columns (zfctl/offload/install.py), so the first layers compute while the last land.
+        self.optimizer.attach_install_waits(self.model)
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
         if t.sample_prompts:  # zfctl/train/samples.py: answered at each evaluation

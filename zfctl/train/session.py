@@ -22,11 +22,13 @@ from rich.console import Console
 
 from zfctl import __version__
 from zfctl.errors import UserError
+from zfctl.plan.holds import check_holds
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.settle import adopt_resolved, settle, unsettled
 from zfctl.plan.validate import check_strategy
 from zfctl.train import checkpoint as ck
-from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env
+from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env, train_device
 from zfctl.train.fsdp import resolve_strategy, shard_place
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
@@ -61,6 +63,8 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     """
     out = Path(plan.checkpoint.output_dir)
     env = dist_env()
+    if not debug_data:  # every rank, on its own GPU: one line before anything is allocated or written
+        check_holds(plan, train_device(plan, env))
     lock = FolderLock(note=note)
     try:
         if not debug_data and env.rank == 0:
@@ -125,6 +129,7 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
             return RunResult(output_dir=run_dir, steps=info.step, final_train_loss=None, final_eval_loss=None,
                              last_checkpoint=info.path, already_finished=True)
         check_data_present(plan, run_dir)  # before the plan prints: a refusal is one line
+        check_holds(plan, train_device(plan, env), resume=str(run_dir))  # every rank, its own GPU
         if on_plan is not None and env.rank == 0:
             on_plan(plan)
         if env.rank == 0 and not launched:  # the launcher printed it before any rank started
@@ -192,6 +197,7 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     current = _run_folder_plan(edited, renamed, allow_changes=allow_changes, rank=env.rank)
     if current is not None:
         current = as_saved_world(current, plan)  # an earlier resume's nproc is no edit
+        plan = adopt_resolved(plan, current)  # an older checkpoint's auto, which a later resume settled: no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current
@@ -222,6 +228,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
                                    f"{__version__}")
     plan = replace(plan, checkpoint=replace(plan.checkpoint, output_dir=str(run_dir)))
+    # A plan.yaml of an earlier zfctl may still say auto: decided now, once, for the machine the
+    # plan names, and saved by this run (zfctl/plan/settle.py); a settled plan is read back as is.
+    plan = settle(plan) if unsettled(plan) else plan
     if max_steps is not None:
         if max_steps < info.step:
             raise UserError(f"--max-steps {max_steps} is before the checkpoint's step {info.step}; "
