@@ -85,7 +85,7 @@ def test_precision_and_model_type_only_config():
 
 def test_config_typo_names_the_key_and_the_fix():
     with pytest.raises(
-        ConfigError, match=r"^model\.config\.hiden_size=256: unknown key; did you mean 'hidden_size'\?"
+        ConfigError, match=r"^model\.config\.hiden_size=256: unknown key; did you mean model\.config\.hidden_size\?"
     ):
         build_from_config({**TINY, "hiden_size": 256}, seed=0)
     with pytest.raises(ConfigError, match=r"^model\.config\.model_type='lama'"):

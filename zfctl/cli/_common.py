@@ -190,6 +190,9 @@ def resolve_from_cli(
     """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
     from zfctl.plan import resolve_plan
 
+    if not data.strip():  # Path("") is ".": the current folder, never what was meant
+        raise UserError("--data '': no data given; give a data preset (`zfctl presets ls`, e.g. alpaca-sample) "
+                        "or a local .json/.jsonl/.csv/.parquet file")
     if isinstance(config, list):  # --config is repeatable only so that a second one is not dropped silently
         if len(config) > 1:
             raise UserError(f"--config was given {len(config)} times ({', '.join(map(str, config))}); give one "

@@ -163,7 +163,8 @@ class ZenFlowConfig:
     )
     full_warm_up_rounds: int = _f(
         20,
-        "First N steps are full synchronous CPU-offload steps (plain AdamW) before any selection: "
+        "First N steps are synchronous full CPU-offload steps before any selection (the CPU AdamW updates every "
+        "weight matrix and the step waits: the whole model crosses PCIe both ways each step): "
         "the fast first steps of a fine-tune. 0 = none (the paper).",
         ge=0,
     )

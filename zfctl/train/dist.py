@@ -221,14 +221,22 @@ def forward_signal(torchrun_pid: int, signum: int) -> None:
 
 
 def bind_to_launcher() -> None:
-    """Under ``--nproc``: die (SIGKILL) when the process that started this one dies.
+    """Die (SIGKILL) when the process that started this one dies: under ``--nproc`` (torchrun with
+    the launcher, each rank with torchrun), and any rank of a torchrun job the user started (on
+    several nodes, one per node), with its node's torchrun agent. Without that, killing one node's
+    agent left its ranks training on, and the other node's agent waiting 300 s in torch's exit
+    barrier for an agent that was gone; now the ranks die with it, their peers stop with one line
+    each (rank_error), and every agent ends as a failed job, without that barrier.
 
-    ``PR_SET_PDEATHSIG`` is Linux's; elsewhere, and outside a job started by ``relaunch``, this does
-    nothing. The kernel sends the signal when the parent *thread* that forked us exits: torchrun
-    starts its ranks, and the launcher torchrun, from their main threads, which live as long as
-    the process. A parent that died before the call can no longer send it, hence the check after.
+    ``PR_SET_PDEATHSIG`` is Linux's; elsewhere, and outside a job, this does nothing. The kernel
+    sends the signal when the parent *thread* that forked us exits: torchrun starts its ranks
+    (``subprocess``, so the agent is the parent), and the launcher torchrun, from their main
+    threads, which live as long as the process. A parent that died before the call can no longer
+    send it, hence the check after.
     """
     parent = os.environ.get(PARENT_ENV)
+    if parent is None and under_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
+        parent = str(os.getppid())  # a rank of the user's own torchrun: its node's agent
     if parent is None or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -292,7 +300,10 @@ def _peer_gone_phrase(e: BaseException) -> str | None:
 
 
 def continue_hint(run_dir: Path | None) -> str:
-    """How to go on after a job ended early: the run folder's checkpoint a resume takes, read now."""
+    """How to go on after a job ended early: the run folder's checkpoint a resume takes, read now.
+    A job of several nodes (the user's torchrun on each) continues as the README says: the same
+    torchrun command on every node, with ``resume RUN`` in place of the verb and its arguments
+    (``zfctl resume RUN`` alone would relaunch on this node only)."""
     if run_dir is None:
         return "once that is fixed, continue from the newest checkpoint with `zfctl resume` on the run folder"
     from zfctl.train.checkpoint import resolve_checkpoint
@@ -301,6 +312,13 @@ def continue_hint(run_dir: Path | None) -> str:
         step = resolve_checkpoint(run_dir).step
     except UserError:
         return f"{run_dir} has no checkpoint yet: once that is fixed, start the run again"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) if under_torchrun() else 1
+    if nodes > 1:
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", "N")
+        return (f"once that is fixed, continue from its checkpoint of step {step} by running on every node the "
+                f"torchrun command that started this job, with `-m zfctl resume {run_dir}` in place of its "
+                f"`-m zfctl ...` part: `torchrun --nnodes {nodes} --node-rank R --nproc-per-node {per_node} "
+                f"--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID -m zfctl resume {run_dir}`")
     return f"once that is fixed, continue from its checkpoint of step {step} with `zfctl resume {run_dir}`"
 
 
