@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 
 from zfctl.errors import RunFailed
 from zfctl.train.data.templates import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from zfctl.train.optim import TrainingOptimizer
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -79,6 +83,26 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_backward(model: torch.nn.Module, opt: TrainingOptimizer, batches: Sequence[dict[str, torch.Tensor]],
+                     n_targets: float, device: torch.device) -> torch.Tensor:
+    """Forward and backward of one optimizer step's micro-batches; their loss sum (device, no sync).
+
+    ``n_targets``: the step's target-token count (:func:`loss_divisor`), so the gradients are the
+    step's mean however the step is split. The last backward's gradients are final: the optimizer
+    streams them to the host during it (zfctl/offload/stream.py), overlapped with the rest of
+    the backward pass."""
+    step_loss = torch.zeros((), device=device)
+    for i, batch in enumerate(batches):
+        batch = to_device(batch, device)
+        logits = model(**model_inputs(batch), use_cache=False).logits
+        micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
+        opt.prepare_backward(final=i == len(batches) - 1)
+        opt.scale_loss(micro_loss).backward()  # x loss scale under fp16, identity otherwise
+        step_loss += micro_loss.detach()
+        del logits, micro_loss  # free the activations' largest tensor before the next one
+    return step_loss
 
 
 def all_reduce_sum(values: list[float], device: torch.device, world_size: int) -> list[float]:

@@ -37,15 +37,7 @@ from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_l
 from zfctl.train.dist import DistEnv, process_setup, train_device
 from zfctl.train.fsdp import resolve_strategy
 from zfctl.train.lock import FolderLock
-from zfctl.train.loss import (
-    all_reduce_sum,
-    evaluate,
-    lm_loss_sum,
-    loss_divisor,
-    model_inputs,
-    non_finite,
-    to_device,
-)
+from zfctl.train.loss import all_reduce_sum, evaluate, forward_backward, loss_divisor, non_finite
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
 from zfctl.train.models.load import enable_activation_checkpointing, load_model
 from zfctl.train.optim import TrainingOptimizer, build_optimizer, settle_for_model
@@ -330,17 +322,7 @@ class FinetuneRecipe:
         # -- forward / backward ("device compute"). With several processes the optimizer averages
         #    the gradients over ranks in step() (see loss_divisor).
         timer.start()
-        step_loss = torch.zeros((), device=device)
-        for i, batch in enumerate(batches):
-            batch = to_device(batch, device)
-            logits = model(**model_inputs(batch), use_cache=False).logits
-            micro_loss = lm_loss_sum(logits, batch["labels"]) / n_targets
-            # The last backward's gradients are final: they stream to the host during it
-            # (zfctl/offload/stream.py), overlapped with the rest of the backward pass.
-            opt.prepare_backward(final=i == len(batches) - 1)
-            opt.scale_loss(micro_loss).backward()  # x loss scale under fp16, identity otherwise
-            step_loss += micro_loss.detach()
-            del logits, micro_loss  # free the activations' largest tensor before the next one
+        step_loss = forward_backward(model, opt, batches, n_targets, device)
         timer.stop()
         fail_or_hang(self.env.rank, p.step + 1)  # tests only: zfctl/train/testhooks.py
 
