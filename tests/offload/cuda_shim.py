@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ class Shim:
     current: FakeStream = field(default_factory=lambda: FakeStream(name="unused"))
     host_syncs: list[Any] = field(default_factory=list)
     registered: list[int] = field(default_factory=list)
+    # Every Tensor.copy_: (stream, dst, src, non_blocking, calling thread's name); a DMA is a
+    # non_blocking copy on a copy stream, a blocking one is what a host thread would wait for.
+    copies: list[tuple[Any, torch.Tensor, torch.Tensor, bool, str]] = field(default_factory=list)
 
 
 SHIM = Shim()
@@ -107,6 +111,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Shim:
 
     def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         SHIM.current.log.append(("copy", (self.data_ptr(), src.data_ptr())))
+        SHIM.copies.append((SHIM.current, self, src, non_blocking, threading.current_thread().name))
         return real_copy(self, src)
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)

@@ -10,6 +10,8 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
+  A re-selection does not change that: it takes only the entering columns' part of the update in
+  flight (``prioritize``), and the rest installs on this schedule like any other update.
   With one host accumulator (``zenflow.tuning.host_accumulators``) there is no other one: ``cur``
   stays 0 and the next interval's first writes wait for the update to have read each chunk
   (acc_gate.py; the optimizer hands the update its ``pieces``). The same values, other waits.
@@ -17,9 +19,12 @@ step counts only, never on thread timing:
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
   next boundary if that comes first; the step waits if the update has not finished by then.
 
-``collect`` (a re-selection's drain, ``flush``) waits and installs now. ``settle`` (checkpoints)
-waits without installing: the result becomes *pending*, which the saved state records, and the
-next boundary after a resume installs it exactly where the uninterrupted run would.
+``collect`` (``flush``, and the schedule above) waits and installs now. ``settle`` (checkpoints,
+loads) waits without installing: the result becomes *pending*, which the saved state records, and
+the next boundary after a resume installs it exactly where the uninterrupted run would. Both also
+wait for the jobs a selection deferred to the worker (``defer``: the leaving columns' state
+scattered into the host buffers), so no install, checkpoint, load or next update reads those
+rows before they are written.
 
 Without host columns (topk_ratio 1) only the step counter is used.
 """
@@ -27,6 +32,7 @@ Without host columns (topk_ratio 1) only the step counter is used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +40,7 @@ import torch
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
 from zfctl.offload.stats import StepStats
-from zfctl.offload.worker import CpuUpdate, CpuWorker
+from zfctl.offload.worker import CpuUpdate, CpuWorker, PieceWaits
 
 Install = Callable[[StepStats], None]
 
@@ -122,8 +128,9 @@ class Pipeline:
         ``prepare``: called once the previous update is collected and before this one starts, it
         returns the wait for what is still writing ``update.acc`` (the gradient path's ``finish``:
         the hook path's last accumulation job, or the device path's copy of the interval sum into
-        its one host accumulator, which the previous update may still have been reading). The
-        worker also waits for the install DMA that may still read the master (HostState).
+        its one host accumulator, which the previous update may still have been reading; that one
+        is a ``PieceWaits``, one copy event per matrix, which the update waits for piece by
+        piece). The worker also waits for the install DMA that may still read the master (HostState).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
@@ -131,6 +138,8 @@ class Pipeline:
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
         after = prepare()
+        if isinstance(after, PieceWaits):  # the sum lands matrix by matrix: the update follows it
+            update, after = replace(update, fences=after.pieces), None
         worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
         if background:  # ... then this one runs in the background (one accumulator: cur stays)
             self.cur = (self.cur + 1) % len(host.acc)
@@ -147,12 +156,26 @@ class Pipeline:
             self.pending_install = False
 
     def settle(self, stats: StepStats | None = None) -> None:
-        """Wait for an in-flight update without installing it: its result becomes pending."""
-        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
+        """Wait for an in-flight update without installing it: its result becomes pending. Then
+        for the jobs deferred behind it (a selection's leaving state, ``defer``)."""
+        if self.worker is None:
+            return
+        if self.worker.busy:  # self.busy, spelled out for the type checker
             ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True
+        self.worker.join_deferred()  # normally long done: it ran right after the update
+
+    def prioritize(self, runs: torch.Tensor) -> float:
+        """A selection: the update in flight updates these elements first; returns once it has
+        (ms waited, 0 when none is in flight). worker.py ``prioritize``."""
+        return self.worker.prioritize(runs) if self.worker is not None else 0.0
+
+    def defer(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` on the worker thread behind the update in flight (``settle`` waits for it)."""
+        assert self.worker is not None, "only the host path (host columns) has a worker"
+        self.worker.defer(job)
 
     def close(self) -> None:
         """Stop the worker (finishing its update, not installed). Idempotent."""
@@ -185,8 +208,10 @@ class Pipeline:
         not the host accumulator). A saved ``upload`` (states written before the install read the
         master) is ignored: it held the master's values rounded to the model dtype, which the
         install computes again from the master, to the same bits."""
-        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
-            self.worker.wait()  # discard: everything it wrote is overwritten below
+        if self.worker is not None:
+            if self.worker.busy:  # self.busy, spelled out for the type checker
+                self.worker.wait()  # discard: everything it wrote is overwritten below
+            self.worker.join_deferred()  # a selection's leaving state: written before it is overwritten
         c = sd["counters"]
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]

@@ -10,7 +10,8 @@ Notation: ``P`` all parameters, ``w`` bytes per model element (2 bf16/fp16, 4 fp
 is viewed as ``[rows, cols]`` (a by-row vocabulary matrix transposed, zfctl/offload/layout.py),
 keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest on the host:
 ``H`` elements and ``Hc`` columns in the matrices with host columns, ``D`` device-owned elements
-(the selected columns and every 1-D parameter) in ``Dc`` device columns.
+(the selected columns and every 1-D parameter) in ``Dc`` device columns, ``K`` of them (``Kc``
+columns) the selected columns of the matrices with host columns.
 
 device  weights               w P      the model, in train.precision
         gradients             w P      .grad of every param (freed after the step); with
@@ -38,8 +39,11 @@ host    fp32 master           4 H      page-locked on CUDA (the install DMAs fro
                                        tuning.release_grads a ring of chunk slots as large as the
                                        in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
-        selection staging     min(64 MiB, 4 M)  a selection's column migration (one process or
-                                       fsdp; zero2 ranks migrate by collectives), page-locked on CUDA
+        selection staging     min(256 MiB, ~12 K) + min(2 GiB, 12 K) + 32 Kc  a selection's column
+                                       migration (one process or fsdp; zero2 ranks migrate by
+                                       collectives): the in ring, the out buffer that holds the
+                                       leaving state until the CPU worker writes it (16 K with
+                                       release_grads' gradient), the ids; page-locked on CUDA
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
 device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host
@@ -83,8 +87,8 @@ from zfctl.offload.bandwidth import inflight_bytes
 from zfctl.offload.device_acc import AUTO_DEVICE_SHARE, device_fits
 from zfctl.offload.device_to_host import landing_slots
 from zfctl.offload.layout import num_selected
+from zfctl.offload.migration import staging_bytes
 from zfctl.offload.ring import ring_slot_bytes
-from zfctl.offload.selection import STAGE_BYTES
 from zfctl.plan.machine import GB, Machine, parse_size, target_machine
 from zfctl.plan.schema import RunPlan
 from zfctl.train.checksum import CHUNK_BYTES
@@ -247,6 +251,8 @@ class Counts:
     device_cols: int  # Dc
     max_rows: int  # the tallest host column (the ring slot must hold one)
     largest: int = 0  # M: elements of the largest matrix with host columns (the exchange's transient)
+    selected: int = 0  # K: device elements of the matrices with host columns (what a selection moves)
+    selected_cols: int = 0  # Kc
 
 
 def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
@@ -257,7 +263,8 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
         rows = size.hidden or 1
         device = (size.params_2d if topk_ratio >= 1.0 else int(topk_ratio * size.params_2d)) + p1
         largest = (size.vocab or 0) * rows if host else 0  # the vocabulary matrix, when known
-        return Counts(host, host // rows, device, device // rows, rows, largest)
+        selected = int(topk_ratio * size.params_2d) if host else 0
+        return Counts(host, host // rows, device, device // rows, rows, largest, selected, selected // rows)
     c = Counts(0, 0, 0, 0, 0)
     rowwise = set(size.vocab_names) if by_row else set()
     for name, shape in size.shapes:
@@ -277,6 +284,8 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
             c.host_cols += cols
             c.max_rows = max(c.max_rows, rows)
             c.largest = max(c.largest, rows * cols)
+            c.selected += k * rows
+            c.selected_cols += k
     return c
 
 
@@ -472,10 +481,13 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
-    if 0 < r < 1 and c.largest and (world == 1 or fsdp):
-        # zfctl/offload/selector.py Selector._staging: made at the first selection, kept.
-        host("selection staging", min(STAGE_BYTES, 4 * c.largest), "a selection's column migration" + pinned,
-             "zfctl/offload/selection.py Staging")
+    if 0 < r < 1 and c.selected and (world == 1 or fsdp):
+        # zfctl/offload/selector.py Selector._mover: made at the first selection, kept. A release
+        # step's selection moves the gradient work buffer's columns too (release.py regather_pairs).
+        regather = hook and world == 1 and not fsdp and tu.release_grads and z.update_interval != "auto"
+        host("selection staging", staging_bytes(c.selected, c.selected_cols, c.max_rows, 4 if regather else 3),
+             "a selection's column migration: in ring, out buffer (every leaving row, at most 2 GiB), ids" + pinned,
+             "zfctl/offload/migration.py Mover")
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
