@@ -262,8 +262,9 @@ def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
 
 
 class SummedOnDevice(NoHostColumns):
-    """The interval's sum lives on the device (device_acc.py); only the sum is copied device to
-    host, once per interval, after the previous CPU update was collected (its one accumulator).
+    """The interval's sum lives on the device (device_acc.py); only the sum's host-owned columns
+    are copied device to host, once per interval, after the previous CPU update was collected
+    (its one accumulator).
     Nothing happens on the host per step (``add_host`` is the base's no-op)."""
 
     def __init__(self, transfers: Transfers, device: torch.device) -> None:
@@ -277,9 +278,12 @@ class SummedOnDevice(NoHostColumns):
         count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
-        stats.d2h_bytes += 4 * self.transfers.layout.host_numel  # the fp32 sum, once per interval
-        stats.host_bytes += 4 * self.transfers.host_elems
-        return self.sum.copy_out(acc)
+        # The host-owned spans of the fp32 sum, once per interval, written into host memory; the
+        # update follows them matrix by matrix (a PieceWaits, pipeline.py ``submit``).
+        fences, nbytes = self.sum.copy_out(acc, self.transfers.chunks)
+        stats.d2h_bytes += nbytes
+        stats.host_bytes += nbytes
+        return fences
 
     def drain(self) -> None:
         self.sum.wait()
