@@ -12,8 +12,9 @@ for the device:
   the update in flight (``Pipeline.defer``: the update never touches these rows, the device owned
   them when it was submitted), before anything reads them: the next update (the worker's own
   FIFO), an install, ``state_dict``, a load, ``close`` (``Pipeline.settle`` waits for the job);
-  for a release step's gradient (release.py ``regather``) by the main thread before the step's
-  host update reads the sum. It waits for each piece's D2H event, and for the last install's
+  for a release step's gradient (release.py ``regather_pairs``) by the main thread before the
+  step's host update reads the sum (``Selector.land``; its rows go into the first pieces, so
+  that wait is for them only). It waits for each piece's D2H event, and for the last install's
   DMA, which may still read the master (its rows of device-owned columns ride along in a chunk);
 * **staying** columns move inside the device block (in stream: gather, then ``index_copy_``);
 * **entering** columns (host rows ``enter_cols``, new device rows ``enter_dst``): the main thread
@@ -175,10 +176,11 @@ class Mover:
         event.synchronize()  # sync point (selection steps): the new column ids and counters
         return host
 
-    def move(self, jobs: list[tuple[Moves, list[Pair]]]) -> tuple[int, int]:
-        """Enqueue every move of one selection (each pair's leaving rows to its ``to``); returns
-        (D2H bytes, H2D bytes) enqueued. The out buffer is reused: the previous selection's
-        departures must be finished (a boundary collected them since)."""
+    def move(self, jobs: list[tuple[Moves, list[Pair]]], first: Departure | None = None) -> tuple[int, int]:
+        """Enqueue every move of one selection (each pair's leaving rows to its ``to``, those of
+        ``first`` in the first pieces); returns (D2H bytes, H2D bytes) enqueued. The out buffer
+        is reused: the previous selection's departures must be finished (a boundary collected
+        them since)."""
         assert not any(d.pending for d in self._deps), "the last selection's leaving rows are still in the out buffer"
         self._out_at, self._deps = 0, []
         if self._ring is None:
@@ -199,7 +201,7 @@ class Mover:
             self.out_stream.wait_stream(compute)
         ids, h2d = self._upload(jobs)
         read: dict[int, Any] = {}
-        d2h = self._out_all(jobs, ids, read)
+        d2h = self._out_all(jobs, ids, read, first)
         h2d += self._in_all(jobs, ids, read)
         if self.cuda:
             assert compute is not None
@@ -235,40 +237,43 @@ class Mover:
 
     # -- leaving: device -> out buffer -------------------------------------------------------
     def _out_all(self, jobs: list[tuple[Moves, list[Pair]]], ids: list[dict[str, torch.Tensor]],
-                 read: dict[int, Any]) -> int:
-        left = sum(m.leave_cols.numel() * p.dev.shape[1] for m, pairs in jobs for p in pairs if p.leaves)
+                 read: dict[int, Any], first: Departure | None) -> int:
+        """Gather, pack and DMA every leaving row; the rows of ``first``'s pairs in the first
+        pieces (the ones a waiter needs soonest: a release step's gradient, ``Selector.land``)."""
+        order = [(j, p) for j, (m, pairs) in enumerate(jobs) for p in pairs if p.leaves and m.leave_cols.numel()]
+        order.sort(key=lambda jp: jp[1].to is not first)  # stable: matrix order within each part
+        left = sum(jobs[j][0].leave_cols.numel() * p.dev.shape[1] for j, p in order)
         if left == 0:
             return 0
         moved = 0
         piece: list[tuple[Pair, torch.Tensor, int, int]] = []
         buf, fill = self._out_piece(left), 0
-        for (m, pairs), dev_ids in zip(jobs, ids):
-            n = m.leave_cols.numel()
-            for pair in [p for p in pairs if p.leaves] if n else ():
-                w, a = pair.dev.shape[1], 0
-                while a < n:
-                    take = min(n - a, (buf.numel() - fill) // w)
-                    if take == 0:
-                        assert fill, "a piece holds at least one row"
-                        moved += self._out_flush(buf, fill, piece)
-                        left -= fill
-                        piece, buf, fill = [], self._out_piece(left), 0
-                        continue
-                    with self._on(self.out_stream):  # a device gather of the leaving rows
-                        torch.index_select(pair.dev, 0, dev_ids["leave_pos"][a : a + take],
-                                           out=buf[fill : fill + take * w].view(take, w))
-                    piece.append((pair, m.leave_cols[a : a + take], fill, take))
-                    fill, a = fill + take * w, a + take
-            if n and self.cuda:
+        for j, pair in order:
+            m, pos = jobs[j][0], ids[j]["leave_pos"]
+            n, w, a = m.leave_cols.numel(), pair.dev.shape[1], 0
+            while a < n:
+                take = min(n - a, (buf.numel() - fill) // w)
+                if take == 0:
+                    assert fill, "a piece holds at least one row"
+                    moved += self._out_flush(buf, fill, piece)
+                    left -= fill
+                    piece, buf, fill = [], self._out_piece(left), 0
+                    continue
+                with self._on(self.out_stream):  # a device gather of the leaving rows
+                    torch.index_select(pair.dev, 0, pos[a : a + take], out=buf[fill : fill + take * w].view(take, w))
+                piece.append((pair, m.leave_cols[a : a + take], fill, take))
+                fill, a = fill + take * w, a + take
+            if self.cuda:  # the matrix's rows read so far; its last such event is the one the in stream waits for
                 read[m.slot.index] = torch.cuda.Event()
-                read[m.slot.index].record(self.out_stream)  # this matrix's leaving rows are read
+                read[m.slot.index].record(self.out_stream)
         return moved + self._out_flush(buf, fill, piece)
 
     def _out_piece(self, left: int) -> torch.Tensor:
         """Where the next packed piece is gathered: a device temporary (CUDA) or, off CUDA, its
         place in the out buffer itself. Makes room in the out buffer first."""
         assert self._out is not None
-        n = min(self._slot_elems, left, self._out.numel())  # at least one row: the sizes hold one
+        # At most STAGE_BYTES (at least one row: the in-ring slot holds one), what is left, the buffer.
+        n = min(max(STAGE_BYTES // 4, self._slot_elems), left, self._out.numel())
         self._make_room(n)
         if not self.cuda:
             return self._out[self._out_at : self._out_at + n]

@@ -170,7 +170,7 @@ class Selector:
                      Pair(d.exp_avg_sq, h.exp_avg_sq, dep),
                      Pair(d.steps.view(-1, 1), h.steps.view(-1, 1), dep, leaves=False)]  # written above
             jobs.append((m, pairs + (extra(m, self.landing) if extra is not None else [])))
-        d2h, h2d = self.mover.move(jobs)
+        d2h, h2d = self.mover.move(jobs, first=self.landing)  # the gradient's pieces first: ``land`` waits for them
         stats.d2h_bytes += d2h
         stats.h2d_bytes += h2d
         pipeline.defer(dep.finish)  # worker thread, after the update in flight (pipeline.py settle)
