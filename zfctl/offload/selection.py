@@ -11,6 +11,10 @@ step counter (how many Adam updates its moments have absorbed; see ``device_adam
 columns take all four from the host; leaving columns write all four back to the host; columns
 that stay keep their device state untouched. Nothing is reset or re-derived from the bf16 model
 weights, so a column that leaves and re-enters continues exactly where it was.
+
+``plan_moves`` turns the old and new column ids (host copies) into what moves where; one process
+and FSDP2 ranks execute it by asynchronous DMA (migration.py), data-parallel ranks through the
+blocking ``migrate`` below, with ``partition.OwnedRows`` for the host rows.
 """
 
 from __future__ import annotations
