@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from zfctl.offload import migration
+from zfctl.offload import migration, sizing
 from zfctl.offload.selection import ColumnState, migrate, plan_moves
 
 pytestmark = pytest.mark.gpu
@@ -37,8 +37,8 @@ def _mover(cases, dev: torch.device) -> migration.Mover:
     elems = sum(d[0].numel() for _, d, _, _ in cases)
     cols = sum(d[3].numel() for _, d, _, _ in cases)
     rows = max(d[0].shape[1] for _, d, _, _ in cases)
-    return migration.Mover(dev, pin=True, ring=migration.ring_elems(elems, cols, rows),
-                           out=migration.out_elems(elems), ids=4 * cols)
+    return migration.Mover(dev, pin=True, ring=sizing.ring_elems(elems, cols, rows),
+                           out=sizing.out_elems(elems), ids=4 * cols)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

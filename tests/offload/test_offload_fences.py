@@ -183,7 +183,7 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         added = acc._added
         install = torch.cuda.Event()
         install.record(shim.compute)  # what the boundary's install enqueues on compute meanwhile
-        fence, _ = acc.copy_out(opt.host.acc[0], opt.transfers.chunks)
+        fence = acc.copy_out(opt.host.acc[0], opt.transfers.chunks)
         waits = acc.copy_stream.waits
         assert waits == [("wait_event", added)], waits  # one wait, for the adds
         assert ("record", added) in shim.compute.log and added.after.count(("record", install)) == 0
@@ -297,14 +297,14 @@ def test_the_device_path_update_follows_the_sum_matrix_by_matrix(monkeypatch) ->
             adamw(update, step, part)
 
         monkeypatch.setattr(worker, "_adamw", logged)
-        copies: list[tuple[object, int, torch.Tensor]] = []
+        copies: list[tuple[object, torch.Tensor]] = []
         copy_out = acc.copy_out
 
         def recorded(dst, chunks):
             owned = ~opt.host.device_owned.clone()
-            fences, nbytes = copy_out(dst, chunks)
-            copies.append((fences, nbytes, owned))
-            return fences, nbytes
+            fences = copy_out(dst, chunks)
+            copies.append((fences, owned))
+            return fences
 
         monkeypatch.setattr(acc, "copy_out", recorded)
         stats = []
@@ -316,15 +316,16 @@ def test_the_device_path_update_follows_the_sum_matrix_by_matrix(monkeypatch) ->
         acc.wait()
         acc.cuda = False
     assert len(copies) == sum(s.boundary for s in stats) >= 3
-    for (fences, nbytes, owned), st in zip(copies, [s for s in stats if s.boundary]):
+    for (fences, owned), st in zip(copies, [s for s in stats if s.boundary]):
         host_owned = sum(int(owned[s.host_col0 : s.host_col0 + s.host_c1 - s.host_c0].sum()) * s.rows for s in slots)
+        nbytes = st.bytes["d2h.sum"]  # counted by copy_out (ledger.py)
         assert nbytes == 4 * host_owned and st.d2h_bytes - nbytes == 8  # the sum's host columns + the scalars
         events = [wait.__self__ for _, _, wait in fences.pieces]
         lasts = [e for op, e in acc.copy_stream.log if op == "record"]
         assert all(e in lasts for e in events) and len(events) == len(slots)
     waits = [e for op, e in log if op == "wait"]
-    assert waits == [wait.__self__ for fences, _, _ in copies for _, _, wait in fences.pieces]  # each, in order
-    for fences, _, _ in copies:  # each matrix's runs after its own wait, before the next matrix's
+    assert waits == [wait.__self__ for fences, _ in copies for _, _, wait in fences.pieces]  # each, in order
+    for fences, _ in copies:  # each matrix's runs after its own wait, before the next matrix's
         evs = [wait.__self__ for _, _, wait in fences.pieces]
         for i, ev in enumerate(evs):
             at = log.index(("wait", ev))

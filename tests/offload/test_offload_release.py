@@ -180,8 +180,8 @@ def piecewise_run(tiny: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
     (``tiny``: every seam of the packing, and in-ring slots reused within a selection), or as
     large as they come. fp16: the hooks add gradients times 1 / the loss scale, which the moves
     undo and redo. Returns the parameters and how many gradient tensors moved."""
-    from zfctl.offload import migration
     from zfctl.offload import optimizer as engine
+    from zfctl.offload import sizing
 
     moved = [0]
     pairs_of = engine.regather_pairs
@@ -198,7 +198,7 @@ def piecewise_run(tiny: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
     with monkeypatch.context() as m:
         m.setattr(engine, "regather_pairs", counted)
         if tiny:
-            m.setattr(migration, "STAGE_BYTES", 4)  # each piece and ring slot: one row of the tallest matrix
+            m.setattr(sizing, "STAGE_BYTES", 4)  # each piece and ring slot: one row of the tallest matrix
         model = tiny_net(dtype=dtype)
         cfg = zen(topk_ratio=0.25, update_interval=3, select_interval=6, full_warm_up_rounds=1, release_grads=True)
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, weight_decay=0.01) as opt:

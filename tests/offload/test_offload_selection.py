@@ -130,7 +130,7 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     ``migrate`` gives, and the same bytes moved, whatever the piece size (one row, some, all)."""
     from cuda_shim import as_cuda, fake_cuda
 
-    from zfctl.offload import migration, pinned
+    from zfctl.offload import migration, pinned, sizing
     from zfctl.offload.selection import ColumnState, migrate, plan_moves
 
     shim = fake_cuda(monkeypatch)
@@ -143,10 +143,10 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     ref_bytes = migrate(ColumnState(*ref_dev), ref_host, old, new)
     assert ref_bytes == (7 * (3 * rows + 1) * 4,) * 2
 
-    monkeypatch.setattr(migration, "STAGE_BYTES", rows_per_piece * rows * 4)
+    monkeypatch.setattr(sizing, "STAGE_BYTES", rows_per_piece * rows * 4)
     slot = SimpleNamespace(index=0)
-    mover = migration.Mover(torch.device("cpu"), pin=True, ring=migration.ring_elems(k * rows, k, rows),
-                            out=migration.out_elems(k * rows), ids=4 * k)
+    mover = migration.Mover(torch.device("cpu"), pin=True, ring=sizing.ring_elems(k * rows, k, rows),
+                            out=sizing.out_elems(k * rows), ids=4 * k)
     as_cuda(mover, "in_stream", "out_stream")
     mover.pin = True
     dev, host = [t.clone() for t in dev0], [t.clone() for t in host0]
@@ -162,5 +162,5 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     assert sum(dst.numel() * dst.element_size() for _, dst, _, _, _ in dma) == d2h + h2d
     assert all(non_blocking and stream in (mover.in_stream, mover.out_stream) for stream, _, _, non_blocking, _ in dma)
     pieces = sum(stream is mover.in_stream and src.dtype == torch.float32 for stream, _, src, _, _ in dma)
-    assert pieces >= ref_bytes[1] // (4 * migration.ring_elems(k * rows, k, rows) // migration.IN_SLOTS)
-    assert mover.host_waits == max(0, pieces - migration.IN_SLOTS)  # in-ring slots reused, DMA-paced
+    assert pieces >= ref_bytes[1] // (4 * sizing.ring_elems(k * rows, k, rows) // sizing.IN_SLOTS)
+    assert mover.host_waits == max(0, pieces - sizing.IN_SLOTS)  # in-ring slots reused, DMA-paced

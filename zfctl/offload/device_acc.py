@@ -39,24 +39,14 @@ from typing import Any
 import torch
 
 from zfctl.offload.layout import Layout, as_matrix
-from zfctl.offload.pcie import copy_async, timed_wait
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import copy_async, device_wait
+from zfctl.offload.sizing import device_fits  # `accumulate: auto`'s one rule, shared with the plan
 from zfctl.offload.worker import PieceWaits
 
 # A gap of device-owned columns at least this long splits a chunk's copy out in two (1 MiB of fp32):
 # shorter gaps ride along, a copy costs more than the bytes it would skip.
 GAP_ELEMS = 2**18
-
-# `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
-# this share of its memory. The margin is wide because a plan's activation estimate is rough.
-AUTO_DEVICE_SHARE = 0.85
-
-
-def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) -> bool:
-    """``accumulate: auto``'s one rule: the device accumulator (``acc_bytes``) is used when it and
-    everything else the device holds for the run (``committed_bytes``) stay within
-    ``AUTO_DEVICE_SHARE`` of the device's memory (``total_bytes``). Pure arithmetic: the run
-    plan passes its estimate (zfctl/plan/memory.py)."""
-    return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
 
 
 def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.Tensor]) -> str:
@@ -79,6 +69,8 @@ def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.T
 
 class DeviceAccumulator:
     """The fp32 interval sum of the host-owned columns, on the device."""
+
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
@@ -105,7 +97,7 @@ class DeviceAccumulator:
                 continue
             copied = self._copied.pop(slot.index, None)
             if copied is not None:  # this slot's rows are still being copied out: wait for them only
-                self.stall_pairs.append(timed_wait(compute, copied))  # device-side wait
+                self.stall_pairs.append(device_wait(self.ledger, "device.sum_copy", compute, copied))  # device-side
             view = slot.host_view(self.buf)
             g = grads[slot.index]
             if g is None:  # a missing gradient counts as zero
@@ -125,18 +117,20 @@ class DeviceAccumulator:
             self._added = torch.cuda.Event()
             self._added.record(compute)
 
-    def copy_out(self, dst: torch.Tensor, chunks: list[Any]) -> tuple[PieceWaits | None, int]:
+    def copy_out(self, dst: torch.Tensor, chunks: list[Any]) -> PieceWaits | None:
         """Start the PCIe D2H of the interval sum's host-owned columns into ``dst`` (page-locked
         host), one span of columns at a time (``chunks``: ``Transfers.chunks``, matrix by matrix,
         in column order); returns each matrix's wait for the CPU worker, in copy order (None:
-        already done, CPU), and the bytes copied."""
+        already done, CPU). The bytes are the spans' (ledger.py ``d2h.sum``)."""
         spans = copy_spans(chunks)
         nbytes = 4 * sum(n for _, spans_of in spans for _, n in spans_of)
+        self.ledger.moved("d2h.sum", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+        self.ledger.moved("host.land", nbytes)  # ... written into the host accumulator
         if not self.cuda:
             for _, spans_of in spans:
                 for off, n in spans_of:
                     dst[off : off + n].copy_(self.buf[off : off + n])
-            return None, nbytes
+            return None
         assert self.copy_stream is not None  # CUDA: created in __init__
         # The first copy: after this interval's last add, not after the install enqueued since
         # (the worker waits for the install's own fence, pipeline.py ``_install_wait``).
@@ -154,7 +148,7 @@ class DeviceAccumulator:
             self._copied[slot.index] = event
             self._last = event
             pieces.append((slot.host_off, slot.host_numel, event.synchronize))  # worker: this matrix landed
-        return PieceWaits(tuple(pieces)), nbytes
+        return PieceWaits(tuple(pieces))
 
     def wait(self) -> None:
         """Host wait for a copy out still in flight (checkpoints, loading)."""

@@ -14,8 +14,8 @@ built and then only calls the :class:`GradientPath` methods, in its step's phase
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
   (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
 
-The column chunks and the two rings that move them inside ``step()`` (gradients D2H, installed
-params H2D) are :class:`Transfers`, shared by the paths and the install.
+The column chunks and the two rings that move them (gradients D2H inside ``step()``, installed
+params H2D: install.py) are :class:`Transfers`, shared by the paths and the install.
 """
 
 from __future__ import annotations
@@ -27,17 +27,20 @@ from typing import Any, Protocol
 import torch
 
 from zfctl.errors import ConfigError
-from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
-from zfctl.offload.chunks import install_params, offload_gradients, plan_chunks
+from zfctl.offload import cores
+from zfctl.offload.bandwidth import measure_d2h_gbps
+from zfctl.offload.chunks import offload_gradients, plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, accumulator_count
+from zfctl.offload.host import HostState, accumulator_count, upload_dtype
 from zfctl.offload.layout import Layout
+from zfctl.offload.ledger import NOWHERE, Ledger, counted_accumulate
 from zfctl.offload.pcie import count_waits
-from zfctl.offload.ring import Ring, ring_slot_bytes
+from zfctl.offload.ring import Ring
+from zfctl.offload.sizing import inflight_bytes, landing_slots, ring_slot_bytes  # the plan's rules too
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
-from zfctl.offload.threads import capped, split_threads
+from zfctl.offload.threads import capped
 
 Fence = Callable[[], Any]
 
@@ -56,11 +59,14 @@ class Transfers:
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
         # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
-        # lives on the device, which only fetches scalars). H2D: the same column ranges of the fp32
-        # master, 4/itemsize times the bytes, copied straight from it into device slots.
+        # lives on the device, which only fetches scalars). H2D: the same column ranges of the
+        # install source, copied straight from it into device slots: the model dtype (the upload
+        # buffer, or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an
+        # upload buffer, 4/itemsize times the bytes.
         self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
                         host_slots=not on_device)
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory,
+        source = host.install_source.element_size()
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory,
                         host_slots=False)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
@@ -68,17 +74,7 @@ class Transfers:
     def replan(self) -> None:
         """Re-plan the chunks after the device-owned columns changed (a selection, a load)."""
         self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
-        # Host-owned elements the accumulation and the CPU update touch (for StepStats.host_bytes).
-        self.host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self.chunks)
 
-    def accumulate_bytes(self, first: bool) -> int:
-        """Host memory one step's accumulation touches: per host-owned element, read the gradient,
-        write acc (and read it too after the interval's first step)."""
-        return self.host_elems * (self.itemsize + (4 if first else 8))
-
-    def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
-        """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
-        return install_params(self.h2d, self.chunks, self.host.master, params)
 
     def release(self) -> None:
         self.d2h.release()
@@ -168,10 +164,9 @@ class InStep(NoHostColumns):
     def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
                  stats: StepStats) -> None:
         t = self.transfers
-        stats.host_bytes += t.accumulate_bytes(first)
         wait = t.host.gate.waiter() if first else None  # one accumulator: the update in flight reads it
-        stats.d2h_bytes += offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first,
-                                             wait_read=wait)
+        # Bytes: counted where they move (the ring's D2H, the native accumulate; ledger.py).
+        offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first, wait_read=wait)
         stats.in_step_chunks = len(t.chunks)
         stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
 
@@ -228,10 +223,8 @@ class DuringBackward(InStep):
             super().add_host(grads, acc, coef, first=first, stats=stats)
             return
         t = self.transfers
-        stats.host_bytes += t.accumulate_bytes(first)
         fence = self.stream.finish(stats, coef, t.itemsize)  # the hooks moved it; the thread adds it
         self._fence = fence.result if fence is not None else None
-        stats.d2h_bytes += stats.early_bytes + stats.in_step_bytes
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
         fence, self._fence = self._fence, None
@@ -255,12 +248,6 @@ class DuringBackward(InStep):
         self.stream.close()
 
 
-def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
-    """release_grads: slots of the landing ring, enough for the device temporaries in flight
-    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
-    return max(2, -(-budget_bytes // slot_bytes))
-
-
 class SummedOnDevice(NoHostColumns):
     """The interval's sum lives on the device (device_acc.py); only the sum's host-owned columns
     are copied device to host, once per interval, after the previous CPU update was collected
@@ -275,15 +262,13 @@ class SummedOnDevice(NoHostColumns):
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None:
         self.sum.add(grads, coef, first=first)
-        count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
+        count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
         # The host-owned spans of the fp32 sum, once per interval, written into host memory; the
-        # update follows them matrix by matrix (a PieceWaits, pipeline.py ``submit``).
-        fences, nbytes = self.sum.copy_out(acc, self.transfers.chunks)
-        stats.d2h_bytes += nbytes
-        stats.host_bytes += nbytes
-        return fences
+        # update follows them matrix by matrix (a PieceWaits, pipeline.py ``submit``). Counted
+        # there (ledger.py).
+        return self.sum.copy_out(acc, self.transfers.chunks)
 
     def drain(self) -> None:
         self.sum.wait()
@@ -302,17 +287,19 @@ class HostSide:
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, release: bool, hooks: bool = True) -> HostSide:
+                    exchange: Any, release: bool, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
     """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
     the hook path's gradients are released in their hooks (release.py), if it is the one chosen.
     ``hooks=False``: the hook path registers no hooks on ``params``, its owner calls
-    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py)."""
+    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py). ``ledger``:
+    where the transfers, the accumulation and the host state count their bytes and waits."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
     if len(dtypes) > 1:
         raise ValueError(f"offloaded weights must share one dtype, got {sorted(map(str, dtypes))}")
-    itemsize = dtypes.pop().itemsize
+    dtype = dtypes.pop()
+    itemsize = dtype.itemsize
     accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
@@ -325,16 +312,23 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
                               committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
                               acc_bytes=4 * layout.host_numel)
-    host = HostState(layout, params, accumulators=count, pin_master=cuda_pin, pin_acc=cuda_pin and on_device)
-    transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
-    if config.cpu_threads:
-        _native.set_num_threads(config.cpu_threads)
+    # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in the
+    # model dtype (host.py upload) and only that buffer is page-locked for the install's DMA;
+    # fp32, or without it: the master itself is.
+    upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * layout.host_numel,
+                          committed_bytes=(12 + 4 * count + (2 * itemsize if hook else 0)) * layout.host_numel)
+    # The core split (cores.py): the training thread's reserved cores, the pools' pinned CPUs, and
+    # on a multi-node machine the GPU's NUMA node, where the host state is allocated and bound.
     # The device path adds nothing on the host between boundaries (its sum lives on the device):
-    # the CPU update takes every core. Holding back the accumulation's share there (4 of 16)
-    # left a memory-bound update on 12 threads for nothing.
-    total = _native.get_num_threads()
-    threads = (0, max(1, total)) if on_device else split_threads(total, config.tuning.accumulate_threads)
-    add = capped(_native, threads[0])
+    # the CPU update takes every pool core there.
+    plan = cores.plan_for(config, device, on_device=on_device)
+    with cores.on_node(plan):
+        host = HostState(layout, params, accumulators=count, upload=upload, pin=cuda_pin, pin_acc=cuda_pin and on_device)
+        transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
+    buffers = [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]
+    cores.bind_host(plan, _native, buffers + ([host.upload] if host.upload is not None else []))
+    threads = cores.apply(plan, _native)
+    add = counted_accumulate(capped(_native, threads[0]), ledger)  # host.sum bytes, on whichever thread adds
     path: GradientPath
     if on_device:
         path = SummedOnDevice(transfers, device)
@@ -343,4 +337,7 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
                               release=release, hooks=hooks)
     else:
         path = InStep(transfers, add)
+    for part in (transfers.d2h, transfers.h2d, host, getattr(path, "stream", None), getattr(path, "sum", None)):
+        if part is not None:
+            part.ledger = ledger  # each counts what it moves and waits for (ledger.py)
     return HostSide(host, transfers, path, accumulate, threads)

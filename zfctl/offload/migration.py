@@ -27,20 +27,13 @@ The column ids the device needs (``leave_pos``, the staying moves, ``enter_dst``
 H2D from a small page-locked buffer. Device temporaries come from the caching allocator on the
 stream that uses them, so a freed one is reused in that stream's order, never while a copy reads it.
 
-Waits (docs/design.md, "Threads and buffer ownership"):
+Waits: docs/design.md's waits table ("Threads and buffer ownership") lists each one with the
+place it is written (``Mover.move``, ``_prepare``, ``_in_slot``, ``Departure.finish``), and
+ledger.py's kinds count them (``host.migrate_ids``, ``host.migrate_slot``, ``device.migrate``,
+``worker.migrate``, ``host.migrate_land``).
 
-| who | waits for | where |
-| --- | --- | --- |
-| out and in streams | the compute stream (the last device AdamW wrote the state) | ``Mover.move`` |
-| out stream | the ids' H2D (in stream) | ``Mover.move`` |
-| in stream, before any write into a matrix's device rows | the out stream's event after that matrix's leaving rows were gathered (``read``) | ``_prepare`` |
-| compute stream, before the device AdamW | the in stream's last event (device-side) | ``Mover.move`` |
-| main thread, before gathering into an in-ring slot again | that slot's last DMA (a host wait: slot reuse within one selection, DMA-paced) | ``_in_slot`` |
-| main thread, before a selection reuses the ring and the ids buffer | the last selection's ``done`` (fired a select interval ago: checked, not waited for) | ``Mover.move`` |
-| ``Departure.finish`` (worker, or main thread) | each out piece's D2H event; the last install's DMA | ``Departure.finish`` |
-
-Memory (the plan's "selection staging" line, ``staging_bytes``): the in ring, the out buffer
-(every leaving row of one selection, at most ``OUT_BYTES``: more than that is scattered by the
+Memory (the plan's "selection staging" line, sizing.py ``staging_bytes``): the in ring, the out
+buffer (every leaving row of one selection, at most ``OUT_BYTES``: more than that is scattered by the
 main thread during the selection, ``_make_room``, a host wait) and the ids buffer. Without CUDA
 the same code runs synchronously on host memory (the out "DMA" is the gather itself): that is how
 CI exercises it.
@@ -56,68 +49,67 @@ from typing import Any
 
 import torch
 
-from zfctl.offload import pinned
+from zfctl.offload import pinned, sizing
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import copy_async
 from zfctl.offload.selection import Moves
 
-STAGE_BYTES = 64 * 2**20  # one packed DMA (each way), and one in-ring slot
-IN_SLOTS = 4  # in-ring slots: the host gathers slot i + 1 while the link moves slot i
-OUT_BYTES = 2 * 2**30  # the out buffer's cap: a 1.24B model's leaving state (1.48 GB at most) fits
-
-
-def staging_bytes(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3) -> int:
-    """Host bytes of a Mover for matrices with ``selected_elems`` device elements in
-    ``selected_cols`` columns (the tallest ``max_rows``), ``pairs`` state tensors of ``rows``
-    elements per column moved (3: master and moments; 4 with release.py's gradient): the in
-    ring, the out buffer and the ids buffer (zfctl/plan/memory.py's "selection staging")."""
-    ring, out = ring_elems(selected_elems, selected_cols, max_rows, pairs), out_elems(selected_elems, pairs)
-    return 4 * (ring + out) + 8 * 4 * selected_cols
-
-
-def ring_elems(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3) -> int:
-    """The in ring: ``IN_SLOTS`` slots of ``STAGE_BYTES``, together no more than a selection that
-    replaces every column brings in, each at least one column of the tallest matrix."""
-    total = pairs * selected_elems + selected_cols
-    return IN_SLOTS * max(min(STAGE_BYTES // 4, -(-total // IN_SLOTS)), max_rows)
-
-
-def out_elems(selected_elems: int, pairs: int = 3) -> int:
-    """The out buffer: every leaving row of one selection (all ``k`` columns leave), capped."""
-    return min(OUT_BYTES // 4, pairs * selected_elems)
+# The sizes are torch-free rules the plan applies too (sizing.py: STAGE_BYTES, IN_SLOTS, OUT_BYTES,
+# ring_elems, out_elems, staging_bytes), read through the module at call time: a test may shrink
+# sizing.STAGE_BYTES.
+IN_SLOTS = sizing.IN_SLOTS
 
 
 class Departure:
     """Leaving rows that have left the device (or are on their way) and wait in the out buffer to
-    be written into their host rows. ``finish`` may run on any thread, more than once."""
+    be written into their host rows. ``finish`` may run on any thread, more than once. Its waits
+    count as ``kind`` (ledger.py: ``worker.migrate`` for the state, ``host.migrate_land`` for a
+    release step's gradient), its bytes into the tab current where it was made (the selection
+    step's, whichever thread runs it)."""
 
-    def __init__(self, fence: Callable[[], Any] | None = None) -> None:
-        self._fence = fence  # the last install's DMA, which may still read the master
-        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float]] = []
+    def __init__(self, fence: Callable[[], Any] | None = None, *, ledger: Ledger = NOWHERE,
+                 kind: str = "worker.migrate") -> None:
+        self._fence = fence  # the last install's DMA, which may still read the master or the upload
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, torch.Tensor | None]] = []
         self._lock = threading.Lock()
+        self.ledger, self.kind = ledger, kind
+        self._tab = ledger.tab()
 
-    def add(self, host: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, event: Any, scale: float) -> None:
+    def add(self, host: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, event: Any, scale: float,
+            mirror: torch.Tensor | None = None) -> None:
         with self._lock:
-            self._parts.append((host, cols, rows, event, scale))
+            self._parts.append((host, cols, rows, event, scale, mirror))
 
     @property
     def pending(self) -> bool:
         with self._lock:
             return bool(self._parts)
 
-    def finish(self) -> None:
-        """Write every landed row into its host rows (each piece's D2H event waited for first)."""
-        with self._lock:
+    def finish(self, kind: str | None = None) -> None:
+        """Write every landed row into its host rows (each piece's D2H event waited for first; its
+        waits counted as ``kind``, by default the Departure's own)."""
+        kind = kind or self.kind
+        with self._lock, self.ledger.charging(self._tab):
             parts, self._parts = self._parts, []
             if parts and self._fence is not None:
-                self._fence()  # sync point: the install's DMA no longer reads these master rows
+                with self.ledger.waiting(kind):
+                    self._fence()  # sync point: the install's DMA no longer reads these master/upload rows
             last = None
-            for host, cols, rows, event, scale in parts:
+            for host, cols, rows, event, scale, mirror in parts:
                 if event is not None and event is not last:
-                    event.synchronize()  # sync point (worker, normally long fired): this piece's D2H
+                    with self.ledger.waiting(kind):
+                        event.synchronize()  # sync point (worker, normally long fired): this piece's D2H
                     last = event
+                nbytes = rows.numel() * rows.element_size()
                 if scale != 1.0:
                     rows.mul_(scale)  # exact: a power of two
+                    self.ledger.moved("host.stage", 2 * nbytes)  # read and written in place
                 host.index_copy_(0, cols, rows)
+                self.ledger.moved("host.stage", nbytes)  # the out buffer read ...
+                self.ledger.moved("host.migrate", nbytes)  # ... into the host rows
+                if mirror is not None:  # the leaving columns' model-dtype copy (selector.py ``_migrate``)
+                    mirror.index_copy_(0, cols, rows.to(mirror.dtype))
+                    self.ledger.moved("host.migrate", rows.numel() * mirror.element_size())
 
 
 @dataclass(frozen=True)
@@ -131,10 +123,13 @@ class Pair:
     to: Departure
     scale: float = 1.0
     leaves: bool = True  # False: its leaving rows are written by the caller (the step counters)
+    mirror: torch.Tensor | None = None  # host rows that also take the leaving rows, in their dtype (the upload)
 
 
 class Mover:
     """The migration's streams and page-locked buffers (made at the first selection, kept)."""
+
+    ledger: Ledger = NOWHERE  # its bytes and the training thread's waits (ledger.py; the optimizer's own)
 
     def __init__(self, device: torch.device, *, pin: bool, ring: int, out: int, ids: int) -> None:
         self.device = device
@@ -168,12 +163,14 @@ class Mover:
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
         """A small device tensor on the host: one D2H after the compute stream's work so far, one
         host wait for its event (the selection's column ids: nothing can move before them)."""
+        self.ledger.moved("d2h.migrate", t.numel() * t.element_size())  # (CPU: what would cross PCIe)
         if not self.cuda:
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin and torch.cuda.is_available())
         event = copy_async(self.out_stream, host, t, after=torch.cuda.current_stream(self.device))  # PCIe D2H: ids
         t.record_stream(self.out_stream)
-        event.synchronize()  # sync point (selection steps): the new column ids and counters
+        with self.ledger.waiting("host.migrate_ids"):
+            event.synchronize()  # sync point (selection steps): the new column ids and counters
         return host
 
     def move(self, jobs: list[tuple[Moves, list[Pair]]], first: Departure | None = None) -> tuple[int, int]:
@@ -192,7 +189,8 @@ class Mover:
         if not jobs:
             return 0, 0
         if self._done is not None and not self._done.query():  # fired a select interval ago: no wait
-            self._done.synchronize()  # the last selection's H2D still reads the ring
+            with self.ledger.waiting("host.migrate_slot"):
+                self._done.synchronize()  # the last selection's H2D still reads the ring
             self.host_waits += 1
         self._ring_events, self._ids_event = [None] * IN_SLOTS, None
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -208,6 +206,9 @@ class Mover:
             self._done = torch.cuda.Event()
             self._done.record(self.in_stream)
             compute.wait_event(self._done)  # device-side: this step's device AdamW after the migration
+            self.ledger.waited("device.migrate")
+        self.ledger.moved("d2h.migrate", d2h)
+        self.ledger.moved("h2d.migrate", h2d)
         return d2h, h2d
 
     # -- the column ids ------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class Mover:
             assert self._ids is not None
             src = self._ids[: flat.numel()]
             torch.cat([flat], out=src)  # host memory only: the page-locked source of the DMA
+            self.ledger.moved("host.stage", 2 * 8 * flat.numel())  # written here, read by the DMA
             with torch.cuda.stream(self.in_stream):
                 dev = torch.empty(flat.numel(), dtype=torch.int64, device=self.device)
             self._ids_event = copy_async(self.in_stream, dev, src, after=None)  # PCIe H2D: the ids
@@ -273,7 +275,7 @@ class Mover:
         place in the out buffer itself. Makes room in the out buffer first."""
         assert self._out is not None
         # At most STAGE_BYTES (at least one row: the in-ring slot holds one), what is left, the buffer.
-        n = min(max(STAGE_BYTES // 4, self._slot_elems), left, self._out.numel())
+        n = min(max(sizing.STAGE_BYTES // 4, self._slot_elems), left, self._out.numel())
         self._make_room(n)
         if not self.cuda:
             return self._out[self._out_at : self._out_at + n]
@@ -287,7 +289,7 @@ class Mover:
         if self._out_at + n <= self._out.numel():
             return
         for dep in self._deps:
-            dep.finish()  # sync point: only a selection larger than the out buffer gets here
+            dep.finish("host.migrate_slot")  # sync point: only a selection larger than the out buffer gets here
         self._out_at = 0
 
     def _out_flush(self, buf: torch.Tensor, fill: int, piece: list[tuple[Pair, torch.Tensor, int, int]]) -> int:
@@ -302,8 +304,9 @@ class Mover:
             if all(pair.to is not d for d in self._deps):
                 self._deps.append(pair.to)
             w = pair.dev.shape[1]
-            pair.to.add(pair.host, cols, dst[off : off + take * w].view(take, w), event, pair.scale)
+            pair.to.add(pair.host, cols, dst[off : off + take * w].view(take, w), event, pair.scale, pair.mirror)
         self._out_at += fill
+        self.ledger.moved("host.stage", 4 * fill)  # the DMA writes the out buffer (Departure reads it)
         return 4 * fill
 
     # -- entering: host -> in ring -> device ---------------------------------------------------
@@ -329,8 +332,11 @@ class Mover:
                         continue
                     view = slot[fill : fill + take * w].view(take, w)
                     torch.index_select(pair.host, 0, m.enter_cols[a : a + take], out=view)  # host gather
+                    self.ledger.moved("host.migrate", 4 * view.numel())  # the host rows read ...
+                    self.ledger.moved("host.stage", 8 * view.numel())  # ... into the ring, which the DMA reads
                     if pair.scale != 1.0:
                         view.div_(pair.scale)  # exact: a power of two
+                        self.ledger.moved("host.stage", 8 * view.numel())  # read and written in place
                     piece.append((j, pair, a, take, fill))
                     fill, a = fill + take * w, a + take
         if slot is not None:
@@ -348,7 +354,8 @@ class Mover:
         i = self._next_slot
         self._next_slot = (i + 1) % IN_SLOTS
         if self._ring_events[i] is not None:
-            self._ring_events[i].synchronize()  # sync point: slot i's previous H2D
+            with self.ledger.waiting("host.migrate_slot"):
+                self._ring_events[i].synchronize()  # sync point: slot i's previous H2D
             self._ring_events[i] = None
             self.host_waits += 1
         return self._ring[i * self._slot_elems : i * self._slot_elems + min(self._slot_elems, left)]

@@ -43,7 +43,9 @@ from zfctl.offload.device_to_host import (
 )
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
+from zfctl.offload.install import Installer
 from zfctl.offload.layout import named_params, plan_layout
+from zfctl.offload.ledger import Ledger
 from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
@@ -109,9 +111,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # reads every step's per-matrix gradient masses from .grad in step(), nor on FSDP2 shards,
         # whose gradients arrive by FSDP2's reduce-scatter into the sharded params (sharded.py).
         release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
+        self.ledger = Ledger()  # each step's bytes and waits, counted where they happen (StepStats.bytes/waits)
         if self.layout.host_slots:
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   release=release, hooks=self.sharded is None)
+                                   release=release, hooks=self.sharded is None, ledger=self.ledger)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
             if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
@@ -124,6 +127,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device,
                                  update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
+        self.installer = Installer(self.device)  # the install stream and its per-module events
+        for part in (self.pipeline, self.pipeline.worker, self.selector, self.installer):
+            if part is not None:
+                part.ledger = self.ledger
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -182,6 +189,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     # -- the loop's calls ---------------------------------------------------------------------
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Each module's forward waits only for its own params' install (install.py); returns the
+        modules hooked. One process only: FSDP2's all-gathers and zero2's broadcast read the params
+        outside the modules' forwards, so there the compute stream waits for the whole install."""
+        if self.host is None or self.sharded is not None or self.exchange is not None:
+            return 0
+        return self.installer.attach(model.modules(), self.params, [s.index for s in self.layout.host_slots])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -222,8 +237,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
         t, hp = self.pipeline.t, self._hyper()
         warm = t < self.selector.warmup
+        # The step's ledger tab opened when the last step closed: its backward's hooks are in it.
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
-                          d2h_gbps=self.gradient_path.d2h_gbps)
+                          d2h_gbps=self.gradient_path.d2h_gbps, tab=self.ledger.tab())
+        # The forward's waits for its layers (install.py); then the device update.
+        count_waits(stats, self.installer.wait_all(), "device.install")
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
@@ -242,6 +260,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.pipeline.discard_interval()  # the hooks added the skipped step into the host sum
             self._disarm()
             stats.skipped, stats.grad_norm = True, math.inf
+            self.ledger.close()
             self.last_stats = stats
             return stats
         if self.selector.due(t):  # 2. selection: choose, the entering part of the update in flight, migrate
@@ -273,8 +292,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
         if self.host is not None:
-            self.drain()
-            self.pipeline.collect(StepStats(step=self.pipeline.t))
+            stats = StepStats(step=self.pipeline.t)
+            with self.ledger.charging(stats.tab):  # no step's bytes: the flush's own
+                self.drain()
+                self.pipeline.collect(stats)
+            self.installer.wait_all()  # whoever reads the params next, on the compute stream
 
     def drain(self) -> None:
         """Wait until no accumulation job (hook path) or sum copy (device path) still runs."""
@@ -291,6 +313,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             self.sharded.close()
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
+        self.installer.close()  # the hooks off; the params' next reader comes after the last install
         self.drain()  # a copy out may still write the host accumulator
         self.pipeline.close()  # the worker wrote the last selection's leaving state from the staging
         self.selector.release()  # waits for the staging's last H2D, then unpins it
@@ -329,6 +352,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """2. selection, no drain: the update in flight updates the entering columns first (selector.py)."""
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
+        # The migration's streams follow the compute stream, which waited for the last install (wait_all above).
         extra = None
         if released is not None:  # the released gradients follow the new selection (release.py)
             self.gradient_path.drain()  # the hooks' accumulation jobs: the moves read the sum
@@ -372,7 +396,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             add_coef, clip = self._raw_coef(), self.scale.clip_factor(host_coef)
         self.gradient_path.add_host(grads, self.pipeline.acc, add_coef, first=self.pipeline.first_of_interval,
                                     stats=stats)
-        stats.d2h_bytes += 4 * len(values)
         stats.offload_ms = (time.perf_counter() - c) * 1e3
         if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
             self.pipeline.collect(stats)
@@ -401,19 +424,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                             pieces=tuple(order) if order is not None else None)
         if clip != 1.0:
             update = replace(update, grad_scale=update.grad_scale * clip)
-        stats.host_bytes += self.transfers.host_elems * 28  # master, moments read+written (24 B), acc read (4 B)
         self.pipeline.submit(update, stats, background=background,
                              prepare=lambda: self.gradient_path.finish(acc, stats))
 
     def _install(self, stats: StepStats) -> None:
-        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        """The host's finished update into the model params (the pipeline decides when), on the
+        install stream (install.py); each param's device-owned columns are put back after its chunks."""
         assert self.host is not None and self.transfers is not None  # only the host path installs
-        nbytes, fence = self.transfers.install(self.params)
-        stats.h2d_bytes += nbytes
-        self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs)  # the compute stream waiting for the copies
-        # Whole column ranges were written: put the device-owned columns back.
-        self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
+        p, sel = self.params, self.selector.selected
+        # Its bytes are counted by the ring (ledger.py).
+        _, fence = self.installer.run(self.transfers.h2d, self.transfers.chunks, self.host.install_source, p,
+                                      lambda slot: self.device_state.write_params(p, sel, only=[slot]))
+        self.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
+        count_waits(stats, self.installer.take_waits(), "device.install")  # no hooks: compute waits for it all
         if self.exchange is not None:  # each owner's columns to every rank (collectives)
             stats.comm_bytes += self.exchange.share_installed()
 
@@ -426,6 +449,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.update_interval = self.pipeline.last_interval
         stats.selected_fraction = self.selector.selected_fraction()
         self.pipeline.advance()
+        self.ledger.close()  # the next step's tab opens: the next backward's hooks count into it
         self.last_stats = stats
 
     # -- checkpoints (state.py) ----------------------------------------------------------------
@@ -435,6 +459,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
         Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
         group: it loads into the same rank of the same world size only."""
+        self.installer.wait_all()  # a checkpoint reads the params next
         sd = state.save(self)
         if self.sharded is not None:
             sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
@@ -451,6 +476,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if saved != here:
             raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
                              f"{here}: sharded row states load into the same rank and world size only")
+        self.installer.wait_all()  # the load writes the device master an install's restore reads
         state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
 
     def host_ranges(self) -> list[tuple[str, int, int]]:

@@ -39,6 +39,7 @@ import torch
 
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
+from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker, PieceWaits
 
@@ -47,6 +48,8 @@ Install = Callable[[StepStats], None]
 
 class Pipeline:
     """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
+
+    ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
                  install: Install, lag: int = 0, device: torch.device | None = None,
@@ -130,17 +133,22 @@ class Pipeline:
         the hook path's last accumulation job, or the device path's copy of the interval sum into
         its one host accumulator, which the previous update may still have been reading; that one
         is a ``PieceWaits``, one copy event per matrix, which the update waits for piece by
-        piece). The worker also waits for the install DMA that may still read the master (HostState).
+        piece). The worker also waits for the install DMA that may still read the install source,
+        the upload buffer or the master it writes (HostState.install_fence).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-        after = prepare()
+        after, dma = prepare(), _install_wait(host)
         if isinstance(after, PieceWaits):  # the sum lands matrix by matrix: the update follows it
-            update, after = replace(update, fences=after.pieces), None
-        worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
+            pieces = tuple((off, n, counted_wait(self.ledger, "worker.grads", w) if w is not None else None)
+                           for off, n, w in after.pieces)
+            update, after = replace(update, fences=pieces), None
+        waits = [counted_wait(self.ledger, kind, w) for kind, w in (("worker.grads", after), ("worker.install", dma))
+                 if w is not None]
+        worker.submit(update, waits)
         if background:  # ... then this one runs in the background (one accumulator: cur stays)
             self.cur = (self.cur + 1) % len(host.acc)
             self.age = 0
@@ -161,7 +169,8 @@ class Pipeline:
         if self.worker is None:
             return
         if self.worker.busy:  # self.busy, spelled out for the type checker
-            ms = self.worker.wait()
+            with self.ledger.waiting("host.cpu_update"):
+                ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True
@@ -169,13 +178,20 @@ class Pipeline:
 
     def prioritize(self, runs: torch.Tensor) -> float:
         """A selection: the update in flight updates these elements first; returns once it has
-        (ms waited, 0 when none is in flight). worker.py ``prioritize``."""
-        return self.worker.prioritize(runs) if self.worker is not None else 0.0
+        (ms waited, 0 when none is in flight). worker.py ``prioritize``. Counted as one
+        ``host.priority`` wait whenever an update is in flight by the step count (``busy``),
+        finished or not, so the count does not depend on thread timing (ledger.py)."""
+        if self.worker is None:
+            return 0.0
+        if not self.worker.busy:  # self.busy, spelled out for the type checker
+            return self.worker.prioritize(runs)
+        with self.ledger.waiting("host.priority"):
+            return self.worker.prioritize(runs)
 
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` on the worker thread behind the update in flight (``settle`` waits for it)."""
         assert self.worker is not None, "only the host path (host columns) has a worker"
-        self.worker.defer(job)
+        self.worker.defer(self.ledger.charged(job))  # its bytes and waits: the step that deferred it
 
     def close(self) -> None:
         """Stop the worker (finishing its update, not installed). Idempotent."""
@@ -206,8 +222,8 @@ class Pipeline:
     def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
         """Restore counters, policy and the unfinished interval's sum (into ``live_acc`` when it is
         not the host accumulator). A saved ``upload`` (states written before the install read the
-        master) is ignored: it held the master's values rounded to the model dtype, which the
-        install computes again from the master, to the same bits."""
+        master) is ignored: it held the master's values rounded to the model dtype, which the load
+        computes again from the master, to the same bits (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None:
             if self.worker.busy:  # self.busy, spelled out for the type checker
                 self.worker.wait()  # discard: everything it wrote is overwritten below
@@ -232,6 +248,7 @@ class Pipeline:
 
 
 def _install_wait(host: HostState) -> Callable[[], Any] | None:
-    """The wait for the install DMA still reading ``host.master``, handed to the worker by value."""
+    """The wait for the install DMA still reading ``host.install_source`` (the upload buffer, or an
+    fp32 model's master), handed to the worker by value."""
     fence, host.install_fence = host.install_fence, None
     return fence.synchronize if fence is not None else None

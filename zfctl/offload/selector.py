@@ -36,15 +36,19 @@ from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix, column_runs
-from zfctl.offload.migration import Departure, Mover, Pair, out_elems, ring_elems
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.migration import Departure, Mover, Pair
 from zfctl.offload.partition import OwnedRows, Partition
 from zfctl.offload.selection import HostRows, Moves, column_l1, migrate, plan_moves, top_columns
 from zfctl.offload.sharded import ShardedParams
+from zfctl.offload.sizing import out_elems, ring_elems
 from zfctl.offload.stats import StepStats
 
 
 class Selector:
     """The selection schedule and the selection step of one optimizer."""
+
+    ledger: Ledger = NOWHERE  # where the migration's bytes and waits are counted (ledger.py)
 
     def __init__(self, layout: Layout, device: DeviceAdam, config: ZenFlowConfig, *,
                  steps_per_epoch: int | None, part: Partition | None = None,
@@ -65,7 +69,7 @@ class Selector:
         """The migration's streams and page-locked buffers (migration.py ``Mover``): sized for a
         selection that replaces every device column (``pairs`` tensors per column: 3, or 4 with
         release.py's gradient); page-locked on CUDA with ``pin_memory``. The plan's "selection
-        staging" line (``migration.staging_bytes``)."""
+        staging" line (sizing.py ``staging_bytes``)."""
         if self.mover is None:
             device = self.device.master.device
             elems = sum(s.k * s.rows for s in self.selectable)
@@ -73,6 +77,7 @@ class Selector:
             tallest = max(s.rows for s in self.selectable)
             self.mover = Mover(device, pin=self._pin and device.type == "cuda",
                                ring=ring_elems(elems, cols, tallest, pairs), out=out_elems(elems, pairs), ids=4 * cols)
+            self.mover.ledger = self.ledger
         return self.mover
 
     def release(self) -> None:
@@ -119,18 +124,18 @@ class Selector:
                          else torch.zeros(slot.cols, device=dev.master.device))
             news.append(top_columns(score, slot.k))
         mover = self._mover(3 + (extra is not None))
+        self.landing = Departure(ledger=self.ledger, kind="host.migrate_land")
         # One D2H of every new column id and the old device counters (fp64: exact for both), one
         # host wait: nothing can be planned before the ids exist.
         ks = [s.k for s in self.selectable]
         fetched = mover.fetch(torch.cat([*news, *(dev.column_state(s).steps for s in self.selectable)]).double())
-        stats.d2h_bytes += 8 * fetched.numel()
         new_h = [c.long() for c in fetched[: sum(ks)].split(ks)]
         old_steps = [c.float() for c in fetched[sum(ks) :].split(ks)]
         self.moves = [plan_moves(s, dev.index_cpu[s.index], n) for s, n in zip(self.selectable, new_h)]
         # The update in flight updates the entering columns first: a host wait for that part only.
         pipeline.prioritize(self._entering_runs(host))
         if self.part is None:
-            self._migrate(host, stats, pipeline, old_steps, extra)
+            self._migrate(host, pipeline, old_steps, extra)
         else:  # data parallel: the owners' rows by collectives (partition.py), blocking
             self._migrate_owned(host, stats, old, news)
         for slot, new, cols in zip(self.selectable, news, new_h):
@@ -153,26 +158,29 @@ class Selector:
             mask[s.host_col0 + c - s.host_c0] = True
         return column_runs(mask, host.layout.host_col_offsets)
 
-    def _migrate(self, host: HostState, stats: StepStats, pipeline: Any, old_steps: list[torch.Tensor],
+    def _migrate(self, host: HostState, pipeline: Any, old_steps: list[torch.Tensor],
                  extra: Callable[[Moves, Departure], list[Pair]] | None) -> None:
         """One process or an FSDP2 rank: asynchronous DMA (migration.py). The leaving counters are
         written here (the main thread owns ``steps``), from the counters fetched with the ids; the
-        leaving master and moments by the worker, behind the update in flight."""
+        leaving master and moments by the worker, behind the update in flight, and with them the
+        leaving columns' upload entries (``mirror``): the update in flight never wrote those (the
+        device owned them), and its install, at the next boundary, DMAs them now that the host
+        owns them: they must hold the master's rounding, which the params hold already."""
         assert self.mover is not None
         if self.departure is not None:
             self.departure.finish()  # the last selection's: written long ago (a boundary collected it)
-        self.departure = dep = Departure(fence=_fence(host))
+        self.departure = dep = Departure(fence=_fence(host), ledger=self.ledger, kind="worker.migrate")
         jobs = []
         for m, steps in zip(self.moves, old_steps):
             d, h = self.device.column_state(m.slot), host.column_state(m.slot)
             h.steps.index_copy_(0, m.leave_cols, steps.index_select(0, m.leave_pos))
-            pairs = [Pair(d.master, h.master, dep), Pair(d.exp_avg, h.exp_avg, dep),
+            self.ledger.moved("host.migrate", 4 * m.leave_cols.numel())  # the leaving counters written
+            mirror = m.slot.host_view(host.upload) if host.upload is not None else None
+            pairs = [Pair(d.master, h.master, dep, mirror=mirror), Pair(d.exp_avg, h.exp_avg, dep),
                      Pair(d.exp_avg_sq, h.exp_avg_sq, dep),
                      Pair(d.steps.view(-1, 1), h.steps.view(-1, 1), dep, leaves=False)]  # written above
             jobs.append((m, pairs + (extra(m, self.landing) if extra is not None else [])))
-        d2h, h2d = self.mover.move(jobs, first=self.landing)  # the gradient's pieces first: ``land`` waits for them
-        stats.d2h_bytes += d2h
-        stats.h2d_bytes += h2d
+        self.mover.move(jobs, first=self.landing)  # the gradient's pieces first: ``land`` waits for them
         pipeline.defer(dep.finish)  # worker thread, after the update in flight (pipeline.py settle)
 
     def land(self) -> None:
@@ -185,15 +193,26 @@ class Selector:
                        news: list[torch.Tensor]) -> None:
         """Data parallel: each owner's rows through ``OwnedRows`` (one all-reduce per state tensor)."""
         assert self.part is not None
-        host.wait_install()  # OwnedRows writes the master now: the last install's DMA must be done
+        # OwnedRows writes the master and this writes the upload buffer now: the last install's DMA
+        # must be done reading either (a host wait, data-parallel selection steps only).
+        host.wait_install()
         for slot, new in zip(self.selectable, news):
             owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.part.group, self.device.master.device)
                      for h in host.column_state(slot)]
             rows: Sequence[HostRows] = tuple(owned)
             d2h, h2d = migrate(self.device.column_state(slot), rows, old[slot.index], new)
-            stats.d2h_bytes += d2h
-            stats.h2d_bytes += h2d
+            self.ledger.moved("d2h.migrate", d2h)  # leaving columns' state
+            self.ledger.moved("h2d.migrate", h2d)  # entering columns' state
             stats.comm_bytes += sum(o.sent for o in owned)
+            was = old[slot.index]
+            if host.upload is not None and was is not None:
+                # This rank's leaving columns: the update in flight did not write their upload
+                # entries (the device owned them), its install will DMA them (see ``_migrate``).
+                gone = was.cpu()
+                gone = gone[~torch.isin(gone, new.cpu()) & (gone >= slot.host_c0) & (gone < slot.host_c1)] - slot.host_c0
+                up, master = slot.host_view(host.upload), slot.host_view(host.master)
+                up.index_copy_(0, gone, master.index_select(0, gone).to(up.dtype))
+                self.ledger.moved("host.migrate", (4 + up.element_size()) * gone.numel() * master.shape[1])
 
     def mass_totals(self, params: list[torch.Tensor], host_mass: torch.Tensor) -> list[torch.Tensor]:
         """Data parallel: each selectable matrix's total gradient L1 mass, the selected columns'

@@ -159,6 +159,7 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         # the device path's device buffer.
         acc = live if live is not None else opt.host.acc[pipeline["counters"]["cur"] % len(opt.host.acc)]
         gather_host(opt.layout, pieces, into={**opt.host.state_dict(), "acc": acc})
+        opt.host.refresh_upload()  # a pending install reads the loaded master's rounding (host.py)
         pipeline["acc"] = acc
     opt.pipeline.load_state_dict(pipeline, live_acc=live)
     opt.selector.selected = parts["selected"]

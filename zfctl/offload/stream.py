@@ -80,6 +80,7 @@ from zfctl.offload import pinned
 from zfctl.offload.acc_gate import AccGate, Waiter
 from zfctl.offload.chunks import Chunk
 from zfctl.offload.layout import as_matrix
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import bind_device, copy_async
 from zfctl.offload.stats import StepStats
 
@@ -110,6 +111,8 @@ class ExchangeOrder:
 
 class GradStream:
     """Moves the host-owned gradient columns to the host during the last backward of a step."""
+
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, numel: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, budget_bytes: int, accumulate: Accumulate,
@@ -226,20 +229,22 @@ class GradStream:
         if self.started:
             return
         self.started = True  # first hook of the window: landing[w] must be free again
-        if not self.cuda and self.coef is not None and self._last_job is not None and not self._last_job.done():
+        if not self.cuda and self.coef is not None and self._last_job is not None:
             # CPU, coefficient known: this window's hooks add on the training thread (_land), so
             # the jobs queued on the accumulation thread before them (the zero sum of an interval's
             # first step, a late add) must be done first: they write the same accumulator ranges.
             t0 = time.perf_counter()
-            self._last_job.result()  # host wait (stall), at most once per window
+            with self.ledger.waiting("host.hook_slot"):
+                self._last_job.result()  # host wait (stall), at most once per window
             self.wait_ms += (time.perf_counter() - t0) * 1e3
         if self.ring_slots:  # the ring's slots are waited for one by one (_ring_view)
             return
         self._w = 1 - self._w
         fence = self.fences[self._w]
-        if fence is not None and not fence.done():
+        if fence is not None:  # written every window; blocks only when the job is late
             t0 = time.perf_counter()
-            fence.result()  # host wait: the accumulation of two steps ago still reads it
+            with self.ledger.waiting("host.hook_slot"):
+                fence.result()  # host wait: the accumulation of two steps ago still reads it
             self.wait_ms += (time.perf_counter() - t0) * 1e3
 
     def _complete_oldest(self) -> None:
@@ -280,6 +285,9 @@ class GradStream:
         for ch in chunks:
             j = self._next_slot % self.ring_slots if self.ring_slots else None
             dst = self._landing_view(ch, grad.dtype, j)
+            nbytes = ch.numel * dst.element_size()
+            self.ledger.moved("d2h.grad", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+            self.ledger.moved("host.land", nbytes)  # ... written into the landing buffer / ring slot
             if not self.cuda:
                 dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 self.landed.append((ch, None, dst))
@@ -315,9 +323,10 @@ class GradStream:
             return self.landing[self._w][ch.off : ch.off + ch.numel]
         self._next_slot += 1
         fence, self.ring_fences[j] = self.ring_fences[j], None
-        if fence is not None and not fence.done():
+        if fence is not None:  # written for every reused slot; blocks only when the job is late
             t0 = time.perf_counter()
-            fence.result()  # host wait: the thread is still adding what slot j held
+            with self.ledger.waiting("host.hook_slot"):
+                fence.result()  # host wait: the thread is still adding what slot j held
             self.wait_ms += (time.perf_counter() - t0) * 1e3
         nbytes = ch.numel * dtype.itemsize
         assert nbytes <= self.slot_bytes, "chunks are planned to fit one ring slot (chunks.plan_chunks)"
@@ -327,17 +336,19 @@ class GradStream:
         """Bound the device temporaries in flight: wait for the oldest copies (stall)."""
         while self.inflight and self.inflight_bytes + nbytes > self.budget_bytes:
             event, b = self.inflight.popleft()
-            if not event.query():
-                t0 = time.perf_counter()
-                event.synchronize()  # sync point: one earlier chunk's D2H
-                self.wait_ms += (time.perf_counter() - t0) * 1e3
-                self.budget_waits += 1
+            with self.ledger.waiting("host.hook_budget"):  # over budget: this copy must have landed
+                landed = event.query()
+                if not landed:
+                    t0 = time.perf_counter()
+                    event.synchronize()  # sync point: one earlier chunk's D2H
+                    self.wait_ms += (time.perf_counter() - t0) * 1e3
+                    self.budget_waits += 1
             self.inflight_bytes -= b
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> Future:
         """Queue ``fn(*args)`` on the accumulation thread (which runs jobs in submission order)."""
         assert self._pool is not None, "GradStream used after close()"
-        return self._pool.submit(fn, *args)
+        return self._pool.submit(self.ledger.charged(fn), *args)  # its bytes: the issuing step's
 
     def _add(self, ch: Chunk, event: Any, src: torch.Tensor, acc: torch.Tensor, coef: float,
              first: bool, wait_read: Waiter | None = None) -> None:
@@ -406,7 +417,8 @@ class GradStream:
     def drain(self) -> None:
         """Wait for every queued accumulation (checkpoints, loading, closing)."""
         if self._last_job is not None:
-            self._last_job.result()
+            with self.ledger.waiting("host.acc_drain"):
+                self._last_job.result()
 
     def close(self) -> None:
         for h in self._handles:

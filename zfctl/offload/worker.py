@@ -42,6 +42,7 @@ import torch
 
 from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inner_steps
 from zfctl.offload.host import HostState
+from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw
 from zfctl.offload.pcie import bind_device
 from zfctl.offload.runs import plan_pieces, runs_and, runs_minus
 
@@ -123,6 +124,8 @@ def clip_runs(runs: torch.Tensor, ends: torch.Tensor, lo: int, hi: int) -> torch
 
 class CpuWorker:
     """A single background thread owning the host state while an update is in flight."""
+
+    ledger: Ledger = NOWHERE  # where its bytes and fences are counted (ledger.py; the optimizer's own)
 
     def __init__(self, host: HostState, device: torch.device) -> None:
         from zfctl import _native  # raises UserError("run make setup") when the library is missing
@@ -224,11 +227,12 @@ class CpuWorker:
 
     def _adamw(self, update: CpuUpdate, step: int, runs: torch.Tensor) -> None:
         h = self._host
+        count_adamw(self.ledger, h.master, update.acc, runs=runs, out=h.upload)  # host.sum + host.update, this step's tab
         self.native.adamw_step(
             h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
             beta1=update.beta1, beta2=update.beta2, eps=update.eps,
             weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-            repeat=update.repeat,
+            repeat=update.repeat, out=h.upload,  # bf16/fp16: the install source (host.py upload)
         )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:
@@ -260,7 +264,7 @@ class CpuWorker:
                 if gate is not None:
                     gate.end()  # done reading (or failed: no writer may wait forever)
 
-        self._future = self._pool.submit(run)
+        self._future = self._pool.submit(self.ledger.charged(run))  # counted into the submitting step
 
     def prioritize(self, runs: torch.Tensor) -> float:
         """Main thread: have the update in flight update the elements of ``runs`` (a run list)
