@@ -24,7 +24,7 @@ import pytest
 import torch
 from slow_readers import slow_readers
 from test_offload_gpu import HP, PATHS, ZEN, loop
-from test_offload_helpers import batches, snapshot, tiny_net, zen
+from test_offload_helpers import HID, batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
 from zfctl.offload.pcie import delay_copies
@@ -196,6 +196,51 @@ def test_install_under_slow_copies(slow_copies, dtype, path, pin) -> None:
     delay_copies(DELAY)
     got, stats = _run(cfg, dtype=dtype, hooks=False)
     assert sum(s.installed for s in stats) >= 2 and sum(s.device_wait_ms > 0 for s in stats if s.installed) >= 1
+    assert _same(ref, got)
+
+
+@DTYPES
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("late", ["copies", "worker"])
+def test_selections_under_slow_copies_or_a_late_worker(slow_copies, monkeypatch, dtype, path, late) -> None:
+    """Re-selections every 4 steps, each meeting the CPU update submitted one step earlier
+    (selector.py, migration.py). Slow copies cover: the selection's host wait for the column
+    ids' D2H (``Mover.fetch``); the in stream's wait, before writing a matrix's device rows, for
+    the out stream to have gathered its leaving rows (``_prepare``: the out stream is held back
+    by its slowed D2Hs); the compute stream's wait for the in stream's last H2D before the
+    device AdamW (``done``); the worker's wait for each leaving piece's D2H before it writes the
+    host rows (``Departure.finish``), and for the install's DMA; on the device path the worker's
+    per-matrix copy-out waits (``fences``). A late worker (each update sleeps before it
+    starts, each leaving-state write sleeps) covers: the selection waits for the entering part
+    (``prioritize``), the install and the next update wait for the leaving rows (``settle``).
+    A 1-row staging makes every selection reuse in-ring slots (``_in_slot``). With slow copies
+    the install stream is slowed and the layers wait for their own install (install.py): the
+    migration's streams come after the compute stream, which comes after the install's restore
+    of the device columns (``wait_all`` in ``_reselect``), and the leaving columns' upload
+    entries are written before the next install reads them (``Departure``'s mirror)."""
+    from zfctl.offload import migration, runs, sizing
+
+    monkeypatch.setattr(runs, "PIECE_ELEMS", 256)
+    cfg = zen(**{**ZEN, "select_interval": 4, "update_interval": 2}, **PATHS[path], overlap_step=True)
+    hooks = path == "host-hooks"
+    delay_copies(0)
+    ref, _ = _run(cfg, dtype=dtype, hooks=hooks, clip=0.5 if not hooks else None)
+    monkeypatch.setattr(sizing, "STAGE_BYTES", 4 * HID)
+    delay_copies(DELAY if late == "copies" else 0)
+    if late == "worker":
+        finish = migration.Departure.finish
+
+        def late_finish(self):
+            import time
+
+            time.sleep(0.02)
+            finish(self)
+
+        monkeypatch.setattr(migration.Departure, "finish", late_finish)
+    got, stats = _run(cfg, dtype=dtype, hooks=hooks, clip=0.5 if not hooks else None,
+                      update_s=0.02 if late == "worker" else 0.0, layer_waits=late == "copies",
+                      slow_install=late == "copies")
+    assert sum(s.selection for s in stats) >= 3 and not any(s.installed for s in stats if s.selection)
     assert _same(ref, got)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ class Shim:
     current: FakeStream = field(default_factory=lambda: FakeStream(name="unused"))
     host_syncs: list[Any] = field(default_factory=list)
     registered: list[int] = field(default_factory=list)
+    # Every Tensor.copy_: (stream, dst, src, non_blocking, calling thread's name); a DMA is a
+    # non_blocking copy on a copy stream, a blocking one is what a host thread would wait for.
+    copies: list[tuple[Any, torch.Tensor, torch.Tensor, bool, str]] = field(default_factory=list)
 
 
 SHIM = Shim()
@@ -107,6 +111,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Shim:
 
     def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         SHIM.current.log.append(("copy", (self.data_ptr(), src.data_ptr())))
+        SHIM.copies.append((SHIM.current, self, src, non_blocking, threading.current_thread().name))
         return real_copy(self, src)
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
@@ -127,8 +132,8 @@ def as_cuda(obj: Any, *streams: str) -> Any:
 
 def engine_on_shim(opt: Any) -> Shim:
     """Run a whole ``ZenFlowOptimizer`` built on CPU through the shim: install it, switch every
-    transfer part (both rings, the hook path's stream, the device path's sum, the installer) to its
-    CUDA branch, and page-lock (register) the install's source (the upload buffer, else the fp32
+    transfer part (both rings, the hook path's stream, the device path's sum, the installer, a
+    selection's migration) to its CUDA branch, and page-lock (register) the install's source (the upload buffer, else the fp32
     master) as a CUDA run with ``pin_memory`` does, so the install leaves its fence. The waits those branches write are then counted in ``StepStats.waits``
     (zfctl/offload/ledger.py) as on a GPU; the bytes are the same as without the shim. Call it
     after ``fake_cuda(monkeypatch)`` and before the first step."""
@@ -148,4 +153,16 @@ def engine_on_shim(opt: Any) -> Shim:
         locked = pinned.empty(src.numel(), src.dtype, pin=True)
         locked.copy_(src)
         setattr(opt.host, name, locked)
+    if opt.selector.selectable:  # the migration (migration.py Mover), made at the first selection
+        make = opt.selector._mover
+
+        def shimmed(pairs: int) -> Any:
+            fresh = opt.selector.mover is None
+            mover = make(pairs)
+            if fresh:
+                as_cuda(mover, "in_stream", "out_stream")
+                mover.pin = True  # its ring, out buffer and ids page-locked, as with pin_memory on CUDA
+            return mover
+
+        opt.selector._mover = shimmed
     return SHIM

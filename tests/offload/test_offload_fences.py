@@ -183,7 +183,7 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         added = acc._added
         install = torch.cuda.Event()
         install.record(shim.compute)  # what the boundary's install enqueues on compute meanwhile
-        fence = acc.copy_out(opt.host.acc[0])
+        fence = acc.copy_out(opt.host.acc[0], opt.transfers.chunks)
         waits = acc.copy_stream.waits
         assert waits == [("wait_event", added)], waits  # one wait, for the adds
         assert ("record", added) in shim.compute.log and added.after.count(("record", install)) == 0
@@ -264,3 +264,70 @@ def test_host_waits_of_the_transfer_calls_are_the_listed_ones(monkeypatch) -> No
     assert torch.equal(got, src) and len(shim.host_syncs) == n
     pinned.release(src)
     ring.release()
+
+
+def test_the_device_path_update_follows_the_sum_matrix_by_matrix(monkeypatch) -> None:
+    """The device path's copy out moves the host-owned columns only (``GAP_ELEMS`` 0 here: no
+    device-owned column rides along), one event per matrix, and ``StepStats.d2h_bytes`` counts
+    what it moved. The CPU update waits for each matrix's own event just before that matrix's
+    runs, in copy order (``PieceWaits``, worker.py ``fences``): the first matrix is updated
+    before the last one's wait. A wait for the last event only, or none, fails here; that a
+    missing wait reads the sum before it lands shows on a GPU (tests/gpu/test_race_stress.py)."""
+    from cuda_shim import FakeEvent
+
+    from zfctl.offload import device_acc
+
+    monkeypatch.setattr(device_acc, "GAP_ELEMS", 0)
+    shim = fake_cuda(monkeypatch)
+    log: list[tuple[str, object]] = []
+    monkeypatch.setattr(FakeEvent, "synchronize",
+                        lambda self: log.append(("wait", self)) if threading.current_thread().name.startswith("zenflow-cpu")
+                        else None)
+    cfg = zen(**BASE, accumulate="device", overlap_step=True, full_warm_up_rounds=0)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        acc = as_cuda(opt.gradient_path.sum, "copy_stream")
+        slots = opt.layout.host_slots
+        worker = opt.pipeline.worker
+        adamw = worker._adamw
+
+        def logged(update, step, part):
+            lo = int(part[0, 0])
+            log.append(("adamw", next(i for i, s in enumerate(slots) if s.host_off <= lo < s.host_off + s.host_numel)))
+            adamw(update, step, part)
+
+        monkeypatch.setattr(worker, "_adamw", logged)
+        copies: list[tuple[object, torch.Tensor]] = []
+        copy_out = acc.copy_out
+
+        def recorded(dst, chunks):
+            owned = ~opt.host.device_owned.clone()
+            fences = copy_out(dst, chunks)
+            copies.append((fences, owned))
+            return fences
+
+        monkeypatch.setattr(acc, "copy_out", recorded)
+        stats = []
+        for x, y in batches(12):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            stats.append(opt.step())
+        opt.flush()
+        acc.wait()
+        acc.cuda = False
+    assert len(copies) == sum(s.boundary for s in stats) >= 3
+    for (fences, owned), st in zip(copies, [s for s in stats if s.boundary]):
+        host_owned = sum(int(owned[s.host_col0 : s.host_col0 + s.host_c1 - s.host_c0].sum()) * s.rows for s in slots)
+        nbytes = st.bytes["d2h.sum"]  # counted by copy_out (ledger.py)
+        assert nbytes == 4 * host_owned and st.d2h_bytes - nbytes == 8  # the sum's host columns + the scalars
+        events = [wait.__self__ for _, _, wait in fences.pieces]
+        lasts = [e for op, e in acc.copy_stream.log if op == "record"]
+        assert all(e in lasts for e in events) and len(events) == len(slots)
+    waits = [e for op, e in log if op == "wait"]
+    assert waits == [wait.__self__ for fences, _ in copies for _, _, wait in fences.pieces]  # each, in order
+    for fences, _ in copies:  # each matrix's runs after its own wait, before the next matrix's
+        evs = [wait.__self__ for _, _, wait in fences.pieces]
+        for i, ev in enumerate(evs):
+            at = log.index(("wait", ev))
+            assert log[at + 1] == ("adamw", i), log[at : at + 2]
+    assert shim.host_syncs == []  # the training thread never waited for the copy out

@@ -286,8 +286,9 @@ def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypa
     """bf16, page-locked upload buffer (registered through the shim): each install's fence is the
     event after its last copy that reads the upload buffer, the master is not read by any copy,
     and the CPU update after the install waits for that fence before it writes the upload
-    (pipeline.py ``_install_wait``). A selection's migration, which writes the master only, does
-    not wait for it (``HostState.wait_master``)."""
+    (pipeline.py ``_install_wait``). A selection's migration does not consume it: the worker
+    writes the leaving rows of the master and the upload behind the update, after that fence,
+    taken by value (migration.py ``Departure``), and the fence stays for the next update."""
     shim = fake_cuda(monkeypatch)
     model = tiny_net(dtype=torch.bfloat16)
     cfg = zen(**BASE, accumulate="host", stream_grads=False)
@@ -319,9 +320,9 @@ def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypa
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
             stats = opt.step()
-            if stats.selection and stats.installed:  # collected, installed, migrated: fence kept
+            if stats.selection and host.install_fence is not None:  # the first: after the warm-up's install
                 selections += 1
-                assert host.install_fence is fences[-1] and fences[-1] not in shim.host_syncs
+                assert host.install_fence is fences[-1]  # kept for the next update
         opt.pipeline.settle()
         reads = [pos for pos, (op, what) in enumerate(ring.stream.log) if op == "copy" and up[0] <= what[1] < up[1]]
         assert not [w for op, w in ring.stream.log if op == "copy" and master[0] <= w[1] < master[1]]
@@ -330,7 +331,7 @@ def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypa
     for fence in fences:  # the event after the last copy before it that reads the upload buffer
         assert fence.stream is ring.stream
         assert max(p for p in reads if p < len(fence.after)) == len(fence.after) - 1
-    assert len(waited) >= 4 and all(waited) and selections >= 2
+    assert len(waited) >= 4 and all(waited) and selections >= 1
 
 
 def test_a_second_install_before_the_forward_keeps_the_first_ones_waits(monkeypatch) -> None:

@@ -10,9 +10,14 @@ the engine's own totals. A step that moves a byte more or writes one wait more f
 
 The schedule (full_warm_up_rounds 2, update_interval 3, select_interval 6, overlap):
 
-    step  0 1  2          3         4         5         6         7        8                 9
-    kind  warm-up x2, selection, ordinary, boundary, ordinary, ordinary, install, selection+install, ordinary
+    step  0 1  2          3         4         5         6         7        8          9
+    kind  warm-up x2, selection, ordinary, boundary, ordinary, ordinary, install, selection, ordinary
           (interval-first steps: 0, 1, 2, 5, 8; step 7 ends its interval early: 8 selects)
+
+A selection does not drain the pipeline (selector.py): step 8 meets the update step 7 submitted,
+waits for its entering columns only (``host.priority``), installs nothing (that update installs
+at the next boundary) and moves the state by asynchronous DMA (migration.py), whose leaving rows
+the worker writes behind the update, charged to step 8.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ SCHEDULE: list[tuple[frozenset[str], bool]] = [
     (frozenset(), True),  # 5 ordinary, the interval's first step
     (frozenset(), False),  # 6 ordinary
     (frozenset({"submit", "install"}), False),  # 7 install: collects step 4's update, submits its own
-    (frozenset({"select", "install"}), True),  # 8 selection: collects step 7's update and installs it
+    (frozenset({"select"}), True),  # 8 selection: step 7's update still in flight, not installed here
     (frozenset(), False),  # 9 ordinary
 ]
 PATHS = {  # zenflow keys of each gradient path, and whether the loop announces its backwards
@@ -72,11 +77,14 @@ class Facts:
     M: int  # matrix elements in host column ranges: what crosses PCIe (whole column ranges travel)
     K: int  # of those, elements of device-owned columns once selected (rows x k per selectable matrix)
     b: int  # the model's bytes per element
+    Kc: int  # device-owned columns of the selectable matrices (the selection's id fetch)
 
 
-def expected_bytes(step: int, f: Facts, moved: tuple[int, int, int, int]) -> dict[str, int]:
+def expected_bytes(step: int, f: Facts, moved: tuple[int, ...], spans: int) -> dict[str, int]:
     """The ledger of ``step`` on today's engine; ``moved``: (entering columns, their elements,
-    leaving columns, their elements) of the selection at this step (zeros elsewhere).
+    leaving columns, their elements, staying columns that change rows) of the selection at this
+    step (zeros elsewhere); ``spans``: elements the device path's copy out moves (each matrix from
+    its first host-owned column to its last: tiny-llama's device-owned gaps are all short).
 
     The lines the pending engine changes touch (so the lead edits them, nowhere else):
     ``host.sum`` per step (host path: summed in the fused AdamW instead), ``h2d.install`` /
@@ -95,30 +103,39 @@ def expected_bytes(step: int, f: Facts, moved: tuple[int, int, int, int]) -> dic
         got["host.sum"] = landed * (f.b + (4 if first else 8))  # read it; write (first) or rw the fp32 sum
     if "submit" in facets:
         if f.path == "device":
-            got["d2h.sum"] = got["host.land"] = 4 * f.M  # the fp32 interval sum, once
+            got["d2h.sum"] = got["host.land"] = 4 * spans  # the fp32 interval sum's host-owned spans, once
         got["host.sum"] += 4 * own  # the CPU update reads the sum ...
         got["host.update"] = (24 + upload) * own  # ... reads + writes master and moments, writes the copy
     if "install" in facets:
         got["h2d.install"] = got["host.install"] = (upload or 4) * f.M  # the install source's column ranges
     if "select" in facets:
-        enter, enter_el, leave, leave_el = moved
-        state_in, state_out = 12 * enter_el + 4 * enter, 12 * leave_el + 4 * leave  # master, moments; step
+        enter, enter_el, leave, leave_el, restay = moved
+        # in: master, moments and the step counter of each entering column (in ring, one H2D per slot)
+        # out: master and moments of each leaving column (out buffer); their counters came with the ids
+        state_in, state_out = 12 * enter_el + 4 * enter, 12 * leave_el
         grad_in, grad_out = (4 * enter_el, 4 * leave_el) if f.path == "hook" else (0, 0)  # released fp32 grads
-        got["h2d.migrate"], got["d2h.migrate"] = state_in + grad_in, state_out + grad_out
-        got["host.migrate"] = state_in + state_out + grad_in + grad_out  # host rows gathered / scattered
-        # the page-locked stage: written and read once per byte; the released gradient is also scaled there
-        got["host.stage"] = 2 * (state_in + state_out) + 4 * (grad_in + grad_out)
+        ids = 8 * (leave + 2 * restay + enter)  # the moves' device rows: leaving, staying (from, to), entering
+        fetched = 8 * 2 * f.Kc  # the new column ids and the old counters, fp64, one D2H
+        got["h2d.migrate"], got["d2h.migrate"] = state_in + grad_in + ids, state_out + grad_out + fetched
+        # host rows gathered (in) and written (out, by the worker), the leaving counters, and the
+        # leaving columns' upload entries (a model narrower than fp32)
+        got["host.migrate"] = state_in + grad_in + state_out + grad_out + 4 * leave + upload * leave_el
+        # page-locked: the in ring written by the gather and read by the DMA, the out buffer written
+        # by the DMA and read by the worker, the ids buffer written and read
+        got["host.stage"] = 2 * (state_in + grad_in + state_out + grad_out) + 2 * ids
     return {k: v for k, v in got.items() if v}
 
 
 def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int] | None:
     """The waits ``step`` writes on today's engine (docs/design.md, "Transfer scheduling", sync
     points); ``chunks``: column chunks the gradient and the install move; ``mats``: host matrices.
-    None for the warm-up (landing buffers and rings still cold) and selection steps (their waits
-    change with the selection that does not drain: tests of their own)."""
+    None for the warm-up (landing buffers and rings still cold). A selection step is
+    :func:`selection_waits`."""
     facets, first = SCHEDULE[step]
-    if step < W or "select" in facets:
+    if step < W:
         return None
+    if "select" in facets:
+        return selection_waits(step, f, chunks, mats)
     w: Counter[str] = Counter({"host.scalars": 1})  # the step's scalars
     if f.path == "step":
         w["host.d2h_chunk"] = chunks  # step() waits for each chunk's D2H
@@ -136,10 +153,46 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
         # once, device-side, at install time; the install stream waits for each chunk's H2D.
         w["device.install"] = 1
     if "submit" in facets:
-        if f.path != "step":
-            w["worker.grads"] = 1  # the worker waits for the interval's sum (last job / copy out)
+        if f.path == "hook" or f.path == "hook-keep":
+            w["worker.grads"] = 1  # the worker waits for the interval's sum (the last accumulation job)
+        elif f.path == "device":
+            w["worker.grads"] = mats  # ... each matrix's copy out, just before that matrix's part
         if install_in_flight(step, upload=f.b < 4):
             w["worker.install"] = 1  # ... and for the install DMA still reading what it writes
+    return dict(w)
+
+
+def selection_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int]:
+    """The waits of a selection step: no drain, so no ``host.cpu_update``, no install and no
+    install wait; the training thread waits once for the new column ids (``host.migrate_ids``),
+    for the entering part of the update in flight (``host.priority``: step 8 only, the first
+    selection meets none), and on the release path for the hooks' jobs (``host.acc_drain``) and
+    the leaving gradient's one out piece (``host.migrate_land``). The compute stream waits for the
+    migration (``device.migrate``); the worker, behind the update, for the out piece holding the
+    state and, after an install, that install's DMA (``worker.migrate``). The gradient's own waits
+    are an ordinary step's, except on the hook path without release: a selection step's backward
+    is not streamed (the scores read the whole ``.grad``), so its gradient goes through step()'s
+    D2H ring after the accumulation thread is drained (device_to_host.py ``DuringBackward``)."""
+    first = SCHEDULE[step][1]
+    w: Counter[str] = Counter({"host.scalars": 1, "host.migrate_ids": 1, "device.migrate": 1})
+    if f.path in ("step", "hook-keep"):
+        w["host.d2h_chunk"] = chunks  # step() waits for each chunk's D2H
+    if f.path == "hook-keep":
+        w["host.acc_drain"] = 1  # the hooks' jobs of the step before, then step()'s own offload
+    elif f.path == "hook":
+        w["host.hook_slot"] = w["host.hook_budget"] = chunks  # the release hooks, as every step
+    elif f.path == "device" and first:
+        w["device.sum_copy"] = mats
+    if step > W:
+        w["host.priority"] = 1  # step 7's update is in flight
+    # the state's leaving rows go out in one piece (tiny-llama: far below 64 MiB); the first
+    # selection has none. The worker waits for an install's DMA first if no submit consumed it.
+    if step > W:
+        w["worker.migrate"] = 1 + install_in_flight(step, upload=f.b < 4)
+    if f.path == "hook":
+        w["host.acc_drain"] = 1  # the release path's selection reads the host sum (optimizer.py _reselect)
+        if step > W:
+            w["host.migrate_land"] = 1  # the leaving gradient's one out piece (selector.py land)
     return dict(w)
 
 
@@ -147,15 +200,14 @@ def install_in_flight(step: int, *, upload: bool) -> bool:
     """Whether an install's DMA fence is still unconsumed when ``step`` submits (HostState.install_fence).
 
     An install sets the fence; the next submit consumes it (the worker writes the install source
-    after it). With no upload buffer the master is the source, so a selection's migration, which
-    writes the master, consumes it too (HostState.wait_master). A warm-up step installs after
-    its synchronous submit; later steps collect (install) before they submit."""
+    after it). A selection does not: its leaving rows are written behind the update, after that
+    fence, taken by value (migration.py ``Departure``), whatever the install source (``upload``).
+    A warm-up step installs after its synchronous submit; later steps collect (install) before
+    they submit."""
     fence = False
     for t, (facets, _) in enumerate(SCHEDULE[: step + 1]):
         if "install" in facets and t >= W:
             fence = True
-        if "select" in facets and not upload:
-            fence = False
         if t == step:
             return fence
         if "submit" in facets:
@@ -178,7 +230,8 @@ def run(path: str, monkeypatch, dtype: str = "fp32"):
               **keys)
     ids = torch.randint(0, 4096, (STEPS, 1, 8), generator=torch.Generator().manual_seed(1))
     stats: list[StepStats] = []
-    moved: list[tuple[int, int, int, int]] = []
+    moved: list[tuple[int, ...]] = []
+    spans: list[int] = []
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, vocab_params=vocab_matrices(model)) as opt:
         fake_cuda(monkeypatch)
         engine_on_shim(opt)
@@ -190,33 +243,50 @@ def run(path: str, monkeypatch, dtype: str = "fp32"):
                 opt.prepare_backward(final=True)
             model(input_ids=ids[i], labels=ids[i]).loss.backward()
             stats.append(opt.step())
-            moved.append(columns_moved(slots, before, [opt.device_state.index[s.index] for s in slots]))
+            after = [opt.device_state.index[s.index] for s in slots]
+            moved.append(columns_moved(slots, before, after))
+            spans.append(host_spans(slots, after))
         chunks = len(opt.transfers.chunks)
         opt.flush()  # the last helper-thread work is charged to its step: read the ledger after this
     b = torch.finfo(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])).bits // 8
-    facts = Facts(path, M=opt.layout.host_numel, K=sum(s.rows * s.k for s in slots if s.selects), b=b)
-    return stats, facts, chunks, len(slots), moved
+    facts = Facts(path, M=opt.layout.host_numel, K=sum(s.rows * s.k for s in slots if s.selects), b=b,
+                  Kc=sum(s.k for s in slots if s.selects))
+    return stats, facts, chunks, len(slots), moved, spans
 
 
-def columns_moved(slots, before, after) -> tuple[int, int, int, int]:
-    """(entering columns, their elements, leaving columns, their elements) between two selections."""
-    enter = enter_el = leave = leave_el = 0
+def columns_moved(slots, before, after) -> tuple[int, ...]:
+    """(entering columns, their elements, leaving columns, their elements, staying columns whose
+    device row changes) between two selections."""
+    enter = enter_el = leave = leave_el = restay = 0
     for s, old, new in zip(slots, before, after):
-        old_set = set() if old is None else set(old.tolist())
-        new_set = set() if new is None else set(new.tolist())
+        old_l = [] if old is None else old.tolist()
+        new_l = [] if new is None else new.tolist()
+        old_set, new_set = set(old_l), set(new_l)
         enter, enter_el = enter + len(new_set - old_set), enter_el + len(new_set - old_set) * s.rows
         leave, leave_el = leave + len(old_set - new_set), leave_el + len(old_set - new_set) * s.rows
-    return enter, enter_el, leave, leave_el
+        if old_l != new_l:
+            restay += sum(old_l.index(c) != new_l.index(c) for c in old_set & new_set)
+    return enter, enter_el, leave, leave_el, restay
 
 
-def check(stats, facts, chunks, mats, moved) -> None:
+def host_spans(slots, index) -> int:
+    """Elements from each matrix's first host-owned column to its last (all, before a selection)."""
+    total = 0
+    for s, idx in zip(slots, index):
+        dev = set() if idx is None else set(idx.tolist())
+        host = [c for c in range(s.cols) if c not in dev]
+        total += s.rows * (host[-1] - host[0] + 1) if host else 0
+    return total
+
+
+def check(stats, facts, chunks, mats, moved, spans) -> None:
     for t, s in enumerate(stats):
         facets, _ = SCHEDULE[t]
         # the step is the kind the schedule says (an early install or a stray selection shows here)
         assert (s.warmup, s.selection, s.boundary, s.installed) == (
             t < W, "select" in facets, "submit" in facets, "install" in facets), t
         assert set(s.bytes) <= set(BYTE_KINDS) and not any(k.endswith("unlabelled") for k in s.bytes), s.bytes
-        assert s.bytes == expected_bytes(t, facts, moved[t]), f"step {t} ({sorted(facets)}): bytes"
+        assert s.bytes == expected_bytes(t, facts, moved[t], spans[t]), f"step {t} ({sorted(facets)}): bytes"
         want = expected_waits(t, facts, chunks, mats)
         if want is not None:
             assert s.waits == want, f"step {t} ({sorted(facets)}): waits"
@@ -226,19 +296,19 @@ def check(stats, facts, chunks, mats, moved) -> None:
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_each_step_moves_the_modelled_bytes_and_writes_the_modelled_waits(path, monkeypatch) -> None:
-    stats, facts, chunks, mats, moved = run(path, monkeypatch)
+    stats, facts, chunks, mats, moved, spans = run(path, monkeypatch)
     assert moved[W][0] > 0 and moved[W][2] == 0  # the first selection: every device column enters
     assert moved[W + SELECT][0] == moved[W + SELECT][2]  # later ones swap columns one for one
-    check(stats, facts, chunks, mats, moved)
+    check(stats, facts, chunks, mats, moved, spans)
 
 
 @pytest.mark.slow
 def test_the_ledger_of_a_bf16_model(monkeypatch) -> None:
     """2 B per element of gradient: the gradient lines follow the model's itemsize, the fp32
     state and install lines do not."""
-    stats, facts, chunks, mats, moved = run("hook", monkeypatch, dtype="bf16")
+    stats, facts, chunks, mats, moved, spans = run("hook", monkeypatch, dtype="bf16")
     assert facts.b == 2
-    check(stats, facts, chunks, mats, moved)
+    check(stats, facts, chunks, mats, moved, spans)
 
 
 def test_work_on_a_helper_thread_is_charged_to_the_step_that_issued_it() -> None:

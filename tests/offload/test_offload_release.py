@@ -175,27 +175,30 @@ def test_fp16_overflow_inside_an_interval_drops_its_host_sum() -> None:
     assert checked > 0
 
 
-def staged_run(stage: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, dict[str, int]]:
-    """14 released steps (selections at 1, 7, 13) with the selection's staging buffer one column
-    per piece (``stage``), or without one (every copy through a fresh tensor, as before it). fp16:
-    the hooks add gradients times 1 / the loss scale, which regather undoes and redoes."""
-    from zfctl.offload import release, selector
+def piecewise_run(tiny: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, int]:
+    """14 released steps (selections at 1, 7, 13) with the migration's pieces one row each
+    (``tiny``: every seam of the packing, and in-ring slots reused within a selection), or as
+    large as they come. fp16: the hooks add gradients times 1 / the loss scale, which the moves
+    undo and redo. Returns the parameters and how many gradient tensors moved."""
+    from zfctl.offload import optimizer as engine
+    from zfctl.offload import sizing
 
-    calls = {"out": 0, "in": 0}
-    out_staged, in_staged = release.out_staged, release.in_staged
+    moved = [0]
+    pairs_of = engine.regather_pairs
 
-    def count(name: str, fn):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
+    def counted(*a, **k):
+        pairs = pairs_of(*a, **k)
+
+        def wrapped(m, to):
+            out = pairs(m, to)
+            moved[0] += len(out)
+            return out
         return wrapped
 
     with monkeypatch.context() as m:
-        m.setattr(release, "out_staged", count("out", out_staged))
-        m.setattr(release, "in_staged", count("in", in_staged))
-        m.setattr(selector, "STAGE_BYTES", 4)  # one column per piece: the pieces' seams are exercised
-        if not stage:
-            m.setattr(selector.Selector, "_staging", lambda self: None)
+        m.setattr(engine, "regather_pairs", counted)
+        if tiny:
+            m.setattr(sizing, "STAGE_BYTES", 4)  # each piece and ring slot: one row of the tallest matrix
         model = tiny_net(dtype=dtype)
         cfg = zen(topk_ratio=0.25, update_interval=3, select_interval=6, full_warm_up_rounds=1, release_grads=True)
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, weight_decay=0.01) as opt:
@@ -205,15 +208,15 @@ def staged_run(stage: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch)
                 opt.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y.float())).backward()
                 opt.step()
             opt.flush()
-    return snapshot(model), calls
+    return snapshot(model), moved[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_released_selection_regathers_through_the_staging_with_the_same_bits(monkeypatch, dtype) -> None:
-    """On a released selection step the work buffer's leaving and entering gradient columns go
-    through the migration's page-locked staging (release.py ``regather``), scaled on the host as
-    before: the same parameters, bit for bit, as copying them through fresh tensors."""
-    staged, calls = staged_run(True, dtype, monkeypatch)
-    plain, none = staged_run(False, dtype, monkeypatch)
-    assert calls["out"] > 0 and calls["in"] > 0 and none == {"out": 0, "in": 0}
-    assert all(torch.equal(staged[n], plain[n]) for n in plain)
+def test_released_selection_moves_the_gradient_in_pieces_with_the_same_bits(monkeypatch, dtype) -> None:
+    """On a released selection step the work buffer's leaving and entering gradient columns move
+    with the state (release.py ``regather_pairs``, migration.py), scaled on the host: cut into
+    one-row pieces they give the same parameters, bit for bit, as in whole pieces."""
+    tiny, moved = piecewise_run(True, dtype, monkeypatch)
+    whole, _ = piecewise_run(False, dtype, monkeypatch)
+    assert moved > 0
+    assert all(torch.equal(tiny[n], whole[n]) for n in whole)

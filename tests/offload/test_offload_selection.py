@@ -3,6 +3,9 @@ exactly (master, both moments and its step counter) when the selection changes."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from test_offload_helpers import zen
 
@@ -53,6 +56,9 @@ def test_planted_large_gradient_columns_are_selected() -> None:
 
 
 def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> None:
+    """The selection at step 4 comes one step after the boundary that submitted a CPU update: that
+    update is not drained nor installed; it updates the entering columns first, the device takes
+    them as updated, and the worker writes the leaving columns' rows behind it."""
     layer = linear()
     cfg = zen(topk_ratio=0.125, update_interval=2, overlap_step=True, select_interval=4)
     captured: dict[str, object] = {}
@@ -73,22 +79,24 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
             opt.step()
         planted_grads(layer, SECOND, 4)
         stats = opt.step()
-        assert stats.selection and stats.installed  # the drain installed the in-flight update first
-        assert not opt.pipeline.busy
+        assert stats.selection and not stats.installed  # no drain, no early install
+        opt.pipeline.settle()  # the update and the leaving state written behind it
+        assert opt.pipeline.pending_install  # installed on the ordinary schedule, not yet
+        settled = _state(opt)
         groups = opt.host.update_groups()
 
     before, after = captured["before"], captured["after"]
     assert before["index"] == FIRST and after["index"] == SECOND
     for key in ("master", "exp_avg", "exp_avg_sq", "steps"):
-        dev_b, dev_a, host_b, host_a = before["dev"][key], after["dev"][key], before["host"][key], after["host"][key]
+        dev_b, dev_a, host = before["dev"][key], after["dev"][key], settled["host"][key]
         for row, col in enumerate(SECOND):
             if col in FIRST:  # staying: its device state moved rows, unchanged
                 assert torch.equal(dev_a[row], dev_b[FIRST.index(col)]), (key, col)
-            else:  # entering: the host's state, bit for bit
-                assert torch.equal(dev_a[row], host_b[col]), (key, col)
+            else:  # entering: the host's state after the update in flight, bit for bit
+                assert torch.equal(dev_a[row], host[col]), (key, col)
         for row, col in enumerate(FIRST):
             if col not in SECOND:  # leaving: the device's state, bit for bit, back on the host
-                assert torch.equal(host_a[col], dev_b[row]), (key, col)
+                assert torch.equal(host[col], dev_b[row]), (key, col)
     # Counters: 4 device steps for the first selection; the host columns had 2 CPU updates.
     assert before["dev"]["steps"].tolist() == [4.0] * 4
     assert after["dev"]["steps"].tolist() == [2.0, 4.0, 2.0, 2.0]
@@ -113,50 +121,46 @@ def _column_states(gen: torch.Generator, n: int, rows: int) -> list[torch.Tensor
     return [torch.randn(n, rows, generator=gen) for _ in range(3)] + [torch.randint(1, 9, (n,), generator=gen).float()]
 
 
-def test_staged_migration_is_exact_and_moves_every_byte_through_page_locked_memory(monkeypatch) -> None:
-    """A selection moves ~1.3 GB each way at 1B parameters: each copy used to land in (or be gathered
-    into) a fresh pageable tensor, a driver-staged PCIe copy plus first-touch page faults. With a
-    ``Staging`` every D2H lands in, and every H2D leaves from, its one page-locked buffer (the
-    pinned registry, faked here), in pieces, with the same bits and byte counts as without it."""
-    from cuda_shim import fake_cuda
-    from torch.utils._python_dispatch import TorchDispatchMode
+@pytest.mark.parametrize("rows_per_piece", [1, 3, 64])
+def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monkeypatch, rows_per_piece) -> None:
+    """A selection moves ~1.3 GB each way at 1B parameters. The Mover (migration.py, on its CUDA
+    branch through the shim) packs the moves into pieces: every H2D leaves from its page-locked in
+    ring, every D2H lands in its page-locked out buffer, each a non_blocking copy on a copy stream;
+    once the leaving rows are written (``Departure.finish``) the state has the bits the blocking
+    ``migrate`` gives, and the same bytes moved, whatever the piece size (one row, some, all)."""
+    from cuda_shim import as_cuda, fake_cuda
 
-    from zfctl.offload import pinned
-    from zfctl.offload.selection import ColumnState, Staging, migrate
+    from zfctl.offload import migration, pinned, sizing
+    from zfctl.offload.selection import ColumnState, migrate, plan_moves
 
-    fake_cuda(monkeypatch)
+    shim = fake_cuda(monkeypatch)
     rows, cols, k = 8, 40, 10
     gen = torch.Generator().manual_seed(3)
     old = torch.tensor([0, 3, 4, 9, 12, 17, 20, 25, 31, 39])
     new = torch.tensor([1, 3, 5, 9, 13, 18, 21, 25, 30, 38])  # 3 and 9 and 25 stay, 7 leave, 7 enter
     dev0, host0 = _column_states(gen, k, rows), _column_states(gen, cols, rows)
-
-    def run(stage: Staging | None) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, int]]:
-        dev, host = [t.clone() for t in dev0], [t.clone() for t in host0]
-        return dev, host, migrate(ColumnState(*dev), host, old, new, stage)
-
-    class PinnedWrites(TorchDispatchMode):
-        """Bytes written into page-locked memory by copies and in-place gathers."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.nbytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            dst = (args[0] if func is torch.ops.aten.copy_.default
-                   else kwargs.get("out") if func is torch.ops.aten.index_select.out else None)
-            if dst is not None and pinned.holds(dst):
-                self.nbytes += dst.numel() * dst.element_size()
-            return func(*args, **kwargs)
-
-    ref_dev, ref_host, ref_bytes = run(None)
+    ref_dev, ref_host = [t.clone() for t in dev0], [t.clone() for t in host0]
+    ref_bytes = migrate(ColumnState(*ref_dev), ref_host, old, new)
     assert ref_bytes == (7 * (3 * rows + 1) * 4,) * 2
-    for per in (1, 3, 64):  # columns per piece: one, some (7 = 3 + 3 + 1), all at once
-        stage = Staging(per * rows, pin=True, device=None)
-        with PinnedWrites() as seen:
-            dev, host, nbytes = run(stage)
-        assert nbytes == ref_bytes
-        assert seen.nbytes == sum(ref_bytes), per  # every byte, both ways, through the staging
-        for a, b in zip(dev + host, ref_dev + ref_host):
-            assert torch.equal(a, b)
+
+    monkeypatch.setattr(sizing, "STAGE_BYTES", rows_per_piece * rows * 4)
+    slot = SimpleNamespace(index=0)
+    mover = migration.Mover(torch.device("cpu"), pin=True, ring=sizing.ring_elems(k * rows, k, rows),
+                            out=sizing.out_elems(k * rows), ids=4 * k)
+    as_cuda(mover, "in_stream", "out_stream")
+    mover.pin = True
+    dev, host = [t.clone() for t in dev0], [t.clone() for t in host0]
+    dep = migration.Departure()
+    pairs = [migration.Pair(d.view(k, -1), h.view(cols, -1), dep) for d, h in zip(dev, host)]
+    d2h, h2d = mover.move([(plan_moves(slot, old, new), pairs)])
+    dep.finish()
+    for a, b in zip(dev + host, ref_dev + ref_host):
+        assert torch.equal(a, b)
+    ids = 8 * (7 + 7)  # the device rows of the leaving and entering columns (the staying keep theirs)
+    assert d2h == ref_bytes[0] and h2d == ref_bytes[1] + ids
+    dma = [c for c in shim.copies if pinned.holds(c[1]) or pinned.holds(c[2])]
+    assert sum(dst.numel() * dst.element_size() for _, dst, _, _, _ in dma) == d2h + h2d
+    assert all(non_blocking and stream in (mover.in_stream, mover.out_stream) for stream, _, _, non_blocking, _ in dma)
+    pieces = sum(stream is mover.in_stream and src.dtype == torch.float32 for stream, _, src, _, _ in dma)
+    assert pieces >= ref_bytes[1] // (4 * sizing.ring_elems(k * rows, k, rows) // sizing.IN_SLOTS)
+    assert mover.host_waits == max(0, pieces - sizing.IN_SLOTS)  # in-ring slots reused, DMA-paced

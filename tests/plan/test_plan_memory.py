@@ -193,10 +193,14 @@ def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -
 
 
 def test_a_buffer_without_a_plan_line_is_caught() -> None:
-    """The walk finds a buffer hidden anywhere in the engine: the comparison above can fail."""
-    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32"])
+    """The walk finds a buffer hidden anywhere in the engine: the comparison above can fail. (One
+    step first: the selection at step 0 makes the migration's staging, which the plan counts.)"""
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32",
+                                                                  "zenflow.full_warm_up_rounds=0"])
     model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0)
     with build_optimizer(model, plan, steps_per_epoch=100) as opt:
+        train_steps(model, opt, 1)
+        opt.zero_grad(set_to_none=True)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         before = held_bytes(opt, params)
         assert opt.host is not None
@@ -215,14 +219,17 @@ def test_llama2_7b_fits_one_80gb_gpu_and_a_128gb_host() -> None:
     p2 = 6.738e9 - (2 * 32 + 1) * 4096  # the 2-D weights
     state = est.host_total - est.item("process baseline")  # the process itself: 2 GB on CUDA, not per param
     assert est.item("process baseline") == 2 * GB
-    assert state / p2 <= 16.1  # 12 B master + moments, 4 B the one accumulator, bookkeeping
+    # 12 B master + moments, 4 B the one accumulator, bookkeeping, and the selection staging
+    # (the in ring and the out buffer that holds the leaving state: 2.4 GB, 0.36 B per element)
+    assert state / p2 <= 16.4
+    assert est.item("selection staging") <= 2.5 * GB
     assert est.item("gradient landing buffers") == 0
     # The host path (a GPU too small for the device accumulator) fits the 128 GB host too: one
     # accumulator and the landing ring (release_grads), 16 B per matrix element. On a 24 GB card
     # the device side does not fit without --fit, and the verdict says why.
     small = estimate(plan, Machine(128 * GB, True, "L4", 24 * GB))
     small_state = small.host_total - small.item("process baseline")
-    assert small.accumulate == "host" and small.host_total <= 113 * GB and small_state / p2 <= 16.1
+    assert small.accumulate == "host" and small.host_total <= 113 * GB and small_state / p2 <= 16.45
     assert not small.fits and "device memory" in small.reasons[-1] and "weights" in small.reasons[-1]
 
 

@@ -77,8 +77,10 @@ class AccGate:
 
     def wait(self, ticket: int, off: int) -> None:
         """Block until update ``ticket`` (if it is the one in flight) has read the chunk at ``off``.
-        An offset not in its order waits for the whole update (never the case while the chunk plan
-        is the one submitted: a re-selection collects the update before it re-plans)."""
+        An offset not in its order waits for the whole update: after a re-selection, which no
+        longer collects the update before it re-plans, a chunk that was all device-owned when the
+        update was submitted (the update reads nothing there; rare: ``topk_ratio`` of the columns
+        would have to fill a whole chunk), so the wait is conservative."""
         with self._cv:
             if ticket == 0 or self._reading != ticket:
                 return

@@ -149,7 +149,7 @@ class ZenFlowConfig:
     select_interval: SelectInterval = _f(
         8,
         "Re-select the top-k columns every N optimizer steps (an integer; the important columns "
-        "drift, each re-selection costs a pipeline drain and a column migration), or by epochs: "
+        "drift, each re-selection costs a column migration and a wait for part of the CPU update), or by epochs: "
         "'epoch' = once per epoch, 'N epochs' = every N (the optimizer needs steps_per_epoch; "
         "zfctl's training loop passes it), 'auto' = once per epoch, every 256 steps when the epoch "
         "length is unknown (DeepSpeed's select_interval: auto; the paper).",

@@ -4,9 +4,14 @@ Per step, the host-owned column ranges of every matrix are added into a flat fp3
 laid out exactly like the host accumulator (column-major, ``layout``), one transpose-and-add per
 matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
 first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
-interval the whole sum crosses PCIe (fp32, 4 B per element, on a copy stream into the page-locked
-host accumulator) and the CPU worker starts when that copy's last event has fired. The host never
-touches a per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
+interval the sum of the host-owned columns crosses PCIe (fp32, 4 B per element, on a copy stream
+into the page-locked host accumulator, ``copy_out``): one copy per span of host-owned columns
+(each chunk of ``Transfers.chunks`` cut where device-owned columns leave a gap of at least
+``GAP_ELEMS``; the rows of device-owned columns in between ride along, as in every chunk), one
+matrix after the other, an event per matrix. The CPU worker updates matrix by matrix, each after
+its own copy event (``PieceWaits``, worker.py), so the update overlaps the rest of the copy out.
+The host never touches a per-step gradient; the host path's D2H (2 B per element per step for
+bf16) disappears.
 
 Ownership of the device buffer across a boundary: the copy out moves it one matrix (host slot) at
 a time, each with its own event; the next interval's first write into a matrix's rows waits (on
@@ -17,9 +22,9 @@ There is one host accumulator on this path: the optimizer collects the previous 
 it copies the next sum out (optimizer.py ``_boundary``).
 
 Cost: 4 B of device memory per matrix element this rank holds on the host side (the rows of
-device-owned columns included: the buffer keeps the host layout so one copy moves it, about
-``topk_ratio`` more than strictly needed). ``resolve`` picks this mode for ``accumulate: auto``
-when that fits.
+device-owned columns included: the buffer keeps the host layout, so a span of columns is one
+copy, about ``topk_ratio`` more than strictly needed). ``resolve`` picks this mode for
+``accumulate: auto`` when that fits.
 
 Rounding: the host path adds with one fma per element (the native kernel); here the first step
 is exact-then-one-rounding (``copy_`` then ``mul_``, like the fma into zero) and the later steps
@@ -29,7 +34,6 @@ bit for bit where both fuse, else to within an ulp per step (tests/offload/test_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +42,11 @@ from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import copy_async, device_wait
 from zfctl.offload.sizing import device_fits  # `accumulate: auto`'s one rule, shared with the plan
+from zfctl.offload.worker import PieceWaits
+
+# A gap of device-owned columns at least this long splits a chunk's copy out in two (1 MiB of fp32):
+# shorter gaps ride along, a copy costs more than the bytes it would skip.
+GAP_ELEMS = 2**18
 
 
 def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.Tensor]) -> str:
@@ -108,32 +117,38 @@ class DeviceAccumulator:
             self._added = torch.cuda.Event()
             self._added.record(compute)
 
-    def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
-        """Start the PCIe D2H of the interval sum into ``dst`` (page-locked host), one matrix at a
-        time; returns the wait the CPU worker must do first (None: already done, CPU)."""
-        nbytes = self.buf.numel() * self.buf.element_size()
+    def copy_out(self, dst: torch.Tensor, chunks: list[Any]) -> PieceWaits | None:
+        """Start the PCIe D2H of the interval sum's host-owned columns into ``dst`` (page-locked
+        host), one span of columns at a time (``chunks``: ``Transfers.chunks``, matrix by matrix,
+        in column order); returns each matrix's wait for the CPU worker, in copy order (None:
+        already done, CPU). The bytes are the spans' (ledger.py ``d2h.sum``)."""
+        spans = copy_spans(chunks)
+        nbytes = 4 * sum(n for _, spans_of in spans for _, n in spans_of)
         self.ledger.moved("d2h.sum", nbytes)  # PCIe D2H (CPU: what would cross it) ...
         self.ledger.moved("host.land", nbytes)  # ... written into the host accumulator
         if not self.cuda:
-            dst.copy_(self.buf)
+            for _, spans_of in spans:
+                for off, n in spans_of:
+                    dst[off : off + n].copy_(self.buf[off : off + n])
             return None
         assert self.copy_stream is not None  # CUDA: created in __init__
         # The first copy: after this interval's last add, not after the install enqueued since
         # (the worker waits for the install's own fence, pipeline.py ``_install_wait``).
         after: Any = self._added if self._added is not None else torch.cuda.current_stream(self.device)
-        event = None
-        for slot in self.layout.host_slots:
-            if slot.host_numel == 0:
+        pieces = []
+        for slot, spans_of in spans:
+            event = None
+            for off, n in spans_of:
+                # PCIe D2H of one span of a matrix's sum: 4 B per element, once per interval. The
+                # copies queue in order on one stream: a matrix's last event means it has landed.
+                event = copy_async(self.copy_stream, dst[off : off + n], self.buf[off : off + n], after=after)
+                after = None  # the copy stream is ordered after the adds already
+            if event is None:
                 continue
-            src = self.buf[slot.host_off : slot.host_off + slot.host_numel]
-            # PCIe D2H of one matrix's sum: 4 B per element, once per interval. The copies queue in
-            # order on one stream, so the last event also means every earlier copy has landed.
-            event = copy_async(self.copy_stream, dst[slot.host_off : slot.host_off + slot.host_numel], src,
-                               after=after)
-            after = None  # the copy stream is ordered after the adds already
             self._copied[slot.index] = event
-        self._last = event
-        return event.synchronize if event is not None else None  # worker thread: the sum has landed
+            self._last = event
+            pieces.append((slot.host_off, slot.host_numel, event.synchronize))  # worker: this matrix landed
+        return PieceWaits(tuple(pieces))
 
     def wait(self) -> None:
         """Host wait for a copy out still in flight (checkpoints, loading)."""
@@ -142,3 +157,22 @@ class DeviceAccumulator:
             self._last = None
         self._copied.clear()
         self._added = None  # a load may write the buffer next: the next copy out orders after everything
+
+
+def copy_spans(chunks: list[Any]) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """Per matrix (in ``chunks``' order), the (offset, elements) spans the copy out moves: each
+    chunk's host-owned runs, joined across gaps shorter than ``GAP_ELEMS``, and across chunk
+    boundaries when nothing lies between."""
+    out: list[tuple[Any, list[tuple[int, int]]]] = []
+    for ch in chunks:
+        runs = [(0, ch.numel)] if ch.runs is None else [(int(a), int(n)) for a, n in ch.runs.tolist()]
+        if not out or out[-1][0] is not ch.slot:
+            out.append((ch.slot, []))
+        spans = out[-1][1]
+        for a, n in runs:
+            a += ch.off
+            if spans and a - (spans[-1][0] + spans[-1][1]) < GAP_ELEMS:
+                spans[-1] = (spans[-1][0], a + n - spans[-1][0])
+            else:
+                spans.append((a, n))
+    return out

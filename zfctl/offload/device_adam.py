@@ -44,13 +44,16 @@ class DeviceAdam:
         self.exp_avg_sq = torch.zeros(n, dtype=f32, device=device)
         self.grad = torch.zeros(n, dtype=f32, device=device)  # work buffer, rewritten every step
         self.steps = torch.zeros(layout.dev_cols, dtype=f32, device=device)
-        # Sorted device column ids per matrix slot (None: not selected yet, or k == 0).
+        # Sorted device column ids per matrix slot (None: not selected yet, or k == 0), and their
+        # host copies (a selection plans its moves from them without reading the device).
         self.index: list[torch.Tensor | None] = [None] * len(layout.slots)
+        self.index_cpu: list[torch.Tensor | None] = [None] * len(layout.slots)
         for slot, p in zip(layout.slots, params):
             if slot.dense:
                 self.segment(self.master, slot).view(-1).copy_(p.detach().reshape(-1))
             elif slot.k == slot.cols:  # topk_ratio 1: the whole matrix lives here from the start
                 self.index[slot.index] = torch.arange(slot.cols, device=device)
+                self.index_cpu[slot.index] = torch.arange(slot.cols)
                 self.segment(self.master, slot).copy_(as_matrix(p.detach(), slot).t())
 
     # -- views ---------------------------------------------------------------------------------
@@ -176,3 +179,4 @@ class DeviceAdam:
             if s.selects:
                 saved = sd["selection"].get(s.name)
                 self.index[s.index] = saved.to(self.master.device) if saved is not None else None
+                self.index_cpu[s.index] = saved.to("cpu", torch.int64, copy=True) if saved is not None else None

@@ -249,8 +249,9 @@ class DuringBackward(InStep):
 
 
 class SummedOnDevice(NoHostColumns):
-    """The interval's sum lives on the device (device_acc.py); only the sum is copied device to
-    host, once per interval, after the previous CPU update was collected (its one accumulator).
+    """The interval's sum lives on the device (device_acc.py); only the sum's host-owned columns
+    are copied device to host, once per interval, after the previous CPU update was collected
+    (its one accumulator).
     Nothing happens on the host per step (``add_host`` is the base's no-op)."""
 
     def __init__(self, transfers: Transfers, device: torch.device) -> None:
@@ -264,7 +265,10 @@ class SummedOnDevice(NoHostColumns):
         count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
     def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
-        return self.sum.copy_out(acc)  # the fp32 sum, once per interval (counted there: ledger.py)
+        # The host-owned spans of the fp32 sum, once per interval, written into host memory; the
+        # update follows them matrix by matrix (a PieceWaits, pipeline.py ``submit``). Counted
+        # there (ledger.py).
+        return self.sum.copy_out(acc, self.transfers.chunks)
 
     def drain(self) -> None:
         self.sum.wait()

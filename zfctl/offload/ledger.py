@@ -39,18 +39,21 @@ BYTE_KINDS: dict[str, str] = {
     "d2h.grad": "gradient columns of one step (hook path, step() path): whole column ranges, model dtype",
     "d2h.sum": "the device path's fp32 interval sum, once per interval",
     "d2h.scalars": "the step's norm, coefficient and (auto interval) masses",
-    "d2h.migrate": "a selection's leaving columns: state rows, and on the release path their gradient",
+    "d2h.migrate": "a selection's leaving columns: state rows, and on the release path their gradient; "
+                   "the new column ids with the old counters (one small D2H)",
     # PCIe, host to device
     "h2d.install": "an install: updated host columns into the params",
-    "h2d.migrate": "a selection's entering columns: state rows, and on the release path their gradient",
+    "h2d.migrate": "a selection's entering columns: state rows, and on the release path their gradient; "
+                   "the moves' device-side ids",
     # host memory, read + written
     "host.land": "gradient DMA writes into host memory: landing buffers, ring slots, the device path's sum",
     "host.sum": "summing gradients: the accumulation (read the landed gradient, read/write the fp32 sum) "
                 "and the CPU update's read of the sum",
     "host.update": "the CPU AdamW's read + write of master and moments (and the copy it writes, if any)",
     "host.install": "an install's read of its host source",
-    "host.migrate": "a selection's host gather/scatter of state rows (and released gradients)",
-    "host.stage": "a selection's page-locked staging buffer, written and read",
+    "host.migrate": "a selection's host gather/scatter of state rows (and released gradients); the leaving "
+                    "columns' counters and upload-buffer entries written",
+    "host.stage": "a selection's page-locked staging (in ring, out buffer, ids), written and read",
     # bytes counted through StepStats' d2h_bytes/h2d_bytes/host_bytes setters by code that does not
     # name a kind: tests fail on them (name the kind here instead)
     "d2h.unlabelled": "d2h bytes added to StepStats.d2h_bytes without a kind",
@@ -67,13 +70,21 @@ WAIT_KINDS: dict[str, str] = {
     "host.hook_slot": "... the accumulation job that last read a landing buffer or ring slot (stream.py)",
     "host.hook_budget": "... an earlier chunk's D2H, the temporaries in flight being over budget (stream.py)",
     "host.acc_drain": "... every queued accumulation job (stream.py drain)",
-    "host.migrate_copy": "... one blocking copy of a selection's migration (selection.py)",
+    "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
+    "host.priority": "... the CPU update in flight has updated a selection's entering columns (worker.py prioritize)",
+    "host.migrate_slot": "... a selection's page-locked staging is free: an in-ring slot's last H2D, or (a selection "
+                         "larger than the out buffer) its leaving rows written (migration.py)",
+    "host.migrate_land": "... a release step's leaving gradient columns' D2H, before the host sum takes them "
+                         "(selector.py land)",
     # the compute stream waits (on the device) for ...
     "device.install": "... an install chunk's H2D copy (ring.py h2d)",
     "device.sum_copy": "... a matrix's copy out of the last interval sum (device_acc.py add)",
+    "device.migrate": "... a selection's entering state (the migration's in stream), before the device AdamW",
     # the CPU worker waits, before its update, for ...
     "worker.grads": "... the interval's gradient sum to be complete (the path's fence)",
     "worker.install": "... the install DMA still reading the master",
+    # the CPU worker waits, behind the update, before writing a selection's leaving rows, for ...
+    "worker.migrate": "... the last install's DMA and each out piece's D2H (migration.py Departure)",
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -50,7 +50,7 @@ from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
 from zfctl.offload.pipeline import Pipeline
-from zfctl.offload.release import GradRelease, regather
+from zfctl.offload.release import GradRelease, regather_pairs
 from zfctl.offload.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.selector import Selector
 from zfctl.offload.sharded import ShardedParams
@@ -263,7 +263,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.ledger.close()
             self.last_stats = stats
             return stats
-        if self.selector.due(t):  # 2. selection: drain the CPU pipeline, choose, migrate
+        if self.selector.due(t):  # 2. selection: choose, the entering part of the update in flight, migrate
             totals = self._reselect(grads, stats, released)
         scalars = self._start_scalars(norm, coef, grads, warm, totals) if self.host is not None else None
         clock = DeviceClock(self.device)  # 3. device AdamW (+ the device path's sum)
@@ -273,6 +273,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.device_state.write_params(self.params, self.selector.selected)
         self.gradient_path.add_device(grads, coef, first=self.pipeline.first_of_interval, stats=stats)
         clock.stop(stats)
+        self.selector.land()  # release: a selection's leaving gradient columns into the host sum
         tail, host_norm = time.perf_counter(), None
         if scalars is not None:  # 4-6. the rest of the gradient, and the boundary
             host_norm, tail = self._host_update(scalars, grads, warm, hp, stats)
@@ -314,8 +315,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.gradient_path.close()  # drains the accumulation thread, waits for its copies
         self.installer.close()  # the hooks off; the params' next reader comes after the last install
         self.drain()  # a copy out may still write the host accumulator
-        self.pipeline.close()
-        self.selector.release()  # no copy runs after step(): the staging's copies are blocking
+        self.pipeline.close()  # the worker wrote the last selection's leaving state from the staging
+        self.selector.release()  # waits for the staging's last H2D, then unpins it
         if self.host is not None and self.transfers is not None:
             self.host.wait_install()  # the last install's DMA may still read the master
             self.host.release()
@@ -348,24 +349,22 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _reselect(self, grads: list[torch.Tensor | None], stats: StepStats,
                   released: GradRelease | None) -> list[torch.Tensor] | None:
+        """2. selection, no drain: the update in flight updates the entering columns first (selector.py)."""
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
-        self.pipeline.collect(stats)
-        count_waits(stats, self.installer.wait_all())  # the migration writes the device master the install reads
-        old = list(self.device_state.index)
-        if released is not None:
-            self.gradient_path.drain()  # the hooks' accumulation jobs: regather reads the sum
-        totals = self.selector.select(grads, self.host, stats, scores=released.scores if released else None)
+        # The migration's streams follow the compute stream, which waited for the last install (wait_all above).
+        extra = None
+        if released is not None:  # the released gradients follow the new selection (release.py)
+            self.gradient_path.drain()  # the hooks' accumulation jobs: the moves read the sum
+            extra = regather_pairs(self.device_state, released.loaded, self.pipeline.acc, self._raw_coef())
+        totals = self.selector.select(grads, self.host, stats, pipeline=self.pipeline,
+                                      scores=released.scores if released else None, extra=extra)
         self.transfers.replan()
-        if released is not None:  # the released gradients, laid out by the new selection (release.py)
-            d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded,
-                                self.pipeline.acc, self._raw_coef(), self.selector.stage)
-            self.ledger.moved("d2h.migrate", d2h)  # the leaving columns' released gradient
-            self.ledger.moved("h2d.migrate", h2d)  # the entering columns' released gradient
+        if released is not None:
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
             self.gradient_path.stream.replan(self.transfers.chunks)
         stats.selection = True
-        stats.stall_ms += (time.perf_counter() - c) * 1e3  # host-driven migration: the device waits
+        stats.stall_ms += (time.perf_counter() - c) * 1e3  # the ids, the entering part, the enqueueing
         return totals
 
     def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None, grads: list[torch.Tensor | None],

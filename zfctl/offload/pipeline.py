@@ -10,6 +10,8 @@ step counts only, never on thread timing:
 * overlapped: install the previous interval's result first (waiting if it is still running: the
   only stall of this mode), then submit this interval and switch to the other accumulator. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
+  A re-selection does not change that: it takes only the entering columns' part of the update in
+  flight (``prioritize``), and the rest installs on this schedule like any other update.
   With one host accumulator (``zenflow.tuning.host_accumulators``) there is no other one: ``cur``
   stays 0 and the next interval's first writes wait for the update to have read each chunk
   (acc_gate.py; the optimizer hands the update its ``pieces``). The same values, other waits.
@@ -17,9 +19,12 @@ step counts only, never on thread timing:
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
   next boundary if that comes first; the step waits if the update has not finished by then.
 
-``collect`` (a re-selection's drain, ``flush``) waits and installs now. ``settle`` (checkpoints)
-waits without installing: the result becomes *pending*, which the saved state records, and the
-next boundary after a resume installs it exactly where the uninterrupted run would.
+``collect`` (``flush``, and the schedule above) waits and installs now. ``settle`` (checkpoints,
+loads) waits without installing: the result becomes *pending*, which the saved state records, and
+the next boundary after a resume installs it exactly where the uninterrupted run would. Both also
+wait for the jobs a selection deferred to the worker (``defer``: the leaving columns' state
+scattered into the host buffers), so no install, checkpoint, load or next update reads those
+rows before they are written.
 
 Without host columns (topk_ratio 1) only the step counter is used.
 """
@@ -27,6 +32,7 @@ Without host columns (topk_ratio 1) only the step counter is used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,7 +41,7 @@ from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
 from zfctl.offload.stats import StepStats
-from zfctl.offload.worker import CpuUpdate, CpuWorker
+from zfctl.offload.worker import CpuUpdate, CpuWorker, PieceWaits
 
 Install = Callable[[StepStats], None]
 
@@ -125,9 +131,10 @@ class Pipeline:
         ``prepare``: called once the previous update is collected and before this one starts, it
         returns the wait for what is still writing ``update.acc`` (the gradient path's ``finish``:
         the hook path's last accumulation job, or the device path's copy of the interval sum into
-        its one host accumulator, which the previous update may still have been reading). The
-        worker also waits for the install DMA that may still read the install source, the upload
-        buffer or the master it writes (HostState.install_fence).
+        its one host accumulator, which the previous update may still have been reading; that one
+        is a ``PieceWaits``, one copy event per matrix, which the update waits for piece by
+        piece). The worker also waits for the install DMA that may still read the install source,
+        the upload buffer or the master it writes (HostState.install_fence).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
@@ -135,6 +142,10 @@ class Pipeline:
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
         after, dma = prepare(), _install_wait(host)
+        if isinstance(after, PieceWaits):  # the sum lands matrix by matrix: the update follows it
+            pieces = tuple((off, n, counted_wait(self.ledger, "worker.grads", w) if w is not None else None)
+                           for off, n, w in after.pieces)
+            update, after = replace(update, fences=pieces), None
         waits = [counted_wait(self.ledger, kind, w) for kind, w in (("worker.grads", after), ("worker.install", dma))
                  if w is not None]
         worker.submit(update, waits)
@@ -153,13 +164,34 @@ class Pipeline:
             self.pending_install = False
 
     def settle(self, stats: StepStats | None = None) -> None:
-        """Wait for an in-flight update without installing it: its result becomes pending."""
-        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
+        """Wait for an in-flight update without installing it: its result becomes pending. Then
+        for the jobs deferred behind it (a selection's leaving state, ``defer``)."""
+        if self.worker is None:
+            return
+        if self.worker.busy:  # self.busy, spelled out for the type checker
             with self.ledger.waiting("host.cpu_update"):
                 ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True
+        self.worker.join_deferred()  # normally long done: it ran right after the update
+
+    def prioritize(self, runs: torch.Tensor) -> float:
+        """A selection: the update in flight updates these elements first; returns once it has
+        (ms waited, 0 when none is in flight). worker.py ``prioritize``. Counted as one
+        ``host.priority`` wait whenever an update is in flight by the step count (``busy``),
+        finished or not, so the count does not depend on thread timing (ledger.py)."""
+        if self.worker is None:
+            return 0.0
+        if not self.worker.busy:  # self.busy, spelled out for the type checker
+            return self.worker.prioritize(runs)
+        with self.ledger.waiting("host.priority"):
+            return self.worker.prioritize(runs)
+
+    def defer(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` on the worker thread behind the update in flight (``settle`` waits for it)."""
+        assert self.worker is not None, "only the host path (host columns) has a worker"
+        self.worker.defer(self.ledger.charged(job))  # its bytes and waits: the step that deferred it
 
     def close(self) -> None:
         """Stop the worker (finishing its update, not installed). Idempotent."""
@@ -192,8 +224,10 @@ class Pipeline:
         not the host accumulator). A saved ``upload`` (states written before the install read the
         master) is ignored: it held the master's values rounded to the model dtype, which the load
         computes again from the master, to the same bits (state.py, ``HostState.refresh_upload``)."""
-        if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
-            self.worker.wait()  # discard: everything it wrote is overwritten below
+        if self.worker is not None:
+            if self.worker.busy:  # self.busy, spelled out for the type checker
+                self.worker.wait()  # discard: everything it wrote is overwritten below
+            self.worker.join_deferred()  # a selection's leaving state: written before it is overwritten
         c = sd["counters"]
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]

@@ -51,9 +51,10 @@ from typing import Any
 import torch
 
 from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.migration import Departure, Pair
 from zfctl.offload.scaler import param_norm
-from zfctl.offload.selection import Staging, column_l1, in_staged, out_staged
+from zfctl.offload.selection import Moves, column_l1
 
 
 class GradRelease:
@@ -128,48 +129,19 @@ class GradRelease:
         self._handles = []
 
 
-@torch.no_grad()
-def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.Tensor | None], loaded: set[int],
-             acc: torch.Tensor, coef: float, stage: Staging | None = None) -> tuple[int, int]:
-    """After a selection on a release step: lay the work buffer's raw gradient out by the new
-    selection (``device_state.index``; ``old``: the one the hooks gathered by), for the params in
-    ``loaded``. Staying columns move inside the buffer; entering columns come back from the host
-    sum, where the hooks added them times ``coef`` (1 / the fp16 loss scale, a power of two: the
-    division is exact) as the interval's first step (a selection step always is: the step before
-    it ends an interval); leaving columns go into that sum the same way. Returns (D2H, H2D) bytes.
-    ``stage``: the migration's page-locked buffer (selection.py ``Staging``), which both copies go
-    through in pieces; None: through fresh pageable tensors.
-    """
-    d2h = h2d = 0
-    for slot in slots:
-        new = device_state.index[slot.index]
-        if slot.index not in loaded or new is None:
-            continue
-        seg = device_state.segment(device_state.grad, slot)  # [k, rows], laid out by ``old``
-        rows = slot.host_view(acc)  # [owned host columns, rows]
-        new_h = new.to("cpu")
-        prev = old[slot.index]
-        old_h = prev.to("cpu") if prev is not None else torch.empty(0, dtype=torch.int64)
-        stays = torch.isin(new_h, old_h)
-        before = seg.clone()  # a device copy of k columns: ``seg`` is rewritten below
-        leaving = ~torch.isin(old_h, new_h)
-        if bool(leaving.any()):  # PCIe D2H: the leaving columns' gradient into the host sum
-            pos, cols = torch.nonzero(leaving).flatten().to(seg.device), old_h[leaving] - slot.host_c0
-            if stage is not None:
-                d2h += out_staged(before, pos, rows, cols, stage, mul=coef)
-            else:
-                moved = before.index_select(0, pos).to("cpu")
-                rows.index_copy_(0, cols, moved * coef)
-                d2h += moved.numel() * moved.element_size()
-        stay_src = torch.searchsorted(old_h, new_h[stays]).to(seg.device)
-        seg.index_copy_(0, torch.nonzero(stays).flatten().to(seg.device), before.index_select(0, stay_src))
-        enter = new_h[~stays]
-        if enter.numel():  # PCIe H2D: the entering columns' gradient, from the host sum
-            dst = torch.nonzero(~stays).flatten().to(seg.device)
-            if stage is not None:
-                h2d += in_staged(seg, dst, rows, enter - slot.host_c0, stage, div=coef)
-            else:
-                back = (rows.index_select(0, enter - slot.host_c0) / coef).to(seg.device)
-                seg.index_copy_(0, dst, back)
-                h2d += back.numel() * back.element_size()
-    return d2h, h2d
+def regather_pairs(device_state: DeviceAdam, loaded: set[int], acc: torch.Tensor,
+                   coef: float) -> Callable[[Moves, Departure], list[Pair]]:
+    """A selection on a release step: the work buffer's raw gradient follows the columns too
+    (selector.py ``select``'s ``extra``, moved with the state by migration.py), for the params in
+    ``loaded`` (the hooks gathered them by the old selection). Staying columns move inside the
+    buffer; entering columns come back from the host sum, where the hooks added them times
+    ``coef`` (1 / the fp16 loss scale, a power of two: the division is exact) as the interval's
+    first step (a selection step always is: the step before it ends an interval); leaving columns
+    go into that sum the same way, through ``to`` (``Selector.land``: the main thread writes them
+    before the step's host update reads the sum)."""
+    def pairs(m: Moves, to: Departure) -> list[Pair]:
+        if m.slot.index not in loaded:  # no hook took it: step() gathers it by the new selection
+            return []
+        return [Pair(device_state.segment(device_state.grad, m.slot), m.slot.host_view(acc), to, scale=coef)]
+
+    return pairs

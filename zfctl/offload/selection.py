@@ -11,18 +11,21 @@ step counter (how many Adam updates its moments have absorbed; see ``device_adam
 columns take all four from the host; leaving columns write all four back to the host; columns
 that stay keep their device state untouched. Nothing is reset or re-derived from the bf16 model
 weights, so a column that leaves and re-enters continues exactly where it was.
+
+``plan_moves`` turns the old and new column ids (host copies) into what moves where; one process
+and FSDP2 ranks execute it by asynchronous DMA (migration.py), data-parallel ranks through the
+blocking ``migrate`` below, with ``partition.OwnedRows`` for the host rows.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
-from zfctl.offload import pinned
-from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.layout import ParamSlot
 
 
 class ColumnState(NamedTuple):
@@ -53,44 +56,45 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-class Staging:
-    """A reused host buffer (page-locked on CUDA, pinned.py) that every migration copy goes through.
+@dataclass(frozen=True)
+class Moves:
+    """How one matrix's device columns change (host int64 ids; positions are device rows)."""
 
-    Without it each copy of a migration landed in (or was gathered into) a freshly allocated
-    pageable tensor: a pageable PCIe copy (staged by the driver, several times slower than a DMA)
-    plus first-touch page faults on every new page, twice per byte moved, and at 1B parameters a
-    selection moves ~1.3 GB each way. The buffer is allocated once (the first selection) and
-    reused; transfers larger than it go in pieces of whole columns, one blocking copy each (a
-    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (sizing.py; or one column).
-    ``ledger``: where the host bytes and the blocking copies of the pieces are counted (ledger.py).
-    """
+    slot: ParamSlot
+    leave_pos: torch.Tensor  # old device rows of the leaving columns
+    leave_cols: torch.Tensor  # their column ids (host rows)
+    stay_src: torch.Tensor  # staying columns that change rows: old row ...
+    stay_dst: torch.Tensor  # ... and new row
+    enter_dst: torch.Tensor  # new device rows of the entering columns
+    enter_cols: torch.Tensor  # their column ids (host rows)
 
-    ledger: Ledger = NOWHERE
+    @property
+    def changed(self) -> bool:
+        return bool(self.enter_dst.numel() or self.stay_src.numel())
 
-    def __init__(self, elems: int, *, pin: bool, device: torch.device | None) -> None:
-        self.buf = pinned.empty(elems, torch.float32, pin=pin, device=device)
 
-    def per_piece(self, row_numel: int) -> int:
-        """Whole rows (columns of a matrix) that fit in one piece."""
-        return max(1, self.buf.numel() // max(1, row_numel))
-
-    def view(self, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape)
-        return self.buf[:n].view(shape)
-
-    def release(self) -> None:
-        pinned.release(self.buf)
+def plan_moves(slot: ParamSlot, old: torch.Tensor | None, new: torch.Tensor) -> Moves:
+    """The moves from sorted column ids ``old`` (None: none yet) to ``new`` (host tensors)."""
+    old = old if old is not None else torch.empty(0, dtype=torch.int64)
+    stays = torch.isin(new, old)
+    leaving = ~torch.isin(old, new)
+    src = torch.searchsorted(old, new[stays])
+    dst = torch.nonzero(stays).flatten()
+    moved = src != dst  # a column that keeps its row needs no copy
+    return Moves(slot, torch.nonzero(leaving).flatten(), old[leaving], src[moved], dst[moved],
+                 torch.nonzero(~stays).flatten(), new[~stays])
 
 
 def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None,
-            new: torch.Tensor, stage: Staging | None = None) -> tuple[int, int]:
-    """Move state so that ``dev`` rows hold the columns ``new`` (sorted), previously ``old``.
+            new: torch.Tensor) -> tuple[int, int]:
+    """Move state so that ``dev`` rows hold the columns ``new`` (sorted), previously ``old``:
+    data parallel, where ``host`` is ``partition.OwnedRows`` (one process and FSDP2 ranks migrate
+    asynchronously instead: migration.py).
 
     ``host``: the same four states in ``ColumnState`` order, rows indexed by column id (the whole
     owned range). Returns (d2h_bytes, h2d_bytes). Cost: two tiny index copies to the host (a
-    device sync; selection steps only), a D2H per state tensor for the leaving columns and an H2D
-    for the entering ones; with ``stage`` (host tensors only) each goes through its page-locked
-    buffer in pieces, the host gathering and scattering in place, no new host memory.
+    device sync; selection steps only), a blocking D2H per state tensor for the leaving columns
+    and an H2D for the entering ones.
     """
     device = dev.master.device
     new_h = new.to("cpu")
@@ -104,9 +108,6 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
         pos = torch.nonzero(leaving).flatten().to(device)
         cols = old_h[leaving]
         for d, h in zip(dev, host):
-            if stage is not None and isinstance(h, torch.Tensor):
-                d2h += out_staged(d, pos, h, cols, stage)
-                continue
             moved = d.index_select(0, pos).to("cpu")
             h.index_copy_(0, cols, moved)
             d2h += moved.numel() * moved.element_size()
@@ -119,54 +120,7 @@ def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None
     for d, h in zip(dev, host):
         staying = d.index_select(0, stay_src)  # gathered before d is overwritten
         d.index_copy_(0, stay_dst, staying)
-        if stage is not None and isinstance(h, torch.Tensor):
-            h2d += in_staged(d, enter_dst, h, enter_cols, stage)
-            continue
         entering = h.index_select(0, enter_cols).to(device)  # PCIe H2D
         h2d += entering.numel() * entering.element_size()
         d.index_copy_(0, enter_dst, entering)
     return d2h, h2d
-
-
-def out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
-               mul: float | None = None) -> int:
-    """Device rows ``pos`` of ``d`` into host rows ``cols`` of ``h`` (times ``mul``, on the host, if
-    given), through ``stage``; bytes moved."""
-    per, moved, ledger = stage.per_piece(math.prod(d.shape[1:])), 0, stage.ledger
-    for a in range(0, len(cols), per):
-        tmp = d.index_select(0, pos[a : a + per])  # a device gather of this piece's rows
-        buf = stage.view(tuple(tmp.shape))
-        nbytes = tmp.numel() * tmp.element_size()
-        with ledger.waiting("host.migrate_copy"):
-            buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
-        if mul is not None:
-            buf.mul_(mul)
-        h.index_copy_(0, cols[a : a + per], buf)
-        # the DMA writes the stage, (mul: reads and writes it), the scatter reads it and writes h
-        ledger.moved("host.stage", nbytes * (4 if mul is not None else 2))
-        ledger.moved("host.migrate", nbytes)
-        moved += nbytes
-    return moved
-
-
-def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging,
-              div: float | None = None) -> int:
-    """Host rows ``cols`` of ``h`` (divided by ``div``, on the host, if given) into device rows
-    ``dst`` of ``d``, through ``stage``; bytes moved."""
-    per, moved, ledger = stage.per_piece(math.prod(h.shape[1:])), 0, stage.ledger
-    for a in range(0, len(cols), per):
-        c = cols[a : a + per]
-        buf = stage.view((len(c), *h.shape[1:]))
-        torch.index_select(h, 0, c, out=buf)  # host gather, in place: no fresh pages
-        if div is not None:
-            buf.div_(div)
-        # PCIe H2D from page-locked memory; blocking (the buffer is reused next piece). Off CUDA
-        # ``to`` returns ``buf`` itself, which index_copy_ reads before the next piece rewrites it.
-        with ledger.waiting("host.migrate_copy"):
-            d.index_copy_(0, dst[a : a + per], buf.to(d.device))
-        nbytes = buf.numel() * buf.element_size()
-        # the gather reads h and writes the stage, (div: reads and writes it), the DMA reads it
-        ledger.moved("host.migrate", nbytes)
-        ledger.moved("host.stage", nbytes * (4 if div is not None else 2))
-        moved += nbytes
-    return moved

@@ -2,7 +2,7 @@
 
 zfctl/plan/memory.py sizes every buffer the engine allocates with the engine's own rules, so the
 plan and the run cannot disagree. Those rules used to live next to the torch code that applies
-them (bandwidth.py, device_acc.py, device_to_host.py, layout.py, ring.py, selection.py and
+them (bandwidth.py, device_acc.py, device_to_host.py, layout.py, ring.py, migration.py and
 zfctl/train/checksum.py), which
 made `zfctl plan` import torch (about 2 s of a 2-core machine) to do a few multiplications. They
 live here now and those modules import them from here; nothing here may import
@@ -73,8 +73,34 @@ def ring_slot_bytes(want: int, nslots: int, max_rows: int, host_numel: int, item
     return -(-size // 64) * 64
 
 
-# --- selection.py: a selection's column migration -------------------------------------------------
-STAGE_BYTES = 64 * 2**20  # the migration's page-locked staging buffer (at least one column)
+# --- migration.py: a selection's column migration ------------------------------------------------
+STAGE_BYTES = 64 * 2**20  # one packed DMA (each way), and one in-ring slot
+IN_SLOTS = 4  # in-ring slots: the host gathers slot i + 1 while the link moves slot i
+OUT_BYTES = 2 * 2**30  # the out buffer's cap: a 1.24B model's leaving state (1.48 GB at most) fits
+
+
+def staging_bytes(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3) -> int:
+    """Host bytes of a migration.py ``Mover`` for matrices with ``selected_elems`` device elements
+    in ``selected_cols`` columns (the tallest ``max_rows``), ``pairs`` state tensors of ``rows``
+    elements per column moved (3: master and moments; 4 with release.py's gradient): the in
+    ring, the out buffer and the ids buffer (zfctl/plan/lines.py's "selection staging")."""
+    ring, out = ring_elems(selected_elems, selected_cols, max_rows, pairs), out_elems(selected_elems, pairs)
+    return 4 * (ring + out) + 8 * 4 * selected_cols
+
+
+def ring_elems(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3) -> int:
+    """The in ring: ``IN_SLOTS`` slots of ``STAGE_BYTES``, each at least one column of the tallest
+    matrix, together no more than a selection that replaces every column brings in plus one
+    column per slot: slots are filled with whole rows, so each may leave less than a row unused,
+    and a selection that fits reuses no slot (no host wait)."""
+    total = pairs * selected_elems + selected_cols
+    return IN_SLOTS * max(min(STAGE_BYTES // 4, -(-total // IN_SLOTS) + max_rows), max_rows)
+
+
+def out_elems(selected_elems: int, pairs: int = 3) -> int:
+    """The out buffer: every leaving row of one selection (all ``k`` columns leave), capped."""
+    return min(OUT_BYTES // 4, pairs * selected_elems)
+
 
 # --- zfctl/train/checksum.py: checkpoint streaming -------------------------------------------------
 # Device tensors reach a checkpoint through one host chunk of this size at a time (the plan's

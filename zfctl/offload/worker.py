@@ -9,14 +9,29 @@ and accumulating the next interval meanwhile. Results never depend on timing: th
 only buffers the main thread leaves alone until ``wait``, and the main thread decides, by step
 count alone, when to wait and install.
 
-One exception, with one host accumulator and ``overlap_step`` (acc_gate.py): the next interval
-writes the accumulator the update reads. Then the update carries ``pieces`` (the chunks in the
-order the gradient path writes them), runs piece by piece, and publishes after each one how far
-it has read (``AccGate.passed``); each first write of the next interval waits for that.
+An update runs in *pieces* (element ranges, in order), for three reasons, none of which changes
+a bit (AdamW is per element: runs.py):
+
+* with one host accumulator and ``overlap_step`` (acc_gate.py) the next interval writes the
+  accumulator the update reads: the update carries ``pieces`` (the chunks in the order the
+  gradient path writes them) and publishes after each one how far it has read
+  (``AccGate.passed``); each first write of the next interval waits for that;
+* on the device path the interval sum lands matrix by matrix (device_acc.py ``copy_out``): the
+  update carries ``fences``, each piece with the wait for its own copy event, in copy order, so
+  the update starts on the first matrix while the rest is still on the link;
+* a selection (selector.py) takes the entering columns' state while the update submitted one
+  step earlier still runs: ``prioritize`` asks the worker to update those elements first (at
+  the next piece boundary, if not done yet), returns once they are, and the worker leaves them
+  out of the pieces that follow. The selection waits for that part only, not the whole update.
+
+``defer`` queues a job behind the update in flight on the same thread (a selection's leaving
+state, scattered into the host buffers once its D2H has landed: migration.py ``Departure``): it
+runs before the next update, and ``join_deferred`` waits for it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +44,10 @@ from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inn
 from zfctl.offload.host import HostState
 from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw
 from zfctl.offload.pcie import bind_device
+from zfctl.offload.runs import plan_pieces, runs_and, runs_minus
+
+# (offset, elements, the wait for that piece's data or None): one piece of an update, in order.
+Piece = tuple[int, int, Callable[[], Any] | None]
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,30 @@ class CpuUpdate:
     # One shared accumulator (acc_gate.py): (offset, elements) of each chunk, in the order the next
     # interval writes them; the update runs and publishes piece by piece. None: one pass.
     pieces: tuple[tuple[int, int], ...] | None = None
+    # The device path (device_acc.py): (offset, elements, wait) of each matrix of the interval
+    # sum, in copy order; the update waits for each piece's copy event just before its runs.
+    fences: tuple[Piece, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PieceWaits:
+    """What a gradient path hands the update when its sum lands piece by piece (device_acc.py
+    ``copy_out``): each piece's wait, in landing order. Called as one fence, it waits for all."""
+
+    pieces: tuple[Piece, ...]
+
+    def __call__(self) -> None:
+        for _, _, wait in self.pieces:
+            if wait is not None:
+                wait()
+
+
+@dataclass
+class _Request:
+    """A selection's ask (``CpuWorker.prioritize``): update these elements first."""
+
+    runs: torch.Tensor
+    done: bool = False
 
 
 def cpu_update(mode: DeferredLrScale, n: int, acc: torch.Tensor, groups: Callable[[int], list],
@@ -96,8 +139,15 @@ class CpuWorker:
         self._future: Future | None = None
         self.threads = 0  # cap on the update's native threads (threads.py); 0 = all
         # Tests only: called with a piece's index before the worker reads it (a slow worker makes
-        # a missing wait on the shared accumulator show as wrong bits).
+        # a missing wait on the shared accumulator, or on a priority request, show as wrong bits).
         self.before_piece: Callable[[int], None] | None = None
+        # The default cut of an update without ``pieces`` or ``fences``: each matrix's range.
+        self._ranges = [(s.host_off, s.host_numel) for s in host.layout.host_slots]
+        self._cv = threading.Condition()  # guards the two fields below (main thread and worker)
+        self._active = False  # an update is submitted and has not finished its last piece
+        self._request: _Request | None = None
+        self._deferred: list[Future] = []
+        self.priority_waits, self.priority_ms = 0, 0.0  # prioritize calls that waited, and how long
 
     @property
     def busy(self) -> bool:
@@ -105,23 +155,75 @@ class CpuWorker:
         return self._future is not None
 
     def run(self, update: CpuUpdate) -> float:
-        """Apply one update on the calling thread; returns its duration in ms."""
+        """Apply one update on the calling thread, piece by piece; returns its duration in ms."""
         t0 = time.perf_counter()
-        if update.pieces is None:
-            for step, runs in update.groups:
-                self._adamw(update, step, runs)
-        else:  # AdamW is per element: the same bits in any cut of the runs (native/kernels.h)
-            ends = [runs[:, 0] + runs[:, 1] for _, runs in update.groups]
-            for i, (off, n) in enumerate(update.pieces):
+        pieces = self._pieces(update)
+        ends = [runs[:, 0] + runs[:, 1] for _, runs in update.groups]
+        waited: set[int] = set()
+        skips: list[torch.Tensor] = []  # elements a priority request has updated already
+        try:
+            for i, (off, n, _) in enumerate(pieces):
                 if self.before_piece is not None:
                     self.before_piece(i)
+                self._serve(update, pieces, i, ends, waited, skips)
+                self._wait_piece(pieces, i, waited)
                 for (step, runs), end in zip(update.groups, ends):
                     part = clip_runs(runs, end, off, off + n)
+                    for skip in skips:
+                        part = runs_minus(part, skip)
                     if part.shape[0]:
                         self._adamw(update, step, part)
-                self._host.gate.passed(i + 1)  # the next interval may overwrite pieces 0..i now
+                if update.pieces is not None:
+                    self._host.gate.passed(i + 1)  # the next interval may overwrite pieces 0..i now
+        finally:
+            with self._cv:  # a request posted during the last piece: everything is updated now
+                self._active = False
+                self._cv.notify_all()
         # No zeroing: the first step of a later interval overwrites acc (chunks.py, stream.py).
         return (time.perf_counter() - t0) * 1e3
+
+    def _pieces(self, update: CpuUpdate) -> list[Piece]:
+        """The update's pieces: the shared accumulator's chunks, the sum's matrices in copy order
+        (cut to ``PIECE_ELEMS``, the wait on the first cut), or each matrix's range."""
+        if update.pieces is not None:
+            assert update.fences is None, "one accumulator shared with the next interval has no copy fences"
+            return [(off, n, None) for off, n in update.pieces]
+        if update.fences is not None:
+            out: list[Piece] = []
+            for off, n, wait in update.fences:
+                out += [(o, m, wait if o == off else None) for o, m in plan_pieces([(off, n)])]
+            return out
+        return [(off, n, None) for off, n in plan_pieces(self._ranges)]
+
+    @staticmethod
+    def _wait_piece(pieces: list[Piece], j: int, waited: set[int]) -> None:
+        wait = pieces[j][2]
+        if wait is not None and j not in waited:
+            wait()  # worker thread: that piece of the sum has landed (device path: its copy event)
+            waited.add(j)
+
+    def _serve(self, update: CpuUpdate, pieces: list[Piece], i: int, ends: list[torch.Tensor],
+               waited: set[int], skips: list[torch.Tensor]) -> None:
+        """A pending priority request: update its elements in pieces ``i..`` now (pieces before
+        ``i`` are done), record them as done for the rest, and wake the requester."""
+        with self._cv:
+            req = self._request
+        if req is None:
+            return
+        for j in range(i, len(pieces)):
+            off, n, _ = pieces[j]
+            parts = [(step, runs_and(clip_runs(runs, end, off, off + n), req.runs))
+                     for (step, runs), end in zip(update.groups, ends)]
+            for step, part in parts:
+                for skip in skips:
+                    part = runs_minus(part, skip)
+                if part.shape[0]:
+                    self._wait_piece(pieces, j, waited)
+                    self._adamw(update, step, part)
+        skips.append(req.runs)
+        with self._cv:
+            req.done, self._request = True, None
+            self._cv.notify_all()
 
     def _adamw(self, update: CpuUpdate, step: int, runs: torch.Tensor) -> None:
         h = self._host
@@ -146,6 +248,8 @@ class CpuWorker:
         gate = self._host.gate if update.pieces is not None else None
         if gate is not None:
             gate.start([off for off, _ in update.pieces or ()])
+        with self._cv:
+            self._active, self._request = True, None
 
         def run() -> float:
             try:
@@ -154,10 +258,49 @@ class CpuWorker:
                     wait()  # worker thread: the accumulator is complete, the master free, only after these
                 return self.run(update)
             finally:
+                with self._cv:  # failed before its pieces: no requester may wait forever
+                    self._active = False
+                    self._cv.notify_all()
                 if gate is not None:
                     gate.end()  # done reading (or failed: no writer may wait forever)
 
         self._future = self._pool.submit(self.ledger.charged(run))  # counted into the submitting step
+
+    def prioritize(self, runs: torch.Tensor) -> float:
+        """Main thread: have the update in flight update the elements of ``runs`` (a run list)
+        before anything else it has left, and return once they are (ms waited; 0 when no update
+        is in flight or it has finished). The worker then leaves them out of its other pieces, so
+        every element is still updated exactly once: the same bits as without the request."""
+        with self._cv:
+            if not self._active or runs.shape[0] == 0:
+                return 0.0
+            req = self._request = _Request(runs)
+            t0 = time.perf_counter()
+            while not req.done and self._active:
+                self._cv.wait()  # sync point (selection steps): the worker's entering part
+        ms = (time.perf_counter() - t0) * 1e3
+        self.priority_waits += 1
+        self.priority_ms += ms
+        return ms
+
+    @property
+    def requested(self) -> bool:
+        """A priority request waits to be served (tests: to post one at a known piece)."""
+        with self._cv:
+            return self._request is not None
+
+    def defer(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` on the worker thread after the update in flight (now if none), before the
+        next update; ``join_deferred`` waits for it."""
+        if self._pool is None:
+            raise RuntimeError("ZenFlowOptimizer is closed")
+        self._deferred.append(self._pool.submit(job))
+
+    def join_deferred(self) -> None:
+        """Block until every deferred job is done (re-raises the first error)."""
+        jobs, self._deferred = self._deferred, []
+        for job in jobs:
+            job.result()
 
     def wait(self) -> float:
         """Block until the in-flight update is done; its duration in ms (re-raises its error)."""
@@ -171,6 +314,7 @@ class CpuWorker:
         if self._pool is not None:
             try:
                 self.wait()
+                self.join_deferred()
             finally:
                 self._pool.shutdown(wait=True)
                 self._pool = None

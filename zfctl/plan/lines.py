@@ -14,11 +14,11 @@ from typing import Literal
 # The engine's size rules, torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
 from zfctl.offload.sizing import (
     CHUNK_BYTES,
-    STAGE_BYTES,
     device_fits,
     inflight_bytes,
     landing_slots,
     ring_slot_bytes,
+    staging_bytes,
 )
 from zfctl.plan.machine import GB, Machine
 from zfctl.plan.schema import RunPlan
@@ -177,10 +177,13 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
-    if 0 < r < 1 and c.largest and (world == 1 or fsdp):
-        # zfctl/offload/selector.py Selector._staging: made at the first selection, kept.
-        host("selection staging", min(STAGE_BYTES, 4 * c.largest), "a selection's column migration" + pinned,
-             "zfctl/offload/selection.py Staging")
+    if 0 < r < 1 and c.selected and (world == 1 or fsdp):
+        # zfctl/offload/selector.py Selector._mover: made at the first selection, kept. A release
+        # step's selection moves the gradient work buffer's columns too (release.py regather_pairs).
+        regather = hook and world == 1 and not fsdp and tu.release_grads and z.update_interval != "auto"
+        host("selection staging", staging_bytes(c.selected, c.selected_cols, c.max_rows, 4 if regather else 3),
+             "a selection's column migration: in ring, out buffer (every leaving row, at most 2 GiB), ids" + pinned,
+             "zfctl/offload/migration.py Mover")
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")

@@ -10,7 +10,8 @@ Notation: ``P`` all parameters, ``w`` bytes per model element (2 bf16/fp16, 4 fp
 is viewed as ``[rows, cols]`` (a by-row vocabulary matrix transposed, zfctl/offload/layout.py),
 keeps ``k = num_selected(cols, topk_ratio)`` columns on the device and the rest on the host:
 ``H`` elements and ``Hc`` columns in the matrices with host columns, ``D`` device-owned elements
-(the selected columns and every 1-D parameter) in ``Dc`` device columns.
+(the selected columns and every 1-D parameter) in ``Dc`` device columns, ``K`` of them (``Kc``
+columns) the selected columns of the matrices with host columns.
 
 host    process baseline               Python, torch, transformers, tokenizer, data; CUDA libraries
                                        (lines.py PROCESS_BASELINE: 0.45 GB, 2 GB with CUDA), per rank
@@ -44,8 +45,11 @@ host    fp32 master           4 H      page-locked on CUDA when the install DMAs
                                        tuning.release_grads a ring of chunk slots as large as the
                                        in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
-        selection staging     min(64 MiB, 4 M)  a selection's column migration (one process or
-                                       fsdp; zero2 ranks migrate by collectives), page-locked on CUDA
+        selection staging     min(256 MiB, ~12 K) + min(2 GiB, 12 K) + 32 Kc  a selection's column
+                                       migration (one process or fsdp; zero2 ranks migrate by
+                                       collectives): the in ring, the out buffer that holds the
+                                       leaving state until the CPU worker writes it (16 K with
+                                       release_grads' gradient), the ids; page-locked on CUDA
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
 device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host

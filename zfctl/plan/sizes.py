@@ -130,6 +130,8 @@ class Counts:
     device_cols: int  # Dc
     max_rows: int  # the tallest host column (the ring slot must hold one)
     largest: int = 0  # M: elements of the largest matrix with host columns (the exchange's transient)
+    selected: int = 0  # K: device elements of the matrices with host columns (what a selection moves)
+    selected_cols: int = 0  # Kc
 
 
 def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
@@ -140,7 +142,8 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
         rows = size.hidden or 1
         device = (size.params_2d if topk_ratio >= 1.0 else int(topk_ratio * size.params_2d)) + p1
         largest = (size.vocab or 0) * rows if host else 0  # the vocabulary matrix, when known
-        return Counts(host, host // rows, device, device // rows, rows, largest)
+        selected = int(topk_ratio * size.params_2d) if host else 0
+        return Counts(host, host // rows, device, device // rows, rows, largest, selected, selected // rows)
     c = Counts(0, 0, 0, 0, 0)
     rowwise = set(size.vocab_names) if by_row else set()
     for name, shape in size.shapes:
@@ -160,6 +163,8 @@ def layout_counts(size: ModelSize, topk_ratio: float, by_row: bool) -> Counts:
             c.host_cols += cols
             c.max_rows = max(c.max_rows, rows)
             c.largest = max(c.largest, rows * cols)
+            c.selected += k * rows
+            c.selected_cols += k
     return c
 
 
