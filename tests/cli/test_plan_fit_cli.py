@@ -36,9 +36,10 @@ def zf(*args: str):
 
 
 # The machines zfctl promises to fit: each fits the default preset with ZenFlow on (the 24 GB
-# card with --fit). What makes them fit: one host accumulator with overlap and a bounded landing
-# ring (16 B per host element instead of 24), and gradient release (one .grad at a time, not a
-# bf16 copy of every parameter) for the 24 GB card.
+# card with --fit). What makes them fit: one set of gradient slots with overlap (the host paths:
+# 12 B of master and moments, 4 x 2 B of bf16 slots, 4 B for a checkpoint's interval sum: 24 B
+# per host element, 32 with two sets), and gradient release (one .grad at a time, not a bf16
+# copy of every parameter) for the 24 GB card.
 ROWS = [
     pytest.param("llama3.2-1b", "16GB", "37GB", ["--set", "train.precision=fp16"], id="llama3.2-1b-16GB"),
     pytest.param("llama2-7b", "48GB", "128GB", [], id="llama2-7b-48GB"),

@@ -1,11 +1,12 @@
 """``zenflow.accumulate: device``: the interval's gradient sum lives in fp32 on the device.
 
 Per step, the host-owned column ranges of every matrix are added into a flat fp32 device buffer
-laid out exactly like the host accumulator (column-major, ``layout``), one transpose-and-add per
+laid out exactly like the host state (column-major, ``layout``), one transpose-and-add per
 matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
 first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
 interval the whole sum crosses PCIe (fp32, 4 B per element, on a copy stream into the page-locked
-host accumulator) and the CPU worker starts when that copy's last event has fired. The host never
+host sum, slots.py) and the CPU worker starts when that copy's last event has fired; it reads the
+sum as the carry of its fma chain, as it is (native ``adamw_sum`` with no slots). The host never
 touches a per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
 
 Ownership of the device buffer across a boundary: the copy out moves it one matrix (host slot) at
@@ -13,15 +14,15 @@ a time, each with its own event; the next interval's first write into a matrix's
 the device) only for that matrix's copy, so the compute stream never waits for the whole sum at
 once (27 GB at 7B, ~0.5 s of PCIe, against a ~0.1-0.3 s step) but only for what has not landed by
 the time it gets there. Those waits are timed with events and counted as stall (``stall_pairs``).
-There is one host accumulator on this path: the optimizer collects the previous CPU update before
-it copies the next sum out (optimizer.py ``_boundary``).
+There is one host sum on this path: the optimizer collects the previous CPU update before it copies
+the next sum out (pipeline.py ``submit``: collect, then ``prepare``).
 
 Cost: 4 B of device memory per matrix element this rank holds on the host side (the rows of
 device-owned columns included: the buffer keeps the host layout so one copy moves it, about
 ``topk_ratio`` more than strictly needed). ``resolve`` picks this mode for ``accumulate: auto``
 when that fits.
 
-Rounding: the host path adds with one fma per element (the native kernel); here the first step
+Rounding: the host path adds with one fma per element and step (the native kernel); here the first step
 is exact-then-one-rounding (``copy_`` then ``mul_``, like the fma into zero) and the later steps
 use ``addcmul_`` (torch's rounding, an fma on most GPUs). Same sum order, so the two modes agree
 bit for bit where both fuse, else to within an ulp per step (tests/offload/test_offload_accumulate.py).
@@ -117,8 +118,8 @@ class DeviceAccumulator:
             self._added.record(compute)
 
     def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
-        """Start the PCIe D2H of the interval sum into ``dst`` (page-locked host), one matrix at a
-        time; returns the wait the CPU worker must do first (None: already done, CPU)."""
+        """Start the PCIe D2H of the interval sum into ``dst`` (the page-locked host sum), one matrix
+        at a time; returns the wait the CPU worker must do first (None: already done, CPU)."""
         if not self.cuda:
             dst.copy_(self.buf)
             return None

@@ -14,9 +14,9 @@ each copy (``torch.cuda._sleep``), so that a reader that forgot its wait reads t
 before the copy lands and the race stress tests (tests/gpu) see wrong bits instead of passing by
 luck: tiny test tensors otherwise copy in microseconds.
 
-Helper threads (the accumulation thread, the CPU worker) wait for copy events. A new thread's
+The helper thread (the CPU worker) waits for copy events. A new thread's
 current CUDA device is device 0, and its first CUDA call there would create a context on GPU 0
-(~0.5 GB) in every rank of a multi-GPU job: :func:`bind_device` is every such thread's first call.
+(~0.5 GB) in every rank of a multi-GPU job: :func:`bind_device` is its first call.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ post-accumulate-grad hook of each parameter
 
 1. (host columns) hands the gradient to the hook path (stream.py ``GradStream.on_grad``): data
    parallel, the exchange over the ranks first, completed one hook later; then the host columns
-   are copied through the bounded landing ring and added into the interval's fp32 sum, times
-   the coefficient known before backward (1, or 1 / the fp16 loss scale), without the clip
-   factor, which exists only once every gradient does;
+   are copied into the step's gradient slot (slots.py), raw, in the model dtype, as on every host
+   path: the step's coefficient (clip factor / fp16 loss scale), known only after the last hook,
+   is recorded with the slot by step() and applied by the CPU update to this step alone;
 2. gathers the columns the device owns (and whole 1-D params) into the device state's fp32
    gradient work buffer, raw (``DeviceAdam.load_one``; step() multiplies the buffer by the
    step's coefficient, the same two operations as without release, so the same bits);
@@ -18,25 +18,20 @@ post-accumulate-grad hook of each parameter
    non-finiteness is the fp16 overflow flag, read with the step's scalars;
 4. frees the ``.grad``.
 
-A parameter whose hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it
-has (an earlier micro-batch's, or None), and step() takes it as before. The hooks are on the
-matrices only: a 1-D param's (norm weight, bias) gradient is a few KB, and a hook for it costs
-more time than it frees (measured: the hooks of tiny-llama's 11 norm weights were ~2% of a CPU
-step), so it waits for step() as before. Data parallel, the hooks are on the matrices with host
-columns only (the others are exchanged by step()'s bucketed
-all-reduce from ``.grad``) and the norm comes from the exchange. Selection steps, backwards not
-announced as final and ``update_interval: auto`` keep ``.grad`` until step() (their rules read
-the whole gradient there).
+So release changes no arithmetic: every path clips each step by its own factor. A parameter whose
+hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it has (an earlier
+micro-batch's, or None), and step() takes it as before. The hooks are on the matrices only: a 1-D
+param's (norm weight, bias) gradient is a few KB, and a hook for it costs more time than it frees
+(measured: the hooks of tiny-llama's 11 norm weights were ~2% of a CPU step), so it waits for
+step() as before. Data parallel, the hooks are on the matrices with host columns only (the others
+are exchanged by step()'s bucketed all-reduce from ``.grad``) and the norm comes from the
+exchange. Selection steps of several ranks, backwards not announced as final and
+``update_interval: auto`` keep ``.grad`` until step() (their rules read the whole gradient there).
+An fp16 overflow step is skipped everywhere: its slot is not recorded, the next step rewrites it.
 
-The clip factor of step t, ``c_t``, is known only after the last hook, so what the hooks added is
-``sum_t g_t`` (raw): the boundary scales the interval's mean gradient by the interval's mean clip
-factor, ``mean(c_t)`` (``Pipeline.clip_sum``). The sums turn raw at the first announced backward
-that starts an interval and stay so (``Pipeline.raw_sums``; steps step() moves itself add raw too),
-so no interval mixes the two; a loop that never calls ``prepare_backward`` sees no change at all. With no clipping, or a clip that does not trigger
-(``c_t = 1``), that is the arithmetic without release, bit for bit; otherwise it is the documented
-"interval mean clip" rule. An fp16 overflow step is skipped everywhere; what its hooks already
-added cannot be taken out of the sum, so the interval's host sum is dropped (the next step starts
-a new interval).
+A selection step (one process) selects from the hooks' column scores; ``regather`` then lays the
+work buffer out by the new selection, with the step's slot as the host side: it is the interval's
+first step, so the slot holds exactly this step's raw host columns.
 
 Cost: per hook, one gather of the device columns and one norm kernel (one process) on the device,
 no host sync; device memory: the gradient being processed plus the hook path's temporaries in
@@ -45,6 +40,7 @@ flight (``tuning.inflight_mb``), instead of ``w P``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +49,7 @@ import torch
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix
 from zfctl.offload.scaler import param_norm
-from zfctl.offload.selection import Staging, column_l1, in_staged, out_staged
+from zfctl.offload.selection import Staging, column_l1
 
 
 class GradRelease:
@@ -130,15 +126,15 @@ class GradRelease:
 
 @torch.no_grad()
 def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.Tensor | None], loaded: set[int],
-             acc: torch.Tensor, coef: float, stage: Staging | None = None) -> tuple[int, int]:
+             grad_slot: torch.Tensor, stage: Staging | None = None) -> tuple[int, int]:
     """After a selection on a release step: lay the work buffer's raw gradient out by the new
     selection (``device_state.index``; ``old``: the one the hooks gathered by), for the params in
-    ``loaded``. Staying columns move inside the buffer; entering columns come back from the host
-    sum, where the hooks added them times ``coef`` (1 / the fp16 loss scale, a power of two: the
-    division is exact) as the interval's first step (a selection step always is: the step before
-    it ends an interval); leaving columns go into that sum the same way. Returns (D2H, H2D) bytes.
-    ``stage``: the migration's page-locked buffer (selection.py ``Staging``), which both copies go
-    through in pieces; None: through fresh pageable tensors.
+    ``loaded``. Staying columns move inside the buffer; entering columns come back from the step's
+    slot (``grad_slot``: the hooks landed them there raw, in the model dtype; widened to fp32 on
+    the device, exactly); leaving columns go into it (narrowed to the model dtype on the device:
+    exact, the work buffer widened them from it), where the CPU update finds them with the
+    step's coefficient. Returns (D2H, H2D) bytes. ``stage``: the migration's page-locked buffer
+    (selection.py ``Staging``), which both copies go through in pieces; None: fresh tensors.
     """
     d2h = h2d = 0
     for slot in slots:
@@ -146,30 +142,59 @@ def regather(device_state: DeviceAdam, slots: list[ParamSlot], old: list[torch.T
         if slot.index not in loaded or new is None:
             continue
         seg = device_state.segment(device_state.grad, slot)  # [k, rows], laid out by ``old``
-        rows = slot.host_view(acc)  # [owned host columns, rows]
+        rows = slot.host_view(grad_slot)  # [owned host columns, rows], model dtype
         new_h = new.to("cpu")
         prev = old[slot.index]
         old_h = prev.to("cpu") if prev is not None else torch.empty(0, dtype=torch.int64)
         stays = torch.isin(new_h, old_h)
         before = seg.clone()  # a device copy of k columns: ``seg`` is rewritten below
         leaving = ~torch.isin(old_h, new_h)
-        if bool(leaving.any()):  # PCIe D2H: the leaving columns' gradient into the host sum
+        if bool(leaving.any()):  # PCIe D2H: the leaving columns' gradient into the slot
             pos, cols = torch.nonzero(leaving).flatten().to(seg.device), old_h[leaving] - slot.host_c0
-            if stage is not None:
-                d2h += out_staged(before, pos, rows, cols, stage, mul=coef)
-            else:
-                moved = before.index_select(0, pos).to("cpu")
-                rows.index_copy_(0, cols, moved * coef)
-                d2h += moved.numel() * moved.element_size()
+            d2h += _to_slot(before, pos, rows, cols, stage)
         stay_src = torch.searchsorted(old_h, new_h[stays]).to(seg.device)
         seg.index_copy_(0, torch.nonzero(stays).flatten().to(seg.device), before.index_select(0, stay_src))
         enter = new_h[~stays]
-        if enter.numel():  # PCIe H2D: the entering columns' gradient, from the host sum
+        if enter.numel():  # PCIe H2D: the entering columns' gradient, from the slot
             dst = torch.nonzero(~stays).flatten().to(seg.device)
-            if stage is not None:
-                h2d += in_staged(seg, dst, rows, enter - slot.host_c0, stage, div=coef)
-            else:
-                back = (rows.index_select(0, enter - slot.host_c0) / coef).to(seg.device)
-                seg.index_copy_(0, dst, back)
-                h2d += back.numel() * back.element_size()
+            h2d += _from_slot(seg, dst, rows, enter - slot.host_c0, stage)
     return d2h, h2d
+
+
+def _staged(stage: Staging, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The front of the staging buffer's bytes as a ``dtype`` tensor of ``shape``."""
+    return stage.buf.view(dtype)[: math.prod(shape)].view(shape)
+
+
+def _per_piece(stage: Staging | None, row: int, itemsize: int, n: int) -> int:
+    """Rows of ``row`` elements of ``itemsize`` bytes per copy: what the staging holds, or all."""
+    return max(1, stage.buf.numel() * stage.buf.element_size() // (row * itemsize)) if stage is not None else max(1, n)
+
+
+def _to_slot(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging | None) -> int:
+    """Device rows ``pos`` of the fp32 ``d`` into host rows ``cols`` of the slot view ``h``, in its
+    dtype, through ``stage`` in pieces (one blocking D2H each: a selection step only); bytes moved."""
+    per, moved = _per_piece(stage, h.shape[1], h.element_size(), len(cols)), 0
+    for a in range(0, len(cols), per):
+        tmp = d.index_select(0, pos[a : a + per]).to(h.dtype)  # device gather, narrowed (exact)
+        buf = _staged(stage, tuple(tmp.shape), h.dtype) if stage is not None else torch.empty_like(tmp, device="cpu")
+        buf.copy_(tmp)  # PCIe D2H (into page-locked memory with a stage); blocking
+        h.index_copy_(0, cols[a : a + per], buf)
+        moved += tmp.numel() * tmp.element_size()
+    return moved
+
+
+def _from_slot(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.Tensor, stage: Staging | None) -> int:
+    """Host rows ``cols`` of the slot view ``h`` into device rows ``dst`` of the fp32 ``d``, widened
+    on the device (exact), through ``stage`` in pieces; bytes moved."""
+    per, moved = _per_piece(stage, h.shape[1], h.element_size(), len(cols)), 0
+    for a in range(0, len(cols), per):
+        c = cols[a : a + per]
+        buf = _staged(stage, (len(c), h.shape[1]), h.dtype) if stage is not None else torch.empty(
+            (len(c), h.shape[1]), dtype=h.dtype)
+        torch.index_select(h, 0, c, out=buf)  # host gather, in place: no fresh pages with a stage
+        # PCIe H2D of the model dtype, blocking (the buffer is reused next piece). Off CUDA ``to``
+        # returns ``buf`` itself, which ``to(d.dtype)`` copies before the next piece rewrites it.
+        d.index_copy_(0, dst[a : a + per], buf.to(d.device).to(d.dtype))
+        moved += buf.numel() * buf.element_size()
+    return moved
