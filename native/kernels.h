@@ -21,7 +21,9 @@
  * One core cannot keep enough cache misses in flight for 7 streams on its own: on this machine
  * (Xeon, 100M params, 1 thread) prefetching 128-1024 elements ahead took the step from ~158 ms
  * to ~143 ms; 2048 gained nothing. Prefetches never fault, so running past the end is harmless. */
+#ifndef ZF_PREFETCH /* CFLAGS=-DZF_PREFETCH=0 native/build.py: without, to measure a machine (docs/design.md) */
 #define ZF_PREFETCH 256
+#endif
 
 /* Per-call constants, folded in double and rounded to float once, as torch does with its Python
  * scalars. */

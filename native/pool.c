@@ -22,13 +22,24 @@
  * are two pools (below), so the accumulation thread and the CPU update each get their share. Kernels produce the same
  * bits whichever thread runs a tile, so all of this changes timing only. Cost per call: one
  * broadcast, one join, one atomic add per tile.
+ *
+ * Pinning (zf_set_pool_cpus; zfctl/offload/cores.py decides the CPUs). A pinned pool's worker k
+ * runs only on cpus[k % n], and its caller runs its share of the tiles on cpus[0], moved there for
+ * the call and back after: the caller may be the training thread (the step() path's accumulate),
+ * which must neither stay on a pool core nor run pool work on its own reserved core. The move
+ * costs two sched_setaffinity calls per parallel call: 5-6 us at best, 32-37 us on average on
+ * this 2-core VM under a load of ~10, against calls of >= 512K elements (>= ~0.3 ms). So the
+ * cores zfctl reserves for the training thread never run pool work, and the two pools never share
+ * a core. A worker applies a new CPU list itself, at its next wake-up (no thread handles kept).
  */
-#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, pthread_setaffinity_np */
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #include "kernels.h"
 
@@ -55,10 +66,14 @@ typedef struct {
     int open;   /* workers may still join the task */
     int active; /* workers inside fn */
     int64_t joins; /* workers that joined a task, ever (diagnostics) */
+    int ncpus;     /* 0: not pinned */
+    int cpus[ZF_MAX_THREADS];
+    int pin_gen;   /* bumped by zf_set_pool_cpus; a worker re-pins itself when it differs */
+    int applied[ZF_MAX_THREADS]; /* the CPU worker id pinned itself to, -1: none (diagnostics) */
 } pool;
 
 #define POOL_INIT {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, \
-                   PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0}
+                   PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 0, {0}, 0, {0}}
 static pool g_pools[ZF_POOLS] = {POOL_INIT, POOL_INIT};
 
 /* The calling thread's pool and its cap on participants (0: zf_get_num_threads()). */
@@ -67,17 +82,49 @@ static __thread int t_cap;
 
 static int g_nthreads; /* 0: not chosen yet, see zf_get_num_threads */
 
+/* The CPUs the process may run on when the library loaded: where an unpinned worker goes back to. */
+static cpu_set_t g_allowed;
+static int g_have_allowed;
+__attribute__((constructor)) static void read_allowed(void)
+{
+    g_have_allowed = sched_getaffinity(0, sizeof g_allowed, &g_allowed) == 0;
+}
+
+/* Run the calling thread on `cpu` only (cpu < 0: on the CPUs allowed at load). 0 on success. */
+static int pin_self(int cpu)
+{
+    cpu_set_t set;
+    if (cpu < 0) {
+        if (!g_have_allowed)
+            return -1;
+        set = g_allowed;
+    } else {
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+    }
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
 /* arg = pool index * ZF_MAX_THREADS + worker id */
 static void *worker(void *arg)
 {
     int id = (int)((intptr_t)arg % ZF_MAX_THREADS);
     pool *P = &g_pools[(intptr_t)arg / ZF_MAX_THREADS];
+    int pinned_gen = 0; /* the pool's pin_gen this thread last applied; 0: never pinned */
     pthread_mutex_lock(&P->mu);
     uint64_t seen = P->start_gen[id];
     for (;;) {
         while (P->gen == seen)
             pthread_cond_wait(&P->wake, &P->mu);
         seen = P->gen;
+        if (P->pin_gen != pinned_gen) { /* a new CPU list: apply it outside the lock */
+            int gen = P->pin_gen, cpu = P->ncpus ? P->cpus[id % P->ncpus] : -1;
+            pthread_mutex_unlock(&P->mu);
+            int ok = pin_self(cpu) == 0;
+            pthread_mutex_lock(&P->mu);
+            pinned_gen = gen;
+            P->applied[id] = ok ? cpu : -1;
+        }
         if (!P->open || id >= P->nt) /* woke too late (the caller took every tile), or not needed */
             continue;
         P->active++;
@@ -108,6 +155,7 @@ static void reset_after_fork(void)
         P->gen = 0;
         P->open = 0;
         P->active = 0;
+        P->pin_gen = P->ncpus ? 1 : 0; /* the child's new workers pin themselves to the same list */
     }
 }
 
@@ -121,6 +169,7 @@ static int spawn(pool *P, int id)
     pthread_attr_t attr;
     sigset_t all, old;
     P->start_gen[id] = P->gen;
+    P->applied[id] = -1;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pthread_attr_init(&attr);
@@ -145,6 +194,14 @@ void zf_parallel(zf_task_fn fn, void *ctx, int64_t ntiles, int nt)
     if (nt > 1 && pthread_mutex_trylock(&P->busy) == 0) {
         pthread_once(&g_once, init_once);
         pthread_mutex_lock(&P->mu);
+        /* A pinned pool: the caller takes its tiles on cpus[0] (the top of the file), then goes
+         * back to the CPUs it had. Workers spawned meanwhile inherit this mask and re-pin at once. */
+        cpu_set_t saved;
+        int moved = 0;
+        if (P->ncpus && pthread_getaffinity_np(pthread_self(), sizeof saved, &saved) == 0) {
+            int cpu = P->cpus[0];
+            moved = !(CPU_COUNT(&saved) == 1 && CPU_ISSET(cpu, &saved)) && pin_self(cpu) == 0;
+        }
         while (P->nworkers < nt - 1 && spawn(P, P->nworkers + 1) == 0)
             P->nworkers++;
         P->fn = fn;
@@ -163,6 +220,8 @@ void zf_parallel(zf_task_fn fn, void *ctx, int64_t ntiles, int nt)
         while (P->active)
             pthread_cond_wait(&P->done, &P->mu);
         pthread_mutex_unlock(&P->mu);
+        if (moved)
+            pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
         pthread_mutex_unlock(&P->busy);
         return;
     }
@@ -230,3 +289,73 @@ int zf_thread_limit(void)
 }
 
 int zf_thread_pool(void) { return t_pool; }
+
+int zf_set_pool_cpus(int pool_index, const int *cpus, int ncpus)
+{
+    if (pool_index < 0 || pool_index >= ZF_POOLS || ncpus < 0 || ncpus > ZF_MAX_THREADS)
+        return -1;
+    for (int i = 0; i < ncpus; i++)
+        if (cpus[i] < 0 || cpus[i] >= CPU_SETSIZE)
+            return -1;
+    pool *P = &g_pools[pool_index];
+    pthread_mutex_lock(&P->mu);
+    for (int i = 0; i < ncpus; i++)
+        P->cpus[i] = cpus[i];
+    P->ncpus = ncpus;
+    P->pin_gen++; /* never back to 0: 0 means "never pinned" to a worker */
+    pthread_mutex_unlock(&P->mu);
+    return 0;
+}
+
+int zf_pool_cpus(int pool_index, int *out, int cap)
+{
+    if (pool_index < 0 || pool_index >= ZF_POOLS)
+        return -1;
+    pool *P = &g_pools[pool_index];
+    pthread_mutex_lock(&P->mu);
+    int n = P->ncpus;
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = P->cpus[i];
+    pthread_mutex_unlock(&P->mu);
+    return n;
+}
+
+int zf_pool_worker_cpus(int pool_index, int *out, int cap)
+{
+    if (pool_index < 0 || pool_index >= ZF_POOLS)
+        return -1;
+    pool *P = &g_pools[pool_index];
+    pthread_mutex_lock(&P->mu);
+    int n = P->nworkers;
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = P->applied[i + 1];
+    pthread_mutex_unlock(&P->mu);
+    return n;
+}
+
+/* mbind(2) through syscall(): no libnuma needed. The constants are the kernel's ABI
+ * (include/uapi/linux/mempolicy.h). MPOL_PREFERRED, not MPOL_BIND: a full node spills to the
+ * others instead of failing the allocation; MPOL_MF_MOVE moves the pages already touched (by
+ * whichever thread zeroed them: torch's intra-op threads run anywhere), and silently leaves pages
+ * it cannot move (page-locked ones: those were first touched by the registering thread). */
+#define ZF_MPOL_PREFERRED 1
+#define ZF_MPOL_MF_MOVE (1 << 1)
+
+int zf_bind_node(void *addr, int64_t nbytes, int node)
+{
+#ifdef SYS_mbind
+    if (node < 0 || node >= 1024 || nbytes <= 0)
+        return -EINVAL;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)addr & ~(uintptr_t)(page - 1);
+    uintptr_t hi = ((uintptr_t)addr + (uintptr_t)nbytes + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {0};
+    mask[node / (8 * sizeof(unsigned long))] = 1ul << (node % (8 * sizeof(unsigned long)));
+    long rc = syscall(SYS_mbind, (void *)lo, (unsigned long)(hi - lo), ZF_MPOL_PREFERRED, mask,
+                      (unsigned long)1024, (unsigned)ZF_MPOL_MF_MOVE);
+    return rc == 0 ? 0 : -errno;
+#else
+    (void)addr, (void)nbytes, (void)node;
+    return -ENOSYS;
+#endif
+}

@@ -13,8 +13,8 @@
  * paths: every grad/out dtype pair, AdamW and Adam-with-L2, both lerp formulas, the AdamW on an
  * interval's slots (zf_adamw_sum, also checked against accumulate + AdamW here), run lists with
  * odd offsets and lengths (tails through the padded path), every 16-bit pattern through the
- * conversions, and thread counts 1-4 on buffers large enough to use the pool (the driver checks
- * those agree itself; cross-machine agreement is the script's job).
+ * conversions, and thread counts 1-4, unpinned and pinned, on buffers large enough to use the
+ * pool (the driver checks those agree itself; cross-machine agreement is the script's job).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -254,15 +254,20 @@ static void sq_norm_cases(void)
 }
 
 /* 1M + 5 elements (the pool is used from 512K), run boundaries inside tiles: the result of every
- * thread count must equal the single-threaded one. Returns 0 when they all agree. */
+ * thread count, unpinned and with the pool pinned to CPU 0 (native/pool.c; where CPU 0 is not
+ * allowed the pinning fails and the threads run where they were), must equal the single-threaded
+ * one. Returns 0 when they all agree. */
 static int thread_cases(void)
 {
     const int64_t n = (1 << 20) + 5;
     const int64_t runs[] = {5, 500001, 500010, 3, 500020, 548553};
+    const int cpu0[] = {0};
     int bad = 0;
     uint64_t first = 0;
     double first_norm = 0;
-    for (int nt = 1; nt <= 4; nt++) {
+    for (int k = 1; k <= 7; k++) {
+        int nt = k <= 4 ? k : k - 3; /* 1 2 3 4, then 2 3 4 pinned */
+        zf_set_pool_cpus(0, cpu0, k <= 4 ? 0 : 1);
         zf_set_num_threads(nt);
         uint64_t h = adam_case(n, ZF_F16, ZF_BF16, 1, 0.9, runs, 3, 400);
         g_rng = 401;
@@ -276,10 +281,11 @@ static int thread_cases(void)
             uint64_t d = fnv(fnv(FNV0, &h, 8), &norm, 8);
             printf("threads/adam+sq_norm-1M %016llx\n", (unsigned long long)d);
         } else if (h != first || memcmp(&norm, &first_norm, 8) != 0) {
-            fprintf(stderr, "selftest: %d threads gave different bits than 1 thread\n", nt);
+            fprintf(stderr, "selftest: %d threads%s gave different bits than 1 thread\n", nt, k > 4 ? " (pinned)" : "");
             bad = 1;
         }
     }
+    zf_set_pool_cpus(0, cpu0, 0);
     printf("# pool joins over the thread cases: %lld\n", (long long)zf_pool_joins());
     return bad;
 }

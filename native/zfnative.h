@@ -80,6 +80,19 @@ int zf_thread_limit(void);
 int zf_thread_pool(void);
 /* How many times a pool thread joined a call since the library loaded (diagnostics, tests). */
 int64_t zf_pool_joins(void);
+/* Pin pool pool_index: its worker k runs on cpus[k % ncpus] only, a caller takes its tiles on
+ * cpus[0] and gets its own CPUs back after the call (native/pool.c). ncpus 0: unpinned (workers go
+ * back to the CPUs the process had when the library loaded). Workers apply it at their next
+ * wake-up. 0 on success, -1 for a bad argument. */
+int zf_set_pool_cpus(int pool_index, const int *cpus, int ncpus);
+/* The pool's CPU list (at most cap into out); returns its length (0: unpinned), -1: bad pool. */
+int zf_pool_cpus(int pool_index, int *out, int cap);
+/* The CPU each started worker of the pool pinned itself to (-1: not pinned), at most cap into out;
+ * returns the number of workers started, -1: bad pool (diagnostics, tests). */
+int zf_pool_worker_cpus(int pool_index, int *out, int cap);
+/* Prefer NUMA node `node` for the pages of [addr, addr + nbytes) (widened to whole pages) and move
+ * those already touched: mbind(2), MPOL_PREFERRED | MPOL_MF_MOVE. 0 on success, else -errno. */
+int zf_bind_node(void *addr, int64_t nbytes, int node);
 int zf_isa(void);
 int zf_isa_supported(int isa);
 /* 0 on success, -1 when this CPU (or this build) lacks the path. */

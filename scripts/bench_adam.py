@@ -3,6 +3,13 @@
     .venv/bin/python scripts/bench_adam.py                 # 100M params, 1 and all threads
     .venv/bin/python scripts/bench_adam.py --params 20e6 --json out.json
     .venv/bin/python scripts/bench_adam.py --busy 2        # with 2 CPU-spinning processes alongside
+    .venv/bin/python scripts/bench_adam.py --compare       # zfctl vs torch fused, 24M fp32, 1 and 2 threads
+
+--compare: the native AdamW against torch.optim.AdamW(fused=True) on the same thread count, plain
+fp32 (workload (a) below), 24M params by default. The two alternate step by step (which one goes
+first alternates too), so that load from other jobs on a shared machine hits both alike; a row
+gives each one's min and median over --repeats steps, the ratios torch / zfctl of both (> 1: zfctl
+is faster) and the median of the per-pair ratios (the most robust of the three under drifting load).
 
 Every case runs in each of --rounds rounds (cases interleaved, so that load from other jobs on a
 shared machine hits all of them alike); a row reports the median and the best of all its steps.
@@ -41,7 +48,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# isort: off
+import zfctl  # noqa: F401  # before torch: OMP_WAIT_POLICY=PASSIVE for torch's threads, as in a zfctl run
 import torch
+# isort: on
 
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 DS_VENV = Path("/tmp/dsvenv/bin/python")
@@ -132,6 +142,8 @@ def native_cases(base: Base, threads: int, tensors: int) -> list[Case]:
                     adam(p, g, m, v)
                 elif kind == "runs":
                     adam(p, g, m, v, runs=runs)
+                elif kind == "runs-out":  # the CPU worker's call: fp32 sum in, bf16 upload out (offload/host.py)
+                    adam(p, g, m, v, runs=runs, out=out)
                 elif kind == "b":
                     adam(p, g16, m, v, out=out)
                 else:  # one call per tensor: what a call costs
@@ -148,6 +160,8 @@ def native_cases(base: Base, threads: int, tensors: int) -> list[Case]:
         cases.append(({**key, "impl": "zfctl, one call per tensor", "tensors": tensors}, make("per-tensor")))
         cases.append(({**key, "impl": f"zfctl, 90% in {len(keep)} runs", "fraction": len(keep) * 4096 / n},
                       make("runs")))
+        cases.append(({**key, "impl": f"zfctl, 90% in {len(keep)} runs, bf16 out", "fraction": len(keep) * 4096 / n,
+                       "bytes": COUNTED_BYTES + 2}, make("runs-out")))
     return cases
 
 
@@ -283,11 +297,63 @@ def table(rows: list[dict], probes: dict[int, dict[str, float]]) -> str:
     lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         n = r["params"] * r.get("fraction", 1.0)
-        gbs = COUNTED_BYTES * n / (r["ms"] * 1e-3) / 1e9
+        gbs = r.get("bytes", COUNTED_BYTES) * n / (r["ms"] * 1e-3) / 1e9
         pr = probes[r["threads"]]
         lines.append(f"| ({r['workload']}) | {r['impl']} | {r['threads']} | {r['tensors']} | {r['ms']:.1f} | "
                      f"{r['best']:.1f} | {n / (r['ms'] * 1e-3) / 1e9:.2f} | {gbs:.1f} | "
                      f"{100 * gbs / pr['rmw']:.0f}% | {100 * gbs / pr['adam']:.0f}% |")
+    return "\n".join(lines)
+
+
+def compare_one(base: Base, threads: int, repeats: int) -> dict:
+    """One row of --compare: zfctl's AdamW and torch's fused CPU AdamW, alternating step by step."""
+    from zfctl import _native as N
+
+    N.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    n = base.n
+    p, g, m, v = base.p.clone(), base.g.clone(), torch.zeros(n), torch.zeros(n)
+    leaf = torch.nn.Parameter(base.p.clone())
+    leaf.grad = base.g.clone()
+    opt = torch.optim.AdamW([leaf], **HP, fused=True)
+    step = [0]
+
+    def native() -> None:
+        step[0] += 1
+        N.adamw_step(p, g, m, v, step=step[0], lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1],
+                     eps=HP["eps"], weight_decay=HP["weight_decay"])
+
+    times: dict[str, list[float]] = {"zfctl": [], "torch": []}
+    for r in range(repeats + 2):  # two warm-up pairs: page faults, torch's lazy state
+        pair = [("zfctl", native), ("torch", opt.step)]
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            if r >= 2:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    ratios = [b / a for a, b in zip(times["zfctl"], times["torch"])]
+    stats = {f"{k}_{stat}": f(v) for k, v in times.items() for stat, f in (("min", min), ("median", statistics.median))}
+    return {"threads": threads, "params": n, "repeats": repeats, **stats,
+            "paired_median_ratio": statistics.median(ratios)}
+
+
+def compare(n: int, threads: list[int], repeats: int) -> list[dict]:
+    """--compare: one row per thread count (each allocates and frees its own buffers)."""
+    base = Base(n)
+    rows = []
+    for t in threads:
+        rows.append(compare_one(base, t, repeats))
+        gc.collect()
+    return rows
+
+
+def compare_table(rows: list[dict]) -> str:
+    lines = [("| threads | zfctl min | zfctl median | torch fused min | torch fused median | torch/zfctl min "
+              "| torch/zfctl median | paired median |"), "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['zfctl_min']:.1f} | {r['zfctl_median']:.1f} | {r['torch_min']:.1f} | "
+                     f"{r['torch_median']:.1f} | x{r['torch_min'] / r['zfctl_min']:.2f} | "
+                     f"x{r['torch_median'] / r['zfctl_median']:.2f} | x{r['paired_median_ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -303,7 +369,23 @@ def main() -> None:
     ap.add_argument("--deepspeed-python", default=None, help="a python with deepspeed importable")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--deepspeed-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compare", action="store_true",
+                    help="only zfctl vs torch fused AdamW, paired (default 24M params, threads 1,2)")
+    ap.add_argument("--repeats", type=int, default=30, help="--compare: timed steps of each per thread count")
     args = ap.parse_args()
+    if args.compare:
+        from zfctl import _native as N
+
+        n = int(args.params if "--params" in sys.argv else 24e6)
+        spec = args.threads if "--threads" in sys.argv else "1,2"
+        load0 = os.getloadavg()[0]
+        rows = compare(n, thread_counts(spec), args.repeats)
+        print(f"# zfctl ({N.isa()}) vs torch {torch.__version__} AdamW(fused=True), {n / 1e6:.0f}M fp32 params, "
+              f"{args.repeats} paired steps; ms per step; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+        print(compare_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps({"compare": rows}, indent=1))
+        return
     base = Base(int(args.params))
     threads = thread_counts(args.threads)
 

@@ -177,13 +177,17 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     dev = peak(lambda p: p["peak_device_bytes"]["reserved"] or p["peak_device_bytes"]["allocated"])
     plan = doc.get("plan", {})
     cap = (doc.get("emulation") or {}).get("gpu_memory_bytes")
+    # torch's reserved peak sees its caching allocator only; the plan's CUDA-context line
+    # (zfctl/plan/lines.py CUDA_CONTEXT) is memory outside it, so it is not what the peak is read against.
+    context = sum(i.get("bytes", 0) for i in plan.get("items", []) if i.get("name") == "CUDA context")
+    allocator = plan["device_total"] - context if plan.get("device_total") else None
     return {
         "device_vs_emulated_gpu": dev / cap if dev and cap else None,
         "peak_host_rss_bytes": host,
         "pinned_host_bytes_upper_bound": peak(lambda p: p["pinned_host_bytes"]["total_upper_bound"]),
         "peak_device_bytes": dev,
         "host_vs_plan": host / plan["host_total"] if host and plan.get("host_total") else None,
-        "device_vs_plan": dev / plan["device_total"] if dev and plan.get("device_total") else None,
+        "device_vs_plan": dev / allocator if dev and allocator else None,
     }
 
 

@@ -18,6 +18,11 @@ Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU chec
             ms/step next to the plan's figures
   all       the five in turn (more than one slot)
 
+The bench parts' JSON carries each configuration's bound (zfctl/bench/bound.py: the slowest of
+device compute, PCIe each way and host memory for the bytes its ledger counted); the check holds
+each gradient path (default-host, default-device) to 1.3x of it at both batches (gpu_results.py
+``within_bound``; device compute from the batch's `off` row).
+
 Each part adds its results to ONE JSON file (default bench-results/gpu-check-<commit>.json; a
 file of another commit is refused), then the acceptance figures are recomputed from everything
 the file holds, so parts run in separate slots add up. Raw outputs (logs, every bench JSON) go

@@ -5,7 +5,8 @@
 A small Llama (random init, transformers) learns a toy language whose next token is the previous
 one plus a per-sequence stride, with ``zfctl.offload.ZenFlowOptimizer`` as its optimizer. Each
 line shows the loss, the share of weights updated on the device every step (``sel``: 0 during
-the full warm-up, when every step is plain AdamW) and how long ``step()`` waited for the host.
+the full warm-up, whose steps are synchronous full CPU-offload steps: the CPU AdamW updates every
+weight matrix and the step waits for it) and how long ``step()`` waited for the host.
 tests/offload/test_library_example.py runs this file and checks that the loss falls and that
 ZenFlow engaged after its warm-up.
 """
@@ -42,7 +43,9 @@ def main(steps: int = 30, warm_up: int = 4) -> list[tuple[float, float]]:
     loader = toy_batches(steps, device)
 
     # The `default` preset's optimizer but for the warm-up: its first full_warm_up_rounds steps
-    # (20 by default) are plain AdamW on the device, so a 30-step run would barely use ZenFlow.
+    # (20 by default) are synchronous full CPU-offload steps (the CPU AdamW updates every weight
+    # matrix, the step waits: the whole model crosses PCIe both ways), so a 30-step run would barely
+    # use ZenFlow's overlapped split.
     # vocab_params names the embedding and output head (vocab_select: rows).
     config = ZenFlowConfig(full_warm_up_rounds=warm_up)
     opt = ZenFlowOptimizer(model.named_parameters(), config, lr=3e-3, weight_decay=0.01, max_grad_norm=1.0,
@@ -56,8 +59,9 @@ def main(steps: int = 30, warm_up: int = 4) -> list[tuple[float, float]]:
             opt.scale_loss(loss).backward()   # loss scaling for fp16, identity otherwise
             stats = opt.step()                # StepStats: stall_ms, cpu_step_ms, bytes moved, ...
             opt.zero_grad(set_to_none=True)
-            history.append((float(loss), stats.selected_fraction))
-            print(f"step {step:3d}  loss {float(loss):.4f}  sel {stats.selected_fraction:.2f}  "
+            value = loss.item()               # a sync point; float(loss) would warn (loss requires grad)
+            history.append((value, stats.selected_fraction))
+            print(f"step {step:3d}  loss {value:.4f}  sel {stats.selected_fraction:.2f}  "
                   f"stall {stats.stall_ms:.1f} ms", flush=True)
         opt.flush()                           # install the last in-flight CPU update
     finally:

@@ -11,11 +11,20 @@ writes another). The peak RSS of every process is its own ``VmHWM`` (every page 
 resident at once), read when it exits (``peak_rss`` says why not ``ru_maxrss``).
 
 On CPU the plan's device lines live in host RAM too, so the plan's figure is its host total plus
-its device total. What does not grow with the model (Python, torch, the tokenizer, the data)
-cancels in the difference of the two runs, so the check is: the peak RSS difference equals the
-plan's difference within 10%, for the finetune process (a save at its end) and the resume process
-(a load, training, a save). Also reported: the slope, bytes per parameter, measured and planned.
-Exit code 0 when both processes are within 10%, 1 otherwise. Takes 2-4 minutes on 2 cores.
+its device total. Two checks, for the finetune process (a save at its end) and the resume process
+(a load, training, a save):
+
+- the slope: what does not grow with the model (Python, torch, the tokenizer, the data) cancels
+  in the difference of the two runs, so the peak RSS difference must equal the plan's difference
+  within 10% (``TOLERANCE``);
+- the absolute peak: each run's peak RSS must equal the plan's total within 5%
+  (``ABSOLUTE_TOLERANCE``), for both sizes. The plan counts the process itself as its ``process
+  baseline`` line (zfctl/plan/lines.py ``PROCESS_BASELINE``, 0.45 GB without CUDA, a constant),
+  so this is what says a line is missing or the baseline is wrong: at the test's sizes (13.4M
+  and 48.8M parameters) the baseline is 45% and 20% of the total.
+
+Also reported: the slope, bytes per parameter, measured and planned. Exit code 0 when both
+processes pass both checks, 1 otherwise. Takes 2-4 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import tempfile
 from pathlib import Path
 
 STEPS, RESUME_TO = 6, 9
-TOLERANCE = 0.10
+TOLERANCE = 0.10  # the slope: the peak RSS difference of two sizes against the plan's difference
+ABSOLUTE_TOLERANCE = 0.05  # each run's peak RSS against the plan's total (its process baseline included)
 
 
 def model_flags(layers: int, hidden: int, intermediate: int, extra: list[str] = ()) -> list[str]:
@@ -78,19 +88,29 @@ def measure(layers: int, hidden: int, intermediate: int, work: Path, extra: list
 
 
 def compare(big: dict, small: dict) -> dict:
-    """The differences of two measured sizes, the slopes, and whether they are within TOLERANCE."""
+    """The differences of two measured sizes, the slopes, and whether they are within TOLERANCE;
+    each run's peak against the plan's total, and whether it is within ABSOLUTE_TOLERANCE."""
     dp = big["params"] - small["params"]
     plan = big["plan_bytes"] - small["plan_bytes"]
-    out = {"params_difference": dp, "plan_difference": plan, "plan_bytes_per_param": plan / dp, "tolerance": TOLERANCE}
+    out = {"params_difference": dp, "plan_difference": plan, "plan_bytes_per_param": plan / dp, "tolerance": TOLERANCE,
+           "absolute_tolerance": ABSOLUTE_TOLERANCE}
     ok = True
     for proc in ("finetune", "resume"):
         measured = big[f"peak_rss_{proc}"] - small[f"peak_rss_{proc}"]
         ratio = measured / plan
         out[proc] = {"measured_difference": measured, "bytes_per_param": measured / dp, "measured_over_plan": ratio,
-                     "within_tolerance": abs(ratio - 1) <= TOLERANCE}
-        ok = ok and out[proc]["within_tolerance"]
+                     "within_tolerance": abs(ratio - 1) <= TOLERANCE,
+                     "absolute": {name: absolute(run, proc) for name, run in (("big", big), ("small", small))}}
+        ok = ok and out[proc]["within_tolerance"] and all(a["within_tolerance"] for a in out[proc]["absolute"].values())
     out["ok"] = ok
     return out
+
+
+def absolute(run: dict, proc: str) -> dict:
+    """One run's peak RSS against the plan's total for its size."""
+    ratio = run[f"peak_rss_{proc}"] / run["plan_bytes"]
+    return {"peak_rss": run[f"peak_rss_{proc}"], "plan_bytes": run["plan_bytes"], "measured_over_plan": ratio,
+            "within_tolerance": abs(ratio - 1) <= ABSOLUTE_TOLERANCE}
 
 
 def main() -> int:
@@ -114,8 +134,10 @@ def main() -> int:
         r = c[proc]
         print(f"  {proc:8s} peak RSS {big[f'peak_rss_{proc}'] / gb:.3f} vs {small[f'peak_rss_{proc}'] / gb:.3f} GB: "
               f"difference {r['measured_difference'] / gb:.3f} GB ({r['bytes_per_param']:.2f} B/param), "
-              f"{100 * (r['measured_over_plan'] - 1):+.1f}% against the plan")
-    print("within 10%" if c["ok"] else "NOT within 10%")
+              f"{100 * (r['measured_over_plan'] - 1):+.1f}% against the plan; absolute: " +
+              ", ".join(f"{a['peak_rss'] / gb:.3f} GB against {a['plan_bytes'] / gb:.3f} GB "
+                        f"({100 * (a['measured_over_plan'] - 1):+.1f}%)" for a in r["absolute"].values()))
+    print("slopes within 10%, peaks within 5%" if c["ok"] else "NOT within 10% (slopes) and 5% (peaks)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0 if c["ok"] else 1

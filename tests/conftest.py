@@ -1,11 +1,26 @@
-"""Shared pytest setup: the test folders on sys.path, GPU tests skip without CUDA, the `isa` fixture."""
+"""Shared pytest setup: the test folders on sys.path, the tests' own cache folder, GPU tests skip
+without CUDA, the `isa` fixture."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# The tests' own cache folder, never the user's ~/.cache/zfctl (zfctl/train/data/cache.py reads
+# ZFCTL_CACHE_DIR) nor datasets' ~/.cache/huggingface/datasets (what Dataset.from_parquet writes):
+# a test run must not fill, or read stale entries from, the caches a user's real runs keep. Set
+# here, at import, so the processes the tests start inherit it and datasets reads it before its
+# first import. One folder per session, so the shipped samples are tokenised once, not per test.
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="zfctl-test-cache-"))
+os.environ["ZFCTL_CACHE_DIR"] = str(TEST_CACHE / "zfctl")
+os.environ["HF_DATASETS_CACHE"] = str(TEST_CACHE / "hf-datasets")
+atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
 
 # Tests live by layer: offload/ (the engine), native/ (the C kernels), plan/, train/, cli/ (verbs,
 # benchmark and GPU scripts), e2e/ (whole runs: subprocesses, several processes), gpu/ (CUDA only).

@@ -293,6 +293,57 @@ def pool_joins() -> int:
     return int(lib.zf_pool_joins())
 
 
+_MAX_CPUS = 256  # ZF_MAX_THREADS in native/pool.c: the longest CPU list a pool holds
+_CPU_SETSIZE = 1024  # glibc's cpu_set_t
+
+
+def set_pool_cpus(pool: int, cpus: Sequence[int]) -> None:
+    """Pin native pool ``pool`` (0: the CPU update's, 1: the accumulation's): its worker k runs on
+    ``cpus[k % len(cpus)]`` only, and a caller takes its tiles on ``cpus[0]`` for the call and gets
+    its own CPUs back after. An empty list unpins. zfctl/offload/cores.py chooses the lists."""
+    cpus = list(cpus)
+    if isinstance(pool, bool) or pool not in (0, 1):
+        raise ValueError(f"set_pool_cpus: pool must be 0 or 1, got {pool!r}")
+    if len(cpus) > _MAX_CPUS:
+        raise ValueError(f"set_pool_cpus: at most {_MAX_CPUS} CPUs, got {len(cpus)}")
+    for c in cpus:
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < _CPU_SETSIZE:
+            raise ValueError(f"set_pool_cpus: a CPU must be an integer in [0, {_CPU_SETSIZE}), got {c!r}")
+    if lib.zf_set_pool_cpus(pool, ffi.new("int[]", cpus or [0]), len(cpus)) != 0:
+        raise ValueError(f"set_pool_cpus: rejected pool {pool} with CPUs {cpus}")
+
+
+def pool_cpus(pool: int) -> tuple[int, ...]:
+    """The CPU list pool ``pool`` is pinned to (empty: not pinned)."""
+    out = ffi.new("int[]", _MAX_CPUS)
+    n = lib.zf_pool_cpus(int(pool), out, _MAX_CPUS)
+    if n < 0:
+        raise ValueError(f"pool_cpus: pool must be 0 or 1, got {pool!r}")
+    return tuple(out[i] for i in range(n))
+
+
+def pool_worker_cpus(pool: int) -> tuple[int, ...]:
+    """The CPU each started worker of pool ``pool`` pinned itself to, -1 where it is not pinned
+    (workers apply a new list at their next call: diagnostics and tests)."""
+    out = ffi.new("int[]", _MAX_CPUS)
+    n = lib.zf_pool_worker_cpus(int(pool), out, _MAX_CPUS)
+    if n < 0:
+        raise ValueError(f"pool_worker_cpus: pool must be 0 or 1, got {pool!r}")
+    return tuple(out[i] for i in range(min(n, _MAX_CPUS)))
+
+
+def bind_node(t: torch.Tensor, node: int) -> int:
+    """Prefer NUMA node ``node`` for ``t``'s pages (whole pages around it) and move those already
+    touched (mbind(2), MPOL_PREFERRED with MPOL_MF_MOVE; page-locked pages stay where they are).
+    Returns 0, or the errno that refused it (EPERM in a container without CAP_SYS_NICE, ENOSYS
+    without NUMA support): placement is a speed matter, so the caller reports, never fails."""
+    _check("t", t, (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool))
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < 1023:
+        raise ValueError(f"bind_node: node must be an integer in [0, 1023), got {node!r}")
+    nbytes = t.numel() * t.element_size()
+    return 0 if nbytes == 0 else -int(lib.zf_bind_node(ffi.cast("void *", t.data_ptr()), nbytes, node))
+
+
 def isa() -> str:
     """The code path in use: "avx512", "avx2" or "scalar"."""
     return _ISA_NAMES[lib.zf_isa()]

@@ -81,12 +81,12 @@ BAD_DATA = [
     ("not UTF-8", bad_utf8, "latin1.jsonl: not UTF-8 text"),
     ("a folder", a_folder, "data.jsonl': is a folder; give one of the .json/.jsonl/.csv/.parquet files in it"),
     ("instruction null", lambda t: jsonl(t / "null.jsonl", [{"instruction": None, "output": "x"}]),
-     "record 0: field 'instruction' is null; give it a text"),
+     "record 1: field 'instruction' is null; give it a text"),
     ("messages a string", lambda t: jsonl(t / "str.jsonl", [{"messages": "hello"}]),
-     "record 0: field 'messages' must be a list of turns, got str"),
+     "record 1: field 'messages' must be a list of turns, got str"),
     ("two user turns", lambda t: jsonl(t / "two.jsonl", [{"messages": [
         {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}]),
-     "record 0: field 'messages[1].role' is 'user' again, right after messages[0]: turns must alternate"),
+     "record 1: field 'messages[1].role' is 'user' again, right after messages[0]: turns must alternate"),
 ]
 
 
@@ -154,7 +154,7 @@ def test_a_byte_order_mark_is_read_not_refused(tmp_path: Path) -> None:
     assert data_source.read_file(bom).records[0] == {**GOOD, "output": "hi 0"}
     assert data_source.first_record(bom) == {**GOOD, "output": "hi 0"}
     assert data_source.read_file(csv_bom).records == [GOOD]  # the header's first name has no BOM in it
-    result = zf("plan", "tiny-llama", "--data", bom, "--json")
+    result = zf("plan", "tiny-llama", "--data", bom, "--json", "--set", "train.micro_batch_size=4")  # 6 records
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plan"]["data"]["template"] == "alpaca"  # guessed through the BOM
 

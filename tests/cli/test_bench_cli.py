@@ -146,6 +146,33 @@ def test_bytes_match_the_layout(grid):
     assert zo["traffic_x_model"] == pytest.approx((zo["d2h_bytes_per_step"] + MATRIX_BYTES) / param_bytes)
 
 
+def test_the_bound_and_its_gap_are_printed_and_in_the_json(grid):
+    """Each row's bound (zfctl/bench/bound.py) from its steps' ledgers and the measured machine:
+    on CPU, compute + host memory (one set of cores), no link; the gap split into its parts."""
+    output, doc, csv_rows = grid
+    for header in ("Bound per step", "x bound", "limit", "selection", "install", "boundary wait", "hook wait",
+                   "other"):
+        assert header in output
+    meta = doc["meta"]
+    assert meta["host_gbps"] > 0 and meta["host_threads"] >= 1 and meta["d2h_gbps"] is meta["h2d_gbps"] is None
+    assert meta["bound_rule"].startswith("compute + host memory")
+    for r, c in zip(doc["results"], csv_rows):
+        b, recs = r["bound"], r["records"]
+        assert b["measured_ms"] == r["step_ms"]["overall"]["mean"] and b["limit"] == "device + host"
+        assert b["ratio"] == pytest.approx(b["measured_ms"] / b["bound_ms"])
+        assert float(c["bound_ms"]) == pytest.approx(b["bound_ms"])
+        host = sum(rec["host_bytes"] for rec in recs) / len(recs)
+        assert b["bytes_per_step"]["host"] == pytest.approx(host)  # the ledgers of the timed steps
+        assert b["terms_ms"]["host"] == pytest.approx(host / (meta["host_gbps"] * 1e6))
+        assert b["bound_ms"] == pytest.approx(b["terms_ms"]["device"] + b["terms_ms"]["host"])
+        assert b["gap_ms"]["selection"] == 0  # this grid's configurations select before the timed steps
+        assert sum(b["gap_ms"].values()) == pytest.approx(b["measured_ms"] - b["bound_ms"])
+        for rec in recs:  # every step's ledger adds up to its totals
+            assert rec["d2h_bytes"] == sum(v for k, v in rec["bytes"].items() if k.startswith("d2h."))
+    off = doc["results"][1]
+    assert off["bound"]["bytes_per_step"] == {"d2h": 0, "h2d": 0, "host": 0} and off["bound"]["terms_ms"]["host"] == 0
+
+
 @pytest.mark.slow
 def test_preset_model_runs_with_tokens_per_second(tmp_path):
     out = tmp_path / "llama.json"

@@ -293,7 +293,7 @@ def test_resume_and_export_call_the_engine_with_the_flags(
     seen: dict = {}
 
     class Result:
-        output_dir, steps, already_finished = tmp_path, 7, False
+        output_dir, steps, already_finished, last_checkpoint = tmp_path, 7, False, None
 
     def fake_resume(ckpt_dir, *, max_steps=None, allow_changes=False, on_plan=None, latest_good=False,
                     strategy=None):

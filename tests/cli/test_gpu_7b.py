@@ -74,6 +74,10 @@ def test_part_record_and_summary_against_the_plan(tmp_path):
     assert s["peak_host_rss_bytes"] == 120 * GIB  # the larger of the two readings of the main process
     assert s["host_vs_plan"] == pytest.approx(0.75) and s["device_vs_plan"] == pytest.approx(1.1)
     assert s["pinned_host_bytes_upper_bound"] == 92 * GIB
+    # the plan's CUDA-context line is outside torch's allocator: the reserved peak is read without it
+    doc["plan"] = {"host_total": 160 * GIB, "device_total": 40.5 * GIB,
+                   "items": [{"name": "CUDA context", "bytes": 0.5 * GIB}, {"name": "weights", "bytes": 40 * GIB}]}
+    assert gpu_7b.summarize(doc)["device_vs_plan"] == pytest.approx(1.1)
 
 
 def test_preflight_refusals(tmp_path):

@@ -116,6 +116,37 @@ def test_cpu_update_hidden_behind_interval_x_device_time(tmp_path):
     assert b1["budget_ms"] == pytest.approx(4 * (50.0 + 100.0 + 2.0)) and b1["hidden"] is False  # 700 > 608
 
 
+def bound(path: str, batch: int) -> str:
+    """The name of a path's bound check (gpu_results.within_bound)."""
+    return f"{path} within 1.3x of its bound at batch {batch}"
+
+
+def test_each_path_is_held_to_the_bound_its_bytes_set(tmp_path):
+    """measured / bound <= 1.3 per path and batch. fake_part's files hold `off` beside `paper`
+    only, so the other paths' device compute is rebuilt from that `off` row: its forward + backward
+    (3/4 of its 150 ms step at batch 4) + the path's own device optimizer (2 ms)."""
+    fake_part(tmp_path / "b4", 4, device_ms=1.3 * 114.5)
+    fake_part(tmp_path / "b1", 1)
+    bench_file(tmp_path / "b1", 1, "default-host", {"zenflow": [200.0] * 8}, host_bytes=17_000_000_000)
+    bench = {**gpu_results.collect_bench(tmp_path / "b1"), **gpu_results.collect_bench(tmp_path / "b4")}
+    assert bench["b4"]["default-device"]["bound_device_source"] == "own"  # what the file printed
+    checks = {c["config"]: c for c in gpu_results.within_bound(bench)}
+    dev = checks["b4/default-device"]
+    assert (dev["bound_ms"], dev["limit"], dev["device_compute"]) == (pytest.approx(114.5), "device",
+                                                                        "off row of this batch")
+    assert dev["ratio"] == pytest.approx(1.3) and dev["status"] == "pass"  # exactly at the target
+    assert dev["printed"]["bound_ms"] == pytest.approx(0.75 * 1.3 * 114.5 + 2)  # its own passes: a laxer bound
+    host = checks["b4/default-host"]
+    assert host["ratio"] == pytest.approx(180 / 114.5) and host["status"] == "fail"
+    # 17 GB of host memory per step at 100 GB/s: 170 ms, slower than the device's 92 ms
+    b1 = checks["b1/default-host"]
+    assert (b1["limit"], b1["bound_ms"], b1["status"]) == ("host", pytest.approx(170.0), "pass")
+    missing = gpu_results.within_bound({"b4": bench["b4"]})
+    assert [c["status"] for c in missing if c["config"].startswith("b1/")] == ["missing", "missing"]
+    bench["b4"]["default-host"]["bound_ms"] = None  # a bench from before the bound
+    assert "printed no bound" in {c["config"]: c for c in gpu_results.within_bound(bench)}["b4/default-host"]["why"]
+
+
 def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     out = tmp_path / "gpu-check.json"
     doc = gpu_common.load_doc(out, "abc1234")
@@ -138,7 +169,10 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     assert list(doc["parts"]) == ["tests", "bench-b1", "bench-b4"]
     assert doc["parts"]["bench-b4"]["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     assert [a["status"] for a in doc["acceptance"]] == ["pass", "pass", "fail", "fail"]
-    assert doc["verdict"] == {"result": "fail", "failed": ["accumulate device / off", "ZenFlow default / off at batch 1"],
+    # fake_part's paths are all above 1.3x their bound (device compute: 3/4 of `off`'s step + 2 ms)
+    assert doc["verdict"] == {"result": "fail", "failed": ["accumulate device / off", "ZenFlow default / off at batch 1",
+                                                           bound("default-host", 1), bound("default-device", 1),
+                                                           bound("default-host", 4), bound("default-device", 4)],
                               "missing": ["nccl", "fit-24gb"], "skipped": []}
 
     # bench-b4 again with a faster device-accumulation run: b4 is replaced, b1 and the tests stay.
@@ -149,11 +183,13 @@ def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
     nccl = {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1",
             "section": {"status": "skipped", "reason": "needs 2 CUDA GPUs, this machine has 1"}}
     doc = gpu_results.merge(doc, "nccl", nccl, HOST)
-    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1"],
+    assert doc["verdict"] == {"result": "fail", "failed": ["ZenFlow default / off at batch 1", bound("default-host", 1),
+                                                           bound("default-device", 1), bound("default-host", 4)],
                               "missing": ["fit-24gb"], "skipped": ["nccl"]}  # named: a 'pass' must not hide it
     lines = gpu_results.summary_lines(doc)
     assert "nccl: skipped (0 s), needs 2 CUDA GPUs, this machine has 1" in lines
     assert lines[-1].endswith("; skipped: nccl")
+    assert "b4/default-device: measured / bound 1.22x its bound of 114 ms (device), target <= 1.3: pass" in lines
     assert any(line.startswith("b1/default-host: CPU update 700 ms vs 4 x 152 ms") and "NOT hidden" in line
                for line in lines)
 

@@ -67,9 +67,10 @@ def test_the_step_line_legend_names_every_field() -> None:
 def test_runs_shorter_than_their_warm_ups_are_warned_about() -> None:
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=10"])
     assert short_run_warnings(plan) == [
-        ("train.max_steps=10 is within zenflow.full_warm_up_rounds=20: every step of this run is plain AdamW on "
-         "the device (the step line's `sel 0.00`) and ZenFlow never engages; --set zenflow.full_warm_up_rounds=2 "
-         "to try ZenFlow in a short run"),
+        ("train.max_steps=10 is within zenflow.full_warm_up_rounds=20: every step of this run is a synchronous "
+         "full CPU-offload step (the CPU AdamW updates every weight matrix and the step waits; the step line's "
+         "`sel 0.00`) and ZenFlow's overlapped split never engages; --set zenflow.full_warm_up_rounds=2 to try "
+         "ZenFlow in a short run"),
         ("train.max_steps=10 is within train.warmup_steps=20: the learning rate never reaches train.lr=0.003; "
          "--set train.warmup_steps=1 for a short run")]
     fixed = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
@@ -78,6 +79,29 @@ def test_runs_shorter_than_their_warm_ups_are_warned_about() -> None:
     off = resolve_plan("tiny-llama", "alpaca-sample", zenflow="off", overrides=["train.max_steps=10"])
     assert [w.split(":")[0] for w in short_run_warnings(off)] == [
         "train.max_steps=10 is within train.warmup_steps=20"]  # no ZenFlow to engage
+
+
+def test_the_warm_up_is_described_one_way_everywhere() -> None:
+    """Defect 5: the README's library section and step-line table, scripts/library_example.py, the
+    short-run warning, the step-line legend, the default preset and the field's help said "plain
+    AdamW on the device" where the code runs synchronous full CPU-offload steps (metrics.jsonl:
+    cpu-adam every warm-up step, the whole model's bytes both ways)."""
+    from zfctl.offload.config import ZenFlowConfig
+
+    true = "synchronous full CPU-offload step"
+    texts = {
+        "README.md": (ROOT / "README.md").read_text(encoding="utf-8"),
+        "scripts/library_example.py": (ROOT / "scripts" / "library_example.py").read_text(encoding="utf-8"),
+        "presets/zenflow/default.yaml": (ROOT / "presets" / "zenflow" / "default.yaml").read_text(encoding="utf-8"),
+        "the short-run warning": short_run_warnings(resolve_plan("tiny-llama", "alpaca-sample",
+                                                                 overrides=["train.max_steps=10"]))[0],
+        "the step-line legend": STEP_LINE_LEGEND,
+        "zenflow.full_warm_up_rounds' help": ZenFlowConfig.__dataclass_fields__["full_warm_up_rounds"].metadata["help"],
+    }
+    for where, text in texts.items():
+        assert true in text, where
+        assert "plain AdamW on the device" not in text and "every step is plain AdamW" not in text, where
+    assert texts["README.md"].count(true) >= 3  # the step-line table, Short runs, the library section
 
 
 def test_finetune_prints_the_short_run_warnings_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -93,8 +117,8 @@ def test_finetune_prints_the_short_run_warnings_once(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ([], "give --prompt TEXT, or --chat"),
-    (["--prompt", "hi", "--chat"], "give --prompt TEXT, or --chat"),
+    ([], "give one of --prompt TEXT, --prompts FILE, or --chat"),
+    (["--prompt", "hi", "--chat"], "give one of --prompt TEXT, --prompts FILE, or --chat"),
     (["--chat"], "--chat needs a terminal on stdin"),
     (["--prompt", " "], "--prompt is empty"),
 ])
@@ -143,7 +167,27 @@ def test_next_commands_ask_for_allow_changes_only_where_the_lr_would_change(monk
         "zfctl resume runs/x --max-steps 12"]
     past = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=40", "train.warmup_steps=4"])
     assert finetune.next_commands(past, Path("my runs/x"), 40)[-1] == (
-        "zfctl resume 'my runs/x' --max-steps 80 --allow-changes")  # quoted for the shell
+        "zfctl resume 'my runs/x' --max-steps 50 --allow-changes")  # quoted for the shell
+
+
+def test_the_next_block_trains_further_gently_and_says_what_it_does_to_the_lr(monkeypatch) -> None:
+    """A finished cosine run's LR is ~0: doubling it would restart at half of train.lr (a 30-step
+    run's eval loss went 3.46 -> 4.92 that way); a quarter more restarts near a tenth, and the note
+    says so. A chat run is tried with --chat, not with an alpaca question."""
+    from zfctl.cli import finetune
+
+    monkeypatch.setattr(finetune, "activate_command", lambda: None)
+    run = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=30", "train.warmup_steps=2"])
+    assert finetune.next_commands(run, Path("r"), 30)[-1] == "zfctl resume r --max-steps 37 --allow-changes"
+    note = finetune.further_lr_note(run.train, 30)
+    assert note.startswith("`zfctl resume --max-steps 37 --allow-changes` stretches the cosine LR schedule to end "
+                           "at step 37: the LR, ~0 at the end of this run, restarts at 0.000286 at step 31 (10% of "
+                           "train.lr 0.003)"), note
+    flat = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=30", "train.schedule=constant"])
+    assert finetune.next_commands(flat, Path("r"), 30)[-1] == "zfctl resume r --max-steps 60"
+    assert "continues the same LR schedule (constant" in finetune.further_lr_note(flat.train, 30)
+    chat = resolve_plan("tiny-llama", "chat-sample", overrides=["train.max_steps=30"])
+    assert finetune.next_commands(chat, Path("r"), 30)[0] == "zfctl generate r --chat"
 
 
 def test_an_interactive_chat_keeps_the_conversation_and_other_templates_do_not() -> None:

@@ -124,9 +124,10 @@ def _one_line_error(rc: int, log: str, *needles: str) -> None:
 @pytest.mark.slow
 def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
     before = tree_digest(finished_run)
-    bad = tmp_path / "bad.jsonl"  # record 1 lacks its `output` field
+    bad = tmp_path / "bad.jsonl"  # record 2 lacks its `output` field (records enough to fill a micro-batch)
     bad.write_text(json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n"
-                   + json.dumps({"instruction": "a", "input": ""}) + "\n")
+                   + json.dumps({"instruction": "a", "input": ""}) + "\n"
+                   + (json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n") * 8)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text("{oops")

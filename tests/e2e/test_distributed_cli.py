@@ -59,6 +59,7 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
     log = finetune(two, 2, 2)
     assert "launching 2 processes under torchrun" in log
     assert log.count("run plan") == 1, log  # only the launcher and rank 0 print, the plan once
+    assert "OMP_NUM_THREADS" not in log, log  # torchrun's banner: zfctl sets the value itself (zfctl/quiet.py)
 
     l1, l2 = losses(one), losses(two)
     assert len(l1) == len(l2) == 6

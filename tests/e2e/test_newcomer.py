@@ -25,6 +25,7 @@ BIN = Path(sys.prefix) / "bin"
 ZFCTL = BIN / "zfctl"
 PROMPT = "What is 12 + 7?"
 STEPS = 40
+FURTHER = STEPS + STEPS // 4  # the next: block's continuation of a finished cosine run (cli/finetune.py)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not ZFCTL.is_file() or sys.prefix == sys.base_prefix,
@@ -50,6 +51,14 @@ def sh(command: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=600)
 
 
+def readme_transformers_snippet() -> str:
+    """README.md's python block that loads runs/demo-hf with plain transformers."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    (snippet,) = [b for b in blocks if 'AutoTokenizer.from_pretrained("runs/demo-hf")' in b]
+    return snippet
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[Path, list[str], str]:
     """A short demo run in a fresh folder: (folder, the printed next commands, its output)."""
@@ -63,14 +72,17 @@ def demo(tmp_path_factory) -> tuple[Path, list[str], str]:
 
 
 def test_the_run_ends_with_commands_that_run_as_printed(demo) -> None:
-    work, commands, _ = demo
+    work, commands, output = demo
     activate = f"source {BIN / 'activate'}"
     assert commands == [
         activate,
         f"zfctl generate runs/demo --prompt '{PROMPT}'",
         "zfctl export runs/demo --output runs/demo-hf",
-        f"zfctl resume runs/demo --max-steps {2 * STEPS} --allow-changes",
+        f"zfctl resume runs/demo --max-steps {FURTHER} --allow-changes",
     ]
+    # what that continuation does to the LR, said next to it (stderr: the next: block holds commands only)
+    assert (f"note: `zfctl resume --max-steps {FURTHER} --allow-changes` stretches the cosine LR schedule to end at "
+            f"step {FURTHER}: the LR, ~0 at the end of this run, restarts at ") in output, output
     before = tree_digest(work / "runs" / "demo")
     # without --allow-changes the longer schedule is refused: the LR would jump, nothing is written
     res = sh(f"{activate}\nzfctl resume runs/demo --max-steps {2 * STEPS}", work)
@@ -83,16 +95,18 @@ def test_the_run_ends_with_commands_that_run_as_printed(demo) -> None:
         res = sh(f"{activate}\n{command}", work)
         assert res.returncode == 0, f"{command}\n{res.stdout}{res.stderr}"
         outputs[command.split()[1]] = res
-    assert [r["step"] for r in read_metrics(work / "runs" / "demo" / "metrics.jsonl", "train")][-1] == 2 * STEPS
+    assert [r["step"] for r in read_metrics(work / "runs" / "demo" / "metrics.jsonl", "train")][-1] == FURTHER
+    resumed = outputs["resume"].stdout.splitlines()  # resume ends as finetune does: losses, then next:
+    assert any(ln.startswith(f"done {FURTHER} steps  train loss (last step) ") for ln in resumed), resumed
+    assert "next:" in resumed, resumed
     exported = outputs["export"].stdout + outputs["export"].stderr
-    ckpt = (work / "runs" / "demo" / "checkpoints" / f"step-{STEPS:06d}").resolve()
-    assert exported.strip() == f"exported {ckpt} (step {STEPS}) -> runs/demo-hf"  # no progress bar
+    assert exported.strip() == f"exported runs/demo/checkpoints/step-{STEPS:06d} (step {STEPS}) -> runs/demo-hf"
     modes = {f.name: f.stat().st_mode & 0o777 for f in (work / "runs" / "demo-hf").iterdir()}
     assert set(modes.values()) == {0o644}, modes  # safetensors' own 0600 included
     # a finished run says so, and loads nothing
     res = sh(f"{activate}\nzfctl resume runs/demo", work)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith(f"finished: runs/demo ended at step {2 * STEPS} (")
+    assert res.stdout.startswith(f"finished: runs/demo ended at step {FURTHER} (")
     assert "resuming from" not in res.stdout and "eval loss" not in res.stdout
 
 
@@ -120,6 +134,12 @@ def test_generate_matches_plain_transformers_on_the_export(demo, tmp_path) -> No
     assert mine == plain and len(plain) > 1  # an answer, not an immediate EOS
     # the CLI streams the same text, from the run folder's checkpoint and from the export
     answer = tok.decode(plain, skip_special_tokens=True)
+    # the README's plain-transformers snippet, as printed there, on this export
+    snippet = readme_transformers_snippet().replace('"runs/demo-hf"', repr(str(out)))
+    res = subprocess.run([sys.executable, "-c", snippet], cwd=work, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.removesuffix("\n") == answer
     for source in (f"runs/demo/checkpoints/step-{STEPS:06d}", str(out)):
         res = sh(f"{ZFCTL} generate {source} --prompt '{PROMPT}' --max-new-tokens 32", work)
         assert res.returncode == 0, res.stdout + res.stderr

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from zfctl.offload.selection import STAGE_BYTES, ColumnState, Staging, migrate
+from zfctl.offload.selection import ColumnState, Staging, migrate
+from zfctl.offload.sizing import STAGE_BYTES
 
 pytestmark = pytest.mark.gpu
 LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]

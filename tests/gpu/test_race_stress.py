@@ -43,13 +43,33 @@ def slow_copies():
 
 
 def _run(cfg: ZenFlowConfig, *, dtype, hooks: bool, clip=None, set_to_none=True, steps: int = 16,
-         update_s: float = 0.0):
+         update_s: float = 0.0, layer_waits: bool = False, slow_install: bool = False):
     model = tiny_net(device="cuda", dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
         slow_readers(opt, update_s=update_s)
+        if layer_waits:
+            assert opt.attach_install_waits(model) == 3  # fc1, fc2, head
+        if slow_install:
+            _slow_install_stream(opt)
         stats = loop(model, opt, batches(steps, dtype=dtype), hooks=hooks, set_to_none=set_to_none)
         opt.flush()
     return snapshot(model), stats
+
+
+def _slow_install_stream(opt) -> None:
+    """The install stream (zfctl/offload/install.py) spins ~2 ms before it puts each param's
+    device-owned columns back, i.e. before that param's event: a forward that does not wait for
+    its layer's event reads the ridden-along stale columns (or, with slow copies, the old ones)."""
+    run = opt.installer.run
+
+    def slow_run(ring, chunks, source, params, restore):
+        def late_restore(slot):
+            torch.cuda._sleep(DELAY)  # on the install stream: deliver runs there
+            restore(slot)
+
+        return run(ring, chunks, source, params, late_restore)
+
+    opt.installer.run = slow_run
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -158,13 +178,15 @@ def test_device_path_under_slow_copies_or_reader(slow_copies, monkeypatch, dtype
 @pytest.mark.parametrize("path", ["host-step", "device"])
 @pytest.mark.parametrize("pin", [True, False], ids=["page-locked", "pageable"])
 def test_install_under_slow_copies(slow_copies, dtype, path, pin) -> None:
-    """Installs. Covers: the compute stream waits for each H2D chunk before scattering it into
-    the params (ring.py ``h2d``, ``timed_wait``); page-locked, the CPU worker submitted right after
-    an install waits for the install's DMA before it writes the master the DMA reads
-    (``HostState.install_fence``, which ring.py takes from pinned.py's registry), else the params
-    receive part of the next update. On the device path that fence is the only one: the sum's
-    copy out no longer waits for the install. Pageable, CUDA stages the master inside each copy
-    call: no fence is needed, and the same bits come out."""
+    """Installs, no per-layer hooks. Covers: the install stream waits for each H2D chunk before
+    scattering it into the params (ring.py ``h2d``); the compute stream waits for the whole
+    install at install time (install.py ``_publish``); page-locked, the CPU worker submitted
+    right after an install waits for the install's DMA before it writes the install source the
+    DMA reads, the upload buffer (bf16) or the master (fp32) (``HostState.install_fence``, which
+    ring.py takes from pinned.py's registry), else the params receive part of the next update.
+    On the device path that fence is the only one: the sum's copy out no longer waits for the
+    install. Pageable, CUDA stages the source inside each copy call: no fence is needed, and the
+    same bits come out."""
     cfg = zen(**ZEN, **PATHS[path], overlap_step=True, pin_memory=pin)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=False)
@@ -174,10 +196,50 @@ def test_install_under_slow_copies(slow_copies, dtype, path, pin) -> None:
     assert _same(ref, got)
 
 
+@DTYPES
+@pytest.mark.parametrize("path", ["host-step", "device"])
+def test_each_layer_waits_for_its_own_install_under_a_slow_install_stream(slow_copies, dtype, path) -> None:
+    """Per-layer install waits (``attach_install_waits``): the copies and the install stream are
+    slowed, so each layer's part lands milliseconds after the step that enqueued it, and the
+    next forward starts at once. Covers: each module's forward pre-hook waits (on the device) for
+    the event after its params' scatter and device-column restore (install.py
+    ``_before_forward``); the install stream waits for the compute stream before it scatters
+    (``run``'s ``ready``); the next step's device update waits for whatever no layer waited for
+    (``wait_all``). Without any of them the forward reads old or stale columns: other bits than
+    the same run with the whole-install wait at full speed."""
+    cfg = zen(**ZEN, **PATHS[path], overlap_step=True)
+    delay_copies(0)
+    ref, _ = _run(cfg, dtype=dtype, hooks=False)  # no hooks: the whole install waited for at once
+    delay_copies(DELAY)
+    got, stats = _run(cfg, dtype=dtype, hooks=False, layer_waits=True, slow_install=True)
+    for s in stats:
+        s.resolve()  # the last step's device timings (no later step() read them)
+    installed = [i for i, s in enumerate(stats) if s.installed]
+    assert len(installed) >= 2
+    # The forward after an install waited on the device for its layers (counted in that step).
+    assert all(stats[i + 1].device_wait_ms > 0 for i in installed if i + 1 < len(stats) and not stats[i].selection)
+    assert _same(ref, got)
+
+
+def test_a_bf16_install_from_the_fp32_master_under_slow_copies(slow_copies) -> None:
+    """``upload_buffer: false``: a bf16 install DMAs the page-locked fp32 master (device slots of
+    twice the model-dtype size) and rounds on the device; the fence is then the master's, which
+    the CPU worker waits for before it writes it. Same bits as the upload buffer's install."""
+    cfg = zen(**ZEN, **PATHS["host-step"], overlap_step=True)
+    delay_copies(0)
+    ref, _ = _run(cfg, dtype=torch.bfloat16, hooks=False)
+    delay_copies(DELAY)
+    got, stats = _run(zen(**ZEN, **PATHS["host-step"], overlap_step=True, upload_buffer=False),
+                      dtype=torch.bfloat16, hooks=False, layer_waits=True)
+    assert sum(s.installed for s in stats) >= 2
+    assert _same(ref, got)
+
+
 def test_install_device_slot_waits_for_the_scatter_that_reads_it() -> None:
     """The direct H2D path reuses device slot i for chunk i + slots only after the scatter of
     chunk i has read it: a device-side wait of the copy stream (ring.py ``_freed``). Here the
-    scatters are slowed down instead of the copies, and every chunk goes through one slot."""
+    scatters (on the current stream: ``h2d`` without ``stream``) are slowed down instead of the
+    copies, and every chunk goes through one slot."""
     n, per = 8, 4096
     src = pinned.empty(n * per, torch.float32, pin=True)
     src.copy_(torch.arange(n * per, dtype=torch.float32))

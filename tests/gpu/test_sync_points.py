@@ -36,22 +36,35 @@ def sync_is_an_error():
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_steady_state_steps_make_no_implicit_sync(sync_is_an_error, path, clip, dtype) -> None:
-    """10 steady-state ZenFlow steps (two micro-batches each; boundaries, installs, the hook
-    path's streamed gradients, the device path's copy out) with every implicit sync an error."""
+    """10 steady-state ZenFlow steps (two micro-batches each; boundaries, installs with the
+    per-layer install waits, the hook path's streamed gradients, the device path's copy out)
+    with every implicit sync an error."""
     cfg = zen(**{**ZEN, "update_interval": 2}, **PATHS[path], overlap_step=True)
     hooks = path == "host-hooks"
     model = tiny_net(device="cuda", dtype=dtype)
     # The batches go to the device before the checked section: a blocking .cuda() is a sync itself.
     data = [(x.cuda(), y.cuda()) for x, y in batches(1 + STEADY, dtype=dtype)]
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
+        # Each layer's forward waits for its own part of an install (zfctl/offload/install.py):
+        # device-side waits in forward pre-hooks, counted here, inside the checked section.
+        assert opt.attach_install_waits(model) == 3  # fc1, fc2, head
+        waits = []
+        wait = opt.installer._wait
+        opt.installer._wait = lambda event: (waits.append(event), wait(event))
         first = loop(model, opt, data[:1], hooks=hooks)  # t = 0: the selection (listed syncs)
         assert first[0].selection
+        waits.clear()
         sync_is_an_error("error")
         stats = loop(model, opt, data[1:], hooks=hooks)
         sync_is_an_error(0)
+        in_loop = len(waits)
         opt.flush()
     assert not any(s.selection for s in stats)
     assert sum(s.boundary for s in stats) >= 4 and sum(s.installed for s in stats) >= 3
+    # Every install followed by a forward in the checked steps (the last step's is not) is waited
+    # for three times, once per layer, by that forward; nothing waits for a whole install (the
+    # step's own wait finds every layer waited for already). A wait removed or added shows here.
+    assert in_loop == 3 * sum(s.installed for s in [first[0], *stats[:-1]])
     if hooks:
         assert all(s.early_chunks > 0 for s in stats)  # the hooks moved the gradients
 

@@ -209,3 +209,28 @@ def test_missing_library_is_a_user_error():
     env = {k: v for k, v in os.environ.items() if k != "ZFCTL_NATIVE_VARIANT"}
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, env=env)
     assert "native CPU-Adam is not built: run `make setup`" in done.stdout
+
+
+def test_pinned_pools_give_the_same_bits_and_the_caller_its_cpus_back():
+    """Pinning (zf_set_pool_cpus) moves threads, never results; the calling thread, moved onto
+    cpus[0] for the call, ends with the CPUs it had (it may be the training thread)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    before, mask = N.get_num_threads(), os.sched_getaffinity(0)
+    n = 1_500_000
+    gen = torch.Generator().manual_seed(3)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    results = []
+    try:
+        N.set_num_threads(3)
+        for pinned in ([], cpus[::-1], [cpus[0]]):
+            N.set_pool_cpus(0, pinned)
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            for step in (1, 2):
+                N.adamw_step(p, g, m, v, **{**HP, "step": step})
+            results.append((p, m, v))
+            assert os.sched_getaffinity(0) == mask
+    finally:
+        N.set_pool_cpus(0, [])
+        N.set_num_threads(before)
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], got))

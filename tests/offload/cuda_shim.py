@@ -123,3 +123,29 @@ def as_cuda(obj: Any, *streams: str) -> Any:
     for name in streams:
         setattr(obj, name, FakeStream(name=name))
     return obj
+
+
+def engine_on_shim(opt: Any) -> Shim:
+    """Run a whole ``ZenFlowOptimizer`` built on CPU through the shim: install it, switch every
+    transfer part (both rings, the hook path's stream, the device path's sum, the installer) to its
+    CUDA branch, and page-lock (register) the install's source (the upload buffer, else the fp32
+    master) as a CUDA run with ``pin_memory`` does, so the install leaves its fence. The waits those branches write are then counted in ``StepStats.waits``
+    (zfctl/offload/ledger.py) as on a GPU; the bytes are the same as without the shim. Call it
+    after ``fake_cuda(monkeypatch)`` and before the first step."""
+    assert SHIM.compute is SHIM.current, "call fake_cuda(monkeypatch) first"
+    if opt.transfers is not None:
+        as_cuda(opt.transfers.d2h, "stream")
+        as_cuda(opt.transfers.h2d, "stream")
+    path = opt.gradient_path
+    if getattr(path, "stream", None) is not None:
+        as_cuda(path.stream, "copy_stream")
+    if getattr(path, "sum", None) is not None:
+        as_cuda(path.sum, "copy_stream")
+    as_cuda(opt.installer, "stream")  # the install stream and its per-module events (install.py)
+    if opt.host is not None:  # the install's source: the upload buffer (bf16/fp16) or the master
+        name = "upload" if opt.host.upload is not None else "master"
+        src = getattr(opt.host, name)
+        locked = pinned.empty(src.numel(), src.dtype, pin=True)
+        locked.copy_(src)
+        setattr(opt.host, name, locked)
+    return SHIM

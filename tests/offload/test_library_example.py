@@ -35,6 +35,7 @@ def test_the_example_runs_and_zenflow_engages() -> None:
     res = subprocess.run([sys.executable, str(SCRIPT), "--steps", "24", "--warm-up", "4"], cwd=ROOT, check=False,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "Warning" not in res.stderr, res.stderr  # a runnable example prints no torch UserWarning
     rows = [tuple(map(float, m.groups())) for m in
             re.finditer(r"step +(\d+) +loss ([\d.]+) +sel ([\d.]+)", res.stdout)]
     assert [int(r[0]) for r in rows] == list(range(1, 25))

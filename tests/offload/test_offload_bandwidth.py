@@ -7,8 +7,8 @@ from test_offload_helpers import tiny_net, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload.bandwidth import MAX_BYTES, MIN_BYTES, inflight_bytes
 from zfctl.offload.config import TuningConfig
+from zfctl.offload.sizing import MAX_BYTES, MIN_BYTES, inflight_bytes
 
 MiB = 2**20
 

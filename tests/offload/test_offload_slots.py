@@ -107,7 +107,7 @@ def today(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> Iterator[T
         _native.adamw_step(h.master, ref.sums[id(update)], h.exp_avg, h.exp_avg_sq, step=step_, lr=update.lr,
                            beta1=update.beta1, beta2=update.beta2, eps=update.eps,
                            weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-                           repeat=update.repeat)
+                           repeat=update.repeat, out=h.upload)  # bf16/fp16: the install source, as the worker
 
     with monkeypatch.context() as m:
         m.setattr(GradientScale, "coefficient", record_coef)

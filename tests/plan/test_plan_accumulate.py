@@ -41,3 +41,20 @@ def test_an_explicit_choice_is_kept_and_counted() -> None:
     assert est.item("gradient accumulator") == pytest.approx(4 * P2)
     with pytest.raises(ConfigError, match="zenflow.accumulate"):
         resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.accumulate=gpu"])
+
+
+@pytest.mark.parametrize(("nodes", "nproc"), [(2, 1), (1, 2)])
+def test_the_release_line_counts_every_rank_of_the_job(nodes: int, nproc: int) -> None:
+    """A data-parallel selection step reads every ``.grad`` (its scores are all-reduced), so the
+    release does not bound the ``gradients`` line on more than one rank, wherever the ranks are:
+    ``nodes 2, nproc 1`` is two ranks as much as ``nproc 2`` is."""
+    m = Machine(512 * GB, True, "L4", 24 * GB)
+    one = estimate(resolve_plan("llama2-7b", "alpaca"), m)
+    assert one.item("gradients") == 2 * (32000 * 4096 + 65 * 4096)  # one process: the largest matrix's .grad
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=[f"distributed.nodes={nodes}", f"distributed.nproc={nproc}",
+                                                          "distributed.strategy=zero2"])
+    est = estimate(plan, m)
+    assert est.world_size == 2 and est.accumulate == "host"
+    assert est.item("gradients") == pytest.approx(2 * 6.738e9, rel=1e-3)  # w P: every .grad until step()
+    assert "data parallel" in next(i.note for i in est.items if i.name == "gradients")
+    assert est.item("gradient landing buffers") == 4 * 32 * 2**20  # still the release's bounded ring

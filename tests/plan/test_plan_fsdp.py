@@ -12,7 +12,7 @@ import pytest
 
 from zfctl.errors import ConfigError
 from zfctl.plan import resolve_plan
-from zfctl.plan.memory import GB, Machine, estimate
+from zfctl.plan.memory import GB, PROCESS_BASELINE, Machine, estimate
 
 ACCEPTANCE = ["llama2-70b", "--data", "alpaca", "--gpu-memory", "80GB", "--host-memory", "1TB",
               "--set", "distributed.nproc=8", "--nodes", "2"]
@@ -94,12 +94,13 @@ def test_fsdp_refusals_are_one_line_exit_2_and_write_nothing(tmp_path) -> None:
 
 def test_fsdp_node_host_total_holds_one_whole_model_while_the_ranks_load_in_turn() -> None:
     """zfctl/train/recipe.py: each rank of a node builds the whole model in host RAM in its turn;
-    with everything on the GPU (topk_ratio 1) that load is the node's host peak."""
+    with everything on the GPU (topk_ratio 1) that load, beside the 8 processes' own baselines,
+    is the node's host peak."""
     plan = resolve_plan("llama2-7b", "alpaca", overrides=["distributed.nproc=8", "distributed.strategy=fsdp",
                                                           "zenflow.topk_ratio=1", "train.device=cuda"])
     est = estimate(plan, Machine(1024 * GB, True, "H100", 80 * GB))
     whole = 2 * est.size.params
-    assert est.node_host_total == pytest.approx(whole + 7 * whole / 8)
+    assert est.node_host_total == pytest.approx(8 * PROCESS_BASELINE["cuda"] + whole + 7 * whole / 8)
     assert any(n.startswith("fsdp model load: the 8 ranks of a node") for n in est.notes), est.notes
 
 

@@ -151,6 +151,86 @@ def test_a_checkpoint_inside_an_interval_holds_what_its_plan_line_says() -> None
     assert held - engine_lines(est) + est.item("selection staging") == pytest.approx(4 * plan_numel(plan), rel=0.1)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_upload_buffer_line_is_what_the_engine_allocates(precision) -> None:
+    """bf16: the engine holds the upload buffer the CPU AdamW writes for the install (2 B per host
+    element, zfctl/offload/host.py) and the plan has its line; fp32 has neither."""
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
+        "train.device=cpu", f"train.precision={precision}", "zenflow.full_warm_up_rounds=0",
+        "zenflow.accumulate=host", "zenflow.select_interval=4", "zenflow.update_interval=2"])
+    model = load_model(plan.model, precision=precision, device=torch.device("cpu"), seed=0)
+    opt = build_optimizer(model, plan, steps_per_epoch=100)
+    try:
+        train_steps(model, opt, 3)
+        opt.zero_grad(set_to_none=True)
+        held = held_bytes(opt, {p.untyped_storage().data_ptr() for p in model.parameters()})
+        upload = opt.host.upload
+    finally:
+        opt.close()
+    est = estimate(plan, Machine(64 * GB, False))
+    planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+    assert held == pytest.approx(planned, rel=0.02), (held, planned)
+    if precision == "bf16":
+        assert est.item("upload buffer") == upload.numel() * 2 == est.item("fp32 master") / 2
+        assert est.upload_buffer
+    else:
+        assert upload is None and "upload buffer" not in {i.name for i in est.items}
+
+
+def test_the_upload_buffer_is_planned_where_the_host_holds_it() -> None:
+    """zenflow.tuning.upload_buffer: auto adds the bf16 copy (2 B per host element) only where the
+    host total with it fits: Llama-2-7B on a 128 GB host has no room for its 13.5 GB (the install
+    then moves the fp32 master, page-locked instead), a 256 GB host has."""
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=80GB", "machine.host_memory=128GB"])
+    small = estimate(plan)
+    assert not small.upload_buffer and small.item("upload buffer") == 0 and small.fits
+    assert "page-locked" in next(i for i in small.items if i.name == "fp32 master").note
+    assert any("upload_buffer (auto): off" in n for n in small.notes)
+    big = estimate(plan, Machine(256 * GB, True, "H100", 80 * GB))
+    assert big.upload_buffer and big.item("upload buffer") == pytest.approx(big.item("fp32 master") / 2)
+    assert "page-locked" not in next(i for i in big.items if i.name == "fp32 master").note
+    assert big.host_total == pytest.approx(small.host_total + big.item("upload buffer"))
+    forced = estimate(replace_tuning(plan, upload_buffer=False), Machine(256 * GB, True, "H100", 80 * GB))
+    assert not forced.upload_buffer and forced.host_total == pytest.approx(small.host_total)
+    # the install's device slots hold the source's chunks: bf16 with the buffer, the fp32 master's without
+    assert small.item("install staging") == 2 * big.item("install staging") == 4 * 64 * 2**20
+
+
+def replace_tuning(plan, **kw):
+    from dataclasses import replace
+
+    return replace(plan, zenflow=replace(plan.zenflow, tuning=replace(plan.zenflow.tuning, **kw)))
+
+
+def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -> None:
+    """auto = 2 when the host total with the second set of gradient slots stays within what the
+    verdict lets the host use; the plan shows the count and the run builds with it for its own machine."""
+    from zfctl.plan import machine as machine_mod
+
+    plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB"])
+    # the edge is counted without the upload buffer, which auto takes only after the accumulators
+    one = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB", "zenflow.tuning.host_accumulators=1",
+                                                         "zenflow.tuning.upload_buffer=false"])
+    base = estimate(one, Machine(1e15, True, "gpu", 48 * GB))
+    acc = base.item("gradient slots")
+    assert base.host_accumulators == 1 and base.accumulate == "host"
+    edge = base.host_total + acc + 15 * GB  # host_limit: all but 15 GB of a machine over 60 GB
+    fits, short = (estimate(plan, Machine(ram, True, "gpu", 48 * GB)) for ram in (edge, edge - 1e6))
+    assert fits.host_accumulators == 2 and fits.item("gradient slots") == 2 * acc
+    assert short.host_accumulators == 1 and short.item("gradient slots") == acc
+    assert any("host_accumulators (auto): 1" in n for n in short.notes)
+    assert "1 set of 4 slots" in next(i.note for i in short.items if i.name == "gradient slots")
+    # The run: tiny-llama on this CPU, for a machine with room for both and one without.
+    tiny = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32",
+                                                                  "zenflow.accumulate=host"])
+    model = load_model(tiny.model, precision="fp32", device=torch.device("cpu"), seed=0)
+    for ram, want in ((64 * GB, 2), (1e6, 1)):
+        monkeypatch.setattr(machine_mod, "this_machine", lambda ram=ram: Machine(ram, False))
+        assert estimate(tiny).host_accumulators == want
+        with build_optimizer(model, tiny, steps_per_epoch=100) as opt:
+            assert opt.host is not None and opt.host.grads.sets == want, ram
+
+
 def test_a_buffer_without_a_plan_line_is_caught() -> None:
     """The walk finds a buffer hidden anywhere in the engine: the comparison above can fail."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32"])
@@ -171,13 +251,16 @@ def test_llama2_7b_fits_one_80gb_gpu_and_a_128gb_host() -> None:
     assert est.accumulate == "device" and est.fits, est.reasons
     assert est.host_total <= 113 * GB and est.device_total <= 72 * GB
     p2 = 6.738e9 - (2 * 32 + 1) * 4096  # the 2-D weights
-    assert est.host_total / p2 <= 16.1  # 12 B master + moments, 4 B the device path's sum, bookkeeping
+    state = est.host_total - est.item("process baseline")  # the process itself: 2 GB on CUDA, not per param
+    assert est.item("process baseline") == 2 * GB
+    assert state / p2 <= 16.1  # 12 B master + moments, 4 B the device path's sum, bookkeeping
     assert est.item("gradient slots") == 0 and est.item("checkpoint interval sum") == 0
     # The host path (a GPU too small for the device accumulator): one set of 4 bf16 gradient slots
     # (host_accumulators auto: two do not fit) and the fp32 sum of a checkpoint taken inside an
     # interval, 24 B per matrix element, more than a 128 GB host holds: the verdict names both.
     small = estimate(plan, Machine(128 * GB, True, "L4", 24 * GB))
-    assert small.accumulate == "host" and small.host_accumulators == 1 and small.host_total / p2 <= 24.1
+    small_state = small.host_total - small.item("process baseline")
+    assert small.accumulate == "host" and small.host_accumulators == 1 and small_state / p2 <= 24.1
     assert small.item("gradient slots") == pytest.approx(4 * 2 * p2, rel=1e-3)
     assert not small.fits and "device memory" in small.reasons[0] and "host RAM" in small.reasons[-1]
 

@@ -175,7 +175,7 @@ def test_bad_chat_record_is_named_by_file_index_and_field(tmp_path, tok, bad, fi
     f = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, GOOD, bad, GOOD])
     with pytest.raises(UserError) as e:
         chat_data(f, tok, tmp_path / "c")
-    assert str(e.value).startswith(f"{f}: record 3: field {field!r} {problem}"), str(e.value)
+    assert str(e.value).startswith(f"{f}: record 4: field {field!r} {problem}"), str(e.value)  # from 1
     assert "\n" not in str(e.value)
 
 
@@ -185,7 +185,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     tok.chat_template = ("{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% else %}{{ m['role'] }}"
                          "{% endif %}{{ eos_token }}{% endfor %}")
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": TWO_TURNS}])
-    with pytest.raises(UserError, match=r"record 0: field 'messages\[2\]' renders differently once later turns"):
+    with pytest.raises(UserError, match=r"record 1: field 'messages\[2\]' renders differently once later turns"):
         chat_data(f, tok, tmp_path / "c")
 
 
@@ -233,7 +233,7 @@ def test_cli_guesses_chat_checks_the_first_record_and_debug_data_marks_the_answe
     res = runner.invoke(app, ["finetune", "tiny-llama", "--data", str(bad), "--output", str(tmp_path / "r")], env=env)
     assert res.exit_code == 2
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: {bad}: record 0: field 'conversations[1].from' is 'bot': use system, human, gpt"]
+    assert errors == [f"error: {bad}: record 1: field 'conversations[1].from' is 'bot': use system, human, gpt"]
     assert "zenflow" not in res.output  # refused before the plan is printed
     assert not (tmp_path / "r").exists()
 

@@ -100,14 +100,14 @@ def test_bad_alpaca_record_is_named_by_file_index_and_field(tmp_path, tok, bad, 
     f = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, GOOD, bad, GOOD])
     with pytest.raises(UserError) as e:
         prepare_data(local(f), tok, seed=0, cache_dir=tmp_path / "c")
-    assert str(e.value).startswith(f"{f}: record 3: field {field!r} {problem}")
+    assert str(e.value).startswith(f"{f}: record 4: field {field!r} {problem}")  # counted from 1
     assert "\n" not in str(e.value)
 
 
 def test_bad_files_and_other_templates_fail_with_one_line(tmp_path, tok):
     f = tmp_path / "broken.jsonl"
     f.write_text(json.dumps(GOOD) + "\n{not json\n")
-    with pytest.raises(UserError, match=r"broken\.jsonl: line 2 \(record 1\) is not valid JSON"):
+    with pytest.raises(UserError, match=r"broken\.jsonl: line 2 \(record 2\) is not valid JSON"):
         prepare_data(local(f), tok, seed=0, cache_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match=r"^data\.path='.*missing\.jsonl': no such file"):
         prepare_data(local(tmp_path / "missing.jsonl"), tok, seed=0, cache_dir=tmp_path / "c")
@@ -116,12 +116,12 @@ def test_bad_files_and_other_templates_fail_with_one_line(tmp_path, tok):
     )
     cfg = local(g, template="classification", text_field="sentence", label_names=["neg", "pos"])
     with pytest.raises(
-        UserError, match=r"cls\.jsonl: record 1: field 'label' is 2, outside data\.label_names"
+        UserError, match=r"cls\.jsonl: record 2: field 'label' is 2, outside data\.label_names"
     ):
         prepare_data(cfg, tok, seed=0, cache_dir=tmp_path / "c")
     h = write_jsonl(tmp_path / "txt.jsonl", [{"text": "ok"}, {"body": "no text"}])
     with pytest.raises(
-        UserError, match=r"txt\.jsonl: record 1: field 'text' is missing \(the record has 'body'\)"
+        UserError, match=r"txt\.jsonl: record 2: field 'text' is missing \(the record has 'body'\)"
     ):
         prepare_data(local(h, template="text"), tok, seed=0, cache_dir=tmp_path / "c")
 

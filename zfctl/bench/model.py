@@ -71,8 +71,10 @@ def synthetic_model(
 
 
 def _lm_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
-    # labels == input_ids: Hugging Face causal LMs shift them internally.
-    return module(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+    # labels == input_ids: Hugging Face causal LMs shift them internally. use_cache=False: a training
+    # step has no use for the KV cache, and under activation checkpointing transformers warns that it
+    # turns the cache off (as zfctl/train/loss.py does for finetune).
+    return module(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
 
 
 # Keys of a preset's `model.arch` summary that are LlamaConfig fields of the same meaning.

@@ -138,7 +138,39 @@ def print_tables(console: Console, rows: list[dict[str, Any]], meta: dict[str, A
             DASH if r.get("host_bytes_per_param_interval") is None else f"{r['host_bytes_per_param_interval']:.1f}",
         )
     console.print(p)
+    print_bounds(console, rows, meta)
     console.print(f"note: {noise_note(rows, meta)}", style="yellow", highlight=False, soft_wrap=True)
+
+
+GAP_COLUMNS = ("selection", "install", "boundary wait", "hook wait", "copy wait", "other")
+
+
+def _rate(v: float | None) -> str:
+    return "not measured" if v is None else f"{v:.1f} GB/s"
+
+
+def print_bounds(console: Console, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """The bound each configuration's bytes set (zfctl/bench/bound.py), beside its measured mean
+    step, their ratio, which resource sets it, and what the gap is made of (ms per step)."""
+    t = Table(
+        title=(f"Bound per step: {meta.get('bound_rule')}; D2H {_rate(meta.get('d2h_gbps'))}, H2D "
+               f"{_rate(meta.get('h2d_gbps'))}, host memory {_rate(meta.get('host_gbps'))} "
+               f"({meta.get('host_threads')} native threads); bytes from the engine's ledger"),
+        title_justify="left",
+    )
+    for col in ("#", "measured", "bound", "x bound", "limit", "D2H", "H2D", "host", *GAP_COLUMNS):
+        t.add_column(col, justify="left" if col == "limit" else "right")
+    for i, r in enumerate(rows, 1):
+        b = r.get("bound") or {}
+        per, gap = b.get("bytes_per_step") or {}, b.get("gap_ms") or {}
+        t.add_row(str(i), fmt_ms(b.get("measured_ms")), fmt_ms(b.get("bound_ms")), _x(b.get("ratio")),
+                  str(b.get("limit") or DASH), *(fmt_bytes(per.get(k)) for k in ("d2h", "h2d", "host")),
+                  *(_gap(gap.get(k)) for k in GAP_COLUMNS))
+    console.print(t)
+
+
+def _gap(v: float | None) -> str:
+    return DASH if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
 
 
 CSV_COLUMNS = [
@@ -174,6 +206,10 @@ CSV_COLUMNS = [
     "h2d_bytes_per_step",
     "comm_bytes_per_step",
     "traffic_x_model",
+    "host_bytes_per_step",
+    "bound_ms",
+    "bound_ratio",
+    "bound_limit",
     "speedup_vs_zero_offload",
     "wall_ms_per_step",
     "samples_per_s",
@@ -192,6 +228,8 @@ def csv_row(r: dict[str, Any]) -> dict[str, Any]:
     for key in ("fwd", "bwd", "opt", "device_opt", "offload", "cpu_step", "stall"):
         out[f"{key}_mean_ms"] = r[f"{key}_ms"]["mean"]
     out["n_cpu_steps"] = r["cpu_step_ms"]["n"]
+    b = r.get("bound") or {}
+    out["bound_ms"], out["bound_ratio"], out["bound_limit"] = b.get("bound_ms"), b.get("ratio"), b.get("limit")
     return {k: ("" if out.get(k) is None else out[k]) for k in CSV_COLUMNS}
 
 

@@ -40,8 +40,14 @@ class StepRecord:
     d2h_bytes: int
     h2d_bytes: int
     skipped: bool  # fp16 overflow: the step did no update
-    host_bytes: int = 0  # StepStats.host_bytes: host memory the gradient accumulation touched
+    host_bytes: int = 0  # StepStats.host_bytes: host memory read + written for this step (all kinds)
     comm_bytes: int = 0  # StepStats.comm_bytes: data-parallel bytes sent (0: the bench is one process)
+    selection: bool = False  # StepStats.selection: the step re-chose the device's columns
+    # The step's ledger (StepStats.bytes / waits / wait_ms, offload/ledger.py): bytes by kind, waits
+    # by kind and how long they took. The bound (bound.py) is computed from these.
+    bytes: dict[str, int] = field(default_factory=dict)
+    waits: dict[str, int] = field(default_factory=dict)
+    wait_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def busy_ms(self) -> float:
@@ -88,6 +94,7 @@ def run_trial(
     clock = clock_for(device)
     with ZenFlowOptimizer(list(module.named_parameters()), zf, vocab_params=vocab_matrices(module),
                           **opt_kwargs) as opt:
+        opt.attach_install_waits(module)  # each layer's forward waits for its own install, as in training
         for i in range(warmup):
             loss = loss_fn(module, batches[i])
             opt.prepare_backward(final=True)  # gradients stream to the host during backward
@@ -116,6 +123,7 @@ def run_trial(
             st.resolve()  # the device has passed every event: no further wait
         wall_ms = (time.perf_counter() - t0) * 1e3
         opt.flush()  # install the last in-flight CPU update (untimed) before closing
+    # The ledgers are read after close(): a step's helper-thread work (its CPU update) is in it.
 
     records = []
     for (m0, m1, m2, m3), st in zip(marks, stats, strict=True):
@@ -135,6 +143,10 @@ def run_trial(
                 skipped=bool(st.skipped),
                 host_bytes=int(st.host_bytes),
                 comm_bytes=int(st.comm_bytes),
+                selection=bool(st.selection),
+                bytes=dict(st.bytes),
+                waits=dict(st.waits),
+                wait_ms=dict(st.wait_ms),
             )
         )
     return TrialResult(records, wall_ms, float(losses[0]), float(losses[-1]))

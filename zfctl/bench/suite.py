@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 
 import zfctl
+from zfctl.bench.bound import add_bounds, measure_machine
 from zfctl.bench.grid import (
     BenchConfig,
     Interval,
@@ -32,7 +33,6 @@ from zfctl.bench.report import fmt_ms
 from zfctl.bench.runner import ConfigResult, release_memory, run_config
 from zfctl.bench.summary import add_speedups, summarize
 from zfctl.errors import UserError
-from zfctl.offload.bandwidth import measure_d2h_gbps
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.train.dist import resolve_device
 
@@ -131,6 +131,9 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
                          with_off=fits and "off" in opts.baselines,
                          with_zero_offload="zero-offload" in opts.baselines, recomputes=opts.recomputes)
     ref = reference_interval(opts.intervals)
+    # The machine, once: the link each way and the host memory rate at the run's native threads
+    # (bound.py; a few pinned copies and one AdamW pass over 4x the last-level cache).
+    machine = measure_machine(device, opts.cpu_threads)
     meta = {
         "zfctl": zfctl.__version__,
         "torch": torch.__version__,
@@ -146,8 +149,14 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "trials": opts.trials,
         "seed": opts.seed,
         "native_isa": _native_isa(),
-        # The pinned D2H rate the optimizer sizes its in-flight gradient bytes from (None off CUDA).
-        "d2h_gbps": measure_d2h_gbps(device),
+        # The pinned D2H rate the optimizer sizes its in-flight gradient bytes from, the H2D rate
+        # (None off CUDA) and the native kernels' host memory rate: what the bound divides by.
+        "d2h_gbps": machine.d2h_gbps,
+        "h2d_gbps": machine.h2d_gbps,
+        "host_gbps": machine.host_gbps,
+        "host_threads": machine.host_threads,
+        "bound_rule": ("compute + host memory (one set of cores), per step" if machine.same_cores
+                       else "max(device compute, D2H, H2D, host memory), per step"),
         "cpu_threads": opts.cpu_threads,
         "zenflow_base": asdict(opts.zenflow) if opts.zenflow is not None else None,
         "accumulate": opts.accumulate,
@@ -168,6 +177,9 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         f"[bold]zfctl bench[/]: {desc}, {n_params / 1e6:.2f}M params on {meta['device']}; "
         f"{len(configs)} configurations x {opts.trials} trial(s), timing by {meta['timing']}"
         + (f"; D2H {meta['d2h_gbps']:.1f} GB/s" if meta["d2h_gbps"] else "")
+        + (f", H2D {meta['h2d_gbps']:.1f} GB/s" if meta["h2d_gbps"] else "")
+        + (f"; host memory {meta['host_gbps']:.1f} GB/s on {machine.host_threads} native threads"
+           if meta["host_gbps"] else "")
     )
     for s in skipped:
         console.print(f"  skipping {s['label']}: {s['reason']}")
@@ -199,6 +211,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         rows.append(row)
         _progress(console, i, len(configs), cfg, row)
     add_speedups(rows)
+    add_bounds(rows, results, machine)  # after the grid: every row's device compute from its `off` row
     meta["host_rss_peak_scope"] = "configuration" if scoped else "process"
     return BenchReport(meta, rows, skipped, results)
 

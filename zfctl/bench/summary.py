@@ -85,8 +85,9 @@ def summarize(
         # waiting on the host or on PCIe (stall) and launch gaps.
         "gpu_busy_fraction": min(1.0, sum(r.busy_ms for r in recs) / total_ms) if total_ms > 0 else None,
         "host_bytes_per_step": agg(r.host_bytes for r in recs).mean,
-        # Host memory traffic of one interval (accumulation of its steps + the CPU update), per
-        # model parameter: the number the "less host work" choices move (offload/pipeline.py).
+        # Host memory traffic of one interval (the ledger's host.* bytes: landing, summing, the CPU
+        # update, the install, a migration in the window), per model parameter: the number the
+        # "less host work" choices move (docs/design.md, "Performance model").
         "host_bytes_per_param_interval": (
             sum(r.host_bytes for r in recs) / len(upd) / n_params if n_params and upd else None
         ),

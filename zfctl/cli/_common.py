@@ -2,13 +2,14 @@
 
 User mistakes raise `zfctl.errors.UserError` anywhere below the CLI; `ZfctlGroup.invoke` turns
 them into one red line on stderr and exit code 2 (no traceback). So does an `OSError` (a write to
-a read-only, forbidden or full place: its path and errno meaning). Anything else is a bug and
-keeps its traceback.
+a read-only, forbidden or full place: its path and errno meaning), except a closed pipe on stdout,
+which ends the verb quietly. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -31,8 +32,22 @@ except ImportError:
     _VendoredUsageError = click.UsageError  # type: ignore[misc,assignment]
 USAGE_ERRORS: tuple[type[Exception], ...] = tuple({click.UsageError, _VendoredUsageError})
 
-console = Console()
-err_console = Console(stderr=True)
+_PADDING = re.compile(r"[ \t]+\n")
+
+
+class UnpaddedConsole(Console):
+    """A rich Console that drops the spaces at the end of each line when its output is not a
+    terminal (a pipe, a log file). rich pads every row of a table to the table's width: a log of
+    `zfctl finetune` had each plan line padded to 120 columns with spaces. Off a terminal rich
+    writes no escape codes, so the spaces before a newline are padding and nothing else."""
+
+    def _render_buffer(self, buffer: Any) -> str:  # rich's one place that turns segments into text
+        text = super()._render_buffer(buffer)
+        return text if self.is_terminal else _PADDING.sub("\n", text)
+
+
+console = UnpaddedConsole()
+err_console = UnpaddedConsole(stderr=True)
 
 
 def error_line(message: str) -> None:
@@ -91,6 +106,11 @@ class ZfctlGroup(TyperGroup):
         except UserError as e:
             error_line(str(e))
             raise typer.Exit(code=getattr(e, "exit_code", 2)) from None
+        except BrokenPipeError:
+            # The reader went away (`zfctl plan --json | head`): not the user's mistake and no
+            # `error:` line. Typer's main silences stdout and exits 1, as rich does for the writes
+            # it makes itself and as Python's docs advise ("Note on SIGPIPE").
+            raise
         except OSError as e:  # the disk, not the code: a full, read-only or forbidden path
             from zfctl.writable import os_error_line
 
@@ -170,6 +190,9 @@ def resolve_from_cli(
     """resolve_plan plus printing the notes it collected (ignored DeepSpeed keys)."""
     from zfctl.plan import resolve_plan
 
+    if not data.strip():  # Path("") is ".": the current folder, never what was meant
+        raise UserError("--data '': no data given; give a data preset (`zfctl presets ls`, e.g. alpaca-sample) "
+                        "or a local .json/.jsonl/.csv/.parquet file")
     if isinstance(config, list):  # --config is repeatable only so that a second one is not dropped silently
         if len(config) > 1:
             raise UserError(f"--config was given {len(config)} times ({', '.join(map(str, config))}); give one "
@@ -183,6 +206,27 @@ def resolve_from_cli(
         for note in notes:
             note_line(note)
     return plan, notes
+
+
+def print_run_plan(plan: Any) -> None:
+    """The plan at the start of `finetune` and `resume`: every key with ``--verbose``
+    (zfctl/quiet.py), else the brief (zfctl/plan/brief.py), so the first step line is on the first
+    screen. The run folder's plan.yaml and `zfctl plan` hold every key either way."""
+    from zfctl.quiet import is_verbose
+
+    if is_verbose():
+        from zfctl.plan.render import print_plan
+
+        print_plan(plan, console)
+        return
+    from zfctl.plan.brief import brief_lines
+
+    console.print(Text("run plan", style="bold") + Text(" (the keys that matter and every key changed from "
+                                                         "its default; --verbose prints all, plan.yaml in the run "
+                                                         "folder holds all)", style="dim"), soft_wrap=True)
+    for line in brief_lines(plan):
+        section, rest = line.split(": ", 1)
+        console.print(Text(f"  {section}: ", style="bold magenta") + Text(rest), soft_wrap=True, highlight=False)
 
 
 def dumps_json(obj: object) -> str:
@@ -255,6 +299,11 @@ NodesOpt = Annotated[
 GpusPerNodeOpt = Annotated[
     int | None,
     typer.Option("--gpus-per-node", min=1, help="Plan for this many GPUs (processes) per node (distributed.nproc)."),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option("--verbose", help="Show the whole plan and what the libraries print too: progress bars, "
+                 "torchrun's banner, known harmless warnings (hidden by default)."),
 ]
 FitOpt = Annotated[
     bool,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from zfctl.cli._common import VerboseOpt
 from zfctl.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -272,6 +273,7 @@ def bench(
         bool,
         typer.Option("--force", help="Overwrite existing --json/--csv/--plot files.", rich_help_panel=OUT),
     ] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
 
@@ -279,6 +281,9 @@ def bench(
     One option against its default: zfctl bench --set zenflow.tuning.install_lag=1
     Activation checkpointing on and off: zfctl bench --model tiny-llama --activation-checkpointing on,off
     """
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads (--model): its bars read the environment once
     from zfctl.bench.grid import build_grid, parse_baselines, parse_intervals, parse_switch, parse_topks
     from zfctl.bench.model import DTYPES
 

@@ -14,11 +14,17 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
 
 from zfctl.cli._common import console
+
+if TYPE_CHECKING:
+    import torch
+
+    from zfctl.offload.cores import CorePlan, Machine
 
 Check = Callable[[], tuple[str, str]]
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
@@ -109,6 +115,51 @@ def check_cores() -> tuple[str, str]:
     )
 
 
+def _core_plan(machine: Machine | None = None, device: torch.device | None = None) -> tuple[torch.device, CorePlan]:
+    """The default config's core split on this machine and rank (or the given ones), on the first
+    GPU if there is one."""
+    import torch
+
+    from zfctl.offload import cores
+    from zfctl.offload.config import ZenFlowConfig
+
+    if device is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return device, cores.plan_for(ZenFlowConfig(), device, machine=machine)
+
+
+def check_core_split(machine: Machine | None = None, device: torch.device | None = None) -> tuple[str, str]:
+    """How a run with the default zenflow.tuning splits the cores (zfctl/offload/cores.py):
+    the training thread's reserved CPUs, the update pool's threads and CPUs."""
+    from zfctl.offload.cores import format_cpulist
+
+    device, plan = _core_plan(machine, device)
+    where = "with a GPU" if device.type == "cuda" else "on the CPU"
+    lines = plan.lines()[:2]
+    if plan.training:
+        lines.append(f"torch's intra-op threads are not pinned (docs/design.md); "
+                     f"GOMP_CPU_AFFINITY={format_cpulist(plan.training)} set before launch keeps them there")
+    return "info", f"{where}: " + "; ".join(lines + list(plan.notes))
+
+
+def check_numa(machine: Machine | None = None, device: torch.device | None = None,
+               pcis: list[str | None] | None = None) -> tuple[str, str]:
+    """NUMA nodes, and the GPU's: the host state lives on the GPU's node (zfctl/offload/cores.py)."""
+    from zfctl.offload.cores import format_cpulist, gpu_pci_addresses, read_machine
+
+    pcis = gpu_pci_addresses() if pcis is None else pcis
+    machine = read_machine(gpu_pci=pcis) if machine is None else machine
+    nodes = ", ".join(f"node {n}: CPUs {format_cpulist(c)}" for n, c in sorted(machine.nodes.items()))
+    detail = f"{len(machine.nodes) or 1} node(s) ({nodes or 'no sysfs NUMA information'})"
+    for i, (pci, node) in enumerate(zip(pcis, machine.gpu_nodes)):
+        detail += f"; cuda:{i} ({pci or 'PCI address unknown'}) on node {node if node is not None else 'unknown'}"
+    if not pcis:
+        detail += "; no CUDA device"
+    plan = _core_plan(machine, device)[1]
+    placed = f"node {plan.node}" if plan.node is not None else "not placed (one node, or the GPU's node unknown)"
+    return "info", f"{detail}; host state: {placed}"
+
+
 def check_memory() -> tuple[str, str]:
     info = {}
     with open("/proc/meminfo", encoding="utf-8") as fh:
@@ -169,6 +220,8 @@ CHECKS: list[tuple[str, Check]] = [
     ("CPU ISA", check_cpu_isa),
     ("CPU bf16", check_cpu_bf16),
     ("cores", check_cores),
+    ("core split", check_core_split),
+    ("NUMA", check_numa),
     ("host memory", check_memory),
     ("pinned memory", check_pinned),
     ("packages", check_packages),

@@ -59,6 +59,7 @@ def plan(
     from zfctl.plan.fit import fit as find_fit
     from zfctl.plan.fit import fit_or_fail
     from zfctl.plan.render import print_fit, print_memory, print_plan
+    from zfctl.plan.settle import settle
     from zfctl.train.preflight import check_for_plan
 
     flags = plan_flags(output, max_steps, gpu_memory=gpu_memory, host_memory=host_memory, nodes=nodes,
@@ -67,10 +68,12 @@ def plan(
     resolved, notes = resolve_from_cli(model, data, zenflow, config, set_ or [], flags, quiet=True)
     check_for_plan(resolved)  # what finetune would refuse before its plan: refused before this one too
     result = fit_or_fail(resolved) if fit else find_fit(resolved)
+    # Every auto decided once, here, for the plan as it will run (after --fit): what the printed
+    # plan and the JSON show is what finetune saves as plan.yaml and the run builds (settle.py).
+    shown = settle(result.plan if fit else resolved, notes=notes)
     if not as_json:
         for note in notes:
             note_line(note)
-    shown = result.plan if fit else resolved
     est = result.estimate if fit else result.before
     if as_json:
         print(dumps_json({"plan": plan_to_dict(shown), "memory": est.to_dict(),

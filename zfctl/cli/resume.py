@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from zfctl.cli._common import CkptDirArg, console
+from zfctl.cli._common import CkptDirArg, VerboseOpt, console, note_line, print_run_plan
+from zfctl.errors import UserError
 
 
 def resume(
@@ -51,28 +52,49 @@ def resume(
             "sharded dims.",
         ),
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Continue a run from CKPT_DIR with the plan saved in it; losses continue identically."""
+    from zfctl.train.world_size import STRATEGIES
+
+    if strategy is not None and strategy not in STRATEGIES:  # before the checkpoint is even read
+        raise UserError(f"--strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads: its bars read the environment once
     from zfctl.train.dist import bind_to_launcher, dist_env
 
     bind_to_launcher()  # a rank of an --nproc job dies with it, even when the launcher is SIGKILLed
-    from zfctl.plan.render import print_plan
+    from zfctl.train.checkpoint import resume_with, use_checkpoint_with
     from zfctl.train.launch import Launched
     from zfctl.train.launch import resume as start
 
+    use_checkpoint_with(resume_with)  # a damaged checkpoint's line: resume an intact one, or --latest-good
     # The plan is read from the checkpoint and printed through the callback, before any loading.
     result = start(ckpt_dir, max_steps=max_steps, allow_changes=allow_changes, latest_good=latest_good,
-                   nproc=nproc, argv=sys.argv[1:], show_plan=lambda plan: print_plan(plan, console),
+                   nproc=nproc, argv=sys.argv[1:], show_plan=print_run_plan,
                    strategy=strategy)
     if isinstance(result, Launched):
         raise typer.Exit(code=result.code)
+    from zfctl.plan.io import load_plan_yaml
+    from zfctl.train.checkpoint import PLAN_FILE
+
     if not dist_env().is_main:
         return
-    if result.already_finished:
+    if result.already_finished and result.last_checkpoint is not None:
+        from zfctl.cli.finetune import further_command, further_lr_note
+
+        plan = load_plan_yaml(result.last_checkpoint / PLAN_FILE)
         console.print(f"[bold green]finished[/]: {result.output_dir} ended at step {result.steps} "
-                      f"({result.last_checkpoint}); nothing to resume. To train longer: "
-                      f"zfctl resume {result.output_dir} --max-steps N (see --help on the LR schedule)",
-                      highlight=False, soft_wrap=True)
+                      f"({result.last_checkpoint}); nothing to resume. To train further: "
+                      f"{further_command(plan, result.output_dir, result.steps)}", highlight=False, soft_wrap=True)
+        note_line(further_lr_note(plan.train, result.steps))
         return
-    console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}", highlight=False,
-                  soft_wrap=True)
+    from zfctl.cli.finetune import print_done
+
+    # as finetune ends: the losses and the next commands, from the plan that ran (its newest checkpoint's)
+    if result.last_checkpoint is None:
+        console.print(f"[bold green]done[/] {result.steps} steps  ->  {result.output_dir}", highlight=False,
+                      soft_wrap=True)
+        return
+    print_done(load_plan_yaml(result.last_checkpoint / PLAN_FILE), result)

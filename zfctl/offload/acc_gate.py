@@ -19,7 +19,8 @@ write of interval k+1 is issued after update k's submit and holds ticket k.
 
 Where the waits fall: on the thread that issues the write, before its copy is enqueued: a hook
 (the backward waits) or step() (stall). ``waits`` and ``wait_ms`` count them
-(``StepStats.acc_gate_waits``/``acc_gate_ms``). The cost: when the CPU update takes longer than
+(``StepStats.acc_gate_waits``/``acc_gate_ms``, and the ledger's ``host.slot_gate``: only the waits
+that blocked, since whether one does depends on the worker's progress). The cost: when the CPU update takes longer than
 about one step, the next steps wait for it.
 """
 
@@ -30,11 +31,15 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from zfctl.offload.ledger import NOWHERE, Ledger
+
 Waiter = Callable[[int], None]
 
 
 class AccGate:
     """The watermark of the update in flight over the shared slot set, and the wait on it."""
+
+    ledger: Ledger = NOWHERE  # where its blocking waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -84,8 +89,10 @@ class AccGate:
             t0 = time.perf_counter()
             while self._reading == ticket and self._passed < need:
                 self._cv.wait()  # a hook or step(): the CPU update has not read it yet
+            ms = (time.perf_counter() - t0) * 1e3
             self.waits += 1
-            self.wait_ms += (time.perf_counter() - t0) * 1e3
+            self.wait_ms += ms
+        self.ledger.waited("host.slot_gate", ms=ms)
 
     def take_counts(self) -> tuple[int, float]:
         """(waits, ms) since the last call (the optimizer reports them per step)."""

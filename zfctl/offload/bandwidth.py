@@ -15,23 +15,9 @@ import torch
 
 from zfctl.offload import pinned
 
+# The budget rule itself (rate x window, clamped: ``inflight_bytes``) is arithmetic the plan applies
+# too, so it lives in sizing.py, which imports no torch.
 PROBE_BYTES = 64 * 2**20  # long enough that launch overhead (~10 us) is under 1% at 50 GB/s
-WINDOW_MS = 2.0  # copy time the in-flight bytes should cover
-MIN_BYTES = 16 * 2**20  # below this a hook waits on nearly every large matrix
-MAX_BYTES = 1024 * 2**20  # device memory held by temporaries, whatever the link
-
-
-def inflight_bytes(gbps: float, *, window_ms: float = WINDOW_MS, lo: int = MIN_BYTES,
-                   hi: int = MAX_BYTES) -> int:
-    """Bytes that ``window_ms`` of copy at ``gbps`` (1e9 B/s) moves, clamped to ``[lo, hi]``.
-
-    A pure function of its arguments; a non-positive or non-finite rate gives ``lo``.
-    """
-    if lo > hi:
-        raise ValueError(f"inflight_bytes: lo ({lo}) > hi ({hi})")
-    if not gbps > 0 or gbps == float("inf"):
-        return lo
-    return int(min(hi, max(lo, gbps * 1e9 * window_ms / 1e3)))
 
 
 def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float | None:
@@ -40,12 +26,22 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
     A sync point, once per optimizer construction (~1-2 ms plus the allocation). The first copy
     warms the path (driver mapping of the pinned page), the second is timed.
     """
+    return _measure(device, nbytes, to_host=True)
+
+
+def measure_h2d_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float | None:
+    """The same probe host -> device (the install's direction; `zfctl bench` prints both)."""
+    return _measure(device, nbytes, to_host=False)
+
+
+def _measure(device: torch.device, nbytes: int, *, to_host: bool) -> float | None:
     if device.type != "cuda":
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     # Page-locked at its exact size and unpinned again below (the caching host allocator would keep
     # the block pinned for the life of the process).
-    dst = pinned.empty(nbytes, torch.uint8, pin=True, device=device)
+    host = pinned.empty(nbytes, torch.uint8, pin=True, device=device)
+    src, dst = (dev, host) if to_host else (host, dev)
     stream = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -56,5 +52,5 @@ def measure_d2h_gbps(device: torch.device, nbytes: int = PROBE_BYTES) -> float |
         end.record(stream)
     end.synchronize()
     ms = start.elapsed_time(end)
-    pinned.release(dst)
+    pinned.release(host)
     return nbytes / (ms * 1e6) if ms > 0 else None

@@ -7,12 +7,14 @@ A chunk is a range of whole columns ``[c0, c1)`` of one matrix, as many as fit i
 Chunks whose columns are all device-owned are skipped. Both directions move whole column ranges:
 the device-owned columns inside a chunk (about ``topk_ratio`` of the bytes) ride along because
 dropping them would take a device gather per chunk and a host scatter per run (one native call
-each), which costs more than the bytes it saves. On the host, the run lists make the CPU update
-skip them; on the device, the install puts them back from the device master.
+each), which costs more than the bytes it saves. On the host, the run lists make the CPU AdamW
+(which also writes the upload buffer the install reads) skip them; on the device, the install
+puts them back from the device master (install.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,17 +60,28 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
     return chunks
 
 
-def install_params(ring: Ring, chunks: list[Chunk], master: torch.Tensor, params: list[torch.Tensor]) -> tuple[int, Any]:
+def install_params(ring: Ring, chunks: list[Chunk], source: torch.Tensor, params: list[torch.Tensor], *,
+                   stream: Any = None, finished: Callable[[ParamSlot], None] | None = None) -> tuple[int, Any]:
     """Copy the host's new values of whole column ranges into the model params (PCIe H2D).
 
-    ``master`` is the fp32 host master: the device rounds each chunk to the model dtype as it
-    scatters it (``copy_`` into a bf16/fp16 param rounds to nearest even, the rounding the CPU
-    kernel's old upload copy used). The caller restores the device-owned columns afterwards.
-    Returns (bytes copied, the event after the last copy that reads ``master``, or None when the
-    copies were synchronous): the next writer of ``master`` waits for it (``HostState.install_fence``).
+    ``source`` is the install source (HostState.install_source): the upload buffer, which the CPU
+    AdamW wrote in the model dtype (round to nearest even, native/kernels.h), and the scatter is a
+    plain copy; or the fp32 master (an fp32 model, or no upload buffer), which ``copy_`` into a
+    bf16/fp16 param rounds to nearest even on the device, the same bits. ``stream``: where the scatters run
+    (the install stream, install.py; None: the current stream). ``finished(slot)`` runs on that
+    stream after a param's last chunk (the chunks of one param are consecutive): the caller puts
+    the device-owned columns back there, since the column ranges carried them stale. Returns
+    (bytes copied, the event after the last copy that reads ``source``, or None when the copies
+    were synchronous): the next writer of ``source`` waits for it (``HostState.install_fence``).
     """
-    def deliver(dev: torch.Tensor, ch: Chunk) -> None:
+    last = {ch.slot.index: i for i, ch in enumerate(chunks)}  # each param's last chunk
+
+    def deliver(dev: torch.Tensor, item: tuple[int, Chunk]) -> None:
+        i, ch = item
         pm = as_matrix(params[ch.slot.index].data, ch.slot)
         pm[:, ch.c0 : ch.c1].copy_(dev.view(ch.c1 - ch.c0, ch.slot.rows).t())
+        if finished is not None and last[ch.slot.index] == i:
+            finished(ch.slot)
 
-    return ring.h2d(((master[ch.off : ch.off + ch.numel], ch) for ch in chunks), deliver)
+    return ring.h2d(((source[ch.off : ch.off + ch.numel], (i, ch)) for i, ch in enumerate(chunks)), deliver,
+                    stream=stream)

@@ -28,6 +28,7 @@ from zfctl.offload.correction import DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
+AutoBool = Union[bool, Literal["auto"]]  # noqa: UP007
 # An integer (steps), or 'auto', 'epoch', 'N epochs': strings the validator checks (EPOCHS).
 SelectInterval = Union[int, str]  # noqa: UP007
 EPOCHS = re.compile(r"^(\d+)\s*epochs?$")
@@ -66,8 +67,17 @@ class TuningConfig:
         "reads the first (update_interval x 2 B per host element more in bf16); 1 = one set, and "
         "the next interval's writes wait for the update to have read each chunk (a step waits when "
         "the update takes longer than about one step); auto = 2 when the plan's host total with it "
-        "fits the machine, else 1. Same results either way.",
+        "fits the machine, else 1, decided when the plan is made (plan.yaml holds 1 or 2). "
+        "Same results either way.",
         ge=1, le=2,
+    )
+    upload_buffer: AutoBool = _f(
+        "auto",
+        "bf16/fp16 models: the CPU AdamW also writes the updated host columns in the model dtype, "
+        "and an install moves those: half the PCIe bytes of the fp32 master, for 2 B per host "
+        "element of host memory (page-locked on CUDA, where the master then is not). false = the "
+        "install moves the fp32 master and the GPU rounds it (the same bits). auto = on when the "
+        "plan's host total with it fits the machine. fp32 models have none.",
     )
     stream_grads: bool = _f(
         True,
@@ -81,8 +91,9 @@ class TuningConfig:
         "holds every .grad at once. Changes no result (docs/design.md, Algorithm).",
     )
     pin_memory: bool = _f(
-        True, "Page-lock the host buffers PCIe copies read or write (fp32 master, gradient slots, "
-        "the device path's sum, selection staging): async DMAs instead of staged copies."
+        True, "Page-lock the host buffers PCIe copies read or write (the install's source: the "
+        "upload buffer or the fp32 master; the gradient slots, the device path's sum, selection "
+        "staging): async DMAs instead of staged copies."
     )
     auto_ratio: float = _f(
         0.99,
@@ -94,7 +105,22 @@ class TuningConfig:
     auto_max_interval: int = _f(
         16, "update_interval=auto: most steps between CPU updates (each holds a gradient slot on the host "
         "paths: the plan counts this many per set).", ge=1, le=MAX_INTERVAL)
-    ring_slots: int = _f(4, "Slots in each transfer ring (host slots for D2H gradients, device slots for H2D params).", ge=1)
+    reserved_cores: Interval = _f(
+        "auto",
+        "Physical cores of this rank's share kept for the training thread (the thread that launches "
+        "device work, the backward's thread, data loading): the native pools never run there. "
+        "auto = with a GPU 2 from 8 cores up, 1 with 3-7, none with 1-2; none on the CPU "
+        "(docs/design.md, 'Threads and buffer ownership').",
+        ge=0,
+    )
+    pin_threads: Literal["auto", "on", "off"] = _f(
+        "auto",
+        "Pin each native pool thread to a CPU of its own (the CPUs this process may use, split by "
+        "local rank, on the GPU's NUMA node). auto = on with a GPU; off on the CPU, where torch's "
+        "compute shares every core and a pinned thread cannot dodge a busy one.",
+    )
+    ring_slots: int = _f(4, "Device slots of the install ring (H2D params); with ring_slot_mb it sizes the column chunks "
+                         "gradients and installs move in.", ge=1)
     ring_slot_mb: float = _f(
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",
         gt=0, unit="MiB", example=32,
@@ -137,7 +163,8 @@ class ZenFlowConfig:
     )
     full_warm_up_rounds: int = _f(
         20,
-        "First N steps are full synchronous CPU-offload steps (plain AdamW) before any selection: "
+        "First N steps are synchronous full CPU-offload steps before any selection (the CPU AdamW updates every "
+        "weight matrix and the step waits: the whole model crosses PCIe both ways each step): "
         "the fast first steps of a fine-tune. 0 = none (the paper).",
         ge=0,
     )
@@ -167,7 +194,8 @@ class ZenFlowConfig:
         "Where the non-selected columns' gradients are summed over an interval: 'host' (fp32 on "
         "the CPU, the gradient crosses PCIe every step), 'device' (fp32 on the GPU, 4 B per matrix "
         "element of device memory; only the sum crosses PCIe, once per interval), or 'auto' "
-        "(device when the memory estimate says it fits).",
+        "(device when the memory estimate says it fits the plan's machine; decided when the plan is "
+        "made, plan.yaml holds host or device, and the run builds that).",
     )
     cpu_threads: int = _f(
         0, "Threads for the native CPU AdamW; 0 = all cores this process may use.", ge=0
@@ -265,7 +293,7 @@ def expectation(tp: Any, meta: typing.Mapping[str, Any]) -> str:
     if base is None:
         return "use one of " + ", ".join(str(w) for w in words)
     if base is bool:
-        return "must be true or false"
+        return "must be true or false" + "".join(f" or {w}" for w in words)
     what = "an integer" if base is int else "a number"
     if meta.get("unit"):
         what += f" of {meta['unit']}"

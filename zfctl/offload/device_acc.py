@@ -36,19 +36,9 @@ from typing import Any
 import torch
 
 from zfctl.offload.layout import Layout, as_matrix
-from zfctl.offload.pcie import copy_async, timed_wait
-
-# `accumulate: auto`'s rule (device_fits): what the device holds anyway plus the accumulator within
-# this share of its memory. The margin is wide because a plan's activation estimate is rough.
-AUTO_DEVICE_SHARE = 0.85
-
-
-def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) -> bool:
-    """``accumulate: auto``'s one rule: the device accumulator (``acc_bytes``) is used when it and
-    everything else the device holds for the run (``committed_bytes``) stay within
-    ``AUTO_DEVICE_SHARE`` of the device's memory (``total_bytes``). Pure arithmetic: the run
-    plan passes its estimate (zfctl/plan/memory.py)."""
-    return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import copy_async, device_wait
+from zfctl.offload.sizing import device_fits  # `accumulate: auto`'s one rule, shared with the plan
 
 
 def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.Tensor]) -> str:
@@ -71,6 +61,8 @@ def resolve(choice: str, device: torch.device, nbytes: int, params: list[torch.T
 
 class DeviceAccumulator:
     """The fp32 interval sum of the host-owned columns, on the device."""
+
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
@@ -97,7 +89,7 @@ class DeviceAccumulator:
                 continue
             copied = self._copied.pop(slot.index, None)
             if copied is not None:  # this slot's rows are still being copied out: wait for them only
-                self.stall_pairs.append(timed_wait(compute, copied))  # device-side wait
+                self.stall_pairs.append(device_wait(self.ledger, "device.sum_copy", compute, copied))  # device-side
             view = slot.host_view(self.buf)
             g = grads[slot.index]
             if g is None:  # a missing gradient counts as zero
@@ -120,6 +112,9 @@ class DeviceAccumulator:
     def copy_out(self, dst: torch.Tensor) -> Callable[[], None] | None:
         """Start the PCIe D2H of the interval sum into ``dst`` (the page-locked host sum), one matrix
         at a time; returns the wait the CPU worker must do first (None: already done, CPU)."""
+        nbytes = self.buf.numel() * self.buf.element_size()
+        self.ledger.moved("d2h.sum", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+        self.ledger.moved("host.land", nbytes)  # ... written into the page-locked host sum (the carry)
         if not self.cuda:
             dst.copy_(self.buf)
             return None

@@ -16,8 +16,8 @@ update reads the interval on the host. Two kinds of path do it (docs/design.md, 
   only the interval sum is copied device to host, once, at the boundary, into one fp32 buffer
   the worker reads as the chain's carry (slots.py).
 
-The column chunks and the rings that move data inside ``step()`` (the scalars D2H, installed params
-H2D) are :class:`Transfers`, shared by the paths and the install.
+The column chunks and the rings that move data (the step's scalars D2H inside ``step()``, installed
+params H2D: install.py) are :class:`Transfers`, shared by the paths and the install.
 """
 
 from __future__ import annotations
@@ -29,19 +29,21 @@ from typing import Any, Protocol
 import torch
 
 from zfctl.errors import ConfigError
+from zfctl.offload import cores
 from zfctl.offload.acc_gate import Waiter
-from zfctl.offload.bandwidth import inflight_bytes, measure_d2h_gbps
-from zfctl.offload.chunks import install_params, plan_chunks
+from zfctl.offload.bandwidth import measure_d2h_gbps
+from zfctl.offload.chunks import plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, slot_sets
+from zfctl.offload.host import HostState, slot_sets, upload_dtype
 from zfctl.offload.layout import Layout
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import count_waits
-from zfctl.offload.ring import Ring, ring_slot_bytes
+from zfctl.offload.ring import Ring
+from zfctl.offload.sizing import inflight_bytes, ring_slot_bytes, slots_per_set  # the plan's rules too
 from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
-from zfctl.offload.threads import split_threads
 
 Fence = Callable[[], Any]
 
@@ -60,22 +62,19 @@ class Transfers:
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
         # D2H: the step's scalars only (``fetch``): gradients land in the interval's slots
-        # (stream.py); its slot size cuts the chunks. H2D: the same
-        # column ranges of the fp32 master, 4/itemsize times the bytes, straight into device slots.
+        # (stream.py); its slot size cuts the chunks. H2D: the same column ranges of the install
+        # source, copied straight from it into device slots: the model dtype (the upload buffer,
+        # or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an upload
+        # buffer, 4/itemsize times the bytes.
         self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory)
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * 4 // itemsize, config.tuning.pin_memory)
+        source = host.install_source.element_size()
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
 
     def replan(self) -> None:
         """Re-plan the chunks after the device-owned columns changed (a selection, a load)."""
         self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
-        # Host-owned elements a step's slot holds and the CPU update touches (StepStats.host_bytes).
-        self.host_elems = sum(ch.numel if ch.runs is None else int(ch.runs[:, 1].sum()) for ch in self.chunks)
-
-    def install(self, params: list[torch.Tensor]) -> tuple[int, Any]:
-        """The master's host-owned column ranges into the params (PCIe H2D); (bytes, fence)."""
-        return install_params(self.h2d, self.chunks, self.host.master, params)
 
 
 class GradientPath(Protocol):
@@ -183,9 +182,7 @@ class InStep(NoHostColumns):
         t = self.transfers
         if not self.stream.armed:  # no announced backward, a selection step, or stream_grads off
             self.stream.open(t.chunks, slot, self._waiter())
-        self.stream.finish(stats, t.itemsize)
-        stats.d2h_bytes += stats.early_bytes + stats.in_step_bytes
-        stats.host_bytes += t.host_elems * t.itemsize  # the slot written by DMA
+        self.stream.finish(stats, t.itemsize)  # bytes: counted where they move (stream.py; ledger.py)
 
     def finish(self, stats: StepStats) -> Fence | None:
         return self.stream.fence()  # the interval's last copy into a slot
@@ -244,12 +241,10 @@ class SummedOnDevice(NoHostColumns):
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None:
         self.sum.add(grads, coef, first=first)
-        count_waits(stats, self.sum.stall_pairs)  # the compute stream waiting for the last copy out
+        count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
     def finish(self, stats: StepStats) -> Fence | None:
-        stats.d2h_bytes += 4 * self.transfers.layout.host_numel  # the fp32 sum, once per interval
-        stats.host_bytes += 4 * self.transfers.host_elems
-        return self.sum.copy_out(self.host_sum)
+        return self.sum.copy_out(self.host_sum)  # the fp32 sum, once per interval (counted there: ledger.py)
 
     def drain(self) -> None:
         self.sum.wait()
@@ -258,7 +253,7 @@ class SummedOnDevice(NoHostColumns):
 @dataclass
 class HostSide:
     """What an optimizer with host columns adds: the state, the transfers, the gradient path, and
-    the native threads of the CPU update (threads.py)."""
+    the native threads of the CPU update (threads.py, cores.py)."""
 
     host: HostState
     transfers: Transfers
@@ -267,18 +262,12 @@ class HostSide:
     threads: int  # native threads of the CPU update
 
 
-def slots_per_set(config: ZenFlowConfig) -> int:
-    """Slots in a set: one per step of the longest interval (``update_interval``, or under
-    ``auto`` its bound ``tuning.auto_max_interval``, which a full set enforces: Pipeline.close_step)."""
-    u = config.update_interval
-    return config.tuning.auto_max_interval if u == "auto" else int(u)
-
-
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, hooks: bool = True) -> HostSide:
+                    exchange: Any, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
     """Host buffers, transfers and the gradient path (r < 1 only), chosen once here.
     ``hooks=False``: the hook path registers no hooks on ``params``; release.py (``release_grads``)
-    or FSDP2's hooks on the shards (sharded.py) call ``GradStream.on_grad``."""
+    or FSDP2's hooks on the shards (sharded.py) call ``GradStream.on_grad``. ``ledger``: where the
+    transfers, the gradient stream, the host state and the device sum count their bytes and waits."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -290,23 +279,36 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
     n = layout.host_numel
-    grads: GradSlots
-    if on_device:  # no slots: the interval's fp32 sum lands in one page-locked buffer (its D2H target)
-        grads = GradSlots(n, torch.float32, per_set=0, sets=1, pin=cuda_pin, device=device, sum_buffer=True)
-    else:
-        # A second slot set only helps where the next interval lands while the worker reads this
-        # one (overlap): zenflow.tuning.host_accumulators (one: the next interval's writes follow
-        # the worker, acc_gate.py).
-        per_set = slots_per_set(config)
-        set_bytes = per_set * itemsize * n
-        sets = slot_sets(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=True,
-                         committed_bytes=12 * n + set_bytes, set_bytes=set_bytes)
-        grads = GradSlots(n, dtype, per_set=per_set, sets=sets, pin=cuda_pin, device=device)
-    host = HostState(layout, params, grads=grads, pin_master=cuda_pin)
-    transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
-    if config.cpu_threads:
-        _native.set_num_threads(config.cpu_threads)
-    threads = split_threads(_native.get_num_threads())
+    # The core split (cores.py): the training thread's reserved cores, the update pool's pinned
+    # CPUs, and on a multi-node machine the GPU's NUMA node, where the host state is allocated
+    # and bound. Nothing runs native code on the host per step: the update takes every pool core.
+    plan = cores.plan_for(config, device)
+    with cores.on_node(plan):
+        grads: GradSlots
+        if on_device:  # no slots: the interval's fp32 sum lands in one page-locked buffer (its D2H target)
+            grads = GradSlots(n, torch.float32, per_set=0, sets=1, pin=cuda_pin, device=device, sum_buffer=True)
+            grad_bytes = 4 * n
+        else:
+            # A second slot set only helps where the next interval lands while the worker reads
+            # this one (overlap): zenflow.tuning.host_accumulators (one: the next interval's writes
+            # follow the worker, acc_gate.py).
+            per_set = slots_per_set(config.update_interval, config.tuning.auto_max_interval)
+            set_bytes = per_set * itemsize * n
+            sets = slot_sets(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=True,
+                             committed_bytes=12 * n + set_bytes, set_bytes=set_bytes)
+            grads = GradSlots(n, dtype, per_set=per_set, sets=sets, pin=cuda_pin, device=device)
+            grad_bytes = sets * set_bytes
+        # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in
+        # the model dtype (host.py upload) and only that buffer is page-locked for the install's
+        # DMA; fp32, or without it: the master itself is.
+        upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * n,
+                              committed_bytes=12 * n + grad_bytes)
+        host = HostState(layout, params, grads=grads, upload=upload, pin=cuda_pin)
+        transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
+    buffers = [host.master, host.exp_avg, host.exp_avg_sq, *grads.buffers]
+    buffers += [t for t in (grads.carry[0] if grads.sum_buffer else None, host.upload) if t is not None]
+    cores.bind_host(plan, _native, buffers)
+    threads = cores.apply(plan, _native)
     path: GradientPath
     if on_device:
         assert grads.carry[0] is not None  # sum_buffer
@@ -315,4 +317,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
         path = DuringBackward(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
     else:
         path = InStep(transfers, params, device=device, config=config)
+    for part in (transfers.d2h, transfers.h2d, host, host.gate, getattr(path, "stream", None),
+                 getattr(path, "sum", None)):
+        if part is not None:
+            part.ledger = ledger  # each counts what it moves and waits for (ledger.py)
     return HostSide(host, transfers, path, accumulate, threads)

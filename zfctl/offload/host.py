@@ -4,17 +4,28 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 
 | buffer | size (elements) | owner between boundaries | owner while a CPU update runs |
 | --- | --- | --- | --- |
-| master (fp32; page-locked on CUDA) | this rank's matrix columns | main thread (migration, state_dict); the install's H2D DMA reads it until ``install_fence`` | CPU worker (reads and writes, after ``install_fence``) |
+| master (fp32; page-locked on CUDA when it is the install source) | this rank's matrix columns | main thread (migration, state_dict); the install's DMA reads it until ``install_fence`` when it is the source | CPU worker (reads and writes, after ``install_fence``) |
+| upload (model dtype, bf16/fp16 with ``upload_buffer``; page-locked on CUDA) | as master | the install's H2D DMA reads it until ``install_fence`` | CPU worker (writes, after ``install_fence``) |
 | exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
 | steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
 | gradient slots (``grads``, slots.py; model dtype, page-locked on CUDA) | slots per set x sets x as master | the copy stream writes step j's slot of the current set | CPU worker reads the set of the interval it was handed; with one set, the next interval's writes follow the worker's watermark (``gate``, acc_gate.py) |
 | the device path's interval sum (``grads.carry[0]``, fp32, page-locked) | as master | its D2H at the boundary, after the previous update was collected | CPU worker |
 
-There is no bf16/fp16 copy of the updated columns: the install reads the fp32 master itself
-(chunks.py), by DMA from page-locked memory on CUDA, and the device rounds it to the model dtype
-while scattering it into the params (the same round-to-nearest-even the CPU kernel used for its
-old upload copy). That saves 2 B per element of host memory and the update's 2 B write, and costs
-the install 4 B instead of 2 B of PCIe per element, once per interval, with no host CPU work.
+The install's source (``install_source``; chunks.py, install.py). For a bf16/fp16 model with
+``zenflow.tuning.upload_buffer`` (``upload_dtype``: auto is on where the host holds it) it is
+``upload``: the CPU AdamW writes the new params rounded to the model dtype (round to nearest
+even, native/kernels.h) in the same pass that writes the master (``adamw_step(out=...)``), so
+an install DMAs 2 B per element instead of the 4 B of the fp32 master, and the scatter on the
+device is a plain copy: the same bits the device's rounding of the master gave. Cost: 2 B per
+element of host memory and 2 B more written per element by the update; the master is then not
+read by any DMA and stays pageable (a selection's migration goes through its own page-locked
+staging, selection.py). An fp32 model has no upload buffer (the master is its own model-dtype
+copy), nor a bf16/fp16 one without ``upload_buffer`` (the device rounds the master while it
+scatters it, 4 B per element over PCIe): the master is then page-locked on CUDA and the install
+DMAs from it. The upload holds the master's rounding
+for every host-owned column at every install: the update before it wrote them all (a selection
+collects the update in flight first, so no install comes between a migration and the next
+update), and a load recomputes it (``refresh_upload``).
 
 How many slot sets (``zenflow.tuning.host_accumulators``, resolved by ``slot_sets``): one,
 except with ``overlap_step`` on the host paths when the choice is 2 (the next interval writes one
@@ -23,8 +34,9 @@ slots piece by piece while the next interval's writes wait for it to pass (``gat
 The device path has no slots, one fp32 sum: its interval sum lands there only at the boundary,
 after the previous update was collected (optimizer.py ``_boundary``: collect, copy out, submit).
 There is ONE set of moments in every mode. Host memory per matrix element: 12 B (master + moments)
-plus the slots, ``per_set x sets x itemsize`` (the device path: 4 B of sum instead), plus 13 B per
-column of bookkeeping (docs/design.md, "Host memory"; zfctl/plan/memory.py counts the same).
+plus the slots, ``per_set x sets x itemsize`` (the device path: 4 B of sum instead), plus 2 B of
+upload buffer (bf16/fp16 with ``upload_buffer``), plus 13 B per column of bookkeeping
+(docs/design.md, "Host memory"; zfctl/plan/lines.py counts the same).
 
 Rows of the selected columns exist here too (their host copy is stale while the device owns
 them); keeping the full column range avoids re-packing the buffers at every re-selection and lets
@@ -41,6 +53,8 @@ import torch
 from zfctl.offload import pinned
 from zfctl.offload.acc_gate import AccGate
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
+from zfctl.offload.ledger import NOWHERE, Ledger
+from zfctl.offload.pcie import host_wait
 from zfctl.offload.selection import ColumnState
 from zfctl.offload.slots import GradSlots
 
@@ -66,6 +80,22 @@ def slot_sets(choice: int | str, *, overlap: bool, summed_on_host: bool, committ
     return 2 if free is None or committed_bytes + set_bytes <= AUTO_HOST_SHARE * free else 1
 
 
+def upload_dtype(choice: bool | str, dtype: torch.dtype, *, committed_bytes: int, upload_bytes: int) -> torch.dtype | None:
+    """``zenflow.tuning.upload_buffer`` for a model in ``dtype``: the upload buffer's dtype, or None
+    for none (the install then DMAs the fp32 master). fp32 has none (the master is its own copy);
+    bf16/fp16 as ``choice`` says, and ``auto`` when what the host state takes (``committed_bytes``)
+    plus the buffer (``upload_bytes``) stays within ``AUTO_HOST_SHARE`` of the RAM available now.
+    A run plan resolves ``auto`` before the optimizer is built (zfctl/plan/memory.py,
+    zfctl/train/optim.py); this rule is for a library user without a plan."""
+    if dtype.itemsize >= 4 or choice is False:
+        return None
+    if choice == "auto":
+        free = available_ram()
+        if free is not None and committed_bytes + upload_bytes > AUTO_HOST_SHARE * free:
+            return None
+    return dtype
+
+
 def available_ram() -> float | None:
     """Bytes of RAM available to a new allocation now (``MemAvailable``), None when unknown."""
     try:
@@ -86,30 +116,55 @@ class HostState:
     parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``).
 
     ``grads``: where the interval's gradient waits for the CPU update (slots.py: the host paths'
-    per-step slots, or the device path's fp32 sum). ``pin_master``: page-lock the master (CUDA:
-    the install DMAs straight from it).
+    per-step slots, or the device path's fp32 sum). ``upload``: the model dtype of the upload
+    buffer (bf16/fp16), or None (an fp32 model: the master is the install source). ``pin``:
+    page-lock the install source (CUDA: the install DMAs straight from it).
     """
 
+    ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
+
     def __init__(self, layout: Layout, params: list[torch.Tensor], *, grads: GradSlots,
-                 pin_master: bool = False) -> None:
+                 upload: torch.dtype | None = None, pin: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
         device = params[layout.host_slots[0].index].device if layout.host_slots else None
-        self.master = pinned.empty(n, f32, pin=pin_master, device=device)
+        self.master = pinned.empty(n, f32, pin=pin and upload is None, device=device)
+        self.upload = pinned.empty(n, upload, pin=pin, device=device) if upload is not None else None
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
         self.grads = grads
         self.gate = AccGate()  # one slot set with overlap: the worker's watermark over it
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
-        # The event after the last H2D copy that reads ``master`` (an install, chunks.py), or None.
-        # Whoever writes master next waits for it first: the CPU worker (its fence), a selection's
-        # migration and a checkpoint load (main thread), through ``wait_install``.
+        # The event after the last H2D copy that reads ``install_source`` (an install, chunks.py),
+        # or None. Whoever writes the source next waits for it first: the CPU worker (its fence),
+        # a checkpoint load (``wait_install``), and, when the source is the master, a selection's
+        # migration (``wait_master``).
         self.install_fence: Any = None
         for slot in layout.host_slots:
             # One D2H copy of each matrix at construction (transposed to column-major on the device).
             src = as_matrix(params[slot.index].detach(), slot)[:, slot.host_c0 : slot.host_c1]
             slot.host_view(self.master).copy_(src.t().contiguous().to("cpu"))
+        self.refresh_upload()
+
+    @property
+    def install_source(self) -> torch.Tensor:
+        """What an install DMAs: the upload buffer (bf16/fp16 models), else the fp32 master."""
+        return self.upload if self.upload is not None else self.master
+
+    @property
+    def update_bytes(self) -> int:
+        """Host memory one CPU update moves per host-owned element beside its gradient reads (each
+        slot's itemsize, a carry's 4 B: ledger.py ``count_adamw_sum``): master and moments read and
+        written (24 B), and the upload written (2 B, bf16/fp16)."""
+        return 24 + (self.upload.element_size() if self.upload is not None else 0)
+
+    def refresh_upload(self) -> None:
+        """The upload buffer from the master (construction, a checkpoint load: nothing else writes
+        the master's columns into it). torch's CPU cast rounds to nearest even like the native
+        kernel's ``out``: the same bits for every finite value (a NaN stays a NaN)."""
+        if self.upload is not None:
+            self.upload.copy_(self.master)
 
     def column_state(self, slot: ParamSlot) -> ColumnState:
         cols = self.steps[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
@@ -118,14 +173,23 @@ class HostState:
 
     def release(self) -> None:
         """Unpin the page-locked buffers (``close()``); they stay valid as pageable memory."""
-        pinned.release(self.master)
+        for buf in (self.master, *([self.upload] if self.upload is not None else [])):
+            pinned.release(buf)
         self.grads.release()
 
     def wait_install(self) -> None:
-        """Host wait until no install DMA reads ``master`` any more (before anyone writes it)."""
+        """Host wait until no install DMA reads ``install_source`` any more (before anyone writes
+        or unpins it)."""
         fence, self.install_fence = self.install_fence, None
         if fence is not None:
-            fence.synchronize()  # sync point: the last H2D chunk of the install
+            host_wait(self.ledger, "host.install_dma", fence)  # sync point: the install's last H2D chunk
+
+    def wait_master(self) -> None:
+        """Before the main thread writes the master (a selection's migration): the install's DMA
+        reads it only when it is the install source (an fp32 model). With an upload buffer nothing
+        waits here, and the fence stays for the CPU worker, the upload's next writer."""
+        if self.upload is None:
+            self.wait_install()
 
     def set_device_owned(self, slot: ParamSlot, index: torch.Tensor) -> None:
         """Mark which of ``slot``'s columns the device owns (``index``: column ids, any device)."""

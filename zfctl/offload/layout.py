@@ -33,21 +33,13 @@ columns) come first, so that before the first selection the device steps a prefi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-
-def num_selected(cols: int, topk_ratio: float) -> int:
-    """Columns of a matrix kept on the device: 0 for r=0, all for r=1, else max(1, floor(r*cols))."""
-    if topk_ratio <= 0.0:
-        return 0
-    if topk_ratio >= 1.0:
-        return cols
-    return min(cols, max(1, math.floor(topk_ratio * cols)))
+from zfctl.offload.sizing import num_selected  # the plan counts selected columns by it, without torch
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,9 @@ from zfctl.offload.device_to_host import (
 )
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
+from zfctl.offload.install import Installer
 from zfctl.offload.layout import named_params, plan_layout
+from zfctl.offload.ledger import Ledger
 from zfctl.offload.partition import Partition, group_info, partition_layout
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.pieces import owned_ranges
@@ -108,10 +110,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # reads every step's per-matrix gradient masses from .grad in step(), nor on FSDP2 shards,
         # whose gradients arrive by FSDP2's reduce-scatter into the sharded params (sharded.py).
         release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
+        self.ledger = Ledger()  # each step's bytes and waits, counted where they happen (StepStats.bytes/waits)
         if self.layout.host_slots:
             # The hooks are the stream's own unless release.py's (release) or FSDP2's (shards) call it.
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   hooks=self.sharded is None and not release)
+                                   hooks=self.sharded is None and not release, ledger=self.ledger)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
             if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
@@ -122,6 +125,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.release = self._build_release(release)
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
                                  lag=config.tuning.install_lag, device=self.device, update_threads=self.threads or 0)
+        self.installer = Installer(self.device)  # the install stream and its per-module events
+        for part in (self.pipeline, self.pipeline.worker, self.selector, self.installer):
+            if part is not None:
+                part.ledger = self.ledger
         self._closed = False
         self.last_stats: StepStats | None = None
 
@@ -162,6 +169,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                       "hooks); step() moves them instead", RuntimeWarning, stacklevel=3)
 
     # -- the loop's calls ---------------------------------------------------------------------
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Each module's forward waits only for its own params' install (install.py); returns the
+        modules hooked. One process only: FSDP2's all-gathers and zero2's broadcast read the params
+        outside the modules' forwards, so there the compute stream waits for the whole install."""
+        if self.host is None or self.sharded is not None or self.exchange is not None:
+            return 0
+        return self.installer.attach(model.modules(), self.params, [s.index for s in self.layout.host_slots])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for fp16 (dynamic scaling), the loss itself otherwise."""
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -198,8 +213,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.last_stats.resolve()  # the previous step's device timings: long finished, no wait
         t, hp = self.pipeline.t, self._hyper()
         warm = t < self.selector.warmup
+        # The step's ledger tab opened when the last step closed: its backward's hooks are in it.
         stats = StepStats(step=t, warmup=warm, loss_scale=self.scaler.scale if self.scaler else None,
-                          d2h_gbps=self.gradient_path.d2h_gbps)
+                          d2h_gbps=self.gradient_path.d2h_gbps, tab=self.ledger.tab())
+        # The forward's waits for its layers (install.py); then the device update.
+        count_waits(stats, self.installer.wait_all(), "device.install")
         sq, totals = self._exchange_gradients(stats, warm)  # 0. data parallel: average where read
         streamed = False  # FSDP2 shards: the hook path was armed for the backward just done
         if self.sharded is not None:  # FSDP2 averaged them already: read the local shards
@@ -216,6 +234,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.gradient_path.skip(stats)  # its slot is not recorded: the next step rewrites it
             self._disarm()
             stats.skipped, stats.grad_norm = True, math.inf
+            self.ledger.close()
             self.last_stats = stats
             return stats
         if self.selector.due(t):  # 2. selection: drain the CPU pipeline, choose, migrate
@@ -246,8 +265,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Wait for an in-flight CPU update and install it now (end of training, before export)."""
         if self.host is not None:
-            self.drain()
-            self.pipeline.collect(StepStats(step=self.pipeline.t))
+            stats = StepStats(step=self.pipeline.t)
+            with self.ledger.charging(stats.tab):  # no step's bytes: the flush's own
+                self.drain()
+                self.pipeline.collect(stats)
+            self.installer.wait_all()  # whoever reads the params next, on the compute stream
 
     def drain(self) -> None:
         """Wait until no gradient copy into a slot (host paths) or sum copy (device path) runs."""
@@ -264,6 +286,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             self.sharded.close()
         self.gradient_path.close()  # waits for the copies into the slots
+        self.installer.close()  # the hooks off; the params' next reader comes after the last install
         self.drain()  # a copy out may still write the host sum
         self.pipeline.close()
         self.selector.release()  # no copy runs after step(): the staging's copies are blocking
@@ -301,6 +324,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         assert self.host is not None and self.transfers is not None  # a selectable matrix has host columns
         c = time.perf_counter()
         self.pipeline.collect(stats)
+        count_waits(stats, self.installer.wait_all())  # the migration writes the device master the install reads
         old = list(self.device_state.index)
         if released is not None:
             self.gradient_path.drain()  # sync point: the hooks' copies into the slot regather reads
@@ -311,8 +335,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             assert slot is not None  # a host path: a released selection is the interval's first step
             d2h, h2d = regather(self.device_state, self.selector.selectable, old, released.loaded, slot,
                                 self.selector.stage)
-            stats.d2h_bytes += d2h
-            stats.h2d_bytes += h2d
+            self.ledger.moved("d2h.migrate", d2h)  # the leaving columns' released gradient
+            self.ledger.moved("h2d.migrate", h2d)  # the entering columns' released gradient
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
             self.gradient_path.stream.replan(self.transfers.chunks)
         stats.selection = True
@@ -346,7 +370,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # device, coefficient included (add_device); it has no slots.
         self.gradient_path.add_host(self.pipeline.slot(), stats)
         self.pipeline.record(host_coef)
-        stats.d2h_bytes += 4 * len(values)
         stats.offload_ms = (time.perf_counter() - c) * 1e3
         if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
             self.pipeline.collect(stats)
@@ -372,20 +395,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
         update = cpu_update(self.config.deferred_lr_scale, n, grad, self.host.update_groups, hp,
                             pieces=tuple(order) if order is not None else None)
-        # master and moments read + written (24 B), each slot read (itemsize), a carry read (4 B)
-        per = 24 + sum(s.element_size() for s in update.slots) + (4 if update.carry is not None else 0)
-        stats.host_bytes += self.transfers.host_elems * per
+        # Its bytes (each slot read, master and moments, the upload copy) are counted by the worker.
         self.pipeline.submit(update, stats, background=background, prepare=lambda: self.gradient_path.finish(stats))
 
     def _install(self, stats: StepStats) -> None:
-        """Copy the host's finished update into the model params (the pipeline decides when)."""
+        """The host's finished update into the model params (the pipeline decides when), on the
+        install stream (install.py); each param's device-owned columns are put back after its chunks."""
         assert self.host is not None and self.transfers is not None  # only the host path installs
-        nbytes, fence = self.transfers.install(self.params)
-        stats.h2d_bytes += nbytes
-        self.host.install_fence = fence  # the master's next writer waits for the DMA (HostState)
-        count_waits(stats, self.transfers.h2d.stall_pairs)  # the compute stream waiting for the copies
-        # Whole column ranges were written: put the device-owned columns back.
-        self.device_state.write_params(self.params, self.selector.selected, only=self.selector.selectable)
+        p, sel = self.params, self.selector.selected
+        # Its bytes are counted by the ring (ledger.py).
+        _, fence = self.installer.run(self.transfers.h2d, self.transfers.chunks, self.host.install_source, p,
+                                      lambda slot: self.device_state.write_params(p, sel, only=[slot]))
+        self.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
+        count_waits(stats, self.installer.take_waits(), "device.install")  # no hooks: compute waits for it all
         if self.exchange is not None:  # each owner's columns to every rank (collectives)
             stats.comm_bytes += self.exchange.share_installed()
 
@@ -398,6 +420,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.update_interval = self.pipeline.last_interval
         stats.selected_fraction = self.selector.selected_fraction()
         self.pipeline.advance()
+        self.ledger.close()  # the next step's tab opens: the next backward's hooks count into it
         self.last_stats = stats
 
     # -- checkpoints (state.py) ----------------------------------------------------------------
@@ -407,6 +430,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
         Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
         group: it loads into the same rank of the same world size only."""
+        self.installer.wait_all()  # a checkpoint reads the params next
         sd = state.save(self)
         if self.sharded is not None:
             sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
@@ -423,6 +447,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if saved != here:
             raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
                              f"{here}: sharded row states load into the same rank and world size only")
+        self.installer.wait_all()  # the load writes the device master an install's restore reads
         state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
 
     def host_ranges(self) -> list[tuple[str, int, int]]:

@@ -14,6 +14,10 @@ each copy (``torch.cuda._sleep``), so that a reader that forgot its wait reads t
 before the copy lands and the race stress tests (tests/gpu) see wrong bits instead of passing by
 luck: tiny test tensors otherwise copy in microseconds.
 
+Waits and bytes are counted where they happen (ledger.py): :func:`host_wait` and
+:func:`device_wait` wait and count in one call, so a wait written through them is in the step's
+``StepStats.waits``.
+
 The helper thread (the CPU worker) waits for copy events. A new thread's
 current CUDA device is device 0, and its first CUDA call there would create a context on GPU 0
 (~0.5 GB) in every rank of a multi-GPU job: :func:`bind_device` is its first call.
@@ -70,6 +74,20 @@ def timed_wait(stream: Any, event: Any) -> tuple[Any, Any]:
     return before, after
 
 
+def host_wait(ledger: Any, kind: str, event: Any) -> None:
+    """The calling thread blocks until ``event`` fired (``event.synchronize()``), counted as one
+    wait of ``kind`` (ledger.py ``WAIT_KINDS``)."""
+    with ledger.waiting(kind):
+        event.synchronize()
+
+
+def device_wait(ledger: Any, kind: str, stream: Any, event: Any) -> tuple[Any, Any]:
+    """:func:`timed_wait` (``stream`` waits on the device for ``event``), counted as one wait of
+    ``kind``: the compute stream idle until a copy landed, a wait that can stop the GPU."""
+    ledger.waited(kind)
+    return timed_wait(stream, event)
+
+
 def waited_ms(pairs: list[tuple[Any, Any]]) -> float:
     """Total device idle time of :func:`timed_wait` pairs (their events must have fired)."""
     total = 0.0
@@ -79,10 +97,11 @@ def waited_ms(pairs: list[tuple[Any, Any]]) -> float:
     return total
 
 
-def count_waits(stats: Any, pairs: list[tuple[Any, Any]]) -> None:
+def count_waits(stats: Any, pairs: list[tuple[Any, Any]], kind: str | None = None) -> None:
     """Add the device-side waits of one step (the compute stream idle until a copy landed,
-    :func:`timed_wait`) to its ``StepStats``: to ``device_wait_ms`` and to the stall, read one step
-    late like the device timings (``StepStats.defer``), so no sync now."""
+    :func:`timed_wait`) to its ``StepStats``: to ``device_wait_ms`` and to the stall (and to
+    ``wait_ms[kind]``, the waits :func:`device_wait` counted), read one step late like the device
+    timings (``StepStats.defer``), so no sync now."""
     if not pairs:
         return
     pairs = list(pairs)
@@ -91,5 +110,7 @@ def count_waits(stats: Any, pairs: list[tuple[Any, Any]]) -> None:
         ms = waited_ms(pairs)
         st.device_wait_ms += ms
         st.stall_ms += ms
+        if kind is not None:
+            st.tab.waited(kind, n=0, ms=ms)
 
     stats.defer(read)

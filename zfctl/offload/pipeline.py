@@ -42,6 +42,7 @@ import torch
 
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
+from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
 from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker
@@ -53,6 +54,8 @@ Install = Callable[[StepStats], None]
 
 class Pipeline:
     """Counters (steps, interval length), the slot set in use, the CPU worker and pending install."""
+
+    ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, host: HostState | None, policy: IntervalPolicy, *, overlap: bool,
                  install: Install, lag: int = 0, device: torch.device | None = None,
@@ -133,15 +136,18 @@ class Pipeline:
         returns the wait for what is still writing the update's gradient (the gradient path's
         ``finish``: the last copy into a slot, or the device path's copy of the interval sum into
         its one host buffer, which the previous update may still have been reading). The worker
-        also waits for the install DMA that may still read the master (HostState).
+        also waits for the install DMA that may still read the install source, the upload buffer
+        or the master it writes (HostState.install_fence).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
         stats.boundary = True
         if background:
             self.collect(stats)  # install the previous interval's update (one interval stale) ...
-        after = prepare()
-        worker.submit(update, [w for w in (after, _install_wait(host)) if w is not None])
+        after, dma = prepare(), _install_wait(host)
+        waits = [counted_wait(self.ledger, kind, w) for kind, w in (("worker.grads", after), ("worker.install", dma))
+                 if w is not None]
+        worker.submit(update, waits)
         if background:  # ... then this one runs in the background (one slot set: cur stays)
             self.cur = (self.cur + 1) % host.grads.sets
             self.age = 0
@@ -159,7 +165,8 @@ class Pipeline:
     def settle(self, stats: StepStats | None = None) -> None:
         """Wait for an in-flight update without installing it: its result becomes pending."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
-            ms = self.worker.wait()
+            with self.ledger.waiting("host.cpu_update"):
+                ms = self.worker.wait()
             if stats is not None:
                 stats.cpu_step_ms = ms
             self.pending_install = True
@@ -202,7 +209,8 @@ class Pipeline:
         device path's device buffer), or as the current set's carry (host paths; ``sd["acc"]`` is
         the fp32 buffer the loader filled, None for an interval without a step). A saved ``upload``
         (states written before the install read the master) is ignored: it held the master's
-        values rounded to the model dtype, which the install computes again, to the same bits."""
+        values rounded to the model dtype, which the load computes again from the master, to the
+        same bits (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None and self.worker.busy:  # self.busy, spelled out for the type checker
             self.worker.wait()  # discard: everything it wrote is overwritten below
         c = sd["counters"]
@@ -229,6 +237,7 @@ class Pipeline:
 
 
 def _install_wait(host: HostState) -> Callable[[], Any] | None:
-    """The wait for the install DMA still reading ``host.master``, handed to the worker by value."""
+    """The wait for the install DMA still reading ``host.install_source`` (the upload buffer, or an
+    fp32 model's master), handed to the worker by value."""
     fence, host.install_fence = host.install_fence, None
     return fence.synchronize if fence is not None else None

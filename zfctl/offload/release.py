@@ -48,6 +48,7 @@ import torch
 
 from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix
+from zfctl.offload.ledger import NOWHERE
 from zfctl.offload.scaler import param_norm
 from zfctl.offload.selection import Staging, column_l1
 
@@ -175,12 +176,17 @@ def _to_slot(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.Te
     """Device rows ``pos`` of the fp32 ``d`` into host rows ``cols`` of the slot view ``h``, in its
     dtype, through ``stage`` in pieces (one blocking D2H each: a selection step only); bytes moved."""
     per, moved = _per_piece(stage, h.shape[1], h.element_size(), len(cols)), 0
+    ledger = stage.ledger if stage is not None else NOWHERE
     for a in range(0, len(cols), per):
         tmp = d.index_select(0, pos[a : a + per]).to(h.dtype)  # device gather, narrowed (exact)
         buf = _staged(stage, tuple(tmp.shape), h.dtype) if stage is not None else torch.empty_like(tmp, device="cpu")
-        buf.copy_(tmp)  # PCIe D2H (into page-locked memory with a stage); blocking
+        with ledger.waiting("host.migrate_copy"):
+            buf.copy_(tmp)  # PCIe D2H (into page-locked memory with a stage); blocking
         h.index_copy_(0, cols[a : a + per], buf)
-        moved += tmp.numel() * tmp.element_size()
+        nbytes = tmp.numel() * tmp.element_size()
+        ledger.moved("host.stage", 2 * nbytes)  # the DMA writes the stage, the scatter reads it ...
+        ledger.moved("host.migrate", nbytes)  # ... and writes the slot
+        moved += nbytes
     return moved
 
 
@@ -188,6 +194,7 @@ def _from_slot(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.
     """Host rows ``cols`` of the slot view ``h`` into device rows ``dst`` of the fp32 ``d``, widened
     on the device (exact), through ``stage`` in pieces; bytes moved."""
     per, moved = _per_piece(stage, h.shape[1], h.element_size(), len(cols)), 0
+    ledger = stage.ledger if stage is not None else NOWHERE
     for a in range(0, len(cols), per):
         c = cols[a : a + per]
         buf = _staged(stage, (len(c), h.shape[1]), h.dtype) if stage is not None else torch.empty(
@@ -195,6 +202,10 @@ def _from_slot(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.
         torch.index_select(h, 0, c, out=buf)  # host gather, in place: no fresh pages with a stage
         # PCIe H2D of the model dtype, blocking (the buffer is reused next piece). Off CUDA ``to``
         # returns ``buf`` itself, which ``to(d.dtype)`` copies before the next piece rewrites it.
-        d.index_copy_(0, dst[a : a + per], buf.to(d.device).to(d.dtype))
-        moved += buf.numel() * buf.element_size()
+        with ledger.waiting("host.migrate_copy"):
+            d.index_copy_(0, dst[a : a + per], buf.to(d.device).to(d.dtype))
+        nbytes = buf.numel() * buf.element_size()
+        ledger.moved("host.migrate", nbytes)  # the gather reads the slot ...
+        ledger.moved("host.stage", 2 * nbytes)  # ... and writes the stage, the DMA reads it
+        moved += nbytes
     return moved

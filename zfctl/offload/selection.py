@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from zfctl.offload import pinned
+from zfctl.offload.ledger import NOWHERE, Ledger
 
 
 class ColumnState(NamedTuple):
@@ -52,9 +53,6 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-STAGE_BYTES = 64 * 2**20  # the migration's page-locked staging buffer (at least one column)
-
-
 class Staging:
     """A reused host buffer (page-locked on CUDA, pinned.py) that every migration copy goes through.
 
@@ -63,8 +61,11 @@ class Staging:
     plus first-touch page faults on every new page, twice per byte moved, and at 1B parameters a
     selection moves ~1.3 GB each way. The buffer is allocated once (the first selection) and
     reused; transfers larger than it go in pieces of whole columns, one blocking copy each (a
-    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (or one column).
+    stream sync per piece, selection steps only). Host memory: ``STAGE_BYTES`` (sizing.py; or one column).
+    ``ledger``: where the host bytes and the blocking copies of the pieces are counted (ledger.py).
     """
+
+    ledger: Ledger = NOWHERE
 
     def __init__(self, elems: int, *, pin: bool, device: torch.device | None) -> None:
         self.buf = pinned.empty(elems, torch.float32, pin=pin, device=device)
@@ -131,15 +132,20 @@ def out_staged(d: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, cols: torch.
                mul: float | None = None) -> int:
     """Device rows ``pos`` of ``d`` into host rows ``cols`` of ``h`` (times ``mul``, on the host, if
     given), through ``stage``; bytes moved."""
-    per, moved = stage.per_piece(math.prod(d.shape[1:])), 0
+    per, moved, ledger = stage.per_piece(math.prod(d.shape[1:])), 0, stage.ledger
     for a in range(0, len(cols), per):
         tmp = d.index_select(0, pos[a : a + per])  # a device gather of this piece's rows
         buf = stage.view(tuple(tmp.shape))
-        buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
+        nbytes = tmp.numel() * tmp.element_size()
+        with ledger.waiting("host.migrate_copy"):
+            buf.copy_(tmp)  # PCIe D2H into page-locked memory; blocking: a stream sync per piece
         if mul is not None:
             buf.mul_(mul)
         h.index_copy_(0, cols[a : a + per], buf)
-        moved += tmp.numel() * tmp.element_size()
+        # the DMA writes the stage, (mul: reads and writes it), the scatter reads it and writes h
+        ledger.moved("host.stage", nbytes * (4 if mul is not None else 2))
+        ledger.moved("host.migrate", nbytes)
+        moved += nbytes
     return moved
 
 
@@ -147,7 +153,7 @@ def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.T
               div: float | None = None) -> int:
     """Host rows ``cols`` of ``h`` (divided by ``div``, on the host, if given) into device rows
     ``dst`` of ``d``, through ``stage``; bytes moved."""
-    per, moved = stage.per_piece(math.prod(h.shape[1:])), 0
+    per, moved, ledger = stage.per_piece(math.prod(h.shape[1:])), 0, stage.ledger
     for a in range(0, len(cols), per):
         c = cols[a : a + per]
         buf = stage.view((len(c), *h.shape[1:]))
@@ -156,6 +162,11 @@ def in_staged(d: torch.Tensor, dst: torch.Tensor, h: torch.Tensor, cols: torch.T
             buf.div_(div)
         # PCIe H2D from page-locked memory; blocking (the buffer is reused next piece). Off CUDA
         # ``to`` returns ``buf`` itself, which index_copy_ reads before the next piece rewrites it.
-        d.index_copy_(0, dst[a : a + per], buf.to(d.device))
-        moved += buf.numel() * buf.element_size()
+        with ledger.waiting("host.migrate_copy"):
+            d.index_copy_(0, dst[a : a + per], buf.to(d.device))
+        nbytes = buf.numel() * buf.element_size()
+        # the gather reads h and writes the stage, (div: reads and writes it), the DMA reads it
+        ledger.moved("host.migrate", nbytes)
+        ledger.moved("host.stage", nbytes * (4 if div is not None else 2))
+        moved += nbytes
     return moved

@@ -24,14 +24,18 @@ from zfctl.offload.device_adam import DeviceAdam
 from zfctl.offload.exchange import GradExchange
 from zfctl.offload.host import HostState
 from zfctl.offload.layout import Layout, as_matrix
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.partition import OwnedRows, Partition
-from zfctl.offload.selection import STAGE_BYTES, HostRows, Staging, column_l1, migrate, top_columns
+from zfctl.offload.selection import HostRows, Staging, column_l1, migrate, top_columns
 from zfctl.offload.sharded import ShardedParams
+from zfctl.offload.sizing import STAGE_BYTES
 from zfctl.offload.stats import StepStats
 
 
 class Selector:
     """The selection schedule and the selection step of one optimizer."""
+
+    ledger: Ledger = NOWHERE  # where the migration's bytes and waits are counted (ledger.py)
 
     def __init__(self, layout: Layout, device: DeviceAdam, config: ZenFlowConfig, *,
                  steps_per_epoch: int | None, part: Partition | None = None,
@@ -56,6 +60,7 @@ class Selector:
             largest = max(s.rows * s.cols for s in self.selectable)
             elems = max(min(STAGE_BYTES // 4, largest), max(s.rows for s in self.selectable))
             self.stage = Staging(elems, pin=self._pin and device.type == "cuda", device=device)
+            self.stage.ledger = self.ledger
         return self.stage
 
     def release(self) -> None:
@@ -78,7 +83,7 @@ class Selector:
         Data parallel: returns each matrix's total L1 mass (the auto interval's input: no rank
         holds the whole gradient), else None.
         """
-        host.wait_install()  # migration writes the master: the last install's DMA must be done
+        host.wait_master()  # migration writes the master: an fp32 model's install DMA must be done
         dev, index = self.device, self.device.index
         old = list(index)
         shared = None
@@ -105,8 +110,8 @@ class Selector:
                 owned = [OwnedRows(h, slot.host_c0, slot.host_c1, self.part.group, dev.master.device) for h in own]
                 rows = tuple(owned)
             d2h, h2d = migrate(dev.column_state(slot), rows, index[slot.index], new, stage)
-            stats.d2h_bytes += d2h
-            stats.h2d_bytes += h2d
+            self.ledger.moved("d2h.migrate", d2h)  # leaving columns' state
+            self.ledger.moved("h2d.migrate", h2d)  # entering columns' state
             stats.comm_bytes += sum(o.sent for o in owned)
             index[slot.index] = new
             host.set_device_owned(slot, new)

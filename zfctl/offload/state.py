@@ -166,6 +166,7 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         if acc is None and pipeline["counters"]["interval_len"]:
             acc = torch.empty(opt.layout.host_numel, dtype=torch.float32)
         gather_host(opt.layout, pieces, into={**opt.host.state_dict(), "acc": acc})
+        opt.host.refresh_upload()  # a pending install reads the loaded master's rounding (host.py)
         pipeline["acc"] = acc
     opt.pipeline.load_state_dict(pipeline, live_acc=live)
     opt.selector.selected = parts["selected"]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zfctl.offload.ledger import Tab
+
 
 @dataclass
 class StepStats:
@@ -42,8 +44,6 @@ class StepStats:
     stall_ms: float = 0.0  # every host wait inside step() (see the class docstring)
     cpu_step_ms: float = 0.0  # duration of the CPU update that completed this step (0 if none)
     offload_ms: float = 0.0  # gradient D2H into the step's slot done or waited for inside step()
-    d2h_bytes: int = 0  # device -> host bytes this step (gradients, migration, small scalars)
-    h2d_bytes: int = 0  # host -> device bytes this step (installed params, migration)
     # Data-parallel bytes this rank sent this step (0 for one process): gradient exchange, score
     # and state exchange at a selection, install broadcasts; ring-model counts (partition.py).
     comm_bytes: int = 0
@@ -59,9 +59,6 @@ class StepStats:
     early_bytes: int = 0
     in_step_chunks: int = 0
     in_step_bytes: int = 0
-    # Host memory bytes of this step's gradient: its slot written by DMA (host paths) or the
-    # device path's sum landing; at a boundary, plus the CPU update's reads and writes.
-    host_bytes: int = 0
     # Of stall_ms: the compute stream's own idle time waiting for a copy to land (an install's
     # H2D, the device path's copy out of the last interval), timed with CUDA events; 0 on CPU.
     device_wait_ms: float = 0.0
@@ -72,7 +69,57 @@ class StepStats:
     acc_gate_waits: int = 0
     acc_gate_ms: float = 0.0
     d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only
+    # The byte ledger and the wait counts of this step (offload/ledger.py): ``bytes`` and ``waits``
+    # below. Work the step handed to a helper thread adds to it when it runs: read after ``flush``.
+    tab: Tab = field(default_factory=Tab, repr=False, compare=False)
     _late: list[Callable[[StepStats], None]] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        """Bytes this step moved by kind (ledger.py ``BYTE_KINDS``: PCIe each way, host memory); a
+        copy (its helper-thread work adds to the step's tab until it is done: read after ``flush``)."""
+        return self.tab.read()[0]
+
+    @property
+    def waits(self) -> dict[str, int]:
+        """Waits this step wrote by kind (ledger.py ``WAIT_KINDS``: who waited for what); a copy."""
+        return self.tab.read()[1]
+
+    @property
+    def wait_ms(self) -> dict[str, float]:
+        """How long this step's waits of each kind took (host: wall clock; the compute stream's:
+        CUDA events, filled by :meth:`resolve`). Timings, for the bench's gap columns; a copy."""
+        return self.tab.read()[2]
+
+    # The totals each way, from the ledger. Adding to them (``stats.d2h_bytes += n``) still works
+    # and books the bytes as "unlabelled", which the ledger tests refuse: name a kind instead.
+    @property
+    def d2h_bytes(self) -> int:
+        """Device -> host bytes this step (gradients or the interval sum, migration, scalars)."""
+        return self.tab.total("d2h.")
+
+    @d2h_bytes.setter
+    def d2h_bytes(self, value: int) -> None:
+        self.tab.moved("d2h.unlabelled", value - self.d2h_bytes)
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Host -> device bytes this step (installed params, migration)."""
+        return self.tab.total("h2d.")
+
+    @h2d_bytes.setter
+    def h2d_bytes(self, value: int) -> None:
+        self.tab.moved("h2d.unlabelled", value - self.h2d_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory bytes read + written for this step: gradient landing, summing, the CPU
+        update it submitted, its install, a migration (complete once its helper work is done)."""
+        return self.tab.total("host.")
+
+    @host_bytes.setter
+    def host_bytes(self, value: int) -> None:
+        self.tab.moved("host.unlabelled", value - self.host_bytes)
 
     def set_grad_norm(self, host_norm: float | None, norm: torch.Tensor | None, *, cuda: bool) -> None:
         """The gradient norm: as read with the step's scalars, or (topk 1: nothing was synced) read

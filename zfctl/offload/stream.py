@@ -62,6 +62,7 @@ import torch
 from zfctl.offload.acc_gate import Waiter
 from zfctl.offload.chunks import Chunk
 from zfctl.offload.layout import as_matrix
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import copy_async
 from zfctl.offload.stats import StepStats
 
@@ -91,6 +92,8 @@ class ExchangeOrder:
 class GradStream:
     """Lands the host-owned gradient columns of a step in its slot: from the hooks of the last
     backward (armed), or from step() (``finish``)."""
+
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, device: torch.device, budget_bytes: int,
                  exchange: Any = None, hooks: bool = True) -> None:
@@ -221,6 +224,9 @@ class GradStream:
             if self.wait_read is not None:
                 self.wait_read(ch.off)  # one slot set: the update in flight has read this piece
             self.landed.append(ch)
+            nbytes = ch.numel * view.element_size()
+            self.ledger.moved("d2h.grad", nbytes)  # PCIe D2H (CPU: what would cross it) ...
+            self.ledger.moved("host.land", nbytes)  # ... written into the step's slot
             if not self.cuda:
                 view.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
                 continue
@@ -245,22 +251,26 @@ class GradStream:
         assert dst is not None
         if chunks and self.last is not None:
             t0 = time.perf_counter()
-            self.last.synchronize()  # sync point: earlier copies into this slot have landed
+            with self.ledger.waiting("host.slot_fill"):
+                self.last.synchronize()  # sync point: earlier copies into this slot have landed
             self.wait_ms += (time.perf_counter() - t0) * 1e3
         for ch in chunks:
             if self.wait_read is not None:
                 self.wait_read(ch.off)
             dst[ch.off : ch.off + ch.numel].fill_(-0.0)
+            self.ledger.moved("host.land", ch.numel * dst.element_size())  # written into the slot, no PCIe
 
     def _make_room(self, nbytes: int) -> None:
         """Bound the device temporaries in flight: wait for the oldest copies (stall)."""
         while self.inflight and self.inflight_bytes + nbytes > self.budget_bytes:
             event, b = self.inflight.popleft()
-            if not event.query():
-                t0 = time.perf_counter()
-                event.synchronize()  # sync point: one earlier chunk's D2H
-                self.wait_ms += (time.perf_counter() - t0) * 1e3
-                self.budget_waits += 1
+            with self.ledger.waiting("host.hook_budget"):  # over budget: this copy must have landed
+                landed = event.query()
+                if not landed:
+                    t0 = time.perf_counter()
+                    event.synchronize()  # sync point: one earlier chunk's D2H
+                    self.wait_ms += (time.perf_counter() - t0) * 1e3
+                    self.budget_waits += 1
             self.inflight_bytes -= b
 
     # -- inside step() -----------------------------------------------------------------------------
@@ -303,7 +313,8 @@ class GradStream:
     def drain(self) -> None:
         """Host wait until every copy into a slot has landed (checkpoints, loading, closing)."""
         if self.last is not None:
-            self.last.synchronize()
+            with self.ledger.waiting("host.slot_drain"):
+                self.last.synchronize()
 
     def close(self) -> None:
         for h in self._handles:

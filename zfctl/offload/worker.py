@@ -29,6 +29,7 @@ import torch
 
 from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inner_steps
 from zfctl.offload.host import HostState
+from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw_sum
 from zfctl.offload.pcie import bind_device
 
 
@@ -91,6 +92,8 @@ def clip_runs(runs: torch.Tensor, ends: torch.Tensor, lo: int, hi: int) -> torch
 class CpuWorker:
     """A single background thread owning the host state while an update is in flight."""
 
+    ledger: Ledger = NOWHERE  # where its bytes and fences are counted (ledger.py; the optimizer's own)
+
     def __init__(self, host: HostState, device: torch.device) -> None:
         from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
@@ -135,10 +138,13 @@ class CpuWorker:
         sum formed from its slots and AdamW on it, one pass. Host bytes per element: 24 (master
         and moments read and written) + each slot's itemsize (+ 4 with a carry)."""
         h = self._host
+        count_adamw_sum(self.ledger, h.master, update.slots, carry=update.carry, runs=runs,
+                        out=h.upload)  # host.sum + host.update, the submitting step's tab
         self.native.adamw_sum(
             h.master, h.exp_avg, h.exp_avg_sq, update.slots, update.coefs, carry=update.carry, step=step,
             lr=update.lr, beta1=update.beta1, beta2=update.beta2, eps=update.eps,
             weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, repeat=update.repeat,
+            out=h.upload,  # bf16/fp16: the install source (host.py upload)
         )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:
@@ -165,7 +171,7 @@ class CpuWorker:
                 if gate is not None:
                     gate.end()  # done reading (or failed: no writer may wait forever)
 
-        self._future = self._pool.submit(run)
+        self._future = self._pool.submit(self.ledger.charged(run))  # counted into the submitting step
 
     def wait(self) -> float:
         """Block until the in-flight update is done; its duration in ms (re-raises its error)."""

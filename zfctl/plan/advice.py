@@ -22,7 +22,7 @@ def accuracy_warnings(plan: RunPlan) -> list[str]:
         out.append(
             f"zenflow.full_warm_up_rounds=0: the first steps on {start} move every weight fast, and the "
             "deferred columns' update lands late and overshoots there; --set zenflow.full_warm_up_rounds=20 "
-            "(the default) runs them as plain AdamW"
+            "(the default) runs them as synchronous full CPU-offload steps (AdamW on every weight matrix)"
             + (" (a larger lr-scaled CPU step makes it worse)" if z.deferred_lr_scale != "off" else ""))
     if deferred and z.deferred_lr_scale == "off":
         out.append(
@@ -59,7 +59,8 @@ def short_run_warnings(plan: RunPlan) -> list[str]:
     if 0.0 < float(z.topk_ratio) < 1.0 and z.full_warm_up_rounds >= steps:
         out.append(
             f"train.max_steps={steps} is within zenflow.full_warm_up_rounds={z.full_warm_up_rounds}: every "
-            "step of this run is plain AdamW on the device (the step line's `sel 0.00`) and ZenFlow never "
+            "step of this run is a synchronous full CPU-offload step (the CPU AdamW updates every weight "
+            "matrix and the step waits; the step line's `sel 0.00`) and ZenFlow's overlapped split never "
             f"engages; --set zenflow.full_warm_up_rounds={steps // 5} to try ZenFlow in a short run")
     if t.warmup_steps >= steps:
         out.append(

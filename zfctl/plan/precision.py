@@ -20,6 +20,8 @@ import platform
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from zfctl.gpu_probe import no_cuda_reason
+
 # /proc/cpuinfo flag names (x86 "flags", aarch64 "Features") that mean native bf16 arithmetic.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ARM_BF16_FLAGS = ("bf16",)
@@ -101,6 +103,8 @@ def resolve_for_this_machine(requested: str, train_device: str) -> PrecisionChoi
     """`resolve_precision` with this machine's facts; `train_device` as in train.device (auto/cuda/cpu)."""
     if requested != "auto" or train_device == "cpu":
         return resolve_precision(requested, device="cpu")
+    if train_device == "auto" and no_cuda_reason() is not None:  # no GPU driver: no torch needed
+        return resolve_precision("auto", device="cpu")
     import torch  # only now: resolving a plan for the CPU needs no torch
 
     cuda = train_device == "cuda" or (train_device == "auto" and torch.cuda.is_available())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from functools import reduce
 from pathlib import Path
@@ -245,4 +246,21 @@ def resolve_plan(
             notes.append(choice.reason)
     # Resolved here too, once, against the plan's target machine: plan.yaml stores true or false.
     resolve_activation_checkpointing(plan, notes=notes)
+    one_process_strategy(plan, notes)
     return plan
+
+
+def one_process_strategy(plan: RunPlan, notes: list[str] | None) -> None:
+    """``distributed.strategy: fsdp`` for a job of one process trains as zero2 (no group to shard
+    over: zfctl/train/fsdp.py ``resolve_strategy``), so the plan says zero2, with a note: the
+    printed plan and plan.yaml are the run that trains, as its checkpoints record it. The job's
+    size is torchrun's WORLD_SIZE under torchrun (a job started by hand sets no distributed.nproc),
+    else distributed.nproc x distributed.nodes."""
+    d = plan.distributed
+    world = int(os.environ.get("WORLD_SIZE") or 0) or d.nproc * d.nodes
+    if d.strategy != "fsdp" or world != 1:
+        return
+    d.strategy = "zero2"
+    if notes is not None:
+        notes.append("distributed.strategy=fsdp on one process: nothing to shard over, so the run is zero2 (the "
+                     "plan says so); --nproc N (N > 1) shards the model under fsdp")

@@ -120,6 +120,11 @@ class TrainConfig:
     seed: int = _f(42, "Seed for init, data order and dropout.")
     eval_every: int = _f(50, "Evaluate every N steps (and at the end); 0 = only at the end.")
     eval_batches: int = _f(8, "Micro-batches per evaluation.")
+    sample_prompts: list[str] | None = _f(
+        None,
+        "Prompts the model answers at each evaluation (greedy, at most 48 new tokens, in the run's prompt "
+        "format), printed and logged to metrics.jsonl (kind: sample), e.g. ['What is 12 + 7?']; null = none.",
+    )
     device: Literal["auto", "cuda", "cpu"] = _f("auto", "'auto' = cuda when available, else cpu.")
     activation_checkpointing: bool | Literal["auto"] = _f(
         "auto",

@@ -213,6 +213,11 @@ def check_train(t: TrainConfig) -> None:
     )
     _need(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
     _need(t.eval_batches >= 1, "train.eval_batches", t.eval_batches, "must be >= 1")
+    for i, prompt in enumerate(t.sample_prompts or []):  # a list of texts (coerce.py made it a list)
+        _need(isinstance(prompt, str) and bool(prompt.strip()), f"train.sample_prompts[{i}]", prompt,
+              "must be a non-empty text, e.g. --set \"train.sample_prompts=['What is 12 + 7?']\"")
+    _need(len(t.sample_prompts or []) <= 16, "train.sample_prompts", f"{len(t.sample_prompts or [])} prompts",
+          "give at most 16: each is answered token by token at every evaluation")
     _need(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
 
 

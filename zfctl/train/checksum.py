@@ -32,11 +32,12 @@ import torch
 import xxhash
 from safetensors.torch import _TYPES, _remove_duplicate_names
 
+from zfctl.offload.sizing import CHUNK_BYTES
+
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 << 20  # verification reads 8 MiB at a time: large enough to stream, small in RAM
-# Device tensors reach a checkpoint through one host chunk of this size at a time (the plan's
-# "checkpoint I/O" line, zfctl/plan/memory.py); host tensors are written from their own memory.
-CHUNK_BYTES = 64 * 2**20
+# Device tensors reach a checkpoint through one host chunk of CHUNK_BYTES at a time (the plan's
+# "checkpoint I/O" line, zfctl/plan/memory.py, reads it from sizing.py without torch).
 _DTYPE_NAMES = {dtype: name for name, dtype in _TYPES.items()}
 
 

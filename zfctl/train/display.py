@@ -22,7 +22,7 @@ STEP_LINE_LEGEND = (
     "tokens per second | ms = the whole step: fwd/bwd (device forward + backward) + opt (device "
     "optimizer) + stall (host waits inside the step: gradient copies, the CPU update, installs); busy = "
     "the device's share | cpu-adam = ms of the CPU AdamW update that finished this step | sel = share of "
-    "weights updated on the device every step (0.00 during zenflow.full_warm_up_rounds: plain AdamW) | "
+    "weights updated on the device every step (0.00 during zenflow.full_warm_up_rounds: synchronous full CPU-offload steps) | "
     "gnorm = gradient L2 norm before clipping | host/dev = peak memory, GiB")
 
 from rich.console import Console

@@ -52,6 +52,7 @@ import torch
 
 from zfctl.errors import RunFailed, UserError
 from zfctl.plan.schema import RunPlan
+from zfctl.quiet import torchrun_env
 
 # Set by torchrun (elastic agent) in every worker; their presence means "do not relaunch".
 _TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
@@ -220,14 +221,22 @@ def forward_signal(torchrun_pid: int, signum: int) -> None:
 
 
 def bind_to_launcher() -> None:
-    """Under ``--nproc``: die (SIGKILL) when the process that started this one dies.
+    """Die (SIGKILL) when the process that started this one dies: under ``--nproc`` (torchrun with
+    the launcher, each rank with torchrun), and any rank of a torchrun job the user started (on
+    several nodes, one per node), with its node's torchrun agent. Without that, killing one node's
+    agent left its ranks training on, and the other node's agent waiting 300 s in torch's exit
+    barrier for an agent that was gone; now the ranks die with it, their peers stop with one line
+    each (rank_error), and every agent ends as a failed job, without that barrier.
 
-    ``PR_SET_PDEATHSIG`` is Linux's; elsewhere, and outside a job started by ``relaunch``, this does
-    nothing. The kernel sends the signal when the parent *thread* that forked us exits: torchrun
-    starts its ranks, and the launcher torchrun, from their main threads, which live as long as
-    the process. A parent that died before the call can no longer send it, hence the check after.
+    ``PR_SET_PDEATHSIG`` is Linux's; elsewhere, and outside a job, this does nothing. The kernel
+    sends the signal when the parent *thread* that forked us exits: torchrun starts its ranks
+    (``subprocess``, so the agent is the parent), and the launcher torchrun, from their main
+    threads, which live as long as the process. A parent that died before the call can no longer
+    send it, hence the check after.
     """
     parent = os.environ.get(PARENT_ENV)
+    if parent is None and under_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
+        parent = str(os.getppid())  # a rank of the user's own torchrun: its node's agent
     if parent is None or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -240,12 +249,13 @@ def bind_to_launcher() -> None:
 def relaunch(nproc: int, argv: Sequence[str], extra_env: dict[str, str] | None = None) -> int:
     """Run ``zfctl <argv>`` under torchrun on this node and wait; returns the ranks' exit code.
 
-    torchrun sets OMP_NUM_THREADS=1 for its workers unless the user set it: with N processes
-    per node each one should use about cores/N threads (``zenflow.cpu_threads``). SIGINT and
+    The ranks get OMP_NUM_THREADS=1 unless the user set it, as torchrun would give them, but set
+    here so that torchrun prints no banner about it (zfctl/quiet.py): with N processes per node
+    each one should use about cores/N threads (``zenflow.cpu_threads``). SIGINT and
     SIGTERM are forwarded to the ranks (module docstring); the launcher returns only once
     torchrun has exited, so nothing it started outlives it.
     """
-    env = {**os.environ, **(extra_env or {}), PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())}
+    env = torchrun_env({**os.environ, **(extra_env or {}), PLAN_PRINTED_ENV: "1", PARENT_ENV: str(os.getpid())})
     proc: subprocess.Popen | None = None
     pending: list[int] = []
 
@@ -290,7 +300,10 @@ def _peer_gone_phrase(e: BaseException) -> str | None:
 
 
 def continue_hint(run_dir: Path | None) -> str:
-    """How to go on after a job ended early: the run folder's checkpoint a resume takes, read now."""
+    """How to go on after a job ended early: the run folder's checkpoint a resume takes, read now.
+    A job of several nodes (the user's torchrun on each) continues as the README says: the same
+    torchrun command on every node, with ``resume RUN`` in place of the verb and its arguments
+    (``zfctl resume RUN`` alone would relaunch on this node only)."""
     if run_dir is None:
         return "once that is fixed, continue from the newest checkpoint with `zfctl resume` on the run folder"
     from zfctl.train.checkpoint import resolve_checkpoint
@@ -299,6 +312,13 @@ def continue_hint(run_dir: Path | None) -> str:
         step = resolve_checkpoint(run_dir).step
     except UserError:
         return f"{run_dir} has no checkpoint yet: once that is fixed, start the run again"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) if under_torchrun() else 1
+    if nodes > 1:
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", "N")
+        return (f"once that is fixed, continue from its checkpoint of step {step} by running on every node the "
+                f"torchrun command that started this job, with `-m zfctl resume {run_dir}` in place of its "
+                f"`-m zfctl ...` part: `torchrun --nnodes {nodes} --node-rank R --nproc-per-node {per_node} "
+                f"--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID -m zfctl resume {run_dir}`")
     return f"once that is fixed, continue from its checkpoint of step {step} with `zfctl resume {run_dir}`"
 
 

@@ -120,17 +120,18 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, by_row: Iterable[st
 
 def resolve_strategy(plan: RunPlan, world_size: int) -> Literal["zero2", "fsdp"]:
     """``distributed.strategy`` as this run trains it: ``auto`` is ``fsdp`` where the plan's
-    estimate on this machine says the whole model does not fit a GPU under ``zero2``
-    (zfctl/plan/memory.py). One process is ``zero2`` whatever the plan says (no group to shard
-    over: a resume of an fsdp run on one process)."""
+    estimate for its machine (``machine.*``, else this one's capacities, as `zfctl plan` showed
+    it) says the whole model does not fit a GPU under ``zero2`` (zfctl/plan/memory.py). One
+    process is ``zero2`` whatever the plan says (no group to shard over: a resume of an fsdp run
+    on one process)."""
     s = plan.distributed.strategy
     if world_size == 1:  # nothing to shard over (a resume of an fsdp run on one process)
         return "zero2"
     if s != "auto":
         return s
-    from zfctl.train.optim import run_estimate
+    from zfctl.plan.memory import estimate
 
-    return run_estimate(plan).strategy
+    return estimate(plan).strategy
 
 
 def load_in_turns(local_rank: int, local_world: int, device: torch.device,

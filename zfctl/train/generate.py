@@ -41,19 +41,34 @@ class Generator:
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` rendered with the generation prompt, as training saw them."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        with _hf_errors_only():  # a prompt past model_max_length: zfctl's own line says so (generate)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
         return [int(i) for i in ids]
+
+    def messages(self, text: str, system: str | None = None) -> list[dict[str, str]]:
+        """One exchange's messages: the system turn (a chat run's), then ``text`` as the user's."""
+        return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": text}]
+
+    def check_length(self, messages: list[dict[str, str]], what: str = "--prompt") -> list[int]:
+        """The prompt's token ids; refused when they leave no room to answer (``what``: where it came from)."""
+        ids, limit = self.prompt_ids(messages), _position_limit(self.model)
+        if limit is not None and len(ids) >= limit:
+            raise UserError(f"{what}: {len(ids)} tokens with its format, the model's limit is {limit}; give a "
+                            "shorter prompt")
+        return ids
+
+    def answer(self, text: str, *, system: str | None = None, max_new_tokens: int, temperature: float) -> str:
+        """The answer to ``text`` alone (no earlier turns), decoded."""
+        new = self.generate(self.messages(text, system), max_new_tokens=max_new_tokens, temperature=temperature)
+        return str(self.tokenizer.decode(new, skip_special_tokens=True))
 
     def generate(self, messages: list[dict[str, str]], *, max_new_tokens: int, temperature: float,
                  on_text: Callable[[str], None] | None = None) -> list[int]:
         """The new token ids for ``messages`` (greedy when ``temperature`` is 0); ``on_text``
         receives the decoded text as it is produced."""
-        ids = torch.tensor([self.prompt_ids(messages)], device=self.model.device)
+        ids = torch.tensor([self.check_length(messages)], device=self.model.device)
         limit = _position_limit(self.model)
-        if limit is not None and ids.shape[1] >= limit:
-            raise UserError(f"--prompt: {ids.shape[1]} tokens with its format, the model's limit is {limit}; "
-                            "give a shorter prompt")
         if limit is not None:
             max_new_tokens = min(max_new_tokens, limit - ids.shape[1])
         streamer = None
@@ -69,16 +84,33 @@ class Generator:
         return [int(i) for i in out[0, ids.shape[1]:]]
 
     def reply(self, text: str, *, max_new_tokens: int, temperature: float,
-              on_text: Callable[[str], None] | None = None) -> str:
+              on_text: Callable[[str], None] | None = None, system: str | None = None) -> str:
         """One turn of an interactive session: the answer to ``text`` (after the earlier turns,
-        for a chat run; alone otherwise, as the run trained on one exchange per sequence)."""
-        messages = [*self.history, {"role": "user", "content": text}] if self.multi_turn else [
-            {"role": "user", "content": text}]
+        for a chat run; alone otherwise, as the run trained on one exchange per sequence).
+        ``system``: a chat run's system turn, first in the conversation."""
+        if self.multi_turn and self.history:
+            messages = [*self.history, {"role": "user", "content": text}]
+        else:
+            messages = self.messages(text, system)
         new = self.generate(messages, max_new_tokens=max_new_tokens, temperature=temperature, on_text=on_text)
         answer = self.tokenizer.decode(new, skip_special_tokens=True)
         if self.multi_turn:
             self.history = [*messages, {"role": "assistant", "content": answer}]
         return answer
+
+
+@contextlib.contextmanager
+def _hf_errors_only() -> Iterator[None]:
+    """transformers' log at ERROR for a moment: its "Token indices sequence length is longer than
+    the specified maximum" warning would print a raw line before zfctl's own error for that prompt."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(was)
 
 
 class _Streamer(TextStreamer):
@@ -129,12 +161,27 @@ def _maybe_held(run_dir: Path | None) -> contextlib.AbstractContextManager:
     return held(run_dir, optional=True) if run_dir is not None else contextlib.nullcontext()
 
 
+# Files of which a save_pretrained tokenizer holds at least one (fast: tokenizer.json; slow:
+# sentencepiece's model, or a BPE/WordPiece vocabulary); tokenizer_config.json alone names a class.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def _from_export(path: Path, device: torch.device, notes: list[str]) -> Generator:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        have = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+        raise UserError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}; it holds {have}); "
+                        "give the run folder instead, or write a complete export with `zfctl export RUN "
+                        f"--output {path} --force` (zfctl export saves the tokenizer next to the model)")
     with quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model: Any = AutoModelForCausalLM.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:  # a partial or foreign folder: what transformers says, once
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{path} cannot be loaded as a model folder ({first}); give the run folder instead, "
+                            f"or write a complete export with `zfctl export RUN --output {path} --force`") from None
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"{path}: its tokenizer has no chat_template, so the prompt format the model was "
                         "trained on is unknown; give the run folder instead, or re-export it with zfctl export")
@@ -144,6 +191,29 @@ def _from_export(path: Path, device: torch.device, notes: list[str]) -> Generato
     elif not (path / EXPORT_MARKER).is_file():
         notes.append(f"{path} was not written by zfctl export: its own chat template renders the prompt")
     return Generator(model.to(device).eval(), tokenizer, str(path), multi_turn=template == "chat")
+
+
+def template_of(path: Path) -> str:
+    """The prompt format ``path`` (a run, checkpoint or export folder) trained with, read from its
+    plan without loading a model: ``data.template`` (an export without zfctl's plan: chat, as its
+    own chat template renders conversations)."""
+    path = Path(path)
+    if is_export(path):
+        plan_file = path / "zfctl-plan.yaml"
+        return load_plan_yaml(plan_file).data.template if plan_file.is_file() else "chat"
+    return load_plan_yaml(ck.resolve_checkpoint(path).path / ck.PLAN_FILE).data.template
+
+
+def check_system(path: Path, system: str | None, *, wanted: bool) -> None:
+    """Refuse a system turn (``--system``, or a prompt file's ``system``) for a run whose format
+    has none: only template chat renders one, and a model trained without it never saw one."""
+    if not wanted:
+        return
+    template = template_of(path)
+    if template != "chat":
+        raise UserError(f"--system: {path} trained with data.template={template}, whose prompt format has no system "
+                        "turn; leave --system (and the prompt file's 'system' keys) out, or use a run trained with "
+                        "data.template=chat")
 
 
 def read_turns(read: Callable[[str], str]) -> Iterator[str]:

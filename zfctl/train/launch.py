@@ -11,6 +11,7 @@ then ``zfctl <the same arguments>`` is relaunched on N processes and its exit co
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from rich.console import Console
 from zfctl.errors import UserError
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.quiet import is_verbose, torchrun_env
 from zfctl.train import checkpoint as ck
 from zfctl.train.dist import (
     PLAN_PRINTED_ENV,
@@ -96,12 +98,19 @@ def resume(ckpt_dir: Path, *, max_steps: int | None, allow_changes: bool, latest
         saved = _saved_world_size(info, nproc, strategy)
         n = nproc if nproc is not None else (saved or 1)
         if n > 1 and info is not None:
-            from zfctl.train.session import note
+            from zfctl.train.session import check_data_present, note, resuming_line
 
+            done = _finished(info, max_steps=max_steps, allow_changes=allow_changes, world=n)
+            if done is not None:  # said at once: no torchrun start only to find nothing to train
+                return done
             for line in notes:
                 note(line)
             if latest_good:
                 note(f"resuming from the newest intact checkpoint, {info.path} (step {info.step})")
+            with contextlib.suppress(UserError):  # an unreadable plan: each rank says why
+                check_data_present(load_plan_yaml(info.path / ck.PLAN_FILE), info.path.parent.parent)
+            # Printed here, before any rank can fail: the line a rank's error is read against.
+            Console().print(resuming_line(info), highlight=False, markup=False, soft_wrap=True)
             # Resolved (and with --latest-good verified) once, here: the ranks load this folder.
             return _launch(n, worker_argv(argv), RunFolder(info.path.parent.parent, fresh=False),
                            extra_env={RESUME_FROM_ENV: str(info.path)})
@@ -120,7 +129,10 @@ def _launch(nproc: int, argv: Sequence[str], folder: RunFolder,
     folder.check()
     if prepare is not None:
         prepare()
-    Console().print(f"launching {nproc} processes under torchrun (standalone)")
+    threads = ""
+    if is_verbose():  # torchrun's own banner says this in four lines; zfctl sets the value itself (quiet.py)
+        threads = f", OMP_NUM_THREADS={torchrun_env(dict(os.environ))['OMP_NUM_THREADS']} each"
+    Console().print(f"launching {nproc} processes under torchrun (standalone{threads})")
     # torchrun inherits this process's environment: its line for a rank that died without a word
     # says how to continue the run folder (zfctl/train/_torchrun.py)
     before = os.environ.get(RUN_DIR_ENV)
@@ -148,6 +160,31 @@ def _as_rank(env: DistEnv, timeout: float | None, work: Callable[[], RunResult],
         if named is e:
             raise
         raise named from None
+
+
+def _finished(info: ck.CheckpointInfo, *, max_steps: int | None, allow_changes: bool,
+              world: int) -> RunResult | None:
+    """The result of a resume of ``info`` that has nothing to train (it is at the run's last
+    step, or at ``max_steps``), found from the checkpoint's plan before any process starts; None
+    when there is training to do, or when only the ranks can tell (``allow_changes``: the run
+    folder's edited plan decides the length; a plan that cannot be read: the ranks say why)."""
+    from zfctl.train.progress import RunResult
+    from zfctl.train.run_length import run_length
+    from zfctl.train.world_size import fit_world_size
+
+    if allow_changes:
+        return None
+    try:
+        end = max_steps if max_steps is not None else run_length(
+            info, fit_world_size(load_plan_yaml(info.path / ck.PLAN_FILE), info.world_size, world)[0], world)
+    except UserError:
+        return None
+    # --max-steps before the checkpoint's step is refused by the ranks, with its own line
+    finished = end is not None and (info.step == end if max_steps is not None else info.step >= end)
+    if not finished:
+        return None
+    return RunResult(output_dir=info.path.parent.parent, steps=info.step, final_train_loss=None,
+                     final_eval_loss=None, last_checkpoint=info.path, already_finished=True)
 
 
 def _run_folder_of(path: Path) -> Path:
@@ -178,8 +215,9 @@ def _saved_world_size(info: ck.CheckpointInfo | None, nproc: int | None, strateg
     if plan is not None:
         n = nproc if nproc is not None else info.world_size
         try:
-            plan, _ = fit_strategy(fit_world_size(plan, info.world_size, n)[0], strategy)
+            plan = fit_world_size(plan, info.world_size, n)[0]  # refuses only an --nproc given
         except UserError as e:
             raise UserError(f"--nproc {nproc}: {e}") from None
+        plan, _ = fit_strategy(plan, strategy)  # its own line names --strategy
         check_strategy(plan)
     return info.world_size

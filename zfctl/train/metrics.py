@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from zfctl.errors import RunFailed, UserError
+from zfctl.plan.io import atomic_write_text
 from zfctl.plan.schema import RunPlan
 from zfctl.writable import os_error_line
 
@@ -84,14 +85,15 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, resume_step: int | None = None,
                  sinks: list[Sink] | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
-        if resume_step is not None:
-            truncate_after(self.path, resume_step)
+        self.dropped = truncate_after(self.path, resume_step) if resume_step is not None else 0
         # Line-buffered: each record reaches the OS as soon as it is written, so a killed run
         # keeps every step it finished (one small write syscall per step).
         self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the run)
         self._sinks = sinks or []
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], *, sinks: bool = True) -> None:
+        """Append ``record``; ``sinks``: forward it to W&B/TensorBoard too (numbers; not a
+        sample's texts)."""
         try:
             self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         except OSError as e:
@@ -100,7 +102,7 @@ class MetricsWriter:
             raise RunFailed(f"cannot append to {self.path}: {os_error_line(e)}; the run stopped; free space "
                             f"there, then continue from the newest checkpoint with `zfctl resume {self.path.parent}`"
                             ) from None
-        for s in self._sinks:
+        for s in self._sinks if sinks else ():
             s.log(record)
 
     def close(self) -> None:
@@ -112,20 +114,22 @@ class MetricsWriter:
         self._sinks = []
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Drop the records of steps after ``step`` (written by the run after its last checkpoint)."""
+def truncate_after(path: Path, step: int) -> int:
+    """Drop the records of steps after ``step`` (written by the run after its last checkpoint), and
+    lines that are no record: a torn last line from a killed process, bytes that are not UTF-8
+    JSON (damaged on disk). Returns how many such lines were dropped. The file is replaced
+    atomically (a temporary file renamed): a reader sees the old or the new one, never half."""
     if not path.exists():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+        return 0
+    keep, unreadable = [], 0
+    for raw in path.read_bytes().splitlines():
         try:
-            if int(json.loads(line)["step"]) <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a killed process
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
+            if int(json.loads(raw)["step"]) <= step:  # json.loads decodes the bytes as UTF-8
+                keep.append(raw.decode("utf-8"))
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            unreadable += bool(raw.strip())
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    return unreadable
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -171,13 +175,19 @@ def build_sinks(*, wandb: bool, wandb_project: str, tensorboard: bool, run_dir: 
     return sinks
 
 
-def open_metrics(plan: RunPlan, run_dir: Path, *, resume_step: int | None) -> MetricsWriter:
+def open_metrics(plan: RunPlan, run_dir: Path, *, resume_step: int | None,
+                 note: Callable[[str], None] | None = None) -> MetricsWriter:
     """Rank 0's ``metrics.jsonl`` with the sinks ``plan.logging`` asks for. ``resume_step``: a
-    resumed run drops the records after its checkpoint's step (a crashed run wrote them)."""
+    resumed run drops the records after its checkpoint's step (a crashed run wrote them), and
+    lines that are no record, which ``note`` is told of."""
     log = plan.logging
     sinks = build_sinks(wandb=log.wandb, wandb_project=log.wandb_project, tensorboard=log.tensorboard,
                         run_dir=run_dir, config=asdict(plan))
-    return MetricsWriter(run_dir, resume_step=resume_step, sinks=sinks)
+    writer = MetricsWriter(run_dir, resume_step=resume_step, sinks=sinks)
+    if writer.dropped and note is not None:
+        note(f"{writer.path}: {writer.dropped} line(s) that are no record (torn by a kill, or bytes that are not "
+             "UTF-8 JSON) were dropped; the others are kept")
+    return writer
 
 
 def train_record(step: int, s: StepResult, *, tokens_seen: int, compute_ms: float, epoch: int,

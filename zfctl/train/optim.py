@@ -8,8 +8,7 @@ in ``zfctl/offload``: the loop, the checkpoints and the run lifecycle use nothin
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from zfctl.offload import StepStats, ZenFlowOptimizer
-    from zfctl.plan.memory import MemoryEstimate
 
 
 class TrainingOptimizer(Protocol):
@@ -34,6 +32,12 @@ class TrainingOptimizer(Protocol):
     def prepare_backward(self, *, final: bool) -> None:
         """Say whether the next backward is the last of the step's micro-batches: its gradients
         are final, so they stream to the host during that backward (zfctl/offload/stream.py)."""
+        ...
+
+    def attach_install_waits(self, model: torch.nn.Module) -> int:
+        """Let each of ``model``'s layers wait (on the device) only for its own part of an install
+        of the CPU update, not for the whole install (zfctl/offload/install.py); how many modules
+        were hooked (0 where an install is waited for whole: FSDP2, zero2)."""
         ...
 
     def step(self) -> StepStats:
@@ -87,15 +91,10 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     t = plan.train
     if params is None:
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    zen = plan.zenflow
-    cuda = bool(params) and params[0][1].device.type == "cuda"
-    host_auto = zen.tuning.host_accumulators == "auto" and zen.overlap_step and float(zen.topk_ratio) < 1
-    if (zen.accumulate == "auto" and cuda) or host_auto:
-        est = run_estimate(plan)
-        if zen.accumulate == "auto" and cuda:
-            zen = replace(zen, accumulate=est.accumulate)
-        if host_auto and est.size is not None:  # unknown size: the optimizer's own rule (offload/host.py)
-            zen = replace(zen, tuning=replace(zen.tuning, host_accumulators=est.host_accumulators))
+    # The plan's answers, never this machine's: a plan made for a 5 GB card builds the host path
+    # on a 141 GB one (zfctl/plan/settle.py). Only a plan that still says auto (a library plan, one
+    # whose model size was unknown before loading) is settled, here, once, for the plan's machine.
+    zen = settle_for_model(plan, model).zenflow
     return ZenFlowOptimizer(
         params, zen, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_scaling=None, steps_per_epoch=steps_per_epoch,
@@ -103,17 +102,17 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     )
 
 
-def run_accumulate(plan: RunPlan) -> Literal["host", "device"]:
-    """``zenflow.accumulate: auto`` for the GPU this process runs on (``run_estimate``)."""
-    return run_estimate(plan).accumulate
+def settle_for_model(plan: RunPlan, model: torch.nn.Module) -> RunPlan:
+    """``plan`` with every ``auto`` settled (zfctl/plan/settle.py); ``plan`` itself when nothing is
+    left to settle (every plan `zfctl plan`/`finetune`/`resume` made). A plan that cannot size its
+    model (a hub id with neither ``model.config`` nor ``model.params_b``) is settled with the
+    built ``model``'s shapes, so its answers are the ones its memory lines would have given."""
+    from zfctl.plan.settle import settle, unsettled
 
+    if not unsettled(plan):
+        return plan
+    from zfctl.plan.sizes import size_of_model
 
-def run_estimate(plan: RunPlan) -> MemoryEstimate:
-    """The plan's memory estimate (the rules `zfctl plan` shows) against this machine: how
-    ``zenflow.accumulate: auto`` and ``zenflow.tuning.host_accumulators: auto`` resolve for the run.
-    The plan's ``machine.*`` sizes are the target a user planned for (the printed verdict); a run
-    on a smaller machine must not take the accumulators that target would hold."""
-    from zfctl.plan.machine import this_machine
-    from zfctl.plan.memory import estimate
-
-    return estimate(plan, this_machine())
+    m = plan.model
+    knows = bool(m.source == "config" and m.config) or bool(m.params_b)
+    return settle(plan, size=None if knows else size_of_model(model))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from rich.console import Console
 from typing_extensions import Self
 
+from zfctl.errors import ConfigError
 from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import dump_plan_yaml
 from zfctl.plan.schema import RunPlan
@@ -46,7 +48,7 @@ from zfctl.train.loss import (
 )
 from zfctl.train.metrics import MetricsWriter, StepTimer, open_metrics, train_record
 from zfctl.train.models.load import enable_activation_checkpointing, load_model
-from zfctl.train.optim import TrainingOptimizer, build_optimizer
+from zfctl.train.optim import TrainingOptimizer, build_optimizer, settle_for_model
 from zfctl.train.progress import Progress, Restore, RunResult, StepResult, read_trainer_state, trainer_state
 from zfctl.train.rundir import RunFolder
 from zfctl.train.schedule import Cadence, build_scheduler
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
 
     from zfctl.train.data.prepare import PreparedData
+    from zfctl.train.samples import SamplePrompts
 
 
 class FinetuneRecipe:
@@ -92,7 +95,9 @@ class FinetuneRecipe:
         self.resumed_from: ck.CheckpointInfo | None = None
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run's state
         self.saved_step: int | None = None  # its step
+        self.saved_from: int | None = None  # a resume: the step of the checkpoint it continues
         self._restore: Restore | None = None
+        self.samples: SamplePrompts | None = None  # train.sample_prompts (setup)
         self.shard: tuple[int, int] | None = None  # fsdp: (rank, size) in the shard group (_build_model)
         self._checkpoint_bytes = 0  # expected size of a checkpoint before the first is written
         self._cleanup = contextlib.ExitStack()
@@ -120,6 +125,7 @@ class FinetuneRecipe:
             train_digest=lambda: self.data.train_digest, allow_changes=self.allow_changes,
             note=self._note if self.env.rank == 0 else lambda line: None)
         self.resumed_from, self.last_checkpoint, self.saved_step = ckpt, ckpt.path, ckpt.step
+        self.saved_from = ckpt.step  # metrics.jsonl keeps the records up to here (_open_run_files)
 
     def setup(self) -> None:
         """Seeds and the process group, then model, sampler, optimizer and LR scheduler, each with
@@ -127,20 +133,33 @@ class FinetuneRecipe:
         plan, t, env, restore = self.plan, self.plan.train, self.env, self._restore
         self._cleanup.enter_context(process_setup(plan, env, self.device))
         shard_group = self._build_model(restore.checkpoint if restore is not None else None)
-        self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
-                                        world_size=env.world_size,
-                                        position=restore.sampler if restore is not None else None)
+        try:
+            self.sampler = ResumableSampler(len(self.data.train), t.micro_batch_size, seed=t.seed, rank=env.rank,
+                                            world_size=env.world_size,
+                                            position=restore.sampler if restore is not None else None)
+        except ValueError as e:  # the data cannot fill one global micro-batch (a file too large to count before)
+            raise ConfigError("train.micro_batch_size", t.micro_batch_size, f"{e}; lower it") from None
         self.steps_per_epoch = max(1, self.sampler.batches_per_epoch() // t.gradient_accumulation_steps)
         self.total_steps = (int(t.max_steps) if t.max_steps is not None else
                             max(1, t.epochs * self.sampler.batches_per_epoch() // t.gradient_accumulation_steps))
         # zero2: the optimizer averages the gradients over the world in step(); fsdp: FSDP2's
         # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/sharded.py).
         zero2_group = dist.group.WORLD if env.world_size > 1 and shard_group is None else None
+        # A plan that could not size its model (a hub id alone) still says auto: settled once, with
+        # the built model's shapes, and saved so (zfctl/train/optim.py); any other plan is as made.
+        self.plan = plan = settle_for_model(plan, self.model)
         self.optimizer = build_optimizer(self.model, plan, steps_per_epoch=self.steps_per_epoch,
                                          process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
+        # An install of the CPU update runs on its own stream; each layer's forward waits only for
+        # its own columns (zfctl/offload/install.py), so the first layers compute while the last land.
+        self.optimizer.attach_install_waits(self.model)
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)
+        if t.sample_prompts:  # zfctl/train/samples.py: answered at each evaluation
+            from zfctl.train.samples import SamplePrompts
+
+            self.samples = SamplePrompts(plan, model_config=getattr(self.model, "config", None))
         if restore is not None:
             # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
             rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
@@ -204,19 +223,29 @@ class FinetuneRecipe:
         return group
 
     def _claim_run_folder(self) -> None:
-        """Every input is good: only now touch the output folder (rank 0 writes, all wait)."""
+        """Every input is good: only now touch the output folder (rank 0 writes, all wait).
+
+        A fresh run writes ``plan.yaml`` and opens ``metrics.jsonl`` here. A resume only locks the
+        folder and checks its disk here: its ``plan.yaml`` and ``metrics.jsonl`` (the records
+        after the checkpoint dropped) are rewritten once its first step has trained
+        (:meth:`_open_run_files`), so a resume that fails before that leaves every file of the
+        run folder as it was (each is replaced atomically when it is)."""
         fresh, main = self.resumed_from is None, self.env.rank == 0
         self._checkpoint_bytes = ck.estimate_bytes(self.model)
-        if main:
-            RunFolder(self.run_dir, fresh=fresh, force=self.force).claim(self.lock, estimate=self._checkpoint_bytes)
-            dump_plan_yaml(self.plan, self.run_dir / ck.PLAN_FILE)
-        self._barrier()
         self.metrics = None
         if main:
-            self.metrics = open_metrics(self.plan, self.run_dir, resume_step=None if fresh else self.progress.step)
-            self._cleanup.callback(self.metrics.close)
+            RunFolder(self.run_dir, fresh=fresh, force=self.force).claim(self.lock, estimate=self._checkpoint_bytes)
+            if fresh:
+                self._open_run_files()
+        self._barrier()
         self.display = RichDisplay(Console()) if main else NullDisplay()
         self._cleanup.callback(self.display.close)
+
+    def _open_run_files(self) -> None:
+        """Rank 0: ``plan.yaml`` (atomic) and ``metrics.jsonl`` with its sinks (:meth:`_claim_run_folder`)."""
+        dump_plan_yaml(self.plan, self.run_dir / ck.PLAN_FILE)
+        self.metrics = open_metrics(self.plan, self.run_dir, resume_step=self.saved_from, note=self._note)
+        self._cleanup.callback(self.metrics.close)
 
     @staticmethod
     def _note(line: str) -> None:
@@ -248,6 +277,8 @@ class FinetuneRecipe:
             while p.step < total:
                 s = self._train_step(timer, stop)
                 step = p.step
+                if self.env.rank == 0 and self.metrics is None:  # a resume's first step trained: now its files
+                    self._open_run_files()
                 if self.metrics is not None:  # rank 0: metrics.jsonl, the progress bar and console line
                     rec = train_record(step, s, tokens_seen=p.tokens_seen, compute_ms=timer.ms(),
                                        epoch=self.sampler.position.epoch, device=self.device,
@@ -343,6 +374,10 @@ class FinetuneRecipe:
             if self.metrics is not None:
                 self.metrics.log({"kind": "eval", "step": step, "eval_loss": eval_loss})
             self.display.print(format_eval_line(step, eval_loss, self.total_steps))
+        if self.samples is not None:  # the answers to train.sample_prompts, printed and logged
+            self.samples.show(step, self.total_steps, self.model, self.device, rank=self.env.rank,
+                              lockstep=self.strategy == "fsdp" and self.env.world_size > 1, say=self.display.print,
+                              log=None if self.metrics is None else partial(self.metrics.log, sinks=False))
         return eval_loss
 
     def save_checkpoint(self, step: int) -> Path:

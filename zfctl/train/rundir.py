@@ -95,6 +95,12 @@ def check_output_dir(out: Path, force: bool) -> None:
     if not entries:
         return
     if not force:
+        from zfctl.train.checkpoint import newest_listed
+
+        if PLAN_FILE in entries and newest_listed(out / CHECKPOINTS) is None:  # nothing there to resume
+            raise UserError(f"output folder {out} holds a run that stopped before its first checkpoint, so there "
+                            "is nothing to resume; pass --force to start it again there (it replaces the "
+                            "folder's contents), or choose another --output")
         raise UserError(f"output folder {out} already exists and is not empty; pass --force to "
                         f"overwrite it, `zfctl resume {out}` to continue it, or choose another --output")
     if not entries & set(RUN_ENTRIES):

@@ -22,11 +22,13 @@ from rich.console import Console
 
 from zfctl import __version__
 from zfctl.errors import UserError
+from zfctl.plan.holds import check_holds
 from zfctl.plan.io import load_plan_yaml
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.settle import adopt_resolved, settle, unsettled
 from zfctl.plan.validate import check_strategy
 from zfctl.train import checkpoint as ck
-from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env
+from zfctl.train.dist import RESUME_FROM_ENV, DistEnv, dist_env, train_device
 from zfctl.train.fsdp import resolve_strategy, shard_place
 from zfctl.train.inputs import load_inputs
 from zfctl.train.lock import FolderLock
@@ -61,6 +63,8 @@ def run(plan: RunPlan, *, force: bool = False, debug_data: bool = False) -> RunR
     """
     out = Path(plan.checkpoint.output_dir)
     env = dist_env()
+    if not debug_data:  # every rank, on its own GPU: one line before anything is allocated or written
+        check_holds(plan, train_device(plan, env))
     lock = FolderLock(note=note)
     try:
         if not debug_data and env.rank == 0:
@@ -124,16 +128,39 @@ def resume(ckpt_dir: Path, *, max_steps: int | None = None, allow_changes: bool 
         if length is not None and info.step >= length:  # nothing to train: say so, instead of loading and evaluating
             return RunResult(output_dir=run_dir, steps=info.step, final_train_loss=None, final_eval_loss=None,
                              last_checkpoint=info.path, already_finished=True)
+        check_data_present(plan, run_dir)  # before the plan prints: a refusal is one line
+        check_holds(plan, train_device(plan, env), resume=str(run_dir))  # every rank, its own GPU
         if on_plan is not None and env.rank == 0:
             on_plan(plan)
-        if env.rank == 0:
-            Console().print(f"resuming from {info.path} (step {info.step}, saved "
-                            f"{info.meta.get('saved_at', '?')})", highlight=False, markup=False, soft_wrap=True)
+        if env.rank == 0 and not launched:  # the launcher printed it before any rank started
+            Console().print(resuming_line(info), highlight=False, markup=False, soft_wrap=True)
         require_sinks(wandb=plan.logging.wandb, tensorboard=plan.logging.tensorboard)
         _, prepared = load_inputs(plan, rank=env.rank)
         return _lifecycle(FinetuneRecipe(plan, prepared, env, lock=lock, allow_changes=allow_changes), info)
     finally:
         lock.release()
+
+
+def resuming_line(info: ck.CheckpointInfo) -> str:
+    """The line a resume starts with: the checkpoint it continues."""
+    return f"resuming from {info.path} (step {info.step}, saved {info.meta.get('saved_at', '?')})"
+
+
+def check_data_present(plan: RunPlan, run_dir: Path) -> None:
+    """Refuse, naming the file and how to bring it back, a resume whose training data is gone:
+    ``resume`` has no --data, and the checkpoint continues on the same records (a data set that
+    changed is refused by its digest, zfctl/train/progress.py)."""
+    d = plan.data
+    if d.source != "local" or not d.path:
+        return
+    for key, name in (("data.path", d.path), ("data.validation_split", d.validation_split)):
+        if name is None or key == "data.validation_split" and not Path(name).expanduser().is_absolute():
+            continue  # a split name, or a sibling file: checked with the data when it is read
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise UserError(f"cannot resume {run_dir}: its training data {path} ({key} in its plan) is gone; put "
+                            "the file back at that path (the run continues on the same records), or set "
+                            f"{key} in {run_dir / ck.PLAN_FILE} to where it is now and resume with --allow-changes")
 
 
 def _run_folder_plan(path: Path, renamed: list[str], *, allow_changes: bool, rank: int) -> RunPlan | None:
@@ -170,12 +197,18 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
     current = _run_folder_plan(edited, renamed, allow_changes=allow_changes, rank=env.rank)
     if current is not None:
         current = as_saved_world(current, plan)  # an earlier resume's nproc is no edit
+        plan = adopt_resolved(plan, current)  # an older checkpoint's auto, which a later resume settled: no edit
         diffs = plan_differences(plan, current)
         if diffs and allow_changes:
             plan = current
         problems += diffs
     plan, resharded = fit_world_size(plan, info.world_size, env.world_size)  # zfctl/train/world_size.py
     plan, restrategy = fit_strategy(plan, strategy)
+    if env.world_size == 1 and plan.distributed.strategy == "fsdp":  # what trains: the plan says it
+        plan = replace(plan, distributed=replace(plan.distributed, strategy="zero2"))
+        restrategy = (f"{restrategy}; " if restrategy else "") + (
+            "distributed.strategy=fsdp on one process: nothing to shard over, so the run continues as zero2 "
+            "(the plan says so); resume with --nproc N (N > 1) --strategy fsdp to shard it again")
     if problems and not allow_changes:
         raise UserError(f"cannot resume {info.path}: the run changed since the checkpoint "
                         f"({'; '.join(problems)}); undo the change or pass --allow-changes")
@@ -195,6 +228,9 @@ def _resumed_plan(info: ck.CheckpointInfo, run_dir: Path, env: DistEnv, *, max_s
         Console(stderr=True).print(f"[yellow]note: checkpoint written by zfctl {info.version}, this is "
                                    f"{__version__}")
     plan = replace(plan, checkpoint=replace(plan.checkpoint, output_dir=str(run_dir)))
+    # A plan.yaml of an earlier zfctl may still say auto: decided now, once, for the machine the
+    # plan names, and saved by this run (zfctl/plan/settle.py); a settled plan is read back as is.
+    plan = settle(plan) if unsettled(plan) else plan
     if max_steps is not None:
         if max_steps < info.step:
             raise UserError(f"--max-steps {max_steps} is before the checkpoint's step {info.step}; "

@@ -33,8 +33,11 @@ from zfctl.train.checkpoint.find import (
     damaged_files,
     nearest_intact,
     newest_listed,
+    older_checkpoint_fix,
     read_checkpoint,
     resolve_checkpoint,
+    resume_with,
+    use_checkpoint_with,
     verify_checkpoint,
 )
 from zfctl.train.checkpoint.format import (
@@ -88,6 +91,6 @@ __all__ = [
     "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "full_tensors",
     "is_sharded", "last_size", "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch",
     "model_files_in", "model_shard_file", "model_shard_files", "nearest_intact", "newest_listed",
-    "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint", "restore_rng", "rng_file",
-    "rotate", "save_checkpoint", "save_model_shard", "step_name", "verify_checkpoint",
+    "older_checkpoint_fix", "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint", "restore_rng", "resume_with", "rng_file",
+    "rotate", "save_checkpoint", "save_model_shard", "step_name", "use_checkpoint_with", "verify_checkpoint",
 ]

@@ -10,11 +10,53 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 
 from zfctl.errors import UserError
-from zfctl.train.checkpoint.format import CHECKPOINTS, LATEST, META, CheckpointInfo
+from zfctl.train.checkpoint.format import CHECKPOINTS, LATEST, META, PLAN_FILE, CheckpointInfo
 from zfctl.train.checksum import HASH_NAME, file_digest
+
+
+def resume_with(ckpt: Path) -> str:
+    """How ``zfctl resume`` uses another checkpoint (the default advice)."""
+    return f"zfctl resume {ckpt}"
+
+
+# How the verb at work uses another checkpoint, for the lines that name the nearest intact one:
+# resume's by default; `zfctl export` and `zfctl generate` set theirs (cli/export.py, cli/generate.py),
+# since neither has --latest-good.
+_USE_CHECKPOINT: ContextVar[Callable[[Path], str]] = ContextVar("use_checkpoint", default=resume_with)
+
+
+def use_checkpoint_with(command: Callable[[Path], str]) -> None:
+    """Set the command (for a checkpoint folder) that the damaged-checkpoint lines of this
+    process advise, e.g. ``lambda c: f"zfctl export {c} --output out"``; each verb sets its own
+    (a process may run several: the tests' in-process CLI)."""
+    _USE_CHECKPOINT.set(command)
+
+
+def older_checkpoint_fix(root: Path, before: int | None) -> str:
+    """What to do instead of a damaged checkpoint under ``root`` (a ``checkpoints/`` folder):
+    the nearest intact one older than step ``before`` and the command that uses it, or how to
+    start again when there is none."""
+    older = nearest_intact(root, before)
+    in_run = root.name == CHECKPOINTS  # a run folder's checkpoints (not a checkpoint copied elsewhere)
+    if older is not None:
+        command = _USE_CHECKPOINT.get()
+        also = f" (or `zfctl resume {root.parent} --latest-good`)" if command is resume_with and in_run else ""
+        return (f"the nearest intact checkpoint is {older.path} (step {older.step}): use it with "
+                f"`{command(older.path)}`{also}")
+    if not in_run:
+        return f"no older intact checkpoint exists next to it in {root}; use another checkpoint, or start a new run"
+    return (f"no older intact checkpoint exists under {root}; start the run again with your `zfctl finetune` "
+            f"command plus `--output {root.parent} --force`")
+
+
+def _folder_step(path: Path) -> int | None:
+    """The step a ``step-XXXXXX`` folder's name says (its meta.json may be unreadable)."""
+    return int(path.name[5:]) if path.name.startswith("step-") and path.name[5:].isdigit() else None
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -27,26 +69,31 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def read_checkpoint(path: Path) -> CheckpointInfo:
-    """Validate a checkpoint folder; a UserError says what is wrong and what to do."""
+def read_checkpoint(path: Path, *, advise: bool = True) -> CheckpointInfo:
+    """Validate a checkpoint folder; a UserError says what is wrong and what to do (``advise``:
+    the nearest intact older checkpoint, found by reading the older ones' digests; off where
+    the caller only lists checkpoints and skips the unreadable ones)."""
     path = Path(path)
-    hint = "pick another checkpoint (see the checkpoints/ folder) or start a new run"
+
+    def hint() -> str:
+        return older_checkpoint_fix(path.parent, _folder_step(path)) if advise else "unreadable"
+
     try:
         meta = json.loads((path / META).read_text(encoding="utf-8"))
         files = meta["files"]
         step, world = int(meta["step"]), int(meta["world_size"])
     except FileNotFoundError:
-        raise UserError(f"checkpoint {path} is unreadable: {META} is missing (incomplete write?); {hint}") from None
+        raise UserError(f"checkpoint {path} is unreadable: {META} is missing (incomplete write?); {hint()}") from None
     except (ValueError, KeyError, TypeError, OSError) as e:
-        raise UserError(f"checkpoint {path} is unreadable: {META} is corrupt ({e}); {hint}") from None
+        raise UserError(f"checkpoint {path} is unreadable: {META} is corrupt ({e}); {hint()}") from None
     for name, size in files.items():
         f = path / name
         if not f.is_file():
-            raise UserError(f"checkpoint {path} is unreadable: {name} is missing; {hint}")
+            raise UserError(f"checkpoint {path} is unreadable: {name} is missing; {hint()}")
         if f.stat().st_size != size:
             raise UserError(
                 f"checkpoint {path} is unreadable: {name} has {f.stat().st_size} bytes, "
-                f"expected {size} (truncated or overwritten); {hint}"
+                f"expected {size} (truncated or overwritten); {hint()}"
             )
     return CheckpointInfo(path=path, step=step, world_size=world,
                           version=str(meta.get("zfctl_version", "?")), meta=meta)
@@ -58,7 +105,7 @@ def newest_listed(root: Path, before: int | None = None) -> CheckpointInfo | Non
         if before is not None and step >= before:
             continue
         try:
-            return read_checkpoint(p)
+            return read_checkpoint(p, advise=False)
         except UserError:
             continue
     return None
@@ -89,7 +136,7 @@ def nearest_intact(root: Path, before: int | None = None) -> CheckpointInfo | No
         if before is not None and step >= before:
             continue
         try:
-            info = read_checkpoint(p)
+            info = read_checkpoint(p, advise=False)
         except UserError:
             continue
         if not damaged_files(info):
@@ -102,13 +149,7 @@ def verify_checkpoint(info: CheckpointInfo, names: list[str] | None = None) -> N
     bad = damaged_files(info, names)
     if not bad:
         return
-    root = info.path.parent
-    older = nearest_intact(root, info.step)
-    if older is not None:
-        fix = (f"the nearest intact checkpoint is {older.path} (step {older.step}): resume from it with "
-               f"`zfctl resume {older.path}` (or `zfctl resume {root.parent} --latest-good`)")
-    else:
-        fix = "no older intact checkpoint exists under the run folder; start a new run"
+    fix = older_checkpoint_fix(info.path.parent, info.step)
     raise UserError(f"checkpoint {info.path} is damaged: {', '.join(bad)} does not match the digest in "
                     f"{META} (same size, different bytes: corrupted on disk); {fix}")
 
@@ -133,8 +174,11 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
     why = f"{pointer} is missing"
     target = None
     if pointer.is_file():
-        target = root / pointer.read_text(encoding="utf-8").strip()
-        if not (target / META).exists():
+        try:
+            target = root / pointer.read_bytes().decode("utf-8").strip()
+        except (UnicodeDecodeError, ValueError):  # bytes that are no name (damaged on disk, an editor's)
+            why = f"{pointer} is not a checkpoint name (its bytes are not text: damaged?)"
+        if target is not None and not (target / META).exists():
             why = f"{pointer} names {target.name}, which does not exist or has no {META}"
             target = None
     if latest_good:
@@ -143,20 +187,30 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
         limit = None
         if target is not None:
             with contextlib.suppress(UserError):  # an unreadable target bounds nothing
-                limit = read_checkpoint(target).step + 1
+                limit = read_checkpoint(target, advise=False).step + 1
         good = nearest_intact(root, before=limit)
         if good is not None:
             return good
-        raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); "
-                        "start a new run")
+        raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); start the run "
+                        f"again with your `zfctl finetune` command plus `--output {_run_of(root)} --force`")
     if target is not None:
         return read_checkpoint(target)
     # No usable pointer (killed between the rename and the pointer update, or edited by hand):
     # fall back to the newest folder that validates.
     newest = newest_listed(root)
     if newest is None:
+        run = _run_of(root)
+        if (run / PLAN_FILE).is_file():  # a run folder whose run stopped before its first checkpoint
+            raise UserError(f"no readable checkpoint under {path}: its run stopped before writing one, so there is "
+                            f"nothing to continue; start it again with your `zfctl finetune` command plus "
+                            f"`--output {run} --force` (--force replaces the folder's contents)")
         raise UserError(f"no readable checkpoint under {path}; give a run folder with checkpoints/ or a "
                         "checkpoints/step-XXXXXX folder")
     if notes is not None:
         notes.append(f"{why}; falling back to the newest readable checkpoint, {newest.path.name}")
     return newest
+
+
+def _run_of(root: Path) -> Path:
+    """The run folder of a ``checkpoints/`` folder (or of what was given instead)."""
+    return root.parent if root.name == CHECKPOINTS else root

@@ -25,11 +25,21 @@ OPTIMIZER_BYTES_PER_PARAM = 17
 
 
 def clean_stale(root: Path) -> list[Path]:
-    """Remove ``.tmp-*`` / ``.trash-*`` folders a killed process left under ``root``."""
+    """Remove what a killed process left half-written in ``root`` (a run folder or its
+    ``checkpoints/``): ``.tmp-*`` / ``.trash-*`` checkpoint folders, and the temporary files of
+    atomic writes (``.latest.<pid>.<hex>.tmp``, ``.plan.yaml.<pid>.<hex>.tmp``: zfctl/plan/io.py
+    ``atomic_write_text``; ``metrics.jsonl.tmp`` of older versions). None is ever read; only
+    the holder of the folder's lock may remove them (one may be a live run's write)."""
     removed = []
     if root.is_dir():
-        for stale in list(root.glob(".tmp-*")) + list(root.glob(".trash-*")):
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in sorted(root.iterdir()):
+            name = stale.name
+            if stale.is_dir() and not stale.is_symlink() and name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(stale, ignore_errors=True)
+            elif stale.is_file() and ((name.startswith(".") and name.endswith(".tmp")) or name == "metrics.jsonl.tmp"):
+                stale.unlink(missing_ok=True)
+            else:
+                continue
             removed.append(stale)
     return removed
 
@@ -57,7 +67,8 @@ def last_size(root: Path) -> int:
 
 
 def check_run_space(out: Path, estimate: int, *, reclaim: bool = False, clean: bool = True) -> None:
-    """Before a run: clean a killed process's ``.tmp-*`` folders, refuse if one checkpoint cannot fit.
+    """Before a run: clean what a killed process left half-written (:func:`clean_stale`, in the
+    run folder and its ``checkpoints/``), refuse if one checkpoint cannot fit.
 
     The size is the newest checkpoint's (a resumed run) or ``estimate``. ``reclaim`` (``--force``
     over an old run folder): the checkpoints about to be deleted count as free. ``clean`` only
@@ -66,6 +77,7 @@ def check_run_space(out: Path, estimate: int, *, reclaim: bool = False, clean: b
     root = Path(out) / CHECKPOINTS
     if clean:
         clean_stale(root)
+        clean_stale(Path(out))
     needed = last_size(root) or estimate
     if reclaim and root.is_dir():
         needed -= sum(f.stat().st_size for f in root.rglob("*") if f.is_file())

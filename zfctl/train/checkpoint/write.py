@@ -225,7 +225,7 @@ def _last_good(root: Path, previous: Path | None | Literal["latest"]) -> str:
         if previous == "latest":
             prev = resolve_checkpoint(root)
         elif previous is not None:
-            prev = read_checkpoint(previous)
+            prev = read_checkpoint(previous, advise=False)
     return (f"the last checkpoint {prev.path} is intact (resume with `zfctl resume {prev.path}`)" if prev
             else "no earlier checkpoint exists")
 

@@ -3,7 +3,7 @@
 An entry is a `datasets.DatasetDict` saved under ``<cache>/data/<name>-<key>/``. The key hashes
 everything the token sequences depend on: the data config (the template included), the tokenizer
 (its full serialised form), for template chat the chat template's text, the template version,
-the source files' size/mtime (or the hub dataset's fingerprint) and the seed of the held-out split. Entries are written to a temporary folder and renamed, so
+the source files' content digests (or the hub dataset's fingerprint) and the seed of the held-out split. Entries are written to a temporary folder and renamed, so
 concurrent preparers (one per node, or a run and a `zfctl plan`) never see half an entry.
 """
 

@@ -90,7 +90,8 @@ def normalize(rec: object, where: str, index: int) -> Conversation:
             raise RecordError(where, index, f"{name}.{role_key}", f"{what}: use {', '.join(roles)}")
         content = turn.get(content_key)
         if not isinstance(content, str):
-            what = "is missing" if content is None else f"must be a string, got {type(content).__name__}"
+            what = ("is null; give it a text (or drop the turn)" if content_key in turn and content is None else
+                    "is missing" if content is None else f"must be a string, got {type(content).__name__}")
             raise RecordError(where, index, f"{name}.{content_key}", what)
         if not content.strip():
             raise RecordError(where, index, f"{name}.{content_key}", "is empty")

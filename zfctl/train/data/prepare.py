@@ -267,9 +267,10 @@ def format_debug_samples(prepared: PreparedData, tokenizer, n: int = 3) -> str:
 
     Text inside ⟦ ⟧ carries labels (is in the loss); everything else is masked with -100. A
     chat sample shows its conversation with the assistant's turns marked; a packed block says
-    where each of its sequences starts.
+    where each of its sequences starts. The data's summary is not repeated here: load_inputs
+    (zfctl/train/inputs.py) has printed it as the ``data:`` line just before.
     """
-    lines = [prepared.summary(), "text inside ⟦ ⟧ is in the loss; the rest is masked with -100"]
+    lines = ["text inside ⟦ ⟧ is in the loss; the rest is masked with -100"]
     for i in range(min(n, len(prepared.train))):
         ex = prepared.train[i]
         ids, in_loss = ex["input_ids"], [x != IGNORE_INDEX for x in ex["labels"]]

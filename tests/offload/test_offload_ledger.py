@@ -1,0 +1,278 @@
+"""The byte ledger and the wait counts of every step (zfctl/offload/ledger.py), held to a model.
+
+tiny-llama (the shipped preset, random init) runs 10 steps on each gradient path, through the CUDA
+shim (tests/offload/cuda_shim.py ``engine_on_shim``: the CUDA branches of the transfers, on CPU
+memory), so the waits a GPU run writes are counted too. Each step's ``StepStats.bytes`` must equal
+:func:`expected_bytes` and its ``StepStats.waits`` :func:`expected_waits`: small formulas of what
+kind of step it is and of layout facts the test computes itself (matrix elements on the host,
+the device-owned columns' elements, the model's itemsize, the columns a selection moved), never
+the engine's own totals. A step that moves a byte more or writes one wait more fails. Plants
+seen failing it: the fused CPU update counting one gradient slot instead of each of the
+interval's (ledger.py ``count_adamw_sum``: step 4's bytes), the bound on gradient temporaries in
+flight removed from the copy stream (stream.py ``_make_room``: step 3's waits).
+
+The schedule (full_warm_up_rounds 2, update_interval 3, select_interval 6, overlap):
+
+    step  0 1  2          3         4         5         6         7        8                 9
+    kind  warm-up x2, selection, ordinary, boundary, ordinary, ordinary, install, selection+install, ordinary
+          (interval-first steps: 0, 1, 2, 5, 8; step 7 ends its interval early: 8 selects)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+from cuda_shim import engine_on_shim, fake_cuda
+from test_offload_helpers import zen
+
+from zfctl.offload import ZenFlowOptimizer, vocab_matrices
+from zfctl.offload.ledger import BYTE_KINDS, WAIT_KINDS, Ledger, Tab
+from zfctl.offload.stats import StepStats
+
+W, U, SELECT, STEPS = 2, 3, 6, 10
+SCALARS = 8  # the norm and the coefficient, one fp32 each (no auto interval: no masses)
+# Per step: what it does beyond landing its gradient ("submit": ends an interval and hands it to
+# the CPU worker; "install": an update's columns go into the params; "select": a selection), and
+# whether it starts an interval (its gradient writes the sum instead of adding to it).
+SCHEDULE: list[tuple[frozenset[str], bool]] = [
+    (frozenset({"submit", "install"}), True),  # 0 warm-up: synchronous, an interval of one step
+    (frozenset({"submit", "install"}), True),  # 1 warm-up
+    (frozenset({"select"}), True),  # 2 the first selection (warm-up left nothing in flight)
+    (frozenset(), False),  # 3 ordinary
+    (frozenset({"submit"}), False),  # 4 boundary: nothing in flight to install yet
+    (frozenset(), True),  # 5 ordinary, the interval's first step
+    (frozenset(), False),  # 6 ordinary
+    (frozenset({"submit", "install"}), False),  # 7 install: collects step 4's update, submits its own
+    (frozenset({"select", "install"}), True),  # 8 selection: collects step 7's update and installs it
+    (frozenset(), False),  # 9 ordinary
+]
+PATHS = {  # zenflow keys of each gradient path, and whether the loop announces its backwards
+    "step": ({"accumulate": "host", "stream_grads": False}, False),
+    "hook": ({"accumulate": "host", "stream_grads": True, "release_grads": True}, True),
+    "hook-keep": ({"accumulate": "host", "stream_grads": True, "release_grads": False}, True),
+    "device": ({"accumulate": "device"}, True),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core box two run tiny-llama's backward ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the model needs, from the layout and the selections (module docstring)."""
+
+    path: str
+    M: int  # matrix elements in host column ranges: what crosses PCIe (whole column ranges travel)
+    K: int  # of those, elements of device-owned columns once selected (rows x k per selectable matrix)
+    b: int  # the model's bytes per element
+
+
+def expected_bytes(step: int, f: Facts, moved: tuple[int, int, int, int]) -> dict[str, int]:
+    """The ledger of ``step`` on today's engine; ``moved``: (entering columns, their elements,
+    leaving columns, their elements) of the selection at this step (zeros elsewhere).
+
+    The host paths land each step's gradient in its own slot and nothing sums it per step: the
+    CPU update reads every slot of the interval inside its one AdamW pass (native adamw_sum), so
+    ``host.sum`` appears only at a boundary, ``b`` bytes per slot per host-owned element; the
+    device path's update reads its one fp32 sum (4 B). The lines the pending engine changes touch
+    (so the lead edits them, nowhere else): ``h2d.install`` / ``host.install`` (install:
+    host-owned elements only), the migration lines (selection).
+    """
+    facets, _ = SCHEDULE[step]
+    own = f.M - (f.K if step >= W else 0)  # host-owned elements once columns are selected
+    # A release step lands its gradient in the hooks, before its selection re-plans the chunks.
+    # The upload buffer (upload_buffer: auto): a model narrower than fp32 installs from the copy
+    # the CPU AdamW writes in the model's dtype; an fp32 model installs from the master itself.
+    upload = f.b if f.b < 4 else 0
+    got: Counter[str] = Counter({"d2h.scalars": SCALARS})
+    if f.path != "device":
+        got["d2h.grad"] = got["host.land"] = f.b * f.M  # the gradient's column ranges, model dtype, into the slot
+    if "submit" in facets:
+        if f.path == "device":
+            got["d2h.sum"] = got["host.land"] = 4 * f.M  # the fp32 interval sum, once
+            got["host.sum"] = 4 * own  # the CPU update reads the sum ...
+        else:
+            got["host.sum"] = f.b * interval_steps(step) * own  # ... or each of the interval's slots ...
+        got["host.update"] = (24 + upload) * own  # ... reads + writes master and moments, writes the copy
+    if "install" in facets:
+        got["h2d.install"] = got["host.install"] = (upload or 4) * f.M  # the install source's column ranges
+    if "select" in facets:
+        enter, enter_el, leave, leave_el = moved
+        state_in, state_out = 12 * enter_el + 4 * enter, 12 * leave_el + 4 * leave  # master, moments; step
+        # released gradients, raw, in the model dtype: between the step's slot and the work buffer
+        grad_in, grad_out = (f.b * enter_el, f.b * leave_el) if f.path == "hook" else (0, 0)
+        got["h2d.migrate"], got["d2h.migrate"] = state_in + grad_in, state_out + grad_out
+        got["host.migrate"] = state_in + state_out + grad_in + grad_out  # host rows gathered / scattered
+        # the page-locked stage: written and read once per byte
+        got["host.stage"] = 2 * (state_in + state_out + grad_in + grad_out)
+    return {k: v for k, v in got.items() if v}
+
+
+def interval_steps(step: int) -> int:
+    """Steps of the interval that ``step`` ends: slots the CPU update reads (SCHEDULE's first flags)."""
+    start = max(t for t in range(step + 1) if SCHEDULE[t][1])
+    return step - start + 1
+
+
+def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int] | None:
+    """The waits ``step`` writes on today's engine (docs/design.md, "Transfer scheduling", sync
+    points); ``chunks``: column chunks the gradient and the install move; ``mats``: host matrices.
+    None for the warm-up (landing buffers and rings still cold) and selection steps (their waits
+    change with the selection that does not drain: tests of their own)."""
+    facets, first = SCHEDULE[step]
+    if step < W or "select" in facets:
+        return None
+    w: Counter[str] = Counter({"host.scalars": 1})  # the step's scalars
+    if f.path != "device":
+        # step() or a hook lands each chunk through the copy stream; shim: copies never retire, so
+        # each chunk finds the temporaries' budget full. Nothing else: no slot is waited for (two
+        # sets) and nothing sums on the host per step.
+        w["host.hook_budget"] = chunks
+    elif first:
+        w["device.sum_copy"] = mats  # the first add into each matrix waits for its copy out (device)
+    if "install" in facets:
+        w["host.cpu_update"] = 1  # collect: the update in flight
+        # No module hooks attached here (install.py): the compute stream waits for the whole install
+        # once, device-side, at install time; the install stream waits for each chunk's H2D.
+        w["device.install"] = 1
+    if "submit" in facets:
+        w["worker.grads"] = 1  # the worker waits for the interval's gradient (last copy into a slot / copy out)
+        if install_in_flight(step, upload=f.b < 4):
+            w["worker.install"] = 1  # ... and for the install DMA still reading what it writes
+    return dict(w)
+
+
+def install_in_flight(step: int, *, upload: bool) -> bool:
+    """Whether an install's DMA fence is still unconsumed when ``step`` submits (HostState.install_fence).
+
+    An install sets the fence; the next submit consumes it (the worker writes the install source
+    after it). With no upload buffer the master is the source, so a selection's migration, which
+    writes the master, consumes it too (HostState.wait_master). A warm-up step installs after
+    its synchronous submit; later steps collect (install) before they submit."""
+    fence = False
+    for t, (facets, _) in enumerate(SCHEDULE[: step + 1]):
+        if "install" in facets and t >= W:
+            fence = True
+        if "select" in facets and not upload:
+            fence = False
+        if t == step:
+            return fence
+        if "submit" in facets:
+            fence = False
+        if "install" in facets and t < W:
+            fence = True
+    raise AssertionError("unreachable")
+
+
+def run(path: str, monkeypatch, dtype: str = "fp32"):
+    """STEPS steps of tiny-llama on ``path`` through the shim: (stats, layout facts, chunks,
+    the selection's moved columns per step)."""
+    from zfctl.plan import resolve_plan
+    from zfctl.train.models.load import load_model
+
+    keys, announce = PATHS[path]
+    plan = resolve_plan("tiny-llama", "alpaca-sample")
+    model = load_model(plan.model, precision=dtype, device=torch.device("cpu"), seed=0)
+    cfg = zen(topk_ratio=0.1, update_interval=U, select_interval=SELECT, full_warm_up_rounds=W, overlap_step=True,
+              **keys)
+    ids = torch.randint(0, 4096, (STEPS, 1, 8), generator=torch.Generator().manual_seed(1))
+    stats: list[StepStats] = []
+    moved: list[tuple[int, int, int, int]] = []
+    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, vocab_params=vocab_matrices(model)) as opt:
+        fake_cuda(monkeypatch)
+        engine_on_shim(opt)
+        slots = opt.layout.host_slots
+        for i in range(STEPS):
+            before = [opt.device_state.index[s.index] for s in slots]
+            opt.zero_grad(set_to_none=True)
+            if announce:
+                opt.prepare_backward(final=True)
+            model(input_ids=ids[i], labels=ids[i]).loss.backward()
+            stats.append(opt.step())
+            moved.append(columns_moved(slots, before, [opt.device_state.index[s.index] for s in slots]))
+        chunks = len(opt.transfers.chunks)
+        opt.flush()  # the last helper-thread work is charged to its step: read the ledger after this
+    b = torch.finfo(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])).bits // 8
+    facts = Facts(path, M=opt.layout.host_numel, K=sum(s.rows * s.k for s in slots if s.selects), b=b)
+    return stats, facts, chunks, len(slots), moved
+
+
+def columns_moved(slots, before, after) -> tuple[int, int, int, int]:
+    """(entering columns, their elements, leaving columns, their elements) between two selections."""
+    enter = enter_el = leave = leave_el = 0
+    for s, old, new in zip(slots, before, after):
+        old_set = set() if old is None else set(old.tolist())
+        new_set = set() if new is None else set(new.tolist())
+        enter, enter_el = enter + len(new_set - old_set), enter_el + len(new_set - old_set) * s.rows
+        leave, leave_el = leave + len(old_set - new_set), leave_el + len(old_set - new_set) * s.rows
+    return enter, enter_el, leave, leave_el
+
+
+def check(stats, facts, chunks, mats, moved) -> None:
+    for t, s in enumerate(stats):
+        facets, _ = SCHEDULE[t]
+        # the step is the kind the schedule says (an early install or a stray selection shows here)
+        assert (s.warmup, s.selection, s.boundary, s.installed) == (
+            t < W, "select" in facets, "submit" in facets, "install" in facets), t
+        assert set(s.bytes) <= set(BYTE_KINDS) and not any(k.endswith("unlabelled") for k in s.bytes), s.bytes
+        assert s.bytes == expected_bytes(t, facts, moved[t]), f"step {t} ({sorted(facets)}): bytes"
+        want = expected_waits(t, facts, chunks, mats)
+        if want is not None:
+            assert s.waits == want, f"step {t} ({sorted(facets)}): waits"
+        assert s.d2h_bytes == sum(v for k, v in s.bytes.items() if k.startswith("d2h."))
+        assert s.host_bytes == sum(v for k, v in s.bytes.items() if k.startswith("host."))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_each_step_moves_the_modelled_bytes_and_writes_the_modelled_waits(path, monkeypatch) -> None:
+    stats, facts, chunks, mats, moved = run(path, monkeypatch)
+    assert moved[W][0] > 0 and moved[W][2] == 0  # the first selection: every device column enters
+    assert moved[W + SELECT][0] == moved[W + SELECT][2]  # later ones swap columns one for one
+    check(stats, facts, chunks, mats, moved)
+
+
+@pytest.mark.slow
+def test_the_ledger_of_a_bf16_model(monkeypatch) -> None:
+    """2 B per element of gradient: the gradient lines follow the model's itemsize, the fp32
+    state and install lines do not."""
+    stats, facts, chunks, mats, moved = run("hook", monkeypatch, dtype="bf16")
+    assert facts.b == 2
+    check(stats, facts, chunks, mats, moved)
+
+
+def test_work_on_a_helper_thread_is_charged_to_the_step_that_issued_it() -> None:
+    """A job issued in one step and run after the step closed still counts into that step."""
+    ledger = Ledger()
+    job = ledger.charged(lambda: ledger.moved("host.sum", 7))
+    ledger.moved("d2h.grad", 3)
+    first = ledger.close()
+    ledger.waited("host.scalars")
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    second = ledger.close()
+    assert first.bytes == {"d2h.grad": 3, "host.sum": 7} and first.waits == {}
+    assert second.bytes == {} and second.waits == {"host.scalars": 1}
+
+
+def test_an_unlisted_kind_is_refused_and_untyped_bytes_are_booked_as_unlabelled() -> None:
+    tab = Tab()
+    with pytest.raises(KeyError, match="BYTE_KINDS"):
+        tab.moved("d2h.gradient", 1)
+    with pytest.raises(KeyError, match="WAIT_KINDS"):
+        tab.waited("host.everything")
+    stats = StepStats(step=0, tab=tab)
+    stats.d2h_bytes += 5  # code that adds to the total without a kind
+    stats.host_bytes += 2
+    assert stats.bytes == {"d2h.unlabelled": 5, "host.unlabelled": 2} and stats.d2h_bytes == 5
+    assert all(k in BYTE_KINDS for k in stats.bytes) and set(WAIT_KINDS) >= {"host.cpu_update", "device.install"}

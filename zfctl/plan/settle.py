@@ -1,0 +1,127 @@
+"""Decide once: every ``auto`` a run would otherwise decide, resolved against the plan's machine and
+written into the plan's own fields (docs/design.md, "Defaults and the numbers behind them").
+
+| field | ``auto`` becomes | the rule |
+| --- | --- | --- |
+| ``train.precision`` | bf16 or fp32 | precision.py (resolve.py applies it when the plan is made) |
+| ``train.activation_checkpointing`` | true or false | fit.py ``resolve_activation_checkpointing`` (resolve.py too) |
+| ``zenflow.accumulate`` | host or device | the estimate: lines.py ``_accumulate`` (``device_fits``) |
+| ``zenflow.tuning.host_accumulators`` | 1 or 2 | the estimate: lines.py ``_host_accumulators`` |
+| ``zenflow.tuning.upload_buffer`` | true or false | the estimate: lines.py ``_upload_buffer`` (false for fp32) |
+| ``zenflow.tuning.release_grads`` | false where the plan's own settings leave nothing to release | :func:`release_ruled_out` |
+
+``zfctl plan`` and ``zfctl finetune`` settle the plan after ``--fit`` (which searches with ``auto``
+in place, so the answers are the fitted plan's), print it and save it as ``plan.yaml``; ``zfctl
+resume`` reads the answers back and settles, once, a ``plan.yaml`` of an earlier zfctl that still
+says ``auto``. Every answer comes from the plan's machine: ``machine.gpu_memory`` /
+``machine.host_memory`` where given, else the capacities of this process's GPU and host
+(machine.py ``this_machine``), never from what happens to be free, so every rank of a job gets
+the same answers. The run builds what the plan says (zfctl/train/optim.py ``build_optimizer``) and
+only checks that this machine still holds it (holds.py). A model the plan cannot size before it is
+loaded (a hub id alone) keeps ``auto`` until the recipe has built it: then it is settled once with
+the model's own shapes (optim.py ``settle_for_model``), before the optimizer exists, and
+``plan.yaml`` records that.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from zfctl.plan.fit import resolve_activation_checkpointing
+from zfctl.plan.machine import Machine, target_machine
+from zfctl.plan.memory import MemoryEstimate, estimate
+from zfctl.plan.precision import resolve_for_this_machine
+from zfctl.plan.schema import RunPlan
+from zfctl.plan.sizes import ModelSize
+
+# (section, field) of what settle() writes, for a comparison that reads `auto` as "not decided yet".
+SETTLED = (("train", "precision"), ("train", "activation_checkpointing"), ("zenflow", "accumulate"),
+           ("zenflow.tuning", "host_accumulators"), ("zenflow.tuning", "upload_buffer"))
+
+
+def unsettled(plan: RunPlan) -> bool:
+    """Whether any field :func:`settle` decides still says ``auto``."""
+    return any(_get(plan, section, name) == "auto" for section, name in SETTLED)
+
+
+def settle(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | None = None,
+           notes: list[str] | None = None) -> RunPlan:
+    """A copy of ``plan`` with every ``auto`` of :data:`SETTLED` resolved against ``machine``
+    (default: the plan's target, ``machine.*`` else this one) and ``release_grads`` off where it
+    does not apply (:func:`release_ruled_out`). ``size``: the model's, when the plan cannot say it
+    (a built hub model); a model of unknown size keeps ``accumulate`` and ``host_accumulators``
+    as they are. ``notes`` gets a line for each decision the memory estimate does not print."""
+    plan = copy.deepcopy(plan)
+    t, z = plan.train, plan.zenflow
+    if t.precision == "auto":  # resolve.py did it for any plan zfctl made: a library plan, an old file
+        choice = resolve_for_this_machine(t.precision, t.device)
+        t.precision = choice.precision
+        if notes is not None:
+            notes.append(choice.reason)
+    machine = machine or target_machine(plan.machine)
+    if t.activation_checkpointing == "auto":
+        resolve_activation_checkpointing(plan, machine, notes=notes)
+    est: MemoryEstimate | None = None
+    if "auto" in (z.accumulate, z.tuning.host_accumulators, z.tuning.upload_buffer):
+        est = estimate(plan, machine, size=size)
+        if est.size is not None:
+            if z.accumulate == "auto":
+                z.accumulate = est.accumulate
+            if z.tuning.host_accumulators == "auto":
+                z.tuning.host_accumulators = est.host_accumulators
+            if z.tuning.upload_buffer == "auto":
+                z.tuning.upload_buffer = est.upload_buffer
+    if z.tuning.release_grads:
+        why = release_ruled_out(plan, est if est is not None and est.size is not None else None, size=size,
+                                machine=machine)
+        if why:
+            z.tuning.release_grads = False
+            if notes is not None:
+                notes.append(f"zenflow.tuning.release_grads: false, nothing to release ({why})")
+    return plan
+
+
+def release_ruled_out(plan: RunPlan, est: MemoryEstimate | None = None, *, size: ModelSize | None = None,
+                      machine: Machine | None = None) -> str:
+    """Why ``zenflow.tuning.release_grads`` cannot apply to ``plan`` whatever machine and world size
+    run it ("" when it may). It frees each gradient in a hook of the hook path (zfctl/offload/
+    optimizer.py ``_build_release``): under ``update_interval: auto`` the interval rule reads every
+    ``.grad`` in ``step()``, and with host columns summed on the device (``accumulate: device``) or
+    in ``step()`` (``stream_grads: false``) there is no hook path. The world-size reasons (FSDP2
+    shards, no host columns on several ranks) are left out: a resume may change the world size,
+    and the plan's estimate counts them as they come (lines.py ``_released_gradients``)."""
+    z = plan.zenflow
+    if z.update_interval == "auto":
+        return "update_interval: auto reads every .grad in step()"
+    if z.accumulate != "device" and z.tuning.stream_grads:  # the hook path (or auto: not decided yet)
+        return ""
+    if float(z.topk_ratio) >= 1:
+        return ""  # no host columns: the release hooks free every matrix's .grad (one process)
+    if est is None:
+        est = estimate(plan, machine, size=size)
+    if est.size is None or est.item("fp32 master") == 0:  # unknown, or no host columns after all
+        return ""
+    return ("accumulate: device sums the host columns on the device" if z.accumulate == "device" else
+            "stream_grads: false copies the gradients in step()")
+
+
+def adopt_resolved(saved: RunPlan, current: RunPlan) -> RunPlan:
+    """``saved`` with each field :func:`settle` decides taken from ``current`` where ``saved`` still
+    says ``auto`` and ``current`` has an answer: a checkpoint of an earlier zfctl beside a run
+    folder's ``plan.yaml`` that a later resume settled is the same plan, not an edit."""
+    out = copy.deepcopy(saved)
+    for section, name in SETTLED:
+        if _get(saved, section, name) == "auto" and _get(current, section, name) != "auto":
+            setattr(_section(out, section), name, _get(current, section, name))
+    return out
+
+
+def _section(plan: RunPlan, dotted: str) -> object:
+    obj: object = plan
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _get(plan: RunPlan, section: str, name: str) -> object:
+    return getattr(_section(plan, section), name)
