@@ -169,18 +169,34 @@ static void adam_piece(void *ctx, int64_t off, int64_t n)
         c->k->adam(j, off, body);
     if (!k)
         return;
-    /* The last k < 16 elements go through the same kernel on zero-padded copies. */
+    /* The last k < 16 elements go through the same kernel on zero-padded copies (zf_adamw_sum:
+     * every slot's tail and the carry's too; the padded lanes compute on zeros, never stored). */
     off += body;
     int64_t gs = zf_dtype_size(j->gdt), os = zf_dtype_size(j->odt);
-    float p[ZF_BLOCK] = {0}, m[ZF_BLOCK] = {0}, v[ZF_BLOCK] = {0};
-    zf_block g = {{0}};
+    float p[ZF_BLOCK] = {0}, m[ZF_BLOCK] = {0}, v[ZF_BLOCK] = {0}, carry[ZF_BLOCK] = {0};
+    zf_block g = {{0}}, slot[ZF_MAX_SLOTS];
+    const void *slots[ZF_MAX_SLOTS];
     uint16_t o[ZF_BLOCK];
     memcpy(p, j->p + off, k * 4);
     memcpy(m, j->m + off, k * 4);
     memcpy(v, j->v + off, k * 4);
-    memcpy(&g, (const char *)j->g + off * gs, k * gs);
     zf_adam_job t = *j;
-    t.p = p, t.m = m, t.v = v, t.g = zf_block_ptr(&g, j->gdt), t.out = o;
+    if (j->sum) {
+        for (int s = 0; s < j->nslots; s++) {
+            memset(&slot[s], 0, sizeof slot[s]);
+            memcpy(&slot[s], (const char *)j->slots[s] + off * gs, k * gs);
+            slots[s] = zf_block_ptr(&slot[s], j->gdt);
+        }
+        if (j->carry) {
+            memcpy(carry, j->carry + off, k * 4);
+            t.carry = carry;
+        }
+        t.slots = slots;
+    } else {
+        memcpy(&g, (const char *)j->g + off * gs, k * gs);
+        t.g = zf_block_ptr(&g, j->gdt);
+    }
+    t.p = p, t.m = m, t.v = v, t.out = o;
     c->k->adam(&t, 0, ZF_BLOCK);
     memcpy(j->p + off, p, k * 4);
     memcpy(j->m + off, m, k * 4);
@@ -189,41 +205,49 @@ static void adam_piece(void *ctx, int64_t off, int64_t n)
         memcpy((char *)j->out + off * os, o, k * os);
 }
 
-void zf_adamw_steps(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
-                    void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
-                    int64_t step, int64_t nsteps, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, double grad_scale, int adamw)
+/* The AdamW job of both entry points: the constants folded once, then at most ZF_MAX_REPEAT steps
+ * per pass (each element's arithmetic is the same either way; a sum is re-formed each pass, to the
+ * same bits). */
+static void adamw_run(zf_adam_job *j, const int64_t *runs, int64_t nruns, int64_t numel, int64_t step,
+                      int64_t nsteps, double lr, double beta1, double beta2, double eps, double weight_decay,
+                      double grad_scale, int adamw)
 {
     /* Folded in double and rounded once, like torch's Python-side scalars. */
     double w = 1.0 - beta1;
     float bc2s[ZF_MAX_REPEAT], nstep[ZF_MAX_REPEAT];
-    zf_adam_job j = {
-        .p = param, .m = exp_avg, .v = exp_avg_sq, .g = grad, .out = out,
-        .gdt = grad_dtype, .odt = out ? out_dtype : ZF_NONE,
-        .l2 = !adamw && weight_decay != 0.0,
-        .lerp_small = fabs(w) < 0.5,
-        .scale = (float)grad_scale,
-        .decay = adamw ? (float)(1.0 - lr * weight_decay) : 1.0f,
-        .wd = (float)weight_decay,
-        .w = (float)w,
-        .wm1 = (float)w - 1.0f,
-        .beta2 = (float)beta2,
-        .omb2 = (float)(1.0 - beta2),
-        .eps = (float)eps,
-        .bc2s = bc2s,
-        .nstep = nstep,
-    };
-    ew_call c = {.k = kernels(), .piece = adam_piece, .job = &j};
-    /* At most ZF_MAX_REPEAT steps per pass; each element's arithmetic is the same either way. */
-    for (int64_t done = 0; done < nsteps; done += j.nrep) {
-        j.nrep = (int)(nsteps - done < ZF_MAX_REPEAT ? nsteps - done : ZF_MAX_REPEAT);
-        for (int r = 0; r < j.nrep; r++) {
+    j->odt = j->out ? j->odt : ZF_NONE;
+    j->l2 = !adamw && weight_decay != 0.0;
+    j->lerp_small = fabs(w) < 0.5;
+    j->scale = (float)grad_scale;
+    j->decay = adamw ? (float)(1.0 - lr * weight_decay) : 1.0f;
+    j->wd = (float)weight_decay;
+    j->w = (float)w;
+    j->wm1 = (float)w - 1.0f;
+    j->beta2 = (float)beta2;
+    j->omb2 = (float)(1.0 - beta2);
+    j->eps = (float)eps;
+    j->bc2s = bc2s;
+    j->nstep = nstep;
+    ew_call c = {.k = kernels(), .piece = adam_piece, .job = j};
+    for (int64_t done = 0; done < nsteps; done += j->nrep) {
+        j->nrep = (int)(nsteps - done < ZF_MAX_REPEAT ? nsteps - done : ZF_MAX_REPEAT);
+        for (int r = 0; r < j->nrep; r++) {
             double t = (double)(step + done + r);
             bc2s[r] = (float)pow(1.0 - pow(beta2, t), 0.5); /* torch: bc2 ** 0.5 */
             nstep[r] = (float)(-(lr / (1.0 - pow(beta1, t))));
         }
         ew_run(&c, runs, nruns, numel);
     }
+}
+
+void zf_adamw_steps(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
+                    void *out, int out_dtype, int64_t numel, const int64_t *runs, int64_t nruns,
+                    int64_t step, int64_t nsteps, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, double grad_scale, int adamw)
+{
+    zf_adam_job j = {.p = param, .m = exp_avg, .v = exp_avg_sq, .g = grad, .out = out, .gdt = grad_dtype,
+                     .odt = out_dtype};
+    adamw_run(&j, runs, nruns, numel, step, nsteps, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw);
 }
 
 void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_avg, float *exp_avg_sq,
@@ -233,6 +257,16 @@ void zf_adamw_step(float *param, const void *grad, int grad_dtype, float *exp_av
 {
     zf_adamw_steps(param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, numel, runs, nruns, step, 1, lr,
                    beta1, beta2, eps, weight_decay, grad_scale, adamw);
+}
+
+void zf_adamw_sum(float *param, float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, int64_t numel,
+                  const int64_t *runs, int64_t nruns, const float *carry, const void *const *slots, int slot_dtype,
+                  const float *coefs, int nslots, int64_t step, int64_t nsteps, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, double grad_scale, int adamw)
+{
+    zf_adam_job j = {.p = param, .m = exp_avg, .v = exp_avg_sq, .out = out, .gdt = slot_dtype, .odt = out_dtype,
+                     .sum = 1, .nslots = nslots, .carry = carry, .slots = slots, .coefs = coefs};
+    adamw_run(&j, runs, nruns, numel, step, nsteps, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw);
 }
 
 /* ---- accumulate ---- */

@@ -44,7 +44,19 @@ INLINE void store8(void *o, int64_t i, __m256 x, int dt)
     _mm_storeu_si128((__m128i *)((uint16_t *)o + i), h);
 }
 
-INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int odt)
+/* The interval's sum of element block i (zf_adamw_sum): as kern_scalar.c ``sum_of``, one fma per
+ * slot in step order on top of the carry or +0. */
+INLINE __m256 sum8(const float *carry, const void *const *slots, const float *coefs, int ns, int64_t i, int gdt)
+{
+    __m256 a = carry ? _mm256_loadu_ps(carry + i) : _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++) {
+        ahead(slots[s], i, zf_dtype_size(gdt));
+        a = _mm256_fmadd_ps(load8(slots[s], i, gdt), _mm256_set1_ps(coefs[s]), a);
+    }
+    return a;
+}
+
+INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int odt, int sum)
 {
     const __m256 scale = _mm256_set1_ps(j->scale), decay = _mm256_set1_ps(j->decay);
     const __m256 wd = _mm256_set1_ps(j->wd), w = _mm256_set1_ps(j->w), wm1 = _mm256_set1_ps(j->wm1);
@@ -57,12 +69,19 @@ INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int
     void *op = j->out;
     const int l2 = j->l2, small = j->lerp_small, nrep = j->nrep;
     const float *bc2s = j->bc2s, *nstep = j->nstep;
+    const float *carry = j->carry, *coefs = j->coefs;
+    const void *const *slots = j->slots;
+    const int ns = j->nslots;
     for (int64_t i = off; i < off + n; i += 8) {
         ahead(pp, i, 4);
         ahead(mp, i, 4);
         ahead(vp, i, 4);
-        ahead(gp, i, zf_dtype_size(gdt));
-        const __m256 g0 = _mm256_mul_ps(load8(gp, i, gdt), scale);
+        if (!sum)
+            ahead(gp, i, zf_dtype_size(gdt));
+        else if (carry)
+            ahead(carry, i, 4);
+        const __m256 gin = sum ? sum8(carry, slots, coefs, ns, i, gdt) : load8(gp, i, gdt);
+        const __m256 g0 = _mm256_mul_ps(gin, scale);
         __m256 p = _mm256_loadu_ps(pp + i), m = _mm256_loadu_ps(mp + i), v = _mm256_loadu_ps(vp + i);
         for (int r = 0; r < nrep; r++) { /* as kern_scalar.c: nrep steps, one load and store */
             __m256 g = g0;
@@ -86,7 +105,12 @@ INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int
 static void adam_avx2(const zf_adam_job *j, int64_t off, int64_t n)
 {
 #define CASE(G, O) \
-    case (G) * 4 + (O): adam_loop(j, off, n, G, O); break;
+    case (G) * 4 + (O): \
+        if (j->sum) \
+            adam_loop(j, off, n, G, O, 1); \
+        else \
+            adam_loop(j, off, n, G, O, 0); \
+        break;
     switch (j->gdt * 4 + j->odt) {
         CASE(ZF_F32, ZF_NONE) CASE(ZF_F32, ZF_BF16) CASE(ZF_F32, ZF_F16)
         CASE(ZF_BF16, ZF_NONE) CASE(ZF_BF16, ZF_BF16) CASE(ZF_BF16, ZF_F16)

@@ -27,10 +27,21 @@ INLINE float load_one(const void *x, int64_t i, int dt)
     return zf_f16_to_f32(((const uint16_t *)x)[i]);
 }
 
+/* The gradient of element i: the job's g, or (sum) the interval's sum of its slots, one fma per
+ * slot in step order on top of the carry or +0: zf_accumulate's rounding, in a register. */
+INLINE float sum_of(const float *carry, const void *const *slots, const float *coefs, int ns, int64_t i, int gdt)
+{
+    float a = carry ? carry[i] : 0.0f;
+    for (int s = 0; s < ns; s++)
+        a = fmaf(load_one(slots[s], i, gdt), coefs[s], a);
+    return a;
+}
+
 /* nrep is the literal 1 for the one-step call (the training default): the r loop then disappears
  * at compile time and GCC vectorises the element loop (aarch64: NEON, native/check-arch.sh); it
- * does not vectorise an outer loop around a variable-count inner one. */
-INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int odt, int nrep)
+ * does not vectorise an outer loop around a variable-count inner one (nor the sum's slot loop:
+ * the sum variant stays scalar there, which costs arithmetic only in a loop that waits on memory). */
+INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int odt, int nrep, int sum)
 {
     float *restrict pp = j->p, *restrict mp = j->m, *restrict vp = j->v;
     const void *gp = j->g;
@@ -39,8 +50,11 @@ INLINE void adam_loop(const zf_adam_job *j, int64_t off, int64_t n, int gdt, int
     const float scale = j->scale, decay = j->decay, wd = j->wd, w = j->w, wm1 = j->wm1;
     const float beta2 = j->beta2, omb2 = j->omb2, eps = j->eps;
     const float *bc2s = j->bc2s, *nstep = j->nstep;
+    const float *carry = j->carry, *coefs = j->coefs;
+    const void *const *slots = j->slots;
+    const int ns = j->nslots;
     for (int64_t i = off; i < off + n; i++) {
-        const float g0 = load_one(gp, i, gdt) * scale;
+        const float g0 = (sum ? sum_of(carry, slots, coefs, ns, i, gdt) : load_one(gp, i, gdt)) * scale;
         float p = pp[i], m = mp[i], v = vp[i];
         /* nrep steps with the same gradient: exactly nrep one-step calls, without the reloads. */
         for (int r = 0; r < nrep; r++) {
@@ -68,10 +82,12 @@ static void adam_scalar(const zf_adam_job *j, int64_t off, int64_t n)
 {
 #define CASE(G, O) \
     case (G) * 4 + (O): \
-        if (j->nrep == 1) \
-            adam_loop(j, off, n, G, O, 1); \
+        if (j->sum) \
+            adam_loop(j, off, n, G, O, j->nrep, 1); \
+        else if (j->nrep == 1) \
+            adam_loop(j, off, n, G, O, 1, 0); \
         else \
-            adam_loop(j, off, n, G, O, j->nrep); \
+            adam_loop(j, off, n, G, O, j->nrep, 0); \
         break;
     switch (j->gdt * 4 + j->odt) {
         CASE(ZF_F32, ZF_NONE) CASE(ZF_F32, ZF_BF16) CASE(ZF_F32, ZF_F16)

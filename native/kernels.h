@@ -34,7 +34,7 @@ typedef struct {
     int gdt, odt;
     int l2;            /* Adam-with-L2: g += wd*p */
     int lerp_small;    /* torch's lerp picks its formula on |weight| < 0.5 */
-    float scale;       /* gradient multiplier (interval mean, loss-scale unscale, clipping) */
+    float scale;       /* gradient multiplier (the interval mean's 1/n, a loss-scale unscale, clipping) */
     float decay;       /* 1 - lr*wd for AdamW, 1 otherwise (p*1 is exact) */
     float wd;          /* L2 coefficient */
     float w, wm1;      /* lerp weight 1-beta1, and weight-1 */
@@ -45,7 +45,21 @@ typedef struct {
      * element stays in registers for all nrep steps, so the memory traffic is one step's. */
     int nrep;
     const float *bc2s, *nstep;
+    /* zf_adamw_sum: the gradient is an interval's sum, built in registers from nslots per-step
+     * slots (dtype gdt; g is not read) and an optional fp32 carry, element by element:
+     *     a = carry ? carry[i] : +0;  a = fma(slots[s][i], coefs[s], a) for s = 0 .. nslots-1
+     * which is zf_accumulate's rounding, once per step in step order (its overwrite is the fma
+     * into +0), so the sum has the bits of accumulating the steps first. Then g0 = a * scale. */
+    int sum;
+    int nslots;
+    const float *carry;
+    const void *const *slots;
+    const float *coefs;
 } zf_adam_job;
+
+/* Most slots one zf_adamw_sum call reads (the dispatcher copies a piece's tail of each onto its
+ * stack): an interval of up to this many steps. */
+#define ZF_MAX_SLOTS 64
 
 /* Most steps one zf_adam_job holds (its per-step constants live on the dispatcher's stack); api.c
  * cuts longer repeats into jobs of at most this many, which gives the same bits. */

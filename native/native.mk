@@ -12,7 +12,8 @@
 # results (it skips with one line when the cross compiler or qemu is missing). `make test` runs it
 # last.
 
-NATIVE_TESTS := tests/native/test_native_adam.py tests/native/test_native_kernels.py tests/native/test_native_api.py
+NATIVE_TESTS := tests/native/test_native_adam.py tests/native/test_native_kernels.py tests/native/test_native_api.py \
+                tests/native/test_native_sum.py
 ASAN_STAMP := native/build-asan/.stamp
 
 .PHONY: check-native check-arch

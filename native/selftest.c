@@ -10,7 +10,8 @@
  *
  * Inputs come from splitmix64 and are converted to floats with integer arithmetic only, so they
  * are the same bits on every machine. The cases cover what the Python tests cover for the x86
- * paths: every grad/out dtype pair, AdamW and Adam-with-L2, both lerp formulas, run lists with
+ * paths: every grad/out dtype pair, AdamW and Adam-with-L2, both lerp formulas, the AdamW on an
+ * interval's slots (zf_adamw_sum, also checked against accumulate + AdamW here), run lists with
  * odd offsets and lengths (tails through the padded path), every 16-bit pattern through the
  * conversions, and thread counts 1-4, unpinned and pinned, on buffers large enough to use the
  * pool (the driver checks those agree itself; cross-machine agreement is the script's job).
@@ -193,6 +194,50 @@ static void accumulate_cases(void)
     }
 }
 
+/* zf_adamw_sum over 3 slots (with and without an fp32 carry, repeat 1 and 3, every slot dtype):
+ * printed for the cross-machine comparison, and checked here against accumulating the slots into
+ * an fp32 buffer and calling zf_adamw_steps on it, which it must equal bit for bit. */
+static int sum_cases(void)
+{
+    const int64_t n = 4099;
+    int bad = 0;
+    for (int dt = ZF_F32; dt <= ZF_F16; dt++)
+        for (int carried = 0; carried < 2; carried++)
+            for (int rep = 1; rep <= 3; rep += 2) {
+                g_rng = 500 + dt * 4 + carried * 2 + rep;
+                const float coefs[3] = {0.37f, 0x1p-14f, 1.0f};
+                void *slots[3];
+                float *carry = xmalloc(n * 4), *acc = xmalloc(n * 4);
+                for (int s = 0; s < 3; s++) {
+                    slots[s] = xmalloc(n * dsize(dt));
+                    fill_grad(slots[s], dt, n, (float)(1 + s));
+                }
+                for (int64_t i = 0; i < n; i++)
+                    carry[i] = uniform();
+                adam_bufs a = adam_alloc(n, ZF_F32, ZF_BF16), b = adam_alloc(n, ZF_F32, ZF_BF16);
+                memcpy(b.p, a.p, n * 4);
+                zf_adamw_sum(a.p, a.m, a.v, a.out, ZF_BF16, n, RUNS, 5, carried ? carry : NULL,
+                             (const void *const *)slots, dt, coefs, 3, 4, rep, 1e-3, 0.9, 0.999, 1e-8, 0.05, 1.0 / 3, 1);
+                memcpy(acc, carry, n * 4);
+                for (int s = 0; s < 3; s++)
+                    zf_accumulate(acc, slots[s], dt, coefs[s], n, RUNS, 5, !carried && s == 0);
+                zf_adamw_steps(b.p, acc, ZF_F32, b.m, b.v, b.out, ZF_BF16, n, RUNS, 5, 4, rep, 1e-3, 0.9, 0.999, 1e-8,
+                               0.05, 1.0 / 3, 1);
+                uint64_t h = adam_digest(&a, ZF_BF16);
+                if (h != adam_digest(&b, ZF_BF16)) {
+                    fprintf(stderr, "selftest: adamw_sum/%s carry=%d repeat=%d differs from accumulate + adamw\n",
+                            dname(dt), carried, rep);
+                    bad = 1;
+                }
+                printf("adamw_sum/%s/carry=%d/repeat=%d %016llx\n", dname(dt), carried, rep, (unsigned long long)h);
+                for (int s = 0; s < 3; s++)
+                    free(slots[s]);
+                free(carry), free(acc);
+                adam_free(&a), adam_free(&b);
+            }
+    return bad;
+}
+
 static void sq_norm_cases(void)
 {
     for (int dt = ZF_F32; dt <= ZF_F16; dt++) {
@@ -265,6 +310,7 @@ int main(int argc, char **argv)
     adam_cases();
     narrowing_cases();
     accumulate_cases();
+    int bad = sum_cases();
     sq_norm_cases();
-    return thread_cases();
+    return thread_cases() | bad;
 }

@@ -42,6 +42,20 @@ void zf_adamw_steps(float *param, const void *grad, int grad_dtype, float *exp_a
                     int64_t step, int64_t nsteps, double lr, double beta1, double beta2, double eps,
                     double weight_decay, double grad_scale, int adamw);
 
+/* zf_adamw_steps on an interval's gradient sum, formed in the same pass from the interval's
+ * per-step slots (ZenFlow's host path: each step's gradient columns land in their own slot and
+ * nothing runs on the host per step). Per element, in registers:
+ *   a = carry ? carry[i] : 0;  a = fma(slots[s][i], coefs[s], a) for s = 0 .. nslots-1, in order
+ *   grad = a, then the AdamW steps above (grad_scale included)
+ * which is zf_accumulate's rounding once per slot: the bits of accumulating the steps into an fp32
+ * buffer (the first with overwrite, or starting from carry) and calling zf_adamw_steps on it.
+ * slots: nslots (0..64) buffers of numel elements of slot_dtype; carry: fp32 or NULL (a partial
+ * sum: a resumed interval's, or the device path's whole sum with nslots 0); at least one of them. */
+void zf_adamw_sum(float *param, float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, int64_t numel,
+                  const int64_t *runs, int64_t nruns, const float *carry, const void *const *slots, int slot_dtype,
+                  const float *coefs, int nslots, int64_t step, int64_t nsteps, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, double grad_scale, int adamw);
+
 /* acc[i] += scale * grad[i]; acc fp32, grad fp32/bf16/fp16. overwrite != 0: acc[i] = 0 + scale * grad[i]
  * (the first gradient of an interval: acc is not read from memory, its old contents do not matter). */
 void zf_accumulate(float *acc, const void *grad, int grad_dtype, float scale, int64_t numel,

@@ -165,6 +165,77 @@ def adamw_step(
     )
 
 
+MAX_SLOTS = 64  # native/kernels.h ZF_MAX_SLOTS: the most slots one adamw_sum reads
+
+
+def adamw_sum(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: Sequence[torch.Tensor],
+    coefs: Sequence[float],
+    *,
+    carry: torch.Tensor | None = None,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    adamw: bool = True,
+    runs: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    repeat: int = 1,
+) -> None:
+    """``adamw_step`` on an interval's gradient sum, formed in the same pass from its per-step
+    ``slots`` (fp32, bf16 or fp16, one dtype) with each step's coefficient ``coefs[s]``: per
+    element ``a = carry[i]`` (fp32; without a carry +0), then ``a = fma(slots[s][i], coefs[s], a)``
+    for each slot in order, and the AdamW step(s) on ``a * grad_scale``. That is ``accumulate``'s
+    rounding once per slot (its ``overwrite`` is the fma into +0), so the result has the bits of
+    accumulating the slots into an fp32 buffer and calling ``adamw_step`` on it, for one pass over
+    memory: per element 24 B of state plus each slot's bytes, no accumulator written or read.
+    At most ``MAX_SLOTS`` slots; a carry alone (no slots) is an fp32 gradient read as it is.
+    """
+    n = _check("param", param, _FP32).numel()
+    _check("exp_avg", exp_avg, _FP32, n)
+    _check("exp_avg_sq", exp_avg_sq, _FP32, n)
+    if len(slots) != len(coefs):
+        raise ValueError(f"slots and coefs: {len(slots)} slots but {len(coefs)} coefficients")
+    if len(slots) > MAX_SLOTS:
+        raise ValueError(f"slots: at most {MAX_SLOTS} per call, got {len(slots)}")
+    if not slots and carry is None:
+        raise ValueError("slots: give at least one slot or a carry (an interval has at least one step)")
+    for i, s in enumerate(slots):
+        _check(f"slots[{i}]", s, _ANY, n)
+    dtypes = {s.dtype for s in slots}
+    if len(dtypes) > 1:
+        raise ValueError(f"slots: one dtype for all, got {sorted(str(d).removeprefix('torch.') for d in dtypes)}")
+    if carry is not None:
+        _check("carry", carry, _FP32, n)
+    if out is not None:
+        _check("out", out, _HALF, n)
+    _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
+    for name, read in (*((f"slots[{i}]", s) for i, s in enumerate(slots)), ("carry", carry)):
+        for wname, written in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
+            if read is not None:
+                _disjoint(**{name: read, wname: written})
+    if int(step) != step or step < 1:
+        raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
+    if isinstance(repeat, bool) or int(repeat) != repeat or repeat < 1:
+        raise ValueError(f"repeat: must be an integer >= 1 (the number of steps to take), got {repeat!r}")
+    runs_ptr, nruns = _runs(runs, n)
+    slot_ptrs = ffi.new("void *[]", [_ptr(s) for s in slots] or [ffi.NULL])
+    coef_arr = ffi.new("float[]", [float(c) for c in coefs] or [0.0])
+    sdt = _DTYPE[slots[0].dtype] if slots else lib.ZF_F32
+    lib.zf_adamw_sum(
+        _ptr(param, "float *"), _ptr(exp_avg, "float *"), _ptr(exp_avg_sq, "float *"), _ptr(out),
+        _DTYPE[out.dtype] if out is not None else lib.ZF_NONE, n, runs_ptr, nruns, _ptr(carry, "float *"),
+        slot_ptrs, sdt, coef_arr, len(slots), int(step), int(repeat), float(lr), float(beta1), float(beta2),
+        float(eps), float(weight_decay), float(grad_scale), 1 if adamw else 0,
+    )
+
+
 def accumulate(acc: torch.Tensor, grad: torch.Tensor, *, scale: float = 1.0, runs: torch.Tensor | None = None,
                overwrite: bool = False) -> None:
     """acc += scale * grad, in place (acc fp32; grad fp32/bf16/fp16), with one rounding (fma).

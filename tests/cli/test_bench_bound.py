@@ -66,7 +66,7 @@ def test_the_gap_is_split_into_selection_install_waits_and_the_rest() -> None:
     recs = [rec(10), rec(12), rec(10),  # ordinary steps: median 10
             rec(20, update=True, wait_ms={"host.cpu_update": 4.0, "device.install": 2.0}),
             rec(50, selection=True, wait_ms={"host.cpu_update": 30.0}),  # a selection: 40 above the median
-            rec(10, wait_ms={"host.hook_slot": 1.0, "host.hook_budget": 1.0})]
+            rec(10, wait_ms={"host.slot_gate": 1.0, "host.hook_budget": 1.0})]
     gap = gap_parts(recs, measured_ms=112 / 6, bound_ms=8.0)
     n = len(recs)
     assert gap["selection"] == pytest.approx(40 / n)  # its waits are in it, not counted again

@@ -36,14 +36,16 @@ def zf(*args: str):
 
 
 # The machines zfctl promises to fit: each fits the default preset with ZenFlow on (the 24 GB
-# card with --fit). What makes them fit: one host accumulator with overlap and a bounded landing
-# ring (16 B per host element instead of 24), and gradient release (one .grad at a time, not a
-# bf16 copy of every parameter) for the 24 GB card.
+# card with --fit). What makes them fit: one set of gradient slots with overlap (the host paths:
+# 12 B of master and moments, 4 x 2 B of bf16 slots, 4 B for a checkpoint's interval sum: 24 B
+# per host element, 32 with two sets), and gradient release (one .grad at a time, not a bf16
+# copy of every parameter) for the 24 GB card.
+# The hosts are 1.5x what they were before the slots (37, 128, 256, 128 GB at 16 B per element).
 ROWS = [
-    pytest.param("llama3.2-1b", "16GB", "37GB", ["--set", "train.precision=fp16"], id="llama3.2-1b-16GB"),
-    pytest.param("llama2-7b", "48GB", "128GB", [], id="llama2-7b-48GB"),
-    pytest.param("llama2-13b", "80GB", "256GB", [], id="llama2-13b-80GB"),
-    pytest.param("llama2-7b", "24GB", "128GB", ["--fit"], id="llama2-7b-24GB"),
+    pytest.param("llama3.2-1b", "16GB", "48GB", ["--set", "train.precision=fp16"], id="llama3.2-1b-16GB"),
+    pytest.param("llama2-7b", "48GB", "192GB", [], id="llama2-7b-48GB"),
+    pytest.param("llama2-13b", "80GB", "384GB", [], id="llama2-13b-80GB"),
+    pytest.param("llama2-7b", "24GB", "192GB", ["--fit"], id="llama2-7b-24GB"),
 ]
 
 
@@ -127,11 +129,14 @@ def test_a_bad_memory_size_is_one_error_line_for_finetune_and_set(size: str, tmp
 
 def test_finetune_fit_applies_the_changes_and_the_run_uses_them(tmp_path: Path) -> None:
     """tiny-llama on the CPU with a host size between what the plan needs without and with the
-    recompute: --fit turns it on, plan.yaml says so, and the run trains."""
-    sets = ["train.device=cpu", "train.precision=fp32", "train.activation_checkpointing=false"]
+    recompute: --fit turns it on, plan.yaml says so, and the run trains. One slot set, fixed: with
+    ``auto`` the small host would drop the second set (16 B per host element in fp32 at
+    update_interval 4), more than the recompute saves, and nothing would be left to fit."""
+    sets = ["train.device=cpu", "train.precision=fp32", "zenflow.tuning.host_accumulators=1",
+            "train.activation_checkpointing=false"]
     need = {}
     for on in (False, True):
-        plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*sets[:2], f"train.activation_checkpointing={on}"])
+        plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*sets[:3], f"train.activation_checkpointing={on}"])
         est = estimate(plan, Machine(64 * GB, False))
         need[on] = est.host_total + est.device_total
     host = int((need[False] + need[True]) / 2 / 0.75)  # zfctl/plan/memory.py host_limit: 3/4 of a small machine

@@ -1,11 +1,10 @@
 """The real CLI under ``distributed.strategy: fsdp`` (torchrun, gloo on CPU): it trains like zero2,
 writes one model shard per rank, and its checkpoints resume on another world size or strategy.
 
-Both strategies run with ``zenflow.tuning.release_grads=false``: fsdp has no release path (the
-gradients arrive by FSDP2's reduce-scatter, zfctl/offload/sharded.py), so it clips every step by
-its own factor, while zero2's default release path clips an interval's host sum by the interval's
-mean factor (docs/design.md, "Algorithm", step 6). On this tiny model every step clips, and the two
-defaults are 2.7e-4 apart from the first install on; with the same clip rule they agree to rounding.
+Both strategies run with their defaults: fsdp has no release path (the gradients arrive by
+FSDP2's reduce-scatter, zfctl/offload/sharded.py) and zero2 releases them in their hooks, and both
+clip every step by its own factor (one rule on every path: docs/design.md, "Algorithm"), so on
+this tiny model, where every step clips, they agree to rounding.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from test_distributed_cli import ENV, ROOT, TINY, assert_close, losses, zfctl
 # check; ZenFlow boundaries every 3 steps with the update installed one interval later (overlap),
 # selections at 8, 16, 24: the checkpoint of step 10 is one step into an interval, an update in flight.
 RUN = [*TINY, "train.max_steps=30", "checkpoint.every=10", "checkpoint.keep_last=5", "train.micro_batch_size=1",
-       "train.gradient_accumulation_steps=3", "zenflow.update_interval=3", "zenflow.select_interval=8",
-       "zenflow.tuning.release_grads=false"]
+       "train.gradient_accumulation_steps=3", "zenflow.update_interval=3", "zenflow.select_interval=8"]
 
 
 def finetune(out: Path, nproc: int, strategy: str, extra: tuple[str, ...] = ()) -> str:

@@ -15,7 +15,8 @@ from test_multinode import NODES, PER_NODE, two_nodes
 
 # 8 steps, a checkpoint every 3: step 3 is one step into an update interval (update_interval 2),
 # its CPU update in flight; re-selection at step 4 comes after the resume. release_grads=false in
-# both runs: fsdp clips every step by its own factor (tests/e2e/test_fsdp_cli.py says why).
+# both runs: the one-process run takes the shards' path (fsdp has no release; every path clips
+# each step by its own factor either way, tests/e2e/test_clip_rule.py).
 SAME = ["train.max_steps=8", "zenflow.tuning.release_grads=false"]
 HSDP = [*SAME, "checkpoint.keep_last=4", "distributed.strategy=fsdp",
         f"distributed.nproc={PER_NODE}", f"distributed.nodes={NODES}", "distributed.hsdp=true"]

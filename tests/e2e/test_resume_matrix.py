@@ -35,17 +35,12 @@ RUN = [*TINY, f"train.max_steps={STEPS}", "checkpoint.every=1", f"checkpoint.kee
        "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", "zenflow.full_warm_up_rounds=3",
        "zenflow.update_interval=3", "zenflow.select_interval=6", "zenflow.overlap_step=true"]
 POINTS = ("warm-up", "mid-interval", "boundary")
-# An fsdp checkpoint continued on one process runs the zero2 hook path, whose release_grads (the
-# saved true, ignored under fsdp) lands gradients in a ring that needs the clip factor before
-# backward: mid-interval it raises "a landing ring reuses its slots at once" (issue 36 defect 1),
-# and from the warm-up it clips an interval's host sum by the interval's mean factor instead of
-# fsdp's per-step one (issue 36 item 8: 5.8e-4 off at step 13). The host-gradient branch (w-host:
-# per-step slots, one per-step clip rule on every path) removes both; strict, so that these
-# marks are taken out when it is merged.
-LANDING_RING = pytest.mark.xfail(strict=True, reason="landing ring / interval-mean clip rule of the "
-                                 "one-process zero2 path: fixed by the host-gradient branch (w-host)")
-CASES = [pytest.param(s, n, p, marks=LANDING_RING if (s, n, p) in {("fsdp", 1, "warm-up"), ("fsdp", 1, "mid-interval")}
-                      else ()) for s in ("fsdp", "zero2") for n in (4, 2, 1) for p in POINTS]
+# An fsdp checkpoint continued on one process runs the zero2 hook path with release_grads (the
+# saved true, ignored under fsdp): its gradients land in per-step slots and every path clips each
+# step by its own factor (zfctl/offload/slots.py), so it continues fsdp's run within 1e-5, from the
+# warm-up and mid-interval too (before the slots: a landing ring that needed the clip factor
+# before backward, and an interval-mean clip 5.8e-4 off at step 13).
+CASES = [pytest.param(s, n, p) for s in ("fsdp", "zero2") for n in (4, 2, 1) for p in POINTS]
 
 
 def _finetune(out: Path, strategy: str) -> None:

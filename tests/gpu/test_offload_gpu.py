@@ -195,9 +195,7 @@ def _tied_run(hooks: bool):
     model = TiedNet().cuda().half()
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(0, 64, (8, 6), generator=g) for _ in range(14)]
-    # release_grads off: with the clip its interval mean rule differs from the step() path by
-    # design (tests/offload/test_offload_release.py covers it, tied and overflowing)
-    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True, release_grads=False)
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3, max_grad_norm=1.0,
                           vocab_params=["emb.weight"]) as opt:
         stats = []
@@ -246,7 +244,7 @@ def test_cuda_d2h_probe_measures_a_plausible_rate_and_close_unpins_everything() 
         # PCIe gen3 x16 moves ~12 GB/s, gen5 x16 ~55, NVLink-C2C ~400: anything outside is a bad timing.
         gbps = opt.gradient_path.d2h_gbps
         assert gbps is not None and 1.0 < gbps < 1000.0
-        assert pinned.registered_bytes() > before  # master (fp32), landing buffers, ring
+        assert pinned.registered_bytes() > before  # the install source, gradient slots
     assert pinned.registered_bytes() == before  # the probe's buffer and every engine buffer released
 
 
@@ -289,14 +287,14 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     finally:
         opt.close()
     est = estimate(plan, Machine(512 * GB, True, "GPU", 80 * GB))
-    transient = {"gradient temporaries in flight"}  # freed once each copy lands
+    # freed once each copy lands; held only around a checkpoint taken or resumed inside an interval
+    transient = {"gradient temporaries in flight", "checkpoint interval sum"}
     planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload") and i.name not in transient)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
     # bf16: the install DMAs the upload buffer, the only one of the host state's buffers pinned
     # (an fp32 model pins its master instead; zfctl/offload/host.py install_source).
     assert est.item("upload buffer") > 0
-    locked = sum(est.item(n) for n in ("upload buffer", "transfer ring", "gradient landing buffers",
-                                       "selection staging"))
+    locked = sum(est.item(n) for n in ("upload buffer", "gradient slots", "selection staging"))
     locked += est.item("gradient accumulators") if acc == "device" else 0
     assert pinned_now == pytest.approx(locked, rel=0.01), (pinned_now, locked)
     stats = torch.cuda.host_memory_stats()

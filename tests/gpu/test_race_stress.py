@@ -6,10 +6,10 @@ Two kinds of wait need two kinds of slowness:
 
 * a reader that must wait for a copy: ``pcie.delay_copies`` makes each copy stream spin ~2 ms
   (``torch.cuda._sleep``) before every copy, so the reader comes before the data;
-* a writer that must wait for the last reader (a landing buffer reused two steps later, the one
-  host accumulator of the device path): ``slow_readers`` (tests/offload/slow_readers.py) makes
-  each accumulation job and each CPU update sleep before it reads, so the writer comes first.
-  A device buffer's next writer is tested the same way with a slowed compute stream.
+* a writer that must wait for the last reader (a slot set the next interval writes, the one
+  host sum of the device path): ``slow_readers`` (tests/offload/slow_readers.py) makes each CPU
+  update sleep before it reads, so the writer comes first. A device buffer's next writer is
+  tested the same way with a slowed compute stream.
 
 Each test compares a path under that slowness with the same run without it (or with the step()
 path), bit for bit. The waits each test covers are named in its docstring, with the place they are
@@ -43,10 +43,10 @@ def slow_copies():
 
 
 def _run(cfg: ZenFlowConfig, *, dtype, hooks: bool, clip=None, set_to_none=True, steps: int = 16,
-         accumulate_s: float = 0.0, update_s: float = 0.0, layer_waits: bool = False, slow_install: bool = False):
+         update_s: float = 0.0, layer_waits: bool = False, slow_install: bool = False):
     model = tiny_net(device="cuda", dtype=dtype)
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
-        slow_readers(opt, accumulate_s=accumulate_s, update_s=update_s)
+        slow_readers(opt, update_s=update_s)
         if layer_waits:
             assert opt.attach_install_waits(model) == 3  # fc1, fc2, head
         if slow_install:
@@ -77,64 +77,61 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @DTYPES
-@pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
-def test_hook_path_under_slow_copies(slow_copies, dtype, clip) -> None:
-    """Hook path, by-row vocabulary matrices, ``zero_grad(set_to_none=False)``. Covers: the
-    accumulation thread waits for each chunk's copy event before reading the landing buffer
-    (stream.py ``_add``); a window's hooks wait for the jobs that still read its landing buffer
-    (``fences``); the copy reads a fresh temporary, never ``.grad`` itself (a by-row column range
-    is contiguous already: reading ``.grad`` would race with the in-place zero of the next step);
-    the CPU worker waits for the interval's last accumulation job (its fence). With the clip,
-    without release_grads (its interval mean clip differs from the step() path by design); without
-    it, with release_grads: the landing ring's slots and the freed ``.grad``."""
-    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True, release_grads=clip is None)
+@pytest.mark.parametrize("release", [True, False], ids=["release", "keep-grads"])
+def test_hook_path_under_slow_copies(slow_copies, dtype, release) -> None:
+    """Hook path, by-row vocabulary matrices, ``zero_grad(set_to_none=False)``, clipping. Covers:
+    the CPU worker waits for the event after the interval's last copy into its slots before it
+    reads them (stream.py ``fence``, its wait); the copy reads a fresh temporary, never ``.grad``
+    itself (a by-row column range is contiguous already: reading ``.grad`` would race with the
+    in-place zero of the next step); with release_grads the freed ``.grad`` (its memory reused by
+    the compute stream only after the copy that reads it) and a selection's regather, which
+    reads the step's slot after the hooks' copies (optimizer.py ``_reselect``: ``drain``)."""
+    cfg = zen(**ZEN, **PATHS["host-hooks"], vocab_select="rows", overlap_step=True, release_grads=release)
     delay_copies(0)
     ref, _ = _run(zen(**ZEN, **PATHS["host-step"], vocab_select="rows", overlap_step=True),
-                  dtype=dtype, hooks=False, clip=clip, set_to_none=False)
+                  dtype=dtype, hooks=False, clip=0.5, set_to_none=False)
     delay_copies(DELAY)
-    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=clip, set_to_none=False)
+    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5, set_to_none=False)
     assert sum(s.early_chunks > 0 for s in stats) >= 12  # the hooks moved the gradients
     assert _same(ref, got)
 
 
 @DTYPES
-def test_hook_path_with_late_readers(dtype) -> None:
-    """Hook path with clipping (step() queues one job per step over ``landing[w]``), each
-    accumulation job and each CPU update reading late, copies at full speed. Covers: a window's
-    first hook waits for the last job that reads ``landing[w]`` before its copies overwrite it
-    (stream.py ``_start_window``, ``fences``); the CPU worker waits for the interval's last job
-    before it reads the accumulator (the path's ``finish`` fence)."""
-    # release_grads off: its interval-mean clip differs from the step() path by design
-    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True, release_grads=False)
+@pytest.mark.parametrize("sets", [1, 2])
+def test_slot_sets_with_a_late_reader(dtype, sets) -> None:
+    """Hook path, overlap, each CPU update reading late, copies at full speed. Covers: with one
+    slot set, each write of the next interval waits until the update has read that piece
+    (acc_gate.py, stream.py ``_land``); with two, the next interval writes the other set
+    (pipeline.py ``submit``). Against the step() path, the same bits."""
+    cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True, host_accumulators=sets)
     ref, _ = _run(zen(**ZEN, **PATHS["host-step"], overlap_step=True), dtype=dtype, hooks=False, clip=0.5)
-    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5, accumulate_s=0.01, update_s=0.02)
-    assert sum(s.accumulated_late > 0 for s in stats) >= 12  # the jobs ran after step(), late
+    got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5, update_s=0.02)
+    assert sum(s.early_chunks > 0 for s in stats) >= 12
+    assert sets == 2 or sum(s.acc_gate_waits for s in stats) > 0  # one set: the writes waited
     assert _same(ref, got)
 
 
 @DTYPES
-def test_release_landing_ring_under_slow_copies(slow_copies, dtype) -> None:
-    """release_grads with a two-slot landing ring of tiny slots and a clip: every chunk reuses a
-    slot. Covers: a hook waits for the job that still adds what its slot held (stream.py
-    ``_landing_view``, ``ring_fences``), each job for its chunk's copy event, a selection's
-    regather for the queued jobs (optimizer.py ``_reselect``). Slow copies against fast ones,
-    the same bits."""
+def test_one_column_chunks_under_slow_copies(slow_copies, dtype) -> None:
+    """Hook path with tiny chunks (many copies in flight per hook, a small in-flight budget) and
+    release_grads: each hook waits for the oldest copies beyond the budget (stream.py
+    ``_make_room``), the worker for the last one. Slow copies against fast ones, the same bits."""
     cfg = zen(**ZEN, **PATHS["host-hooks"], overlap_step=True, inflight_mb=1e-4, ring_slot_mb=0.0005)
     delay_copies(0)
     ref, _ = _run(cfg, dtype=dtype, hooks=True, clip=0.5)
     delay_copies(DELAY)
     got, stats = _run(cfg, dtype=dtype, hooks=True, clip=0.5)
-    assert sum(s.early_chunks > 0 for s in stats) >= 12
+    assert sum(s.early_chunks > 0 for s in stats) >= 12 and sum(s.budget_waits for s in stats) > 0
     assert _same(ref, got)
 
 
 @DTYPES
-def test_step_path_one_ring_slot_under_slow_copies(slow_copies, dtype) -> None:
-    """step() path through one tiny ring slot: every chunk reuses it, with clipping, so the
-    step's scalars (norm, coefficient) differ from step to step. Covers: the host waits for a
-    chunk's copy event before it accumulates the slot, and before the next chunk refills it
-    (ring.py ``d2h``); the scalar fetch's event (``fetch``): without it the host reads the fetch
-    buffer before the copy landed, i.e. a reused block with an earlier step's coefficient."""
+def test_step_path_tiny_chunks_under_slow_copies(slow_copies, dtype) -> None:
+    """step() path with tiny chunks, with clipping, so the step's scalars (norm, coefficient)
+    differ from step to step. Covers: the CPU worker waits for the last copy into its slots
+    (stream.py ``fence``); the scalar fetch's event (ring.py ``fetch``): without it the host reads
+    the fetch buffer before the copy landed, i.e. a reused block with an earlier step's
+    coefficient, which the step's slot would then carry."""
     cfg = zen(**ZEN, **PATHS["host-step"], ring_slots=1, ring_slot_mb=0.0005)
     delay_copies(0)
     ref, ref_stats = _run(cfg, dtype=dtype, hooks=False, clip=0.05)  # every step clips: coef = 0.05 / norm
@@ -152,10 +149,10 @@ def test_step_path_one_ring_slot_under_slow_copies(slow_copies, dtype) -> None:
 def test_device_path_under_slow_copies_or_reader(slow_copies, monkeypatch, dtype, overlap, late) -> None:
     """Device accumulation. Slow copies cover: the next interval's first write into a matrix's
     rows of the device sum waits (on the device) for that matrix's copy out (device_acc.py
-    ``add``); the CPU worker waits for the last copy out before it reads the host accumulator,
-    and for the install's DMA before it writes the master (its fences). A slow CPU update
-    covers: the boundary collects the previous update before the new sum lands in the one host
-    accumulator (pipeline.py ``submit``: collect, then ``prepare``). Slow adds (the compute
+    ``add``); the CPU worker waits for the last copy out before it reads the host sum, and for
+    the install's DMA before it writes the master (its fences). A slow CPU update covers: the
+    boundary collects the previous update before the new sum lands in the one host sum
+    (pipeline.py ``submit``: collect, then ``prepare``). Slow adds (the compute
     stream spins before each step's adds) cover: the copy out waits for the event after the
     interval's last add (device_acc.py ``copy_out``), else it copies the sum without them."""
     from zfctl.offload.device_acc import DeviceAccumulator
@@ -292,7 +289,7 @@ def test_install_device_slot_waits_for_the_scatter_that_reads_it() -> None:
     src = pinned.empty(n * per, torch.float32, pin=True)
     src.copy_(torch.arange(n * per, dtype=torch.float32))
     dst = torch.zeros(n * per, device="cuda")
-    ring = Ring(torch.device("cuda"), 1, per * 4, True, host_slots=False)
+    ring = Ring(torch.device("cuda"), 1, per * 4, True)
 
     def deliver(dev: torch.Tensor, i: int) -> None:
         torch.cuda._sleep(DELAY)  # compute stream: a slow reader of the device slot

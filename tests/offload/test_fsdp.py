@@ -183,7 +183,7 @@ def _resumed(case: str, rank: int, world: int, at: int, out: Path) -> list[float
 def _held_and_planned(world: int) -> tuple[int, float]:
     """(bytes this rank's optimizer holds after 3 steps on its FSDP2 shards, the plan's engine
     lines for fsdp over ``world`` ranks): test_plan_memory.py's count, on one rank's shards."""
-    from test_plan_memory import held_bytes
+    from test_plan_memory import engine_lines, held_bytes
 
     from zfctl.plan.memory import GB, Machine, estimate
     from zfctl.train.fsdp import data_parallel_mesh, parallelize
@@ -204,8 +204,7 @@ def _held_and_planned(world: int) -> tuple[int, float]:
         held = held_bytes(opt, params)
     finally:
         opt.close()
-    est = estimate(plan, Machine(64 * GB, False))
-    return held, sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+    return held, engine_lines(estimate(plan, Machine(64 * GB, False)))  # no checkpoint's interval sum here
 
 
 def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> None:

@@ -60,8 +60,8 @@ def _train(parts: int, world: int = 1) -> dict:
         mesh = data_parallel_mesh("cpu", world)
         parallelize(model, mesh, by_row=vocab_matrices(model))
         group, rank = {"shard_group": mesh.get_group("shard")}, dist.get_rank()
-    # release_grads off in one process too: its interval-mean clip (release.py) is not what the
-    # fsdp path does, and the comparison is to differ in the micro-batch split only.
+    # release_grads off in one process too, the shards' path (fsdp has no release): the comparison
+    # is to differ in the micro-batch split only (release changes no arithmetic either way).
     config = ZenFlowConfig(cpu_threads=1, tuning=TuningConfig(pin_memory=False, release_grads=False))
     opt = ZenFlowOptimizer(model.named_parameters(), config, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0,
                            vocab_params=vocab_matrices(model), **group)

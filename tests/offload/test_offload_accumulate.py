@@ -101,14 +101,14 @@ def test_device_path_keeps_one_host_accumulator_and_collects_before_it_copies_ou
     def slow(self, update):
         import time
 
-        time.sleep(0.05)  # the next interval's steps run meanwhile: the worker reads acc late
+        time.sleep(0.05)  # the next interval's steps run meanwhile: the worker reads the sum late
         return slow_run(self, update)
 
     monkeypatch.setattr(CpuWorker, "run", slow)
     model = tiny_net()
     cfg = zen(accumulate="device", overlap_step=True, full_warm_up_rounds=1, **BASE)
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
-        assert opt.host is not None and len(opt.host.acc) == 1
+        assert opt.host is not None and opt.host.grads.sets == 1 and opt.host.grads.per_set == 0
         train(model, opt, 20)
         opt.flush()
     got = snapshot(model)

@@ -84,8 +84,8 @@ def test_resume_mid_interval_is_bit_identical(name: str, dtype: torch.dtype) -> 
 @pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 1), (1, 2)])
 def test_a_state_resumes_under_the_other_host_accumulator_count(saved_with: int, resumed_with: int) -> None:
     """zenflow.tuning.host_accumulators changes waits, not values: a state saved with one count
-    continues bit for bit under the other (the saved sum goes into the current accumulator).
-    Stopped after step 5: the update of boundary 3 in flight, two accumulators at ``cur`` 1."""
+    continues bit for bit under the other (the saved sum becomes the current slot set's carry).
+    Stopped after step 5: the update of boundary 3 in flight, two sets at ``cur`` 1."""
     data, stop = batches(STEPS), 6
     cfgs = {n: replace(CONFIGS["overlap"], tuning=replace(CONFIGS["overlap"].tuning, host_accumulators=n))
             for n in (1, 2)}
@@ -102,7 +102,7 @@ def test_a_state_resumes_under_the_other_host_accumulator_count(saved_with: int,
     model = tiny_net(seed=123)
     model.load_state_dict(saved["model"])
     with ZenFlowOptimizer(model.named_parameters(), cfgs[resumed_with], **HP) as opt:
-        assert opt.host is not None and len(opt.host.acc) == resumed_with
+        assert opt.host is not None and opt.host.grads.sets == resumed_with
         opt.load_state_dict(saved["opt"])
         steps(model, opt, data[stop:])
     got = snapshot(model)
@@ -185,13 +185,32 @@ def test_pipeline_round_trips_its_counters() -> None:
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         steps(model, opt, batches(6))
         sd = opt.pipeline.state_dict()
-    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update;
-    # clip_sum: the unfinished interval's two clip factors (no clipping: 1 each)
+        sum_of_slots = sd["acc"].clone()
+    # age: steps 3, 4 and 5 done since the boundary at step 3 submitted the pending update
     assert sd["counters"] == {"t": 6, "interval_len": 2, "last_interval": 4, "cur": 1, "pending_install": True,
-                              "age": 3, "clip_sum": 2.0, "raw_sums": False}
-    sd["counters"]["clip_sum"] = 1.5  # what a clipped interval would carry
+                              "age": 3}
     with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
         opt.pipeline.load_state_dict(sd)
         assert opt.pipeline.t == 6 and opt.pipeline.interval_len == 2 and opt.pipeline.pending_install
-        assert opt.pipeline.age == 3 and opt.pipeline.clip_sum == 1.5 and not opt.pipeline.raw_sums
-        assert torch.equal(opt.pipeline.acc, sd["acc"])
+        assert opt.pipeline.age == 3 and opt.host.grads.used(1) == 0  # the two steps are in the carry
+        assert opt.host.grads.carry[1] is sd["acc"] and torch.equal(opt.pipeline.state_dict()["acc"], sum_of_slots)
+
+
+def test_a_state_saved_with_an_interval_mean_clip_is_scaled_once_on_load() -> None:
+    """A state written before the slots under release_grads held the unfinished interval's raw
+    sum and the clip factors still to apply (``clip_sum``, ``raw_sums``): loaded, the sum is
+    scaled by the saved steps' mean factor, once (pipeline.py); without ``raw_sums`` it is used
+    as it is."""
+    model = tiny_net()
+    cfg = CONFIGS["overlap"]
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        steps(model, opt, batches(6))
+        sd = opt.pipeline.state_dict()
+        raw = sd["acc"].clone()
+    for counters, scale in (({"clip_sum": 1.5, "raw_sums": True}, 0.75), ({"clip_sum": 1.5, "raw_sums": False}, 1.0),
+                            ({"clip_sum": 2.0, "raw_sums": True}, 1.0)):
+        old = {**sd, "counters": {**sd["counters"], **counters}, "acc": raw.clone()}
+        with ZenFlowOptimizer(tiny_net().named_parameters(), cfg, **HP) as opt:
+            opt.pipeline.load_state_dict(old)
+            carry = opt.host.grads.carry[1]
+            assert carry is not None and torch.equal(carry, raw * scale), counters

@@ -65,8 +65,8 @@ def _train(ranks: list[int], world: int, *, hooks: bool, group=None, device: str
     model = Net().to(device)
     x, y = (t.to(device) for t in _data())  # once: a blocking copy per micro-batch would be a sync
     n = len(ranks) * MICRO
-    # release_grads off: with the clip, its interval mean rule differs from the step() path by
-    # design (2 ranks with release: tests/offload/test_offload_stream_dist.py)
+    # release_grads off: the hooks' collectives without release (2 ranks with release:
+    # tests/offload/test_offload_stream_dist.py)
     with ZenFlowOptimizer(model.named_parameters(), zen(**{**CFG, "release_grads": False, **(extra or {})}),
                           lr=5e-3, weight_decay=0.01,
                           max_grad_norm=0.5, process_group=group) as opt:

@@ -50,30 +50,26 @@ def flat(n: int) -> Machine:
 
 
 def used(plan: cores.CorePlan) -> set[int]:
-    return set(plan.training) | set(plan.accumulate) | set(plan.update)
+    return set(plan.training) | set(plan.update)
 
 
 # -- one rank -----------------------------------------------------------------------------------
-def test_gpu_run_reserves_cores_and_splits_the_rest_by_bytes() -> None:
+def test_gpu_run_reserves_cores_and_gives_the_update_the_rest() -> None:
+    """Nothing runs native code on the host per step (the gradient slots): the CPU update's pool
+    takes every core that is not reserved, on every gradient path."""
     plan = plan_cores(flat(16), gpu=0)
     assert plan.training == (0, 1)  # auto: 2 cores from 8 up
-    assert plan.accumulate == (2, 3, 4, 5) and plan.update == tuple(range(6, 16))  # 14 * 10/38 -> 4
-    assert plan.threads == (4, 10) and plan.total == 14 and plan.pinned
+    assert plan.update == tuple(range(2, 16))
+    assert plan.threads == 14 and plan.total == 14 and plan.pinned
     assert plan.node is None  # one node: nothing to place
-    assert not set(plan.training) & (set(plan.accumulate) | set(plan.update))
-    assert not set(plan.accumulate) & set(plan.update)  # the pools never share a core
+    assert not set(plan.training) & set(plan.update)
 
 
 def test_reservation_auto_by_share_size_and_none_on_the_cpu() -> None:
     assert [len(plan_cores(flat(n), gpu=0).training) for n in (1, 2, 3, 7, 8, 64)] == [0, 0, 1, 1, 2, 2]
     cpu = plan_cores(flat(16), gpu=None)
-    assert cpu.training == () and cpu.threads == (4, 12) and not cpu.pinned  # as before the split existed
+    assert cpu.training == () and cpu.threads == 16 and not cpu.pinned  # as before the split existed
     assert plan_cores(flat(16), gpu=None, pin="on").pinned
-
-
-def test_device_path_gives_the_update_every_pool_core() -> None:
-    plan = plan_cores(flat(16), gpu=0, on_device=True)
-    assert plan.threads == (0, 14) and plan.accumulate == () and plan.update == tuple(range(2, 16))
 
 
 def test_explicit_reservation_is_clamped_to_leave_a_pool_core() -> None:
@@ -85,20 +81,20 @@ def test_explicit_reservation_is_clamped_to_leave_a_pool_core() -> None:
 
 def test_cpu_threads_takes_the_first_pool_cpus_and_too_many_are_not_pinned() -> None:
     plan = plan_cores(flat(16), gpu=0, cpu_threads=6)
-    assert plan.total == 6 and plan.accumulate == (2, 3) and plan.update == (4, 5, 6, 7)
+    assert plan.total == 6 and plan.update == (2, 3, 4, 5, 6, 7)
     over = plan_cores(flat(4), gpu=0, cpu_threads=8)
     assert not over.pinned and any("not pinned" in note for note in over.notes)
-    one = plan_cores(flat(16), gpu=0, cpu_threads=1)  # split_threads(1) = (1, 1): both take the one CPU
-    assert one.accumulate == one.update == (2,)
+    one = plan_cores(flat(16), gpu=0, cpu_threads=1)
+    assert one.update == (2,) and one.threads == 1
 
 
 def test_a_single_process_honours_omp_num_threads_but_torchrun_ranks_do_not() -> None:
     cfg = ZenFlowConfig()
-    single = cores.plan_for(cfg, torch.device("cpu"), on_device=False, machine=flat(8),
+    single = cores.plan_for(cfg, torch.device("cpu"), machine=flat(8),
                             env={"OMP_NUM_THREADS": "1"})
     assert single.total == 1
     # torchrun sets OMP_NUM_THREADS=1 for every rank of a node: the local-rank split decides
-    ranked = cores.plan_for(cfg, torch.device("cpu"), on_device=False, machine=flat(8),
+    ranked = cores.plan_for(cfg, torch.device("cpu"), machine=flat(8),
                             env={"OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert ranked.share == (4, 5, 6, 7) and ranked.total == 4
 
@@ -119,7 +115,7 @@ def test_a_restricted_process_splits_only_what_it_may_use() -> None:
     m = Machine((4, 5, 6, 7), {0: tuple(range(16))}, {c: (c,) for c in range(16)})
     a, b = (plan_cores(m, gpu=r, local_rank=r, local_world=2) for r in (0, 1))
     assert a.share == (4, 5) and b.share == (6, 7)
-    assert a.training == () and a.threads == (1, 1)  # 2 cores: nothing reserved
+    assert a.training == () and a.threads == 2  # 2 cores: nothing reserved
 
 
 def test_more_ranks_than_cpus_share_with_a_note() -> None:
@@ -166,17 +162,16 @@ def test_each_rank_uses_its_gpus_node_and_whole_cores(tmp_path: Path) -> None:
         assert set(p.share) <= set(m.nodes[p.node])  # pools on the GPU's node
     assert plans[0].share == (0, 1, 2, 3, 16, 17, 18, 19)  # 4 of node 0's 8 cores, both threads each
     assert plans[1].share == (4, 5, 6, 7, 20, 21, 22, 23)
-    # whole cores: a reserved CPU's sibling is reserved too, and the two pools split by core
+    # whole cores: a reserved CPU's sibling is reserved too, never the pool's
     sib = m.siblings
     for p in plans:
         assert all(set(sib[c]) <= set(p.training) for c in p.training)
-        assert not any(set(sib[c]) & set(p.update) for c in p.accumulate)
+        assert not any(set(sib[c]) & set(p.update) for c in p.training)
     for a, b in combinations(plans, 2):
         assert not set(a.share) & set(b.share)
-    assert plans[0].training == (0, 16) and plans[0].accumulate == (1, 17)  # 4 cores: 1 reserved
-    alone = plan_cores(m, gpu=0)  # one rank: node 0's 8 cores, 2 reserved, 12 CPUs for the pools
-    assert alone.accumulate == (2, 3, 18, 19) and alone.threads == (4, 8)  # 12 x 10/38 = 3, to whole cores
-    assert not any(set(sib[c]) & set(alone.update) for c in alone.accumulate)
+    assert plans[0].training == (0, 16) and plans[0].update == (1, 2, 3, 17, 18, 19)  # 4 cores: 1 reserved
+    alone = plan_cores(m, gpu=0)  # one rank: node 0's 8 cores, 2 reserved, 12 CPUs for the pool
+    assert alone.update == (2, 3, 4, 5, 6, 7, 18, 19, 20, 21, 22, 23) and alone.threads == 12
 
 
 def test_gpu_node_outside_the_allowed_cpus_is_not_placed(tmp_path: Path) -> None:
@@ -210,11 +205,11 @@ def test_tuning_keys_are_validated() -> None:
 def test_on_node_runs_the_allocating_thread_there_and_gives_its_cpus_back() -> None:
     before = os.sched_getaffinity(0)
     target = (min(before),)
-    plan = cores.CorePlan(target, (), (), target, (0, 1), 1, False, 0, 0, 2)
+    plan = cores.CorePlan(target, (), target, 1, 1, False, 0, 0, 2)
     with cores.on_node(plan):
         assert os.sched_getaffinity(0) == set(target)
     assert os.sched_getaffinity(0) == before
-    nothing = cores.CorePlan(target, (), (), target, (0, 1), 1, False, None, None, 1)
+    nothing = cores.CorePlan(target, (), target, 1, 1, False, None, None, 1)
     with cores.on_node(nothing):
         assert os.sched_getaffinity(0) == before
 
@@ -231,12 +226,12 @@ def test_bind_host_binds_every_buffer_to_the_node_and_reports_a_refusal() -> Non
             return self.err
 
     bufs = [torch.zeros(8) for _ in range(3)]
-    placed = cores.CorePlan((0,), (), (), (0,), (0, 1), 1, False, 1, 1, 2)
+    placed = cores.CorePlan((0,), (), (0,), 1, 1, False, 1, 1, 2)
     assert cores.bind_host(placed, Fake(0), bufs) == []
     assert calls == [(b.data_ptr(), 1) for b in bufs]
     assert "refused" in cores.bind_host(placed, Fake(1), bufs)[0]
     calls.clear()
-    one_node = cores.CorePlan((0,), (), (), (0,), (0, 1), 1, False, None, None, 1)
+    one_node = cores.CorePlan((0,), (), (0,), 1, 1, False, None, None, 1)
     assert cores.bind_host(one_node, Fake(0), bufs) == [] and calls == []
     # and the real call on this machine's node 0 (a no-op move: one node) is accepted
     assert N.bind_node(torch.ones(1 << 16), 0) in (0, 1)  # 1 = EPERM where a sandbox forbids mbind
@@ -286,13 +281,13 @@ def test_the_optimizer_pins_its_pools_to_the_plan() -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")
     cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=2, pin_threads="on")
-    plan = cores.plan_for(cfg, torch.device("cpu"), on_device=False)
+    plan = cores.plan_for(cfg, torch.device("cpu"))
     before = N.get_num_threads()
     model = tiny_net()
     try:
         with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
             assert opt.threads == plan.threads
-            assert N.pool_cpus(0) == plan.update and N.pool_cpus(1) == plan.accumulate
+            assert N.pool_cpus(0) == plan.update
             for x, y in batches(3):
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.mse_loss(model(x), y).backward()

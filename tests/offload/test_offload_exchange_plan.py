@@ -18,6 +18,7 @@ from zfctl.offload.host import HostState
 from zfctl.offload.layout import plan_layout
 from zfctl.offload.partition import OwnedRows, partition_layout
 from zfctl.offload.selector import Selector
+from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
 
 
@@ -56,7 +57,7 @@ def test_the_selection_plans_the_rounds_not_the_next_hook(monkeypatch) -> None:
     for p in params:
         p.grad = torch.randn_like(p)
     exchange = GradExchange(part, local, params, dev.index, torch.device("cpu"), norm=False, masses=False)
-    host = HostState(local, params, accumulators=1)
+    host = HostState(local, params, grads=GradSlots(local.host_numel, torch.float32, per_set=1, sets=1, pin=False))
     selector = Selector(local, dev, ZenFlowConfig(), steps_per_epoch=10, part=part, exchange=exchange)
     plans: list[int] = []
     real = exchange_mod.plan_rounds

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from cuda_shim import as_cuda, fake_cuda
+from cuda_shim import FakeEvent, as_cuda, fake_cuda
 from slow_readers import slow_readers
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
@@ -40,7 +40,7 @@ def _h2d(monkeypatch, pin: bool):
     n, per = 8, 256
     src = pinned.empty(n * per, torch.float32, pin=pin)
     src.copy_(torch.arange(n * per, dtype=torch.float32))
-    ring = as_cuda(Ring(torch.device("cpu"), 2, per * 4, pin, host_slots=False), "stream")
+    ring = as_cuda(Ring(torch.device("cpu"), 2, per * 4, pin), "stream")
     out = torch.zeros(n * per)
 
     def deliver(dev: torch.Tensor, i: int) -> None:
@@ -183,13 +183,13 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         added = acc._added
         install = torch.cuda.Event()
         install.record(shim.compute)  # what the boundary's install enqueues on compute meanwhile
-        fence = acc.copy_out(opt.host.acc[0], opt.transfers.chunks)
+        fence = acc.copy_out(opt.gradient_path.host_sum, opt.transfers.chunks)
         waits = acc.copy_stream.waits
         assert waits == [("wait_event", added)], waits  # one wait, for the adds
         assert ("record", added) in shim.compute.log and added.after.count(("record", install)) == 0
         assert fence is not None  # the worker's wait: the last copy's event
         assert shim.host_syncs == []  # the adds and the copy out make the host wait for nothing
-        assert torch.equal(opt.host.acc[0], acc.buf)
+        assert torch.equal(opt.gradient_path.host_sum, acc.buf)
         # The next interval's first add into a matrix waits (on the device) for its copy out only.
         acc.add(grads, None, first=True)
         copied = [what for op, what in shim.compute.log if op == "wait_event"]
@@ -198,31 +198,59 @@ def test_the_sum_copy_out_waits_for_the_adds_not_for_the_install(monkeypatch) ->
         acc.cuda = False  # close() on CPU
 
 
-def _train_with(cfg, *, clip=None, accumulate_s=0.0, update_s=0.0, hooks: bool, steps: int = 10):
+def _train_with(cfg, *, clip=None, update_s=0.0, hooks: bool, steps: int = 10):
     from test_offload_stream import run as run_loop
 
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
-        slow_readers(opt, accumulate_s=accumulate_s, update_s=update_s)
+        slow_readers(opt, update_s=update_s)
         run_loop(model, opt, batches(steps), hooks=hooks)
         opt.flush()
     return snapshot(model)
 
 
-def test_hook_path_with_late_accumulation_jobs_is_bit_identical() -> None:
-    """The hook path with clipping: step() queues one job per step that reads ``landing[w]``; the
-    hooks two steps later rewrite it only after that job (stream.py ``_start_window``, ``fences``),
-    and the boundary's CPU update reads the accumulator only after the last job (the path's
-    ``finish`` fence). Each job here starts late, so either wait removed gives other bits.
-    release_grads off: the landing buffers and these jobs exist without it (with it, the hooks add
-    each chunk as it lands, and its interval-mean clip differs from the step() path by design)."""
-    hook = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=1,
-               release_grads=False)
-    step = zen(**BASE, accumulate="host", stream_grads=False, overlap_step=True, full_warm_up_rounds=1)
-    ref = _train_with(step, clip=0.5, hooks=False)
-    got = _train_with(hook, clip=0.5, hooks=True, accumulate_s=0.03)
-    for n in ref:
-        assert torch.equal(ref[n], got[n]), n
+def test_the_cpu_update_waits_for_the_last_copy_into_its_slots(monkeypatch) -> None:
+    """The hook path's copies into a step's slot are DMAs on one copy stream (stream.py): each
+    waits for the compute stream (the transpose), and the CPU update of the interval waits, on its
+    own thread, for the event recorded after the interval's last copy, which follows every copy
+    of that interval on the stream. Run through the shim: the copy stream's log shows the order,
+    the worker's waits which event it took."""
+    cfg = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=0,
+              release_grads=False)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        shim = fake_cuda(monkeypatch)
+        stream = as_cuda(opt.gradient_path.stream, "copy_stream")
+        submitted: list[tuple[object, int]] = []
+        synced: list[object] = []  # events the CPU worker's thread synchronized (its waits)
+        submit = opt.pipeline.worker.submit
+        sync = FakeEvent.synchronize
+
+        def recorded(update, waits=()):
+            submitted.append((stream.last, len(stream.copy_stream.log)))
+            return submit(update, waits)
+
+        def logged(event) -> None:
+            if threading.current_thread().name.startswith("zenflow-cpu"):
+                synced.append(event)
+            sync(event)
+
+        monkeypatch.setattr(opt.pipeline.worker, "submit", recorded)
+        monkeypatch.setattr(FakeEvent, "synchronize", logged)
+        for x, y in batches(7):
+            opt.zero_grad(set_to_none=True)
+            opt.prepare_backward(final=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.flush()
+        log = stream.copy_stream.log
+        copies = [i for i, (op, _) in enumerate(log) if op == "copy"]
+        assert copies and all(log[i - 1] == ("wait_stream", shim.compute) for i in copies)  # after the transpose
+        assert len(submitted) >= 2
+        for last, n in submitted:
+            assert last is not None and last in synced  # the worker waits for ...
+            assert log[n - 1] == ("record", last)  # ... the event after the interval's last copy
+        monkeypatch.undo()  # before close(): the real streams and copies again
 
 
 def test_device_path_with_a_late_cpu_update_is_bit_identical() -> None:
@@ -239,8 +267,8 @@ def test_device_path_with_a_late_cpu_update_is_bit_identical() -> None:
 def test_host_waits_of_the_transfer_calls_are_the_listed_ones(monkeypatch) -> None:
     """How often each transfer call makes the host wait (docs/design.md, "Transfer scheduling",
     sync points), counted through the shim: an install and the device path's sum make none
-    (device-side waits only), the scalar fetch one when its result is read, the step() path's
-    D2H one per chunk (when the ring is full, and the last ones)."""
+    (device-side waits only), the scalar fetch one when its result is read, and the copies of a
+    step's gradient into its slot none (the CPU update waits for the last one, on its thread)."""
     shim = fake_cuda(monkeypatch)
     n, per = 5, 64
     ring = as_cuda(Ring(torch.device("cpu"), 2, per * 4, True), "stream")
@@ -251,19 +279,20 @@ def test_host_waits_of_the_transfer_calls_are_the_listed_ones(monkeypatch) -> No
     result = ring.fetch(torch.tensor([1.0, 2.0]))
     assert shim.host_syncs == []  # started, not waited for
     assert result().tolist() == [1.0, 2.0] and len(shim.host_syncs) == 1
-    got = torch.zeros(n * per)
-
-    def chunk(i: int):
-        return per, torch.float32, lambda dst: dst.copy_(src[i * per : (i + 1) * per]), i
-
-    def consume(view: torch.Tensor, i: int) -> None:
-        got[i * per : (i + 1) * per] = view
-
-    shim.host_syncs.clear()
-    ring.d2h((chunk(i) for i in range(n)), consume)
-    assert torch.equal(got, src) and len(shim.host_syncs) == n
     pinned.release(src)
-    ring.release()
+    cfg = zen(**BASE, accumulate="host", stream_grads=False, full_warm_up_rounds=0)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
+        stream = as_cuda(opt.gradient_path.stream, "copy_stream")
+        for t, (x, y) in enumerate(batches(2)):  # step 0 selects; step 1 is an ordinary one
+            shim.host_syncs.clear()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            stats = opt.step()
+        assert not stats.boundary and stats.in_step_chunks > 0
+        assert shim.host_syncs == []  # every chunk's copy into the slot: no host wait
+        assert [op for op, _ in stream.copy_stream.log].count("copy") >= stats.in_step_chunks
+        monkeypatch.undo()
 
 
 def test_the_device_path_update_follows_the_sum_matrix_by_matrix(monkeypatch) -> None:

@@ -83,9 +83,9 @@ def test_which_models_get_an_upload_buffer(monkeypatch) -> None:
         with ZenFlowOptimizer(tiny_net(dtype=dtype).named_parameters(), zen(**BASE, **kw), **HP) as opt:
             return opt.host.upload, opt.host.install_source is opt.host.master, opt.host.update_bytes
 
-    assert build(torch.float32, upload_buffer=True) == (None, True, 28)
+    assert build(torch.float32, upload_buffer=True) == (None, True, 24)
     upload, from_master, nbytes = build(torch.bfloat16)
-    assert upload.dtype == torch.bfloat16 and not from_master and nbytes == 30
+    assert upload.dtype == torch.bfloat16 and not from_master and nbytes == 26
     monkeypatch.setattr(host_module, "available_ram", lambda: 1000.0)  # a host with no room
     assert build(torch.bfloat16)[0] is None and build(torch.bfloat16, upload_buffer=True)[0] is not None
 

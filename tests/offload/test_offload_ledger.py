@@ -6,7 +6,10 @@ memory), so the waits a GPU run writes are counted too. Each step's ``StepStats.
 :func:`expected_bytes` and its ``StepStats.waits`` :func:`expected_waits`: small formulas of what
 kind of step it is and of layout facts the test computes itself (matrix elements on the host,
 the device-owned columns' elements, the model's itemsize, the columns a selection moved), never
-the engine's own totals. A step that moves a byte more or writes one wait more fails.
+the engine's own totals. A step that moves a byte more or writes one wait more fails. Plants
+seen failing it: the fused CPU update counting one gradient slot instead of each of the
+interval's (ledger.py ``count_adamw_sum``: step 4's bytes), the bound on gradient temporaries in
+flight removed from the copy stream (stream.py ``_make_room``: step 3's waits).
 
 The schedule (full_warm_up_rounds 2, update_interval 3, select_interval 6, overlap):
 
@@ -86,25 +89,28 @@ def expected_bytes(step: int, f: Facts, moved: tuple[int, ...], spans: int) -> d
     step (zeros elsewhere); ``spans``: elements the device path's copy out moves (each matrix from
     its first host-owned column to its last: tiny-llama's device-owned gaps are all short).
 
-    The lines the pending engine changes touch (so the lead edits them, nowhere else):
-    ``host.sum`` per step (host path: summed in the fused AdamW instead), ``h2d.install`` /
-    ``host.install`` (install: host-owned elements only), the migration lines (selection).
+    The host paths land each step's gradient in its own slot and nothing sums it per step: the
+    CPU update reads every slot of the interval inside its one AdamW pass (native adamw_sum), so
+    ``host.sum`` appears only at a boundary, ``b`` bytes per slot per host-owned element; the
+    device path's update reads its one fp32 sum (4 B). The lines the pending engine changes touch
+    (so the lead edits them, nowhere else): ``h2d.install`` / ``host.install`` (install:
+    host-owned elements only), the migration lines (selection).
     """
-    facets, first = SCHEDULE[step]
+    facets, _ = SCHEDULE[step]
     own = f.M - (f.K if step >= W else 0)  # host-owned elements once columns are selected
     # A release step lands its gradient in the hooks, before its selection re-plans the chunks.
-    landed = f.M if step == W and f.path == "hook" else own
     # The upload buffer (upload_buffer: auto): a model narrower than fp32 installs from the copy
     # the CPU AdamW writes in the model's dtype; an fp32 model installs from the master itself.
     upload = f.b if f.b < 4 else 0
     got: Counter[str] = Counter({"d2h.scalars": SCALARS})
     if f.path != "device":
-        got["d2h.grad"] = got["host.land"] = f.b * f.M  # the gradient's column ranges, model dtype
-        got["host.sum"] = landed * (f.b + (4 if first else 8))  # read it; write (first) or rw the fp32 sum
+        got["d2h.grad"] = got["host.land"] = f.b * f.M  # the gradient's column ranges, model dtype, into the slot
     if "submit" in facets:
         if f.path == "device":
             got["d2h.sum"] = got["host.land"] = 4 * spans  # the fp32 interval sum's host-owned spans, once
-        got["host.sum"] += 4 * own  # the CPU update reads the sum ...
+            got["host.sum"] = 4 * own  # the CPU update reads the sum ...
+        else:
+            got["host.sum"] = f.b * interval_steps(step) * own  # ... or each of the interval's slots ...
         got["host.update"] = (24 + upload) * own  # ... reads + writes master and moments, writes the copy
     if "install" in facets:
         got["h2d.install"] = got["host.install"] = (upload or 4) * f.M  # the install source's column ranges
@@ -113,17 +119,26 @@ def expected_bytes(step: int, f: Facts, moved: tuple[int, ...], spans: int) -> d
         # in: master, moments and the step counter of each entering column (in ring, one H2D per slot)
         # out: master and moments of each leaving column (out buffer); their counters came with the ids
         state_in, state_out = 12 * enter_el + 4 * enter, 12 * leave_el
-        grad_in, grad_out = (4 * enter_el, 4 * leave_el) if f.path == "hook" else (0, 0)  # released fp32 grads
+        # released gradients (hook path): fp32 through the in ring and the out buffer, read from and
+        # written into the step's slot in the model dtype (migration.py widens and narrows, exactly)
+        grad_in, grad_out = (4 * enter_el, 4 * leave_el) if f.path == "hook" else (0, 0)
+        slot_in, slot_out = (f.b * enter_el, f.b * leave_el) if f.path == "hook" else (0, 0)
         ids = 8 * (leave + 2 * restay + enter)  # the moves' device rows: leaving, staying (from, to), entering
         fetched = 8 * 2 * f.Kc  # the new column ids and the old counters, fp64, one D2H
         got["h2d.migrate"], got["d2h.migrate"] = state_in + grad_in + ids, state_out + grad_out + fetched
         # host rows gathered (in) and written (out, by the worker), the leaving counters, and the
         # leaving columns' upload entries (a model narrower than fp32)
-        got["host.migrate"] = state_in + grad_in + state_out + grad_out + 4 * leave + upload * leave_el
+        got["host.migrate"] = state_in + slot_in + state_out + slot_out + 4 * leave + upload * leave_el
         # page-locked: the in ring written by the gather and read by the DMA, the out buffer written
         # by the DMA and read by the worker, the ids buffer written and read
         got["host.stage"] = 2 * (state_in + grad_in + state_out + grad_out) + 2 * ids
     return {k: v for k, v in got.items() if v}
+
+
+def interval_steps(step: int) -> int:
+    """Steps of the interval that ``step`` ends: slots the CPU update reads (SCHEDULE's first flags)."""
+    start = max(t for t in range(step + 1) if SCHEDULE[t][1])
+    return step - start + 1
 
 
 def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int] | None:
@@ -137,13 +152,10 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
     if "select" in facets:
         return selection_waits(step, f, chunks, mats)
     w: Counter[str] = Counter({"host.scalars": 1})  # the step's scalars
-    if f.path == "step":
-        w["host.d2h_chunk"] = chunks  # step() waits for each chunk's D2H
-    elif f.path == "hook":
-        w["host.hook_slot"] = chunks  # each reused landing-ring slot: the job that read it
-        w["host.hook_budget"] = chunks  # shim: copies never retire, so each chunk finds the budget full
-    elif f.path == "hook-keep":
-        w["host.hook_slot"] = 1  # landing[w]: the jobs of two steps ago
+    if f.path != "device":
+        # step() or a hook lands each chunk through the copy stream; shim: copies never retire, so
+        # each chunk finds the temporaries' budget full. Nothing else: no slot is waited for (two
+        # sets) and nothing sums on the host per step.
         w["host.hook_budget"] = chunks
     elif first:
         w["device.sum_copy"] = mats  # the first add into each matrix waits for its copy out (device)
@@ -153,10 +165,9 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
         # once, device-side, at install time; the install stream waits for each chunk's H2D.
         w["device.install"] = 1
     if "submit" in facets:
-        if f.path == "hook" or f.path == "hook-keep":
-            w["worker.grads"] = 1  # the worker waits for the interval's sum (the last accumulation job)
-        elif f.path == "device":
-            w["worker.grads"] = mats  # ... each matrix's copy out, just before that matrix's part
+        # the worker waits for the interval's gradient: the last copy into a slot, or on the device
+        # path each matrix's copy out, just before that matrix's part
+        w["worker.grads"] = mats if f.path == "device" else 1
         if install_in_flight(step, upload=f.b < 4):
             w["worker.install"] = 1  # ... and for the install DMA still reading what it writes
     return dict(w)
@@ -166,22 +177,16 @@ def selection_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, in
     """The waits of a selection step: no drain, so no ``host.cpu_update``, no install and no
     install wait; the training thread waits once for the new column ids (``host.migrate_ids``),
     for the entering part of the update in flight (``host.priority``: step 8 only, the first
-    selection meets none), and on the release path for the hooks' jobs (``host.acc_drain``) and
-    the leaving gradient's one out piece (``host.migrate_land``). The compute stream waits for the
-    migration (``device.migrate``); the worker, behind the update, for the out piece holding the
-    state and, after an install, that install's DMA (``worker.migrate``). The gradient's own waits
-    are an ordinary step's, except on the hook path without release: a selection step's backward
-    is not streamed (the scores read the whole ``.grad``), so its gradient goes through step()'s
-    D2H ring after the accumulation thread is drained (device_to_host.py ``DuringBackward``)."""
+    selection meets none), and on the release path for the copies into the step's slot
+    (``host.slot_drain``: the moves read it) and the leaving gradient's one out piece
+    (``host.migrate_land``). The compute stream waits for the migration (``device.migrate``); the
+    worker, behind the update, for the out piece holding the state and, after an install, that
+    install's DMA (``worker.migrate``). The gradient's own waits are an ordinary step's."""
     first = SCHEDULE[step][1]
     w: Counter[str] = Counter({"host.scalars": 1, "host.migrate_ids": 1, "device.migrate": 1})
-    if f.path in ("step", "hook-keep"):
-        w["host.d2h_chunk"] = chunks  # step() waits for each chunk's D2H
-    if f.path == "hook-keep":
-        w["host.acc_drain"] = 1  # the hooks' jobs of the step before, then step()'s own offload
-    elif f.path == "hook":
-        w["host.hook_slot"] = w["host.hook_budget"] = chunks  # the release hooks, as every step
-    elif f.path == "device" and first:
+    if f.path != "device":
+        w["host.hook_budget"] = chunks  # the gradient's chunks into the step's slot, as every step
+    elif first:
         w["device.sum_copy"] = mats
     if step > W:
         w["host.priority"] = 1  # step 7's update is in flight
@@ -190,7 +195,7 @@ def selection_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, in
     if step > W:
         w["worker.migrate"] = 1 + install_in_flight(step, upload=f.b < 4)
     if f.path == "hook":
-        w["host.acc_drain"] = 1  # the release path's selection reads the host sum (optimizer.py _reselect)
+        w["host.slot_drain"] = 1  # the release path's moves read the step's slot (optimizer.py _reselect)
         if step > W:
             w["host.migrate_land"] = 1  # the leaving gradient's one out piece (selector.py land)
     return dict(w)

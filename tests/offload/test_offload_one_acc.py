@@ -1,9 +1,10 @@
-"""One host accumulator with overlap_step (zfctl/offload/acc_gate.py): the same bits as two.
+"""One gradient slot set with overlap_step (``host_accumulators: 1``, zfctl/offload/acc_gate.py):
+the same bits as two.
 
-The CPU update reads the interval's sum while the next interval's first step overwrites it, piece
+The CPU update reads the interval's slots while the next interval's steps overwrite them, piece
 by piece behind the update's watermark. Nothing may change but the waits: parameters and losses
-are compared with ``torch.equal`` against the two-accumulator run, on both gradient paths, and a
-worker slowed down between pieces makes a missing wait show up as wrong bits.
+are compared with ``torch.equal`` against the two-set run, on both gradient paths, and a worker
+slowed down between pieces makes a missing wait show up as wrong bits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from test_offload_helpers import batches, tiny_net, zen
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
-from zfctl.offload.host import accumulator_count
+from zfctl.offload.host import slot_sets
 from zfctl.plan import resolve_plan
 from zfctl.train.models.load import load_model
 from zfctl.train.optim import build_optimizer
@@ -44,7 +45,7 @@ def llama_run(accumulators: int, hooks: bool, interval: int, lag: int) -> tuple[
     gen = torch.Generator().manual_seed(0)
     losses = []
     with build_optimizer(model, plan, steps_per_epoch=100) as opt:
-        assert opt.host is not None and len(opt.host.acc) == accumulators
+        assert opt.host is not None and opt.host.grads.sets == accumulators
         for _ in range(STEPS):
             ids = torch.randint(0, 4096, (2, 32), generator=gen)
             opt.zero_grad(set_to_none=True)
@@ -76,7 +77,7 @@ def tiny_run(accumulators: int, hooks: bool, clip: float | None, interval: int, 
               host_accumulators=accumulators)
     losses, waits = [], 0
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, max_grad_norm=clip) as opt:
-        assert opt.pipeline.worker is not None and opt.host is not None and len(opt.host.acc) == accumulators
+        assert opt.pipeline.worker is not None and opt.host is not None and opt.host.grads.sets == accumulators
         if pause:
             opt.pipeline.worker.before_piece = lambda i: time.sleep(pause)
         for x, y in batches(steps):
@@ -96,10 +97,8 @@ def tiny_run(accumulators: int, hooks: bool, clip: float | None, interval: int, 
 @pytest.mark.parametrize("hooks", [False, True], ids=["step-path", "hook-path"])
 def test_a_slow_cpu_update_is_waited_for_not_overtaken(hooks: bool, clip: float | None, interval: int) -> None:
     """The worker sleeps 5 ms before each of its three pieces, so the next interval's first step
-    reaches the accumulator long before the update has read it: without the wait it overwrites
-    the sum being read (different bits); with it, it waits (counted) and the bits are the same.
-    ``U1`` and the clipped hook path (a late accumulation job still queued when the next update is
-    submitted) need the write's ticket: a job that waited for the update it feeds would hang."""
+    reaches the slots long before the update has read them: without the wait it overwrites the
+    slot being read (different bits); with it, it waits (counted) and the bits are the same."""
     ref = tiny_run(2, hooks, clip, interval)
     got = tiny_run(1, hooks, clip, interval, pause=0.005)
     assert ref[2] == 0  # two accumulators: nothing ever waits
@@ -108,66 +107,17 @@ def test_a_slow_cpu_update_is_waited_for_not_overtaken(hooks: bool, clip: float 
     assert all(torch.equal(a, b) for a, b in zip(got[0], ref[0]))
 
 
-def test_the_count_is_one_wherever_nothing_sums_on_the_host_meanwhile() -> None:
-    common = {"committed_bytes": 16, "acc_bytes": 4}
-    assert accumulator_count(2, overlap=False, summed_on_host=True, **common) == 1  # the step waits anyway
-    assert accumulator_count(2, overlap=True, summed_on_host=False, **common) == 1  # the device path
-    assert accumulator_count(1, overlap=True, summed_on_host=True, **common) == 1
-    assert accumulator_count(2, overlap=True, summed_on_host=True, **common) == 2
-    assert accumulator_count("auto", overlap=True, summed_on_host=True, **common) == 2  # 20 B fit
-    assert accumulator_count("auto", overlap=True, summed_on_host=True, committed_bytes=2**62, acc_bytes=4) == 1
+def test_the_count_is_one_wherever_nothing_lands_on_the_host_meanwhile() -> None:
+    common = {"committed_bytes": 16, "set_bytes": 4}
+    assert slot_sets(2, overlap=False, summed_on_host=True, **common) == 1  # the step waits anyway
+    assert slot_sets(2, overlap=True, summed_on_host=False, **common) == 1  # the device path
+    assert slot_sets(1, overlap=True, summed_on_host=True, **common) == 1
+    assert slot_sets(2, overlap=True, summed_on_host=True, **common) == 2
+    assert slot_sets("auto", overlap=True, summed_on_host=True, **common) == 2  # 20 B fit
+    assert slot_sets("auto", overlap=True, summed_on_host=True, committed_bytes=2**62, set_bytes=4) == 1
 
 
 def test_host_accumulators_is_validated() -> None:
     for bad in (0, 3, "two", 1.5, True):
         with pytest.raises(ConfigError, match="zenflow.tuning.host_accumulators"):
             ZenFlowConfig(tuning=TuningConfig(host_accumulators=bad)).validate()
-
-
-def test_a_write_still_queued_at_the_submit_does_not_wait_for_the_update_it_feeds() -> None:
-    """An interval of one step on the clipped hook path: the step's late accumulation job (a first
-    write) is still queued on the accumulation thread when its own interval's update is submitted,
-    and that update waits for the job. The job holds the ticket of the update before (taken when
-    step() queued it), so it does not wait for this one; a ticket read when the job runs would
-    deadlock. The accumulation is slowed down so that the job always runs after the submit."""
-    import threading
-
-    model = tiny_net()
-    cfg = zen(topk_ratio=0.25, update_interval=1, overlap_step=True, stream_grads=True, host_accumulators=1)
-    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, max_grad_norm=0.5) as opt:
-        stream = opt.gradient_path.stream  # type: ignore[attr-defined]
-        add = stream._accumulate
-
-        def slow_add(*args, **kwargs) -> None:
-            time.sleep(0.02)
-            add(*args, **kwargs)
-
-        stream._accumulate = slow_add
-        done: list[bool] = []
-        stop = threading.Event()
-
-        def loop() -> None:
-            for x, y in batches(8):
-                if stop.is_set():
-                    break
-                opt.zero_grad(set_to_none=True)
-                opt.prepare_backward(final=True)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-            opt.flush()
-            done.append(True)
-
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-        thread.join(timeout=60)  # 8 steps: about a second
-        hung = thread.is_alive()
-        if hung:  # release each waiter until the loop stops, so that close() can finish
-            assert opt.host is not None
-            stop.set()
-            while thread.is_alive():
-                opt.host.gate.end()
-                thread.join(timeout=0.1)
-    assert not hung, "a queued write waited for the update that waits for it"
-    assert done == [True]
-    ref = tiny_run(2, True, 0.5, 1, steps=8)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref[0]))

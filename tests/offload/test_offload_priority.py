@@ -41,17 +41,21 @@ def test_run_set_operations_match_element_sets() -> None:
 
 
 def _host(seed: int = 0):
-    """A real host state (tiny model) with random master, moments and sum, and a plain update of it."""
+    """A real host state (tiny model) with random master, moments and an interval of two steps'
+    gradient slots (slots.py), and a plain update of it."""
     cfg = zen(topk_ratio=0.25, accumulate="host", stream_grads=False, overlap_step=True)
     opt = ZenFlowOptimizer(tiny_net().named_parameters(), cfg, lr=HP["lr"])
     host = opt.host
     g = torch.Generator().manual_seed(seed)
-    for t in (host.master, host.exp_avg, host.acc[0]):
+    for t in (host.master, host.exp_avg):
         t.copy_(torch.randn(t.shape, generator=g))
+    for coef in (1.0, 0.5):  # two steps, each with its own coefficient
+        host.grads.next(0).copy_(torch.randn(host.grads.numel, generator=g))
+        host.grads.record(0, coef)
     host.exp_avg_sq.copy_(torch.rand(host.exp_avg_sq.shape, generator=g))
     host.device_owned[torch.randperm(host.layout.host_cols, generator=g)[:10]] = True
     host.steps[:5] = 3.0  # two counter groups: two native calls per piece
-    update = cpu_update("off", 2, host.acc[0], host.update_groups, HP)
+    update = cpu_update("off", 2, host.grads.take(0), host.update_groups, HP)
     return opt, host, update
 
 

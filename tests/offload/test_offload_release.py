@@ -1,13 +1,12 @@
 """zenflow.tuning.release_grads (zfctl/offload/release.py): each gradient leaves the device in its
 own hook and its ``.grad`` is freed there.
 
-Release on and off give bit-identical losses wherever the arithmetic is unchanged: no clipping (or
-a clip factor of 1), every column on the device (``topk_ratio 1``: the clip is applied per step
-either way), or one step per interval (``zero-offload``: the interval's mean clip factor is the
-step's own, and ``acc * c`` rounds like ``c * g``). No case here only reorders a sum: the hooks
-take each norm with the kernel step() uses and the global norm stacks them in parameter order.
-Where clipping differs by design (several steps per interval, factors that differ), the rule is
-tested against the pure-torch reference in tests/offload/test_offload_reference.py.
+Release on and off give bit-identical losses in every case: release changes no arithmetic (each
+step's host columns land in its own slot, raw, and the CPU update applies that step's own clip
+factor, slots.py). No case here only reorders a sum: the hooks take each norm with the kernel
+step() uses and the global norm stacks them in parameter order. The clip rule itself is tested
+against the pure-torch reference in tests/offload/test_offload_reference.py, the slots against
+the per-step accumulation they replaced in tests/offload/test_offload_slots.py.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ NO_CLIP = "train.max_grad_norm=null"
 # (zenflow preset, overrides): the default preset runs 20 warm-up steps and selects at steps 21
 # and 29 (both released), so 30 steps cover warm-up, selection and overlapped intervals.
 CASES = {
+    "default-clip": ("default", []),
     "default": ("default", [NO_CLIP]),
     "topk-1-clip": ("default", ["zenflow.topk_ratio=1.0"]),
     "topk-0": ("default", ["zenflow.topk_ratio=0.0", NO_CLIP]),
@@ -43,7 +43,7 @@ CASES = {
     "accumulation-2": ("default", ["train.gradient_accumulation_steps=2", NO_CLIP]),
     "tied": ("default", ["model.config.tie_word_embeddings=true", NO_CLIP]),
 }
-QUICK = {"default", "zero-offload-clip"}  # the others: -m slow (two 30-step runs each)
+QUICK = {"default-clip", "zero-offload-clip"}  # the others: -m slow (two 30-step runs each)
 
 
 def engine(out: Path, preset: str, overrides: list[str], release: bool,
@@ -144,8 +144,10 @@ def fp16_run(release: bool, poison: str) -> tuple[dict, ZenFlowOptimizer, dict]:
             if hit:
                 poisoned = opt.pipeline.t
             elif poisoned is not None and not after:  # the step after the overflow
-                opt.drain()  # the accumulation thread may still add the last chunks
-                after = {"seen": dict(seen), "acc": opt.pipeline.acc.clone(), "scale": scale,
+                grads, cur = opt.host.grads, opt.pipeline.cur
+                j = grads.used(cur) - 1
+                after = {"seen": dict(seen), "slot": grads.slot(cur, j).clone(), "scale": scale,
+                         "coef": grads.coefs[cur][j], "used": grads.used(cur),
                          "interval_len": opt.pipeline.interval_len, "owned": opt.host.device_owned.clone()}
         opt.flush()
         layout = opt.layout
@@ -153,33 +155,35 @@ def fp16_run(release: bool, poison: str) -> tuple[dict, ZenFlowOptimizer, dict]:
     return snapshot(model), opt, after
 
 
-def test_fp16_overflow_at_an_intervals_first_step_is_bit_identical() -> None:
-    on, _, _ = fp16_run(True, "first")
-    off, _, _ = fp16_run(False, "first")
+@pytest.mark.parametrize("poison", ["first", "mid"])
+def test_fp16_overflow_is_bit_identical_with_and_without_release(poison: str) -> None:
+    on, _, _ = fp16_run(True, poison)
+    off, _, _ = fp16_run(False, poison)
     assert all(torch.equal(on[n], off[n]) for n in off)
 
 
-def test_fp16_overflow_inside_an_interval_drops_its_host_sum() -> None:
-    """What the overflow step's hooks added cannot be taken out again: the interval starts afresh,
-    so after the next step the sum is exactly that step's gradient (times 1 / loss scale)."""
+def test_fp16_overflow_inside_an_interval_keeps_the_steps_before_it() -> None:
+    """What the overflow step's hooks landed is not recorded: after the next step the interval
+    holds the steps before the overflow and that step, whose slot is exactly its raw gradient,
+    with 1 / the loss scale as its coefficient."""
     _, _, after = fp16_run(True, "mid")
-    assert after["interval_len"] == 1
+    assert after["interval_len"] >= 2 and after["used"] == after["interval_len"]
     names = dict(zip(range(len(after["layout"].slots)), (s.name for s in after["layout"].slots)))
     checked = 0
     for slot in after["layout"].host_slots:
-        g = after["seen"][names[slot.index]].float()  # [out, in] = [rows, cols] of a Linear weight
+        g = after["seen"][names[slot.index]]  # [out, in] = [rows, cols] of a Linear weight
         host = ~after["owned"][slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
-        got = slot.host_view(after["acc"])[host]
-        assert torch.equal(got, g.t()[host] / after["scale"])
+        got = slot.host_view(after["slot"])[host]
+        assert torch.equal(got, g.t()[host])
         checked += int(host.sum())
-    assert checked > 0
+    assert checked > 0 and after["coef"] == 1.0 / after["scale"]
 
 
 def piecewise_run(tiny: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, int]:
     """14 released steps (selections at 1, 7, 13) with the migration's pieces one row each
     (``tiny``: every seam of the packing, and in-ring slots reused within a selection), or as
-    large as they come. fp16: the hooks add gradients times 1 / the loss scale, which the moves
-    undo and redo. Returns the parameters and how many gradient tensors moved."""
+    large as they come. fp16: the step's slot holds the loss-scaled raw gradient, which the moves
+    carry as it is. Returns the parameters and how many gradient tensors moved."""
     from zfctl.offload import optimizer as engine
     from zfctl.offload import sizing
 
@@ -214,8 +218,8 @@ def piecewise_run(tiny: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_released_selection_moves_the_gradient_in_pieces_with_the_same_bits(monkeypatch, dtype) -> None:
     """On a released selection step the work buffer's leaving and entering gradient columns move
-    with the state (release.py ``regather_pairs``, migration.py), scaled on the host: cut into
-    one-row pieces they give the same parameters, bit for bit, as in whole pieces."""
+    with the state (release.py ``regather_pairs``, migration.py), to and from the step's slot in
+    the model dtype: cut into one-row pieces they give the same parameters, bit for bit, as in whole pieces."""
     tiny, moved = piecewise_run(True, dtype, monkeypatch)
     whole, _ = piecewise_run(False, dtype, monkeypatch)
     assert moved > 0

@@ -1,18 +1,16 @@
-"""The hook path (offload/stream.py): gradients leave during the last backward of a step and are
-accumulated off step(); the parameters are bit-identical to the step() path."""
+"""The hook path (offload/stream.py): gradients leave during the last backward of a step and land
+in the step's slot (slots.py) off step(); the parameters are bit-identical to the step() path."""
 
 from __future__ import annotations
 
 import io
 import math
-import time
 
 import pytest
 import torch
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload.stream import GradStream
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
@@ -43,19 +41,18 @@ def train(cfg: ZenFlowConfig, *, hooks: bool, steps: int = 14, dtype=torch.float
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype) -> None:
-    # With a clip, release_grads' interval mean clip would differ from the step() path's exact
-    # one by design (tests/offload/test_offload_reference.py): the hook path without it here.
-    cfg = zen(overlap_step=overlap, full_warm_up_rounds=1, release_grads=clip is None, **BASE)
+@pytest.mark.parametrize("release", [True, False], ids=["release", "keep-grads"])
+def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype, release) -> None:
+    cfg = zen(overlap_step=overlap, full_warm_up_rounds=1, release_grads=release, **BASE)
     ref, ref_stats = train(cfg, hooks=False, dtype=dtype, clip=clip)
     got, stats = train(cfg, hooks=True, dtype=dtype, clip=clip)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
     keys = ("boundary", "selection", "installed", "grad_norm", "d2h_bytes", "h2d_bytes")
     # release_grads: a selection step on the hook path also brings the entering columns' gradient
-    # back from the host sum and sends the leaving ones' to it (release.py regather)
+    # back from the step's slot and sends the leaving ones' to it (release.py regather)
     moved = [(s.d2h_bytes - r.d2h_bytes, s.h2d_bytes - r.h2d_bytes) for r, s in zip(ref_stats, stats)]
-    assert all(m == (0, 0) for m, s in zip(moved, stats) if not s.selection or clip is not None)
-    assert all(m[1] > 0 for m, s in zip(moved, stats) if s.selection and clip is None)
+    assert all(m == (0, 0) for m, s in zip(moved, stats) if not s.selection or not release)
+    assert all(m[1] > 0 for m, s in zip(moved, stats) if s.selection and release)
     keys = keys[:4]
     assert [[getattr(s, k) for k in keys] for s in ref_stats] == [[getattr(s, k) for k in keys] for s in stats]
     assert sum(s.boundary for s in stats) >= 4 and sum(s.selection for s in stats) >= 2
@@ -74,24 +71,21 @@ def test_auto_interval_and_stream_grads_off() -> None:
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])
-def test_step_leaves_no_gradient_work_for_itself(clip) -> None:
-    """The CPU-testable property: with the hook path, step() copies no gradient chunk itself; every
-    chunk left during backward and was accumulated before step() (coefficient known in advance)
-    or by the host thread after it (clip: the coefficient needs every gradient first). Without
-    release_grads: with it the hooks always know their coefficient (tests/offload/test_offload_release.py)."""
-    cfg = zen(overlap_step=True, release_grads=False, **BASE)
+@pytest.mark.parametrize("release", [True, False], ids=["release", "keep-grads"])
+def test_step_leaves_no_gradient_work_for_itself(clip, release) -> None:
+    """The CPU-testable property: with the hook path, step() copies no gradient chunk itself;
+    every chunk left during backward, clipped or not (the coefficient goes with the slot, not
+    with the copy). A selection step without release re-plans the chunks: step() lands it."""
+    cfg = zen(overlap_step=True, release_grads=release, **BASE)
     _, ref = train(cfg, hooks=False, clip=clip)
     _, stats = train(cfg, hooks=True, clip=clip)
     for r, s in zip(ref, stats):
-        if s.selection:  # a re-selection re-plans the chunks: that step takes the step() path
+        if s.selection and not release:  # a re-selection re-plans the chunks: that step takes the step() path
             assert s.in_step_chunks == r.in_step_chunks > 0 and s.early_chunks == 0
             continue
-        assert s.in_step_chunks == 0 and s.early_chunks == r.in_step_chunks > 0
-        assert s.early_bytes == r.in_step_bytes
-        if clip is None:
-            assert s.accumulated_early == s.early_chunks and s.accumulated_late == 0
-        else:
-            assert s.accumulated_late == s.early_chunks and s.accumulated_early == 0
+        assert s.in_step_chunks == 0 and s.early_chunks > 0
+        if not s.selection:  # a released selection lands by the old plan, the step() path by the new
+            assert s.early_chunks == r.in_step_chunks and s.early_bytes == r.in_step_bytes
 
 
 def test_only_the_final_backward_streams() -> None:
@@ -111,27 +105,24 @@ def test_only_the_final_backward_streams() -> None:
 
 
 def test_fp16_overflow_drops_the_streamed_gradient() -> None:
-    """Without release_grads the landed raw gradient waits for its coefficient: an overflow adds
-    nothing (with it, the interval's sum is dropped: tests/offload/test_offload_release.py)."""
+    """The landed raw gradient of a skipped step is not recorded: the next step lands in the same
+    slot, and the interval counts only the steps taken (the sums: tests/offload/test_offload_slots.py)."""
     model = tiny_net(dtype=torch.float16)
-    cfg = zen(release_grads=False, **BASE)
+    cfg = zen(**BASE)
     data = batches(6, dtype=torch.float16)
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-3) as opt:
         run(model, opt, data[:4], hooks=True)
-        # Step 3's accumulation job may still be running on the accumulation thread, which owns
-        # acc until the job is done: drain it before taking the reference copy.
-        opt.drain()
-        acc = opt.pipeline.acc.clone()
+        used, slot = opt.host.grads.used(opt.pipeline.cur), opt.pipeline.slot()
         x, y = data[4]
         opt.zero_grad(set_to_none=True)
         opt.prepare_backward(final=True)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         opt.scale_loss(loss * math.inf).backward()
         stats = opt.step()
-        assert stats.skipped
-        opt.drain()
-        assert torch.equal(acc, opt.pipeline.acc)  # nothing was added
+        assert stats.skipped and stats.early_chunks == 0
+        assert opt.host.grads.used(opt.pipeline.cur) == used and opt.pipeline.slot().data_ptr() == slot.data_ptr()
         assert not run(model, opt, data[5:], hooks=True)[0].skipped
+        assert opt.host.grads.used(opt.pipeline.cur) == used + 1
 
 
 @pytest.mark.parametrize("stop", [4, 5])
@@ -168,39 +159,26 @@ def test_a_second_final_backward_is_refused() -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
 
 
-@pytest.mark.parametrize("slow_thread", [False, True], ids=["", "slow-thread"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["step-path", "hook-path"])
-def test_first_step_without_a_gradient_is_a_zero_sum(hooks: bool, slow_thread: bool, monkeypatch) -> None:
-    """The interval's first step writes the accumulator instead of adding (no zeroing pass), so a
-    matrix without a gradient at that step must write zeros, not keep an older interval's sum.
-
-    ``slow_thread``: every job of the accumulation thread starts 20 ms late. On CPU the hooks of
-    the next step add on the training thread, so they must wait for the zero sum queued before
-    them (GradStream._start_window); without that wait the zero sum lands after the next step's
-    add and wipes it, which the un-delayed case showed only now and then."""
-    if slow_thread:
-        submit = GradStream._submit
-
-        def late(self, fn, *args):
-            def run(*a):
-                time.sleep(0.02)
-                return fn(*a)
-            return submit(self, run, *args)
-
-        monkeypatch.setattr(GradStream, "_submit", late)
-    cfg = zen(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: acc0 again at 6
+def test_a_step_without_a_gradient_adds_nothing(hooks: bool) -> None:
+    """A matrix without a gradient at a step writes -0.0 into its chunks of the slot (stream.py
+    ``_fill``), which the worker's fma chain adds as nothing, at an interval's first step as at
+    any other: the same bits as that matrix getting an all-zero gradient. Steps 6 and 7 (the
+    first and second step of the interval [6, 8]) leave ``fc2.weight`` without one; the slots of
+    set 0 held older intervals' gradients there."""
+    cfg = zen(overlap_step=True, **BASE)  # intervals [0,2], [3,5], [6,8]: set 0 again at 6
 
     def go(hook_path: bool, zeros: bool):
         model = tiny_net()
         with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
             for t, (x, y) in enumerate(batches(10)):
                 opt.zero_grad(set_to_none=True)
-                model.fc2.weight.requires_grad_(t != 6)
+                model.fc2.weight.requires_grad_(t not in (6, 7))
                 if hook_path:
                     opt.prepare_backward(final=True)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 model.fc2.weight.requires_grad_(True)
-                if zeros and t == 6:
+                if zeros and t in (6, 7):
                     model.fc2.weight.grad = torch.zeros_like(model.fc2.weight)
                 opt.step()
             opt.flush()
@@ -241,13 +219,13 @@ def test_the_inflight_budget_counts_the_previous_steps_copies() -> None:
         assert stream.inflight_bytes == 400 and stream.budget_waits == 1
 
 
-def test_helper_threads_bind_the_optimizer_device(monkeypatch) -> None:
-    """The accumulation thread and the CPU worker wait for CUDA events; each binds itself to the
-    optimizer's device as its pool's initializer, before any job (else a context on GPU 0 per rank,
-    pcie.bind_device)."""
+def test_the_cpu_worker_binds_the_optimizer_device(monkeypatch) -> None:
+    """The CPU worker waits for CUDA events (the last copy into the slots, the install); it binds
+    itself to the optimizer's device as its pool's initializer, before any job (else a context on
+    GPU 0 per rank, pcie.bind_device). No other helper thread exists: nothing runs on the host
+    per step."""
     import threading
 
-    from zfctl.offload import stream as stream_mod
     from zfctl.offload import worker as worker_mod
 
     bound: list[tuple[str, torch.device]] = []
@@ -255,16 +233,16 @@ def test_helper_threads_bind_the_optimizer_device(monkeypatch) -> None:
     def record(device: torch.device) -> None:
         bound.append((threading.current_thread().name, device))
 
-    monkeypatch.setattr(stream_mod, "bind_device", record)
     monkeypatch.setattr(worker_mod, "bind_device", record)
     cfg = zen(**BASE, accumulate="host", overlap_step=True, release_grads=False)
     model = tiny_net()
-    # clip without release_grads: the accumulation runs as jobs on the thread
+    before = {t.name for t in threading.enumerate()}
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=1.0, **HP) as opt:
         run(model, opt, batches(6), hooks=True)
-    names = {name.split("_")[0] for name, _ in bound}
-    assert names == {"zenflow-acc", "zenflow-cpu"}
+        started = {t.name.split("_")[0] for t in threading.enumerate()} - {n.split("_")[0] for n in before}
+    assert {name.split("_")[0] for name, _ in bound} == {"zenflow-cpu"}
     assert {d for _, d in bound} == {torch.device("cpu")}
+    assert "zenflow-acc" not in started
 
 
 def test_a_matrix_whose_gradient_came_from_an_earlier_micro_batch_is_not_lost() -> None:
@@ -283,8 +261,6 @@ def test_a_matrix_whose_gradient_came_from_an_earlier_micro_batch_is_not_lost() 
     def train_branchy(hooks: bool):
         torch.manual_seed(0)
         model = Branchy()
-        # release_grads off: with the clip its interval mean rule would differ from the step()
-        # path by design (its own case: tests/offload/test_offload_release.py, Gated)
         cfg = zen(**BASE, accumulate="host", full_warm_up_rounds=1, release_grads=False)
         with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=0.5, **HP) as opt:
             stats = []

@@ -62,8 +62,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        # with the clip, the hook path equals the step() path without release_grads (its interval
-        # mean clip differs by design: tests/offload/test_offload_reference.py)
+        # with the clip, the hook path (here without release_grads) equals the step() path
         res = {"step": _train(rank, world, hooks=False), "hooks": _train(rank, world, hooks=True, release=False),
                # release_grads on and off, without clipping: the same arithmetic (release.py)
                "on": _train(rank, world, hooks=True, clip=None),

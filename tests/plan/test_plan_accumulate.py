@@ -17,20 +17,20 @@ def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
     big = estimate(plan, Machine(512 * GB, True, "B200", 180 * GB))
     assert big.accumulate == "device"
     assert big.item("gradient accumulator") == pytest.approx(4 * P2)  # ~27 GB for a 7B
-    assert big.item("gradient landing buffers") == 0
+    assert big.item("gradient accumulators") == pytest.approx(4 * P2) and big.item("gradient slots") == 0  # its host side
     assert any("zenflow.accumulate (auto): device" in n for n in big.notes)
     small = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
     assert small.accumulate == "host" and small.item("gradient accumulator") == 0
-    # release_grads (the default): a ring as large as the in-flight budget (128 MiB at the assumed
-    # link rate, 4 slots of 32 MiB), not a copy of the gradient; one matrix's .grad at a time, the
-    # largest (the 32000 x 4096 embedding, bf16), and the 1-D params' (65 norm weights of 4096)
-    assert small.item("gradient landing buffers") == 4 * 32 * 2**20
+    # the host path: 4 bf16 gradient slots per set (update_interval 4), two sets (512 GB hold them);
+    # release_grads (the default): one matrix's .grad at a time, the largest (the 32000 x 4096
+    # embedding, bf16), and the 1-D params' (65 norm weights of 4096)
+    assert small.item("gradient slots") == pytest.approx(2 * 4 * 2 * P2) and small.host_accumulators == 2
     assert small.item("gradients") == 2 * (32000 * 4096 + 65 * 4096)
     cpu = estimate(plan, Machine(512 * GB, False))
     assert cpu.accumulate == "host"
     off = estimate(resolve_plan("llama2-7b", "alpaca", overrides=["zenflow.tuning.release_grads=false"]),
                    Machine(512 * GB, True, "L4", 24 * GB))
-    assert off.item("gradient landing buffers") == pytest.approx(2 * 2 * P2)  # bf16, two steps
+    assert off.item("gradient slots") == small.item("gradient slots")  # release moves no host memory
     assert off.item("gradients") == pytest.approx(2 * 6.738e9, rel=1e-3)  # every .grad until step()
 
 
@@ -57,4 +57,7 @@ def test_the_release_line_counts_every_rank_of_the_job(nodes: int, nproc: int) -
     assert est.world_size == 2 and est.accumulate == "host"
     assert est.item("gradients") == pytest.approx(2 * 6.738e9, rel=1e-3)  # w P: every .grad until step()
     assert "data parallel" in next(i.note for i in est.items if i.name == "gradients")
-    assert est.item("gradient landing buffers") == 4 * 32 * 2**20  # still the release's bounded ring
+    # the host path's gradient slots whatever the release (it bounds only the device's .grad):
+    # zero2 gives each of the 2 ranks half the host columns, the same slot sets
+    assert est.host_accumulators == one.host_accumulators
+    assert est.item("gradient slots") == pytest.approx(one.item("gradient slots") / 2, rel=0.01)

@@ -120,7 +120,7 @@ def test_a_capped_process_plans_for_its_cap_and_builds_that(h200: FakeCuda, monk
     assert machine_mod.this_machine().host_ram == 16 * GB
     capped = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=[*WIDE, "machine.gpu_memory=5GB"]))
     roomy = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=[*WIDE, "machine.gpu_memory=5GB",
-                                                                          "machine.host_memory=20GB"]))
+                                                                          "machine.host_memory=32GB"]))
     assert (capped.zenflow.tuning.host_accumulators, roomy.zenflow.tuning.host_accumulators) == (1, 2)
     assert built_config(monkeypatch, capped).tuning.host_accumulators == 1
 

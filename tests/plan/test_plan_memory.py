@@ -67,6 +67,13 @@ def train_steps(model, opt, steps: int) -> None:
         opt.step()
 
 
+def engine_lines(est, *, checkpoint: bool = False) -> float:
+    """The plan's engine lines; ``checkpoint``: with those held only around a checkpoint taken or
+    resumed inside an interval (``checkpoint interval sum``)."""
+    return sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload")
+               and (checkpoint or not i.name.startswith("checkpoint")))
+
+
 def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: int = 3) -> tuple[int, float]:
     """(bytes the optimizer holds after ``steps`` steps, the plan's engine lines) on CPU."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=model_overrides + plan_overrides +
@@ -80,9 +87,7 @@ def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: i
         held = held_bytes(opt, params)
     finally:
         opt.close()
-    est = estimate(plan, Machine(64 * GB, False))
-    planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
-    return held, planned
+    return held, engine_lines(estimate(plan, Machine(64 * GB, False)))
 
 
 @pytest.mark.parametrize("model", [TINY_LLAMA, GQA_TIED], ids=["tiny-llama", "gqa-tied"])
@@ -98,18 +103,52 @@ def test_engine_allocates_what_the_plan_says(model, accumulate, overlap, stream)
 
 @pytest.mark.parametrize("model", [TINY_LLAMA, GQA_TIED], ids=["tiny-llama", "gqa-tied"])
 @pytest.mark.parametrize("stream", [True, False], ids=["hooks", "step-path"])
-def test_one_host_accumulator_with_overlap_allocates_what_the_plan_says(model, stream) -> None:
+def test_one_slot_set_with_overlap_allocates_what_the_plan_says(model, stream) -> None:
     """The host paths with overlap_step and zenflow.tuning.host_accumulators: 1 (acc_gate.py):
-    one fp32 sum, 4 B per host element less than two, and the plan's line says so."""
+    one set of gradient slots, and the plan's line says so; a second set is exactly one set more."""
     sets = ["zenflow.accumulate=host", "zenflow.overlap_step=true", f"zenflow.tuning.stream_grads={stream}",
             "zenflow.select_interval=4", "zenflow.update_interval=2"]
     held, planned = engine_bytes([*sets, "zenflow.tuning.host_accumulators=1"], model)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
     held2, planned2 = engine_bytes([*sets, "zenflow.tuning.host_accumulators=2"], model, steps=1)
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[*model, *sets, "train.device=cpu",
+                                                                  "train.precision=fp32",
                                                                   "zenflow.tuning.host_accumulators=1"])
-    one_acc = estimate(plan, Machine(64 * GB, False)).item("gradient accumulators")
-    assert held2 - held == planned2 - planned == one_acc  # exactly one accumulator more
+    one_set = estimate(plan, Machine(64 * GB, False)).item("gradient slots")
+    assert held2 - held == planned2 - planned == one_set  # exactly one set more
+    assert one_set == 2 * 4 * plan_numel(plan)  # update_interval 2: two fp32 slots per host element
+
+
+def plan_numel(plan) -> int:
+    """H: the host-column elements of the plan's layout, from its 'fp32 master' line (4 B each)."""
+    return int(estimate(plan, Machine(64 * GB, False)).item("fp32 master")) // 4
+
+
+def test_a_checkpoint_inside_an_interval_holds_what_its_plan_line_says() -> None:
+    """Saved after one step of an interval, the state holds that interval's fp32 sum (a new buffer,
+    ``checkpoint interval sum``), and an optimizer resumed from it holds it as its carry until the
+    interval's update: the engine lines with that line are what it holds then."""
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
+        "train.device=cpu", "zenflow.full_warm_up_rounds=0", "train.precision=fp32", "zenflow.accumulate=host",
+        "zenflow.select_interval=4", "zenflow.update_interval=2"])
+    model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with build_optimizer(model, plan, steps_per_epoch=100) as opt:
+        train_steps(model, opt, 3)  # boundaries at 1 and 3 (interval 2): one step into [2, 3]
+        sd = opt.state_dict()
+        assert sd["counters"]["interval_len"] == 1
+        saved = [p["acc"] for p in sd["host"]]
+    with build_optimizer(model, plan, steps_per_epoch=100) as opt:
+        opt.load_state_dict(sd)
+        del sd, saved
+        opt.zero_grad(set_to_none=True)
+        held = held_bytes(opt, params)
+    est = estimate(plan, Machine(64 * GB, False))
+    # The selection staging is made at the first selection, which the resumed optimizer has not run.
+    planned = engine_lines(est, checkpoint=True) - est.item("selection staging")
+    assert held == pytest.approx(planned, rel=0.02), (held, planned)
+    assert est.item("checkpoint interval sum") == 4 * plan_numel(plan)
+    assert held - engine_lines(est) + est.item("selection staging") == pytest.approx(4 * plan_numel(plan), rel=0.1)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -129,7 +168,7 @@ def test_the_upload_buffer_line_is_what_the_engine_allocates(precision) -> None:
     finally:
         opt.close()
     est = estimate(plan, Machine(64 * GB, False))
-    planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+    planned = engine_lines(est)  # no checkpoint inside an interval: no interval sum held
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
     if precision == "bf16":
         assert est.item("upload buffer") == upload.numel() * 2 == est.item("fp32 master") / 2
@@ -164,8 +203,8 @@ def replace_tuning(plan, **kw):
 
 
 def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -> None:
-    """auto = 2 when the host total with the second accumulator stays within what the verdict lets
-    the host use; the plan shows the count and the run builds with it for its own machine."""
+    """auto = 2 when the host total with the second set of gradient slots stays within what the
+    verdict lets the host use; the plan shows the count and the run builds with it for its own machine."""
     from zfctl.plan import machine as machine_mod
 
     plan = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB"])
@@ -173,14 +212,14 @@ def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -
     one = resolve_plan("llama2-7b", "alpaca", overrides=["machine.gpu_memory=48GB", "zenflow.tuning.host_accumulators=1",
                                                          "zenflow.tuning.upload_buffer=false"])
     base = estimate(one, Machine(1e15, True, "gpu", 48 * GB))
-    acc = base.item("gradient accumulators")
+    acc = base.item("gradient slots")
     assert base.host_accumulators == 1 and base.accumulate == "host"
     edge = base.host_total + acc + 15 * GB  # host_limit: all but 15 GB of a machine over 60 GB
     fits, short = (estimate(plan, Machine(ram, True, "gpu", 48 * GB)) for ram in (edge, edge - 1e6))
-    assert fits.host_accumulators == 2 and fits.item("gradient accumulators") == 2 * acc
-    assert short.host_accumulators == 1 and short.item("gradient accumulators") == acc
+    assert fits.host_accumulators == 2 and fits.item("gradient slots") == 2 * acc
+    assert short.host_accumulators == 1 and short.item("gradient slots") == acc
     assert any("host_accumulators (auto): 1" in n for n in short.notes)
-    assert "1 x fp32" in next(i.note for i in short.items if i.name == "gradient accumulators")
+    assert "1 set of 4 slots" in next(i.note for i in short.items if i.name == "gradient slots")
     # The run: tiny-llama on this CPU, for a machine with room for both and one without.
     tiny = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", "train.precision=fp32",
                                                                   "zenflow.accumulate=host"])
@@ -189,7 +228,7 @@ def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -
         monkeypatch.setattr(machine_mod, "this_machine", lambda ram=ram: Machine(ram, False))
         assert estimate(tiny).host_accumulators == want
         with build_optimizer(model, tiny, steps_per_epoch=100) as opt:
-            assert opt.host is not None and len(opt.host.acc) == want, ram
+            assert opt.host is not None and opt.host.grads.sets == want, ram
 
 
 def test_a_buffer_without_a_plan_line_is_caught() -> None:
@@ -206,8 +245,7 @@ def test_a_buffer_without_a_plan_line_is_caught() -> None:
         assert opt.host is not None
         opt.pipeline.worker._spare = torch.empty(opt.host.master.numel(), dtype=torch.bfloat16)  # an upload copy
         assert held_bytes(opt, params) == before + 2 * opt.host.master.numel()
-        est = estimate(plan, Machine(64 * GB, False))
-        planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
+        planned = engine_lines(estimate(plan, Machine(64 * GB, False)))
         assert held_bytes(opt, params) > 1.02 * planned
 
 
@@ -219,18 +257,19 @@ def test_llama2_7b_fits_one_80gb_gpu_and_a_128gb_host() -> None:
     p2 = 6.738e9 - (2 * 32 + 1) * 4096  # the 2-D weights
     state = est.host_total - est.item("process baseline")  # the process itself: 2 GB on CUDA, not per param
     assert est.item("process baseline") == 2 * GB
-    # 12 B master + moments, 4 B the one accumulator, bookkeeping, and the selection staging
+    # 12 B master + moments, 4 B the device path's sum, bookkeeping, and the selection staging
     # (the in ring and the out buffer that holds the leaving state: 2.4 GB, 0.36 B per element)
     assert state / p2 <= 16.4
     assert est.item("selection staging") <= 2.5 * GB
-    assert est.item("gradient landing buffers") == 0
-    # The host path (a GPU too small for the device accumulator) fits the 128 GB host too: one
-    # accumulator and the landing ring (release_grads), 16 B per matrix element. On a 24 GB card
-    # the device side does not fit without --fit, and the verdict says why.
+    assert est.item("gradient slots") == 0 and est.item("checkpoint interval sum") == 0
+    # The host path (a GPU too small for the device accumulator): one set of 4 bf16 gradient slots
+    # (host_accumulators auto: two do not fit) and the fp32 sum of a checkpoint taken inside an
+    # interval, 24 B per matrix element, more than a 128 GB host holds: the verdict names both.
     small = estimate(plan, Machine(128 * GB, True, "L4", 24 * GB))
     small_state = small.host_total - small.item("process baseline")
-    assert small.accumulate == "host" and small.host_total <= 113 * GB and small_state / p2 <= 16.45
-    assert not small.fits and "device memory" in small.reasons[-1] and "weights" in small.reasons[-1]
+    assert small.accumulate == "host" and small.host_accumulators == 1 and small_state / p2 <= 24.45
+    assert small.item("gradient slots") == pytest.approx(4 * 2 * p2, rel=1e-3)
+    assert not small.fits and "device memory" in small.reasons[0] and "host RAM" in small.reasons[-1]
 
 
 def test_plan_json_carries_the_verdict_numbers() -> None:

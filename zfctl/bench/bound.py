@@ -149,8 +149,8 @@ def bound(per_step: dict[str, float], device_ms: float | None, machine: Machine)
 GAP_WAITS = {  # gap part -> the StepStats.wait_ms kinds it sums, at steps that do not select
     "install": ("device.install", "host.install_dma"),
     "boundary wait": ("host.cpu_update",),
-    "hook wait": ("host.hook_slot", "host.hook_budget", "host.acc_drain"),
-    "copy wait": ("host.d2h_chunk", "device.sum_copy"),
+    "hook wait": ("host.hook_budget", "host.slot_gate"),
+    "copy wait": ("device.sum_copy", "host.slot_fill", "host.slot_drain"),
 }
 
 

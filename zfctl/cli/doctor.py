@@ -115,8 +115,7 @@ def check_cores() -> tuple[str, str]:
     )
 
 
-def _core_plan(machine: Machine | None = None, device: torch.device | None = None, *,
-               on_device: bool = False) -> tuple[torch.device, CorePlan]:
+def _core_plan(machine: Machine | None = None, device: torch.device | None = None) -> tuple[torch.device, CorePlan]:
     """The default config's core split on this machine and rank (or the given ones), on the first
     GPU if there is one."""
     import torch
@@ -126,20 +125,17 @@ def _core_plan(machine: Machine | None = None, device: torch.device | None = Non
 
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    return device, cores.plan_for(ZenFlowConfig(), device, on_device=on_device, machine=machine)
+    return device, cores.plan_for(ZenFlowConfig(), device, machine=machine)
 
 
 def check_core_split(machine: Machine | None = None, device: torch.device | None = None) -> tuple[str, str]:
     """How a run with the default zenflow.tuning splits the cores (zfctl/offload/cores.py):
-    the training thread's reserved CPUs, each pool's threads and CPUs."""
+    the training thread's reserved CPUs, the update pool's threads and CPUs."""
     from zfctl.offload.cores import format_cpulist
 
     device, plan = _core_plan(machine, device)
-    on_device = _core_plan(machine, device, on_device=True)[1]
     where = "with a GPU" if device.type == "cuda" else "on the CPU"
     lines = plan.lines()[:2]
-    lines.append(f"accumulate: device gives the update pool all {on_device.threads[1]} "
-                 f"(CPUs {format_cpulist(on_device.update)})")
     if plan.training:
         lines.append(f"torch's intra-op threads are not pinned (docs/design.md); "
                      f"GOMP_CPU_AFFINITY={format_cpulist(plan.training)} set before launch keeps them there")

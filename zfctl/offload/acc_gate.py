@@ -1,30 +1,27 @@
-"""One host accumulator with ``overlap_step``: the next interval's first writes wait for the CPU
-update to have read what they overwrite.
+"""One gradient slot set with ``overlap_step``: the next interval's writes wait for the CPU update
+to have read what they overwrite.
 
-With two accumulators (``zenflow.tuning.host_accumulators: 2``) the next interval sums into the
-other one and nothing waits. With one (4 B per host element less: the host path's 16 B/param),
-the CPU update of interval k reads ``acc`` while interval k+1's first step overwrites it. So the
-worker updates the accumulator piece by piece, in a fixed order (the order the gradient path
-writes chunks in: ``GradientPath.write_order``), and publishes how many pieces it has finished
-(the *watermark*); the first write of interval k+1 into a chunk waits until the watermark has
-passed that chunk. Only first writes wait: they write every host chunk (the gradient, or zeros
-for a matrix without one), and every later write of the interval comes after them in the same
-thread's order. Results never depend on timing: each element is read by the update before it is
-overwritten, exactly the values the second accumulator would have held; only the waits differ.
+With two slot sets (``zenflow.tuning.host_accumulators: 2``, slots.py) the next interval lands in
+the other set and nothing waits. With one (``update_interval x itemsize`` B per host element
+less), the CPU update of interval k reads the set's slots while interval k+1's steps overwrite
+them. So the worker updates piece by piece, in a fixed order (the order the gradient path writes
+chunks in: ``GradientPath.write_order``), reading every slot of a piece at once, and publishes
+how many pieces it has finished (the *watermark*); each write of interval k+1 into a chunk of a
+slot (a copy, or a ``-0.0`` fill) waits until the watermark has passed that chunk. Results never
+depend on timing: each element is read by the update before it is overwritten, exactly the
+values the second set would have held; only the waits differ.
 
-Which update a write must wait for is fixed when the write is *issued* (main thread, in step
-order), not when it runs: ``waiter()`` takes a ticket (the number of updates submitted so far).
-A hook-path job of interval k may still be queued when update k is submitted (an interval of one
-step, or the late accumulation after clipping); it holds ticket k-1, so it does not wait for the
-update that waits for it. A write of interval k+1 is issued after update k's submit and holds
-ticket k.
+Which update a write must wait for is fixed when the write is *issued* (in step order), not when
+it runs: ``waiter()`` takes a ticket (the number of updates submitted so far). Every write of
+interval k is issued before update k is submitted (the hooks and step() land a step's gradient
+before its boundary), so it holds ticket k-1 and never waits for the update that reads it; a
+write of interval k+1 is issued after update k's submit and holds ticket k.
 
-Where the waits fall: the step() path waits on the main thread inside ``step()`` (stall); the
-hook path waits on the accumulation thread (stream.py ``_add``), which the device waits for only
-when a later hook needs its landing buffer back (two steps later) or at the next boundary; on CPU
-without a late coefficient the hook adds synchronously, so the backward waits. ``waits`` and
-``wait_ms`` count them (``StepStats.acc_gate_waits``/``acc_gate_ms``). The cost: when the CPU
-update takes longer than about one step, the next step waits for it.
+Where the waits fall: on the thread that issues the write, before its copy is enqueued: a hook
+(the backward waits) or step() (stall). ``waits`` and ``wait_ms`` count them
+(``StepStats.acc_gate_waits``/``acc_gate_ms``, and the ledger's ``host.slot_gate``: only the waits
+that blocked, since whether one does depends on the worker's progress). The cost: when the CPU update takes longer than
+about one step, the next steps wait for it.
 """
 
 from __future__ import annotations
@@ -34,11 +31,15 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from zfctl.offload.ledger import NOWHERE, Ledger
+
 Waiter = Callable[[int], None]
 
 
 class AccGate:
-    """The watermark of the update in flight over the shared accumulator, and the wait on it."""
+    """The watermark of the update in flight over the shared slot set, and the wait on it."""
+
+    ledger: Ledger = NOWHERE  # where its blocking waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -50,12 +51,12 @@ class AccGate:
         self.wait_ms = 0.0
 
     def waiter(self) -> Waiter:
-        """The wait a first write issued now must do before overwriting the chunk at an offset
-        (main thread, in step order: the ticket is the update submitted last)."""
+        """The wait a write issued now must do before overwriting the chunk at an offset (issued in
+        step order: the ticket is the update submitted last)."""
         return partial(self.wait, self._issued)
 
     def start(self, offsets: Sequence[int]) -> None:
-        """A new update reads the accumulator in this order of chunk offsets (main thread, at
+        """A new update reads the slot set in this order of chunk offsets (main thread, at
         submit, before the worker can run: no write issued after this passes unchecked)."""
         with self._cv:
             self._issued += 1
@@ -70,7 +71,7 @@ class AccGate:
             self._cv.notify_all()
 
     def end(self) -> None:
-        """The update in flight is done with the accumulator, or failed (CPU worker, always)."""
+        """The update in flight is done with the slot set, or failed (CPU worker, always)."""
         with self._cv:
             self._reading = 0
             self._cv.notify_all()
@@ -89,9 +90,11 @@ class AccGate:
                 return
             t0 = time.perf_counter()
             while self._reading == ticket and self._passed < need:
-                self._cv.wait()  # accumulation or main thread: the CPU update has not read it yet
+                self._cv.wait()  # a hook or step(): the CPU update has not read it yet
+            ms = (time.perf_counter() - t0) * 1e3
             self.waits += 1
-            self.wait_ms += (time.perf_counter() - t0) * 1e3
+            self.wait_ms += ms
+        self.ledger.waited("host.slot_gate", ms=ms)
 
     def take_counts(self) -> tuple[int, float]:
         """(waits, ms) since the last call (the optimizer reports them per step)."""

@@ -1,7 +1,7 @@
 """How many gradient bytes may be in flight to the host: sized from a measured D2H bandwidth.
 
-The hook path (stream.py) keeps device temporaries of the host-owned gradient columns alive until
-their copy to the pinned landing buffer has finished. Too few bytes in flight and a hook waits
+The host paths (stream.py) keep device temporaries of the host-owned gradient columns alive until
+their copy into the step's page-locked gradient slot has finished. Too few bytes in flight and a hook waits
 for PCIe (stall inside backward); too many and the temporaries cost device memory for nothing.
 The right amount is what the link drains in a short window: at 55 GB/s (the raw pinned D2H
 measured in docs/design.md, "Performance model") 2 ms is 110 MB, a few layers' matrices of a

@@ -1,15 +1,15 @@
-"""Column-range chunks of the host-owned matrices, and the two transfers that move them across
-PCIe inside ``step()``: gradients device to host (``offload_gradients``) and the installed
-params host to device (``install_params``). The hook path (stream.py) moves the same chunks device
-to host during backward instead, and the device path (device_acc.py) moves only the interval sum.
+"""Column-range chunks of the host-owned matrices, and the install that moves them host to device
+(``install_params``). Gradients move device to host chunk by chunk into the step's slot
+(stream.py: from the hooks or from step()); the device path (device_acc.py) moves only the
+interval sum.
 
 A chunk is a range of whole columns ``[c0, c1)`` of one matrix, as many as fit in a ring slot.
 Chunks whose columns are all device-owned are skipped. Both directions move whole column ranges:
 the device-owned columns inside a chunk (about ``topk_ratio`` of the bytes) ride along because
 dropping them would take a device gather per chunk and a host scatter per run (one native call
-each), which costs more than the bytes it saves. On the host, the run list of each chunk makes
-the accumulation (and the CPU AdamW, which writes the upload buffer the install reads) skip
-them; on the device, the install puts them back from the device master (install.py).
+each), which costs more than the bytes it saves. On the host, the run lists make the CPU AdamW
+(which also writes the upload buffer the install reads) skip them; on the device, the install
+puts them back from the device master (install.py).
 """
 
 from __future__ import annotations
@@ -58,43 +58,6 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
                 runs = column_runs(~owned, layout.host_col_offsets[g0 : g1 + 1] - off)
             chunks.append(Chunk(slot, c0, c1, off, runs))
     return chunks
-
-
-def offload_gradients(ring: Ring, chunks: list[Chunk], grads: list[torch.Tensor | None],
-                      acc: torch.Tensor, scale: float, accumulate: Callable[..., None], *,
-                      overwrite: bool = False, wait_read: Callable[[int], None] | None = None) -> int:
-    """Stream the host-owned gradient columns to the host and add ``scale * grad`` into ``acc``.
-
-    The device transposes each column range into column-major order (one strided copy on the
-    device), the ring moves it (PCIe D2H, model dtype: 2 B/element for bf16), and the native
-    kernel accumulates it in fp32 on the host. ``overwrite`` (the interval's first step): write
-    ``scale * grad`` instead of adding, so the accumulator is never zeroed nor read. ``wait_read``
-    (one accumulator shared with the CPU update in flight, acc_gate.py): called with a chunk's
-    offset before its overwrite, it returns once the update has read that chunk. Returns the
-    bytes copied.
-    """
-    def produce():
-        for ch in chunks:
-            g = grads[ch.slot.index]
-            if g is None:  # no gradient this step: nothing to add (first step: a zero sum)
-                if overwrite:
-                    if wait_read is not None:
-                        wait_read(ch.off)
-                    acc[ch.off : ch.off + ch.numel].zero_()
-                continue
-            gm = as_matrix(g, ch.slot)
-
-            def fill(dst: torch.Tensor, gm: torch.Tensor = gm, ch: Chunk = ch) -> None:
-                dst.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
-
-            yield ch.numel, g.dtype, fill, ch
-
-    def consume(view: torch.Tensor, ch: Chunk) -> None:
-        if overwrite and wait_read is not None:
-            wait_read(ch.off)  # main thread (stall): the CPU update has not read this chunk yet
-        accumulate(acc[ch.off : ch.off + ch.numel], view, scale=scale, runs=ch.runs, overwrite=overwrite)
-
-    return ring.d2h(produce(), consume)
 
 
 def install_params(ring: Ring, chunks: list[Chunk], source: torch.Tensor, params: list[torch.Tensor], *,

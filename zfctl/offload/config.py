@@ -6,7 +6,7 @@ field's `help` metadata into `--help` text, preset comments and error messages.
 
 The defaults are the `default` preset (presets/zenflow/default.yaml sets nothing): a library user
 and `zfctl finetune` get the same optimizer. About nine options say what the algorithm does; the
-knobs of the machinery (transfer rings, thread split, the auto interval's bounds, ...) sit in
+knobs of the machinery (transfer rings, slot sets, the auto interval's bounds, ...) sit in
 `tuning` (`zenflow.tuning.*` in YAML and `--set`).
 
 What a field accepts is in its type hint (integer, number, true/false, the choices of a
@@ -33,6 +33,9 @@ AutoBool = Union[bool, Literal["auto"]]  # noqa: UP007
 SelectInterval = Union[int, str]  # noqa: UP007
 EPOCHS = re.compile(r"^(\d+)\s*epochs?$")
 AUTO_SELECT_STEPS = 256  # select_interval=auto without the epoch length: as DeepSpeed's default
+# The longest interval: one gradient slot per step, and the CPU update reads at most this many
+# slots in one pass (native/kernels.h ZF_MAX_SLOTS, zfctl/_native.py MAX_SLOTS).
+MAX_INTERVAL = 64
 
 
 def _f(default: Any, help: str, **rule: Any) -> Any:
@@ -59,12 +62,13 @@ class TuningConfig:
     )
     host_accumulators: Interval = _f(
         "auto",
-        "fp32 interval sums on the host paths with overlap_step: 2 = the next interval sums into "
-        "the second while the CPU update reads the first (4 B per host element more); 1 = one, "
-        "16 B/param in all, and the next interval's first writes wait for the update to have read "
-        "each chunk (a step waits when the update takes longer than about one step); auto = 2 "
-        "when the plan's host total with it fits the machine, else 1, decided when the plan is made "
-        "(plan.yaml holds 1 or 2). Same results either way.",
+        "Sets of per-step gradient slots on the host paths with overlap_step (one slot per step of "
+        "an interval, model dtype): 2 = the next interval lands in the second while the CPU update "
+        "reads the first (update_interval x 2 B per host element more in bf16); 1 = one set, and "
+        "the next interval's writes wait for the update to have read each chunk (a step waits when "
+        "the update takes longer than about one step); auto = 2 when the plan's host total with it "
+        "fits the machine, else 1, decided when the plan is made (plan.yaml holds 1 or 2). "
+        "Same results either way.",
         ge=1, le=2,
     )
     upload_buffer: AutoBool = _f(
@@ -83,14 +87,13 @@ class TuningConfig:
     release_grads: bool = _f(
         True,
         "Hook path: free each gradient inside its hook on the last backward (its selected columns "
-        "to the device state, its host columns through a bounded landing ring into the sum), so "
-        "the device never holds every .grad at once. With clipping the CPU update then scales the "
-        "interval's summed gradient by the interval's mean clip factor (docs/design.md, Algorithm).",
+        "to the device state, its host columns into the step's gradient slot), so the device never "
+        "holds every .grad at once. Changes no result (docs/design.md, Algorithm).",
     )
     pin_memory: bool = _f(
         True, "Page-lock the host buffers PCIe copies read or write (the install's source: the "
-        "upload buffer or the fp32 master; the device path's accumulator, landing buffers, "
-        "transfer ring): async DMAs instead of staged copies."
+        "upload buffer or the fp32 master; the gradient slots, the device path's sum, selection "
+        "staging): async DMAs instead of staged copies."
     )
     auto_ratio: float = _f(
         0.99,
@@ -99,13 +102,9 @@ class TuningConfig:
         gt=0, le=1, example=0.99,
     )
     auto_min_interval: int = _f(1, "update_interval=auto: fewest steps between CPU updates.", ge=1)
-    auto_max_interval: int = _f(16, "update_interval=auto: most steps between CPU updates.", ge=1)
-    accumulate_threads: int = _f(
-        0,
-        "Of cpu_threads, how many the gradient accumulation uses while a CPU update runs (the "
-        "update takes the rest); 0 = auto, ~10/38 of them by bytes moved per element.",
-        ge=0,
-    )
+    auto_max_interval: int = _f(
+        16, "update_interval=auto: most steps between CPU updates (each holds a gradient slot on the host "
+        "paths: the plan counts this many per set).", ge=1, le=MAX_INTERVAL)
     reserved_cores: Interval = _f(
         "auto",
         "Physical cores of this rank's share kept for the training thread (the thread that launches "
@@ -120,7 +119,8 @@ class TuningConfig:
         "local rank, on the GPU's NUMA node). auto = on with a GPU; off on the CPU, where torch's "
         "compute shares every core and a pinned thread cannot dodge a busy one.",
     )
-    ring_slots: int = _f(4, "Slots in each transfer ring (host slots for D2H gradients, device slots for H2D params).", ge=1)
+    ring_slots: int = _f(4, "Device slots of the install ring (H2D params); with ring_slot_mb it sizes the column chunks "
+                         "gradients and installs move in.", ge=1)
     ring_slot_mb: float = _f(
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",
         gt=0, unit="MiB", example=32,
@@ -157,9 +157,9 @@ class ZenFlowConfig:
     )
     update_interval: Interval = _f(
         4,
-        "Apply the CPU AdamW to the non-selected columns every N steps, or 'auto' "
+        "Apply the CPU AdamW to the non-selected columns every N steps (at most 64), or 'auto' "
         "(adaptive, bounded by tuning.auto_min_interval..tuning.auto_max_interval).",
-        ge=1,
+        ge=1, le=MAX_INTERVAL,
     )
     full_warm_up_rounds: int = _f(
         20,

@@ -33,13 +33,13 @@ The plan (``plan_cores``, pure):
    Python's other threads' (the backward's thread, data loading). ``auto``: with a GPU, 2 when
    the share has 8 cores or more, 1 with 3-7, none with 1-2; on the CPU none (there the training's
    own compute is torch's intra-op threads on every core, and nothing launches device work).
-4. Pools: the rest, core by core: the accumulation pool (native pool 1) takes the first ``acc``
-   CPUs and the update pool (pool 0) the next ``upd`` (threads.py ``split_threads``; on the device
-   path nothing accumulates on the host and the update takes them all). ``zenflow.cpu_threads``
-   N > 0 uses the first N of them; more than there are leaves the threads unpinned.
+4. The pool: the rest, core by core, go to the CPU update's pool (native pool 0; threads.py
+   ``split_threads``: nothing runs native code on the host per step, on any gradient path, so the
+   update takes them all). ``zenflow.cpu_threads`` N > 0 uses the first N of them; more than
+   there are leaves the threads unpinned.
 5. Pinning: ``pin_threads: auto`` pins with a GPU only. On the CPU the pools share every core with
    torch's compute anyway, and a pinned thread cannot move off a core another process holds (on a
-   shared 2-core machine a pinned 600K-element accumulate took 1.7-2.6 ms against 0.26-1.7 ms
+   shared 2-core machine a pinned 600K-element native call took 1.7-2.6 ms against 0.26-1.7 ms
    unpinned).
 
 NUMA placement (more than one node, the GPU's node known): the host buffers are allocated with
@@ -66,9 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zfctl.offload.threads import ACC_POOL, split_threads
+from zfctl.offload.threads import split_threads
 
-UPDATE_POOL = 0  # the native pool of the CPU update's AdamW (threads.py: the accumulation's is ACC_POOL)
+UPDATE_POOL = 0  # the native pool of the CPU update's AdamW (pool 1 serves no zfctl caller now)
 SYSFS = Path("/sys")
 
 
@@ -164,9 +164,8 @@ class CorePlan:
 
     share: tuple[int, ...]  # this rank's CPUs
     training: tuple[int, ...]  # reserved: no pool work runs here
-    accumulate: tuple[int, ...]  # native pool 1 (gradient accumulation), pinned one thread per CPU
-    update: tuple[int, ...]  # native pool 0 (the CPU update's AdamW)
-    threads: tuple[int, int]  # (accumulation, update) participants, threads.py's split
+    update: tuple[int, ...]  # native pool 0 (the CPU update's AdamW), pinned one thread per CPU
+    threads: int  # the update's participants, threads.py's split
     total: int  # the native library's thread count (zf_set_num_threads)
     pinned: bool
     node: int | None  # NUMA node for the host state; None: one node, or the GPU's unknown
@@ -177,8 +176,6 @@ class CorePlan:
     def lines(self) -> list[str]:
         """Human-readable summary (zfctl doctor, the run's log)."""
         pin = "pinned" if self.pinned else "not pinned"
-        acc = (f"accumulation pool {self.threads[0]} thread(s) on CPUs {format_cpulist(self.accumulate)}"
-               if self.threads[0] else "no accumulation pool (device path)")
         numa = (f"{self.numa_nodes} NUMA node(s); host state on node {self.node}" if self.node is not None
                 else f"{self.numa_nodes} NUMA node(s); host state not placed (one node, or the GPU's node unknown)")
         if self.gpu_node is not None:
@@ -187,7 +184,7 @@ class CorePlan:
                  f"{format_cpulist(self.training)} ({len(self.training)})")
         return [
             share,
-            f"{acc}; update pool {self.threads[1]} thread(s) on CPUs {format_cpulist(self.update)} ({pin})",
+            f"update pool {self.threads} thread(s) on CPUs {format_cpulist(self.update)} ({pin})",
             numa, *self.notes,
         ]
 
@@ -204,20 +201,6 @@ def _cores(cpus: Sequence[int], siblings: Mapping[int, tuple[int, ...]]) -> list
     return out
 
 
-def _by_core(pool: Sequence[tuple[int, ...]], acc: int, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The first ``total`` CPUs of ``pool`` (its cores in order), the accumulation's at least ``acc``
-    of them as whole cores, the update's the rest; ((), ()) when that leaves the update none."""
-    cpus = [c for core in pool for c in core][:total]
-    taken = 0
-    for core in pool:
-        if taken >= acc:
-            break
-        taken += len(core)
-    if acc and taken >= len(cpus):
-        return (), ()
-    return tuple(cpus[:taken]), tuple(cpus[taken:])
-
-
 def _auto_reserved(cores: int, gpu: bool) -> int:
     if not gpu:
         return 0
@@ -225,13 +208,11 @@ def _auto_reserved(cores: int, gpu: bool) -> int:
 
 
 def plan_cores(machine: Machine, *, gpu: int | None, local_rank: int = 0, local_world: int = 1,
-               reserved: int | str = "auto", cpu_threads: int = 0, accumulate_threads: int = 0,
-               on_device: bool = False, pin: str = "auto", cap: int = 0) -> CorePlan:
+               reserved: int | str = "auto", cpu_threads: int = 0, pin: str = "auto", cap: int = 0) -> CorePlan:
     """This rank's core split. ``gpu``: its CUDA device index (None: training on the CPU);
-    ``reserved``/``pin``: ``zenflow.tuning.reserved_cores``/``pin_threads``; ``cpu_threads``,
-    ``accumulate_threads``: ``zenflow.cpu_threads``, ``zenflow.tuning.accumulate_threads``;
-    ``on_device``: ``accumulate: device`` (no host accumulation); ``cap`` > 0: at most this many
-    threads when ``cpu_threads`` is 0 (a single process's ``OMP_NUM_THREADS``)."""
+    ``reserved``/``pin``: ``zenflow.tuning.reserved_cores``/``pin_threads``; ``cpu_threads``:
+    ``zenflow.cpu_threads``; ``cap`` > 0: at most this many threads when ``cpu_threads`` is 0 (a
+    single process's ``OMP_NUM_THREADS``)."""
     notes: list[str] = []
     allowed = machine.allowed or (0,)
     gpu_node = machine.gpu_nodes[gpu] if gpu is not None and gpu < len(machine.gpu_nodes) else None
@@ -263,22 +244,15 @@ def plan_cores(machine: Machine, *, gpu: int | None, local_rank: int = 0, local_
     training = tuple(c for core in mine[:keep] for c in core)
     pool = [c for core in mine[keep:] for c in core]
     total = cpu_threads or (min(cap, len(pool)) if cap > 0 else len(pool))
-    acc, upd = (0, total) if on_device else split_threads(total, accumulate_threads)
+    upd = split_threads(total)
     pinned = pin == "on" or (pin == "auto" and gpu is not None)
-    if pinned and max(acc + upd, total) > len(pool) and total > 1:
+    if pinned and upd > len(pool) and total > 1:
         notes.append(f"cpu_threads {total} > {len(pool)} pool CPUs: threads not pinned")
         pinned = False
-    if total == 1:  # one thread: both pools take the one CPU (split_threads gives (1, 1))
-        acc_cpus, upd_cpus = (tuple(pool[:1]) if acc else ()), tuple(pool[:1])
-    else:
-        acc_cpus, upd_cpus = _by_core(mine[keep:], acc, total) if total <= len(pool) else ((), ())
-        if upd_cpus:  # whole cores: with hyperthreads the counts round to cores
-            acc, upd = len(acc_cpus), len(upd_cpus)
-        else:  # more threads than CPUs (not pinned), or no whole core left for the update
-            acc_cpus, upd_cpus = tuple(pool[:acc]), tuple(pool[acc:acc + upd])
-    # Chosen in core order (whole cores to each pool), kept sorted (the pinning takes any order).
+    upd_cpus = tuple(pool[:upd])  # the first CPUs of the share's pool cores, in core order
+    # Kept sorted (the pinning takes any order).
     return CorePlan(tuple(sorted(c for core in mine for c in core)), tuple(sorted(training)),
-                    tuple(sorted(acc_cpus)), tuple(sorted(upd_cpus)), (acc, upd), total, pinned, node,
+                    tuple(sorted(upd_cpus)), upd, total, pinned, node,
                     gpu_node, max(1, len(machine.nodes)), tuple(notes))
 
 
@@ -300,7 +274,7 @@ def omp_cap(env: Mapping[str, str], local_world: int) -> int:
     return int(text) if local_world == 1 and text.isdigit() else 0
 
 
-def plan_for(config: Any, device: Any, *, on_device: bool, machine: Machine | None = None,
+def plan_for(config: Any, device: Any, *, machine: Machine | None = None,
              env: Mapping[str, str] | None = None) -> CorePlan:
     """``plan_cores`` for a ZenFlowConfig and a torch device, on this machine and rank."""
     env = os.environ if env is None else env
@@ -308,17 +282,15 @@ def plan_for(config: Any, device: Any, *, on_device: bool, machine: Machine | No
     rank, world = local_ranks(env)
     t = config.tuning
     return plan_cores(machine or read_machine(), gpu=gpu, local_rank=rank, local_world=world,
-                      reserved=t.reserved_cores, cpu_threads=config.cpu_threads,
-                      accumulate_threads=t.accumulate_threads, on_device=on_device, pin=t.pin_threads,
+                      reserved=t.reserved_cores, cpu_threads=config.cpu_threads, pin=t.pin_threads,
                       cap=omp_cap(env, world))
 
 
-def apply(plan: CorePlan, native: Any) -> tuple[int, int]:
-    """Set the native library's thread count and pin (or unpin) both pools; returns the
-    (accumulation, update) thread split for threads.py ``capped`` and the CPU worker."""
+def apply(plan: CorePlan, native: Any) -> int:
+    """Set the native library's thread count and pin (or unpin) the update's pool; returns the
+    update's thread count for the CPU worker."""
     native.set_num_threads(max(1, plan.total))
     native.set_pool_cpus(UPDATE_POOL, plan.update if plan.pinned else ())
-    native.set_pool_cpus(ACC_POOL, plan.accumulate if plan.pinned else ())
     return plan.threads
 
 

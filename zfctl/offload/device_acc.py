@@ -1,32 +1,32 @@
 """``zenflow.accumulate: device``: the interval's gradient sum lives in fp32 on the device.
 
 Per step, the host-owned column ranges of every matrix are added into a flat fp32 device buffer
-laid out exactly like the host accumulator (column-major, ``layout``), one transpose-and-add per
+laid out exactly like the host state (column-major, ``layout``), one transpose-and-add per
 matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
 first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
 interval the sum of the host-owned columns crosses PCIe (fp32, 4 B per element, on a copy stream
-into the page-locked host accumulator, ``copy_out``): one copy per span of host-owned columns
+into the page-locked host sum, slots.py, ``copy_out``): one copy per span of host-owned columns
 (each chunk of ``Transfers.chunks`` cut where device-owned columns leave a gap of at least
 ``GAP_ELEMS``; the rows of device-owned columns in between ride along, as in every chunk), one
-matrix after the other, an event per matrix. The CPU worker updates matrix by matrix, each after
-its own copy event (``PieceWaits``, worker.py), so the update overlaps the rest of the copy out.
-The host never touches a per-step gradient; the host path's D2H (2 B per element per step for
-bf16) disappears.
+matrix after the other, an event per matrix. The CPU worker reads the sum as the carry of its fma
+chain, as it is (native ``adamw_sum`` with no slots), matrix by matrix, each after its own copy
+event (``PieceWaits``, worker.py), so the update overlaps the rest of the copy out. The host never
+touches a per-step gradient; the host path's D2H (2 B per element per step for bf16) disappears.
 
 Ownership of the device buffer across a boundary: the copy out moves it one matrix (host slot) at
 a time, each with its own event; the next interval's first write into a matrix's rows waits (on
 the device) only for that matrix's copy, so the compute stream never waits for the whole sum at
 once (27 GB at 7B, ~0.5 s of PCIe, against a ~0.1-0.3 s step) but only for what has not landed by
 the time it gets there. Those waits are timed with events and counted as stall (``stall_pairs``).
-There is one host accumulator on this path: the optimizer collects the previous CPU update before
-it copies the next sum out (optimizer.py ``_boundary``).
+There is one host sum on this path: the optimizer collects the previous CPU update before it copies
+the next sum out (pipeline.py ``submit``: collect, then ``prepare``).
 
 Cost: 4 B of device memory per matrix element this rank holds on the host side (the rows of
 device-owned columns included: the buffer keeps the host layout, so a span of columns is one
 copy, about ``topk_ratio`` more than strictly needed). ``resolve`` picks this mode for
 ``accumulate: auto`` when that fits.
 
-Rounding: the host path adds with one fma per element (the native kernel); here the first step
+Rounding: the host path adds with one fma per element and step (the native kernel); here the first step
 is exact-then-one-rounding (``copy_`` then ``mul_``, like the fma into zero) and the later steps
 use ``addcmul_`` (torch's rounding, an fma on most GPUs). Same sum order, so the two modes agree
 bit for bit where both fuse, else to within an ulp per step (tests/offload/test_offload_accumulate.py).
@@ -118,14 +118,14 @@ class DeviceAccumulator:
             self._added.record(compute)
 
     def copy_out(self, dst: torch.Tensor, chunks: list[Any]) -> PieceWaits | None:
-        """Start the PCIe D2H of the interval sum's host-owned columns into ``dst`` (page-locked
-        host), one span of columns at a time (``chunks``: ``Transfers.chunks``, matrix by matrix,
-        in column order); returns each matrix's wait for the CPU worker, in copy order (None:
-        already done, CPU). The bytes are the spans' (ledger.py ``d2h.sum``)."""
+        """Start the PCIe D2H of the interval sum's host-owned columns into ``dst`` (the page-locked
+        host sum), one span of columns at a time (``chunks``: ``Transfers.chunks``, matrix by
+        matrix, in column order); returns each matrix's wait for the CPU worker, in copy order
+        (None: already done, CPU). The bytes are the spans' (ledger.py ``d2h.sum``)."""
         spans = copy_spans(chunks)
         nbytes = 4 * sum(n for _, spans_of in spans for _, n in spans_of)
         self.ledger.moved("d2h.sum", nbytes)  # PCIe D2H (CPU: what would cross it) ...
-        self.ledger.moved("host.land", nbytes)  # ... written into the host accumulator
+        self.ledger.moved("host.land", nbytes)  # ... written into the page-locked host sum (the carry)
         if not self.cuda:
             for _, spans_of in spans:
                 for off, n in spans_of:

@@ -1,20 +1,22 @@
-"""Where the gradients are copied device to host: the three gradient paths, chosen once.
+"""Where the gradients are copied device to host: the gradient paths, chosen once.
 
-Every step, the non-selected columns' gradients are added into the interval's fp32 sum, and at
-a boundary the CPU update reads that sum on the host. Three paths do it, with the same sum
-(docs/design.md, "Algorithm" and "Transfer scheduling"); the optimizer picks one when it is
-built and then only calls the :class:`GradientPath` methods, in its step's phases:
+Every step, the non-selected columns' gradient joins the interval's, and at a boundary the CPU
+update reads the interval on the host. Two kinds of path do it (docs/design.md, "Algorithm" and
+"Transfer scheduling"); the optimizer picks one when it is built and then only calls the
+:class:`GradientPath` methods, in its step's phases:
 
-* :class:`InStep` (``stream_grads: false``): ``step()`` copies the gradient columns device to
-  host through the D2H ring and accumulates them on the host (chunks.py ``offload_gradients``);
-* :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks copy them
-  device to host during the last backward and a host thread accumulates them (stream.py); steps
-  whose backward was not announced, and selection steps (except with ``release_grads`` in one
-  process: release.py), fall back to :class:`InStep`;
-* :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device
-  (device_acc.py); only the interval sum is copied device to host, once, at the boundary.
+* the host paths land each step's gradient columns in their own slot (slots.py), in the model
+  dtype, through one copy stream (stream.py ``GradStream``), and nothing runs on the host per
+  step: the worker sums the slots inside its AdamW pass. They differ only in who issues the copy:
+  :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks, during the
+  last backward (release.py frees each ``.grad`` there with ``release_grads``); what no hook
+  landed (no announced backward, a selection step, a matrix whose hook did not fire) step()
+  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix;
+* :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device (device_acc.py);
+  only the interval sum is copied device to host, once, at the boundary, into one fp32 buffer
+  the worker reads as the chain's carry (slots.py).
 
-The column chunks and the two rings that move them (gradients D2H inside ``step()``, installed
+The column chunks and the rings that move data (the step's scalars D2H inside ``step()``, installed
 params H2D: install.py) are :class:`Transfers`, shared by the paths and the install.
 """
 
@@ -28,25 +30,26 @@ import torch
 
 from zfctl.errors import ConfigError
 from zfctl.offload import cores
+from zfctl.offload.acc_gate import Waiter
 from zfctl.offload.bandwidth import measure_d2h_gbps
-from zfctl.offload.chunks import offload_gradients, plan_chunks
+from zfctl.offload.chunks import plan_chunks
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, accumulator_count, upload_dtype
+from zfctl.offload.host import HostState, slot_sets, upload_dtype
 from zfctl.offload.layout import Layout
-from zfctl.offload.ledger import NOWHERE, Ledger, counted_accumulate
+from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import count_waits
 from zfctl.offload.ring import Ring
-from zfctl.offload.sizing import inflight_bytes, landing_slots, ring_slot_bytes  # the plan's rules too
+from zfctl.offload.sizing import inflight_bytes, ring_slot_bytes, slots_per_set  # the plan's rules too
+from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
 from zfctl.offload.stream import GradStream
-from zfctl.offload.threads import capped
 
 Fence = Callable[[], Any]
 
 
 class Transfers:
-    """The host-owned columns cut into slot-sized chunks, and the D2H and H2D rings (chunks.py)."""
+    """The host-owned columns cut into ring-slot-sized chunks, and the D2H and H2D rings (chunks.py)."""
 
     def __init__(self, layout: Layout, host: HostState, device: torch.device, config: ZenFlowConfig,
                  itemsize: int, *, on_device: bool) -> None:
@@ -58,16 +61,14 @@ class Transfers:
             raise ConfigError("zenflow.tuning.ring_slot_mb", config.tuning.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
         slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
-        # D2H: model-dtype gradient chunks (the step() path; its host slots unused where the sum
-        # lives on the device, which only fetches scalars). H2D: the same column ranges of the
-        # install source, copied straight from it into device slots: the model dtype (the upload
-        # buffer, or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an
-        # upload buffer, 4/itemsize times the bytes.
-        self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory,
-                        host_slots=not on_device)
+        # D2H: the step's scalars only (``fetch``): gradients land in the interval's slots
+        # (stream.py); its slot size cuts the chunks. H2D: the same column ranges of the install
+        # source, copied straight from it into device slots: the model dtype (the upload buffer,
+        # or an fp32 model's master), or the fp32 master of a bf16/fp16 model without an upload
+        # buffer, 4/itemsize times the bytes.
+        self.d2h = Ring(device, config.tuning.ring_slots, slot_bytes, config.tuning.pin_memory)
         source = host.install_source.element_size()
-        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory,
-                        host_slots=False)
+        self.h2d = Ring(device, config.tuning.ring_slots, slot_bytes * source // itemsize, config.tuning.pin_memory)
         self.layout, self.host, self.itemsize = layout, host, itemsize
         self.replan()
 
@@ -76,37 +77,32 @@ class Transfers:
         self.chunks = plan_chunks(self.layout, self.host.device_owned, self.d2h.slot_bytes, self.itemsize)
 
 
-    def release(self) -> None:
-        self.d2h.release()
-        self.h2d.release()
-
-
 class GradientPath(Protocol):
-    """How one step's non-selected gradient columns get into the interval's sum (module docstring).
+    """How one step's non-selected gradient columns join the interval (module docstring).
 
-    Phases of a step: ``begin`` (``prepare_backward``), ``exchanged`` (data parallel: what the
-    hooks exchanged), ``add_device`` (in the device update), ``add_host`` (once the coefficient is
-    on the host), and at a boundary ``finish``: after the previous CPU update is collected, it
-    returns what the next one must wait for before it reads the sum (``None``: nothing).
-    ``write_order``: (offset, elements) of the chunks in the order the path writes the host
-    accumulator each step, the order a CPU update sharing it reads in (acc_gate.py); ``None``
-    when the path does not write the host accumulator between boundaries.
+    Phases of a step: ``begin`` (``prepare_backward``: ``slot`` is where the step lands, None when
+    the backward is not the last), ``exchanged`` (data parallel: what the hooks exchanged),
+    ``add_device`` (in the device update), ``add_host`` (inside step(): land what is left into
+    ``slot``), and at a boundary ``finish``: after the previous CPU update is collected, it
+    returns what the next one must wait for before it reads the interval (``None``: nothing).
+    ``write_order``: (offset, elements) of the chunks in the order the path writes a slot each
+    step, the order a CPU update sharing one slot set reads in (acc_gate.py); ``None`` when the
+    path writes no slots.
     """
 
-    d2h_gbps: float | None  # the D2H rate measured at construction (hook path on CUDA), else None
-    live_acc: torch.Tensor | None  # where the unfinished sum lives when not in the host accumulator
+    d2h_gbps: float | None  # the D2H rate measured at construction (CUDA), else None
+    live_acc: torch.Tensor | None  # the device path's device sum (the unfinished interval), else None
 
-    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None: ...
+    def begin(self, *, final: bool, slot: torch.Tensor | None) -> None: ...
 
     def exchanged(self) -> set[int]: ...
 
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None: ...
 
-    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
-                 stats: StepStats) -> None: ...
+    def add_host(self, slot: torch.Tensor | None, stats: StepStats) -> None: ...
 
-    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None: ...
+    def finish(self, stats: StepStats) -> Fence | None: ...
 
     def write_order(self) -> list[tuple[int, int]] | None: ...
 
@@ -124,7 +120,7 @@ class NoHostColumns:
     d2h_gbps: float | None = None
     live_acc: torch.Tensor | None = None
 
-    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
+    def begin(self, *, final: bool, slot: torch.Tensor | None) -> None:
         pass
 
     def exchanged(self) -> set[int]:
@@ -134,11 +130,10 @@ class NoHostColumns:
                    stats: StepStats) -> None:
         pass
 
-    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
-                 stats: StepStats) -> None:
+    def add_host(self, slot: torch.Tensor | None, stats: StepStats) -> None:
         pass
 
-    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
+    def finish(self, stats: StepStats) -> Fence | None:
         return None
 
     def write_order(self) -> list[tuple[int, int]] | None:
@@ -155,34 +150,12 @@ class NoHostColumns:
 
 
 class InStep(NoHostColumns):
-    """``step()`` copies the gradient columns device to host through the D2H ring, chunk by chunk,
-    and accumulates each one on the host as it lands (all of it inside step(): stall)."""
+    """``step()`` lands the gradient columns in the step's slot itself (stream.py ``finish``): a
+    transpose and a D2H per chunk, inside step() (stall). ``hooks``: the subclass's."""
 
-    def __init__(self, transfers: Transfers, accumulate: Callable[..., None]) -> None:
-        self.transfers, self.accumulate = transfers, accumulate
-
-    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
-                 stats: StepStats) -> None:
-        t = self.transfers
-        wait = t.host.gate.waiter() if first else None  # one accumulator: the update in flight reads it
-        # Bytes: counted where they move (the ring's D2H, the native accumulate; ledger.py).
-        offload_gradients(t.d2h, t.chunks, grads, acc, coef, self.accumulate, overwrite=first, wait_read=wait)
-        stats.in_step_chunks = len(t.chunks)
-        stats.in_step_bytes = sum(ch.numel for ch in t.chunks) * t.itemsize
-
-    def write_order(self) -> list[tuple[int, int]] | None:
-        return [(ch.off, ch.numel) for ch in self.transfers.chunks]  # offload_gradients' order
-
-
-class DuringBackward(InStep):
-    """The last backward's gradient hooks copy the columns device to host and a host thread adds
-    them (stream.py): ``step()`` copies nothing. Unannounced backwards and selection steps (but
-    those of ``release_grads`` in one process, release.py) take :class:`InStep`'s copy."""
-
-    def __init__(self, transfers: Transfers, accumulate: Callable[..., None], params: list[torch.Tensor], *,
-                 device: torch.device, config: ZenFlowConfig, exchange: Any, release: bool,
-                 hooks: bool = True) -> None:
-        super().__init__(transfers, accumulate)
+    def __init__(self, transfers: Transfers, params: list[torch.Tensor], *, device: torch.device,
+                 config: ZenFlowConfig, exchange: Any = None, hooks: bool = False) -> None:
+        self.transfers = transfers
         layout, itemsize = transfers.layout, transfers.itemsize
         # Device temporaries in flight: what the link drains in ~2 ms at the rate measured once
         # here (bandwidth.py; a sync, at construction only), or zenflow.inflight_mb when set. Off
@@ -195,51 +168,30 @@ class DuringBackward(InStep):
         else:
             budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
         budget = min(budget, layout.host_numel * itemsize)
-        dtype = params[layout.host_slots[0].index].dtype
-        # release_grads: the copies land in a ring as large as the device budget (whole chunk-sized
-        # slots, at least two), not in two copies of the host columns' gradient (landing_slots).
-        slot_bytes = transfers.d2h.slot_bytes
-        ring = landing_slots(budget, slot_bytes) if release else 0
-        self.stream = GradStream(params, layout.host_slots, numel=layout.host_numel, dtype=dtype, device=device,
-                                 pin_memory=config.tuning.pin_memory, budget_bytes=max(budget, 1), accumulate=accumulate,
-                                 exchange=exchange, gate=transfers.host.gate, ring_slots=ring,
-                                 slot_bytes=slot_bytes, hooks=hooks and not release)
-        self._fence: Fence | None = None  # the boundary's CPU update waits for the last hook job
+        self.stream = GradStream(params, layout.host_slots, device=device, budget_bytes=max(budget, 1),
+                                 exchange=exchange, hooks=hooks)
 
-    def begin(self, *, final: bool, acc: torch.Tensor | None, first: bool, coef: float | None) -> None:
-        if final and acc is not None:
-            self.stream.arm(self.transfers.chunks, acc, coef, first=first)
-        else:
-            self.stream.disarm()
+    def _waiter(self) -> Waiter | None:
+        """One slot set: each write of a piece waits for the update in flight to have read it
+        (acc_gate.py); the ticket is taken now, in step order. Two sets: no wait."""
+        host = self.transfers.host
+        return host.gate.waiter() if host.grads.sets == 1 else None
 
-    def exchanged(self) -> set[int]:
-        return self.stream.complete_exchanges() if self.stream.armed else set()
-
-    def add_host(self, grads: list[torch.Tensor | None], acc: torch.Tensor, coef: float, *, first: bool,
-                 stats: StepStats) -> None:
-        if not self.stream.armed:  # an unannounced backward, or a selection step
-            self.stream.drain()  # the thread may still add the previous step into acc
-            self._fence = None
-            super().add_host(grads, acc, coef, first=first, stats=stats)
-            return
+    def add_host(self, slot: torch.Tensor | None, stats: StepStats) -> None:
+        assert slot is not None  # the host paths always have the step's slot (Pipeline.slot)
         t = self.transfers
-        fence = self.stream.finish(stats, coef, t.itemsize)  # the hooks moved it; the thread adds it
-        self._fence = fence.result if fence is not None else None
+        if not self.stream.armed:  # no announced backward, a selection step, or stream_grads off
+            self.stream.open(t.chunks, slot, self._waiter())
+        self.stream.finish(stats, t.itemsize)  # bytes: counted where they move (stream.py; ledger.py)
 
-    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
-        fence, self._fence = self._fence, None
-        return fence
+    def finish(self, stats: StepStats) -> Fence | None:
+        return self.stream.fence()  # the interval's last copy into a slot
 
     def write_order(self) -> list[tuple[int, int]] | None:
-        # The backward finishes gradients roughly last layer first: matrices in reverse order,
-        # each one's chunks in column order (its hook lands them so). An estimate is enough: the
-        # order decides only how soon a write may pass, never a value (acc_gate.py).
-        chunks = sorted(self.transfers.chunks, key=lambda ch: (-ch.slot.index, ch.c0))
-        return [(ch.off, ch.numel) for ch in chunks]
+        return [(ch.off, ch.numel) for ch in self.transfers.chunks]  # ``finish``'s order
 
     def skip(self, stats: StepStats) -> None:
-        if self.stream.armed:
-            self.stream.finish(stats, None, self.transfers.itemsize)  # drop what the hooks moved
+        self.stream.skip()  # what the hooks landed is dropped: the next step rewrites the slot
 
     def drain(self) -> None:
         self.stream.drain()
@@ -248,27 +200,55 @@ class DuringBackward(InStep):
         self.stream.close()
 
 
+class DuringBackward(InStep):
+    """The last backward's gradient hooks land the columns in the step's slot (stream.py):
+    ``step()`` copies only what no hook landed. Unannounced backwards and selection steps (but
+    those of ``release_grads`` in one process, release.py) are landed by step(), as in
+    :class:`InStep`. ``hooks=False``: release.py or FSDP2's hooks call ``GradStream.on_grad``."""
+
+    def __init__(self, transfers: Transfers, params: list[torch.Tensor], *, device: torch.device,
+                 config: ZenFlowConfig, exchange: Any, hooks: bool = True) -> None:
+        super().__init__(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
+
+    def begin(self, *, final: bool, slot: torch.Tensor | None) -> None:
+        if final and slot is not None:
+            self.stream.arm(self.transfers.chunks, slot, self._waiter())
+        else:
+            self.stream.disarm()
+
+    def exchanged(self) -> set[int]:
+        return self.stream.complete_exchanges() if self.stream.armed else set()
+
+    def write_order(self) -> list[tuple[int, int]] | None:
+        # The backward finishes gradients roughly last layer first: matrices in reverse order,
+        # each one's chunks in column order (its hook lands them so). An estimate is enough: the
+        # order decides only how soon a write may pass, never a value (acc_gate.py).
+        chunks = sorted(self.transfers.chunks, key=lambda ch: (-ch.slot.index, ch.c0))
+        return [(ch.off, ch.numel) for ch in chunks]
+
+
 class SummedOnDevice(NoHostColumns):
     """The interval's sum lives on the device (device_acc.py); only the sum's host-owned columns
-    are copied device to host, once per interval, after the previous CPU update was collected
-    (its one accumulator).
-    Nothing happens on the host per step (``add_host`` is the base's no-op)."""
+    are copied device to host, once per interval, after the previous CPU update was collected,
+    into the one fp32 host buffer (``host_sum``: slots.py's persistent carry). Nothing happens on
+    the host per step."""
 
-    def __init__(self, transfers: Transfers, device: torch.device) -> None:
+    def __init__(self, transfers: Transfers, device: torch.device, host_sum: torch.Tensor) -> None:
         self.transfers = transfers
         self.sum = DeviceAccumulator(transfers.layout, device)
         self.live_acc = self.sum.buf
+        self.host_sum = host_sum
 
     def add_device(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool,
                    stats: StepStats) -> None:
         self.sum.add(grads, coef, first=first)
         count_waits(stats, self.sum.stall_pairs, "device.sum_copy")  # compute waiting for the last copy out
 
-    def finish(self, acc: torch.Tensor, stats: StepStats) -> Fence | None:
-        # The host-owned spans of the fp32 sum, once per interval, written into host memory; the
+    def finish(self, stats: StepStats) -> Fence | None:
+        # The host-owned spans of the fp32 sum, once per interval, written into the host sum; the
         # update follows them matrix by matrix (a PieceWaits, pipeline.py ``submit``). Counted
         # there (ledger.py).
-        return self.sum.copy_out(acc, self.transfers.chunks)
+        return self.sum.copy_out(self.host_sum, self.transfers.chunks)
 
     def drain(self) -> None:
         self.sum.wait()
@@ -277,22 +257,21 @@ class SummedOnDevice(NoHostColumns):
 @dataclass
 class HostSide:
     """What an optimizer with host columns adds: the state, the transfers, the gradient path, and
-    the split of the cores between accumulation and the CPU update (threads.py)."""
+    the native threads of the CPU update (threads.py, cores.py)."""
 
     host: HostState
     transfers: Transfers
     path: GradientPath
     accumulate: str  # zenflow.accumulate as resolved: "host" or "device"
-    threads: tuple[int, int]  # (accumulation, update) native threads
+    threads: int  # native threads of the CPU update
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, release: bool, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
-    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here. ``release``:
-    the hook path's gradients are released in their hooks (release.py), if it is the one chosen.
-    ``hooks=False``: the hook path registers no hooks on ``params``, its owner calls
-    ``GradStream.on_grad`` (FSDP2 shards: from the DTensors' hooks, sharded.py). ``ledger``:
-    where the transfers, the accumulation and the host state count their bytes and waits."""
+                    exchange: Any, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
+    """Host buffers, transfers and the gradient path (r < 1 only), chosen once here.
+    ``hooks=False``: the hook path registers no hooks on ``params``; release.py (``release_grads``)
+    or FSDP2's hooks on the shards (sharded.py) call ``GradStream.on_grad``. ``ledger``: where the
+    transfers, the gradient stream, the host state and the device sum count their bytes and waits."""
     from zfctl import _native  # raises UserError("run make setup") when the library is missing
 
     dtypes = {params[s.index].dtype for s in layout.host_slots}
@@ -303,41 +282,47 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     accumulate = resolve(config.accumulate, device, 4 * layout.host_numel, params)
     on_device = accumulate == "device"
     cuda_pin = device.type == "cuda" and config.tuning.pin_memory
-    # A second accumulator only helps where the next interval is summed on the host while the
-    # worker reads the last one (overlap, host paths): zenflow.tuning.host_accumulators (one:
-    # the next interval's first writes follow the worker, acc_gate.py). The device path sums on
-    # the device and lands the sum in its one host accumulator after the previous update was
-    # collected (SummedOnDevice.finish).
-    hook = config.tuning.stream_grads and not on_device
-    count = accumulator_count(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=not on_device,
-                              committed_bytes=(16 + (2 * itemsize if hook else 0)) * layout.host_numel,
-                              acc_bytes=4 * layout.host_numel)
-    # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in the
-    # model dtype (host.py upload) and only that buffer is page-locked for the install's DMA;
-    # fp32, or without it: the master itself is.
-    upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * layout.host_numel,
-                          committed_bytes=(12 + 4 * count + (2 * itemsize if hook else 0)) * layout.host_numel)
-    # The core split (cores.py): the training thread's reserved cores, the pools' pinned CPUs, and
-    # on a multi-node machine the GPU's NUMA node, where the host state is allocated and bound.
-    # The device path adds nothing on the host between boundaries (its sum lives on the device):
-    # the CPU update takes every pool core there.
-    plan = cores.plan_for(config, device, on_device=on_device)
+    n = layout.host_numel
+    # The core split (cores.py): the training thread's reserved cores, the update pool's pinned
+    # CPUs, and on a multi-node machine the GPU's NUMA node, where the host state is allocated
+    # and bound. Nothing runs native code on the host per step: the update takes every pool core.
+    plan = cores.plan_for(config, device)
     with cores.on_node(plan):
-        host = HostState(layout, params, accumulators=count, upload=upload, pin=cuda_pin, pin_acc=cuda_pin and on_device)
+        grads: GradSlots
+        if on_device:  # no slots: the interval's fp32 sum lands in one page-locked buffer (its D2H target)
+            grads = GradSlots(n, torch.float32, per_set=0, sets=1, pin=cuda_pin, device=device, sum_buffer=True)
+            grad_bytes = 4 * n
+        else:
+            # A second slot set only helps where the next interval lands while the worker reads
+            # this one (overlap): zenflow.tuning.host_accumulators (one: the next interval's writes
+            # follow the worker, acc_gate.py).
+            per_set = slots_per_set(config.update_interval, config.tuning.auto_max_interval)
+            set_bytes = per_set * itemsize * n
+            sets = slot_sets(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=True,
+                             committed_bytes=12 * n + set_bytes, set_bytes=set_bytes)
+            grads = GradSlots(n, dtype, per_set=per_set, sets=sets, pin=cuda_pin, device=device)
+            grad_bytes = sets * set_bytes
+        # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in
+        # the model dtype (host.py upload) and only that buffer is page-locked for the install's
+        # DMA; fp32, or without it: the master itself is.
+        upload = upload_dtype(config.tuning.upload_buffer, dtype, upload_bytes=itemsize * n,
+                              committed_bytes=12 * n + grad_bytes)
+        host = HostState(layout, params, grads=grads, upload=upload, pin=cuda_pin)
         transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
-    buffers = [host.master, host.exp_avg, host.exp_avg_sq, *host.acc]
-    cores.bind_host(plan, _native, buffers + ([host.upload] if host.upload is not None else []))
+    buffers = [host.master, host.exp_avg, host.exp_avg_sq, *grads.buffers]
+    buffers += [t for t in (grads.carry[0] if grads.sum_buffer else None, host.upload) if t is not None]
+    cores.bind_host(plan, _native, buffers)
     threads = cores.apply(plan, _native)
-    add = counted_accumulate(capped(_native, threads[0]), ledger)  # host.sum bytes, on whichever thread adds
     path: GradientPath
     if on_device:
-        path = SummedOnDevice(transfers, device)
+        assert grads.carry[0] is not None  # sum_buffer
+        path = SummedOnDevice(transfers, device, grads.carry[0])
     elif config.tuning.stream_grads:
-        path = DuringBackward(transfers, add, params, device=device, config=config, exchange=exchange,
-                              release=release, hooks=hooks)
+        path = DuringBackward(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
     else:
-        path = InStep(transfers, add)
-    for part in (transfers.d2h, transfers.h2d, host, getattr(path, "stream", None), getattr(path, "sum", None)):
+        path = InStep(transfers, params, device=device, config=config)
+    for part in (transfers.d2h, transfers.h2d, host, host.gate, getattr(path, "stream", None),
+                 getattr(path, "sum", None)):
         if part is not None:
             part.ledger = ledger  # each counts what it moves and waits for (ledger.py)
     return HostSide(host, transfers, path, accumulate, threads)

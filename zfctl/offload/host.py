@@ -1,4 +1,4 @@
-"""The host half of ZenFlow's state: column-major fp32 master, moments, counters and accumulators.
+"""The host half of ZenFlow's state: column-major fp32 master, moments, counters and the gradient slots.
 
 Buffers (flat, one column space for all matrices, see ``layout``), and who owns them when:
 
@@ -8,7 +8,8 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 | upload (model dtype, bf16/fp16 with ``upload_buffer``; page-locked on CUDA) | as master | the install's H2D DMA reads it until ``install_fence`` | CPU worker (writes, after ``install_fence``) |
 | exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
 | steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
-| acc[i] (fp32) | as master | the accumulation path fills acc[cur] | CPU worker reads the interval it was handed; with one accumulator, the next interval's first writes follow the worker's watermark (``gate``, acc_gate.py) |
+| gradient slots (``grads``, slots.py; model dtype, page-locked on CUDA) | slots per set x sets x as master | the copy stream writes step j's slot of the current set | CPU worker reads the set of the interval it was handed; with one set, the next interval's writes follow the worker's watermark (``gate``, acc_gate.py) |
+| the device path's interval sum (``grads.carry[0]``, fp32, page-locked) | as master | its D2H at the boundary, after the previous update was collected | CPU worker |
 
 The install's source (``install_source``; chunks.py, install.py). For a bf16/fp16 model with
 ``zenflow.tuning.upload_buffer`` (``upload_dtype``: auto is on where the host holds it) it is
@@ -26,16 +27,16 @@ for every host-owned column at every install: the update before it wrote them al
 collects the update in flight first, so no install comes between a migration and the next
 update), and a load recomputes it (``refresh_upload``).
 
-How many accumulators (``accumulators``, ``zenflow.tuning.host_accumulators``, resolved by
-``accumulator_count``): one, except with ``overlap_step`` on the host paths when the choice is 2
-(the next interval accumulates into one while the worker reads the other). With one and
-``overlap_step``, the worker reads the interval's sum piece by piece while the next interval's
-first writes wait for it to pass (``gate``, acc_gate.py). The device path always has one: its
-interval sum lands in the host accumulator only at the boundary, after the previous update was
-collected (optimizer.py ``_boundary``: collect, copy out, submit). There is ONE set of moments in
-every mode. Host memory per matrix element: 12 B (master + moments) + 4 B per accumulator (+ 2 B
-of upload buffer), plus 13 B per column of bookkeeping (docs/design.md, "Host memory";
-zfctl/plan/memory.py counts the same).
+How many slot sets (``zenflow.tuning.host_accumulators``, resolved by ``slot_sets``): one,
+except with ``overlap_step`` on the host paths when the choice is 2 (the next interval writes one
+while the worker reads the other). With one and ``overlap_step``, the worker reads the interval's
+slots piece by piece while the next interval's writes wait for it to pass (``gate``, acc_gate.py).
+The device path has no slots, one fp32 sum: its interval sum lands there only at the boundary,
+after the previous update was collected (optimizer.py ``_boundary``: collect, copy out, submit).
+There is ONE set of moments in every mode. Host memory per matrix element: 12 B (master + moments)
+plus the slots, ``per_set x sets x itemsize`` (the device path: 4 B of sum instead), plus 2 B of
+upload buffer (bf16/fp16 with ``upload_buffer``), plus 13 B per column of bookkeeping
+(docs/design.md, "Host memory"; zfctl/plan/lines.py counts the same).
 
 Rows of the selected columns exist here too (their host copy is stale while the device owns
 them); keeping the full column range avoids re-packing the buffers at every re-selection and lets
@@ -55,26 +56,28 @@ from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import host_wait
 from zfctl.offload.selection import ColumnState
+from zfctl.offload.slots import GradSlots
 
 AUTO_HOST_SHARE = 0.85  # host_accumulators: auto without a plan: the host state within this share of free RAM
 
 
-def accumulator_count(choice: int | str, *, overlap: bool, summed_on_host: bool, committed_bytes: int,
-                      acc_bytes: int) -> int:
-    """How many host accumulators to build (``zenflow.tuning.host_accumulators``).
+def slot_sets(choice: int | str, *, overlap: bool, summed_on_host: bool, committed_bytes: int,
+              set_bytes: int) -> int:
+    """How many gradient slot sets to build (``zenflow.tuning.host_accumulators``, slots.py).
 
-    One unless ``overlap_step`` sums on the host (the host paths); there ``1`` or ``2`` as given,
-    and ``auto`` is 2 when what the host state takes (``committed_bytes``) plus the second
-    accumulator (``acc_bytes``) stays within ``AUTO_HOST_SHARE`` of the RAM available now. A run
-    plan resolves ``auto`` before the optimizer is built, against its machine (zfctl/plan/memory.py,
-    zfctl/train/optim.py); this rule is for a library user without a plan.
+    One unless ``overlap_step`` lands the next interval on the host while the worker reads this
+    one (the host paths); there ``1`` or ``2`` as given, and ``auto`` is 2 when what the host state
+    takes (``committed_bytes``, one set included) plus the second set (``set_bytes``) stays within
+    ``AUTO_HOST_SHARE`` of the RAM available now. A run plan resolves ``auto`` before the optimizer
+    is built, against its machine (zfctl/plan/memory.py, zfctl/train/optim.py); this rule is for a
+    library user without a plan.
     """
     if not (overlap and summed_on_host):
         return 1
     if choice != "auto":
         return int(choice)
     free = available_ram()
-    return 2 if free is None or committed_bytes + acc_bytes <= AUTO_HOST_SHARE * free else 1
+    return 2 if free is None or committed_bytes + set_bytes <= AUTO_HOST_SHARE * free else 1
 
 
 def upload_dtype(choice: bool | str, dtype: torch.dtype, *, committed_bytes: int, upload_bytes: int) -> torch.dtype | None:
@@ -112,16 +115,16 @@ class HostState:
     """fp32 optimizer state of the matrices' host-owned columns (one process: all of them; data
     parallel: this rank's column ranges ``[slot.host_c0, slot.host_c1)``).
 
-    ``upload``: the model dtype of the upload buffer (bf16/fp16), or None (an fp32 model: the
-    master is the install source). ``pin``: page-lock the install source (CUDA: the install DMAs
-    straight from it); ``pin_acc``: page-lock the accumulators (the device path's interval sum is
-    DMA'd into them).
+    ``grads``: where the interval's gradient waits for the CPU update (slots.py: the host paths'
+    per-step slots, or the device path's fp32 sum). ``upload``: the model dtype of the upload
+    buffer (bf16/fp16), or None (an fp32 model: the master is the install source). ``pin``:
+    page-lock the install source (CUDA: the install DMAs straight from it).
     """
 
     ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
 
-    def __init__(self, layout: Layout, params: list[torch.Tensor], *, accumulators: int,
-                 upload: torch.dtype | None = None, pin: bool = False, pin_acc: bool = False) -> None:
+    def __init__(self, layout: Layout, params: list[torch.Tensor], *, grads: GradSlots,
+                 upload: torch.dtype | None = None, pin: bool = False) -> None:
         self.layout = layout
         n, f32 = layout.host_numel, torch.float32
         device = params[layout.host_slots[0].index].device if layout.host_slots else None
@@ -130,8 +133,8 @@ class HostState:
         self.exp_avg = torch.zeros(n, dtype=f32)
         self.exp_avg_sq = torch.zeros(n, dtype=f32)
         self.steps = torch.zeros(layout.host_cols, dtype=f32)
-        self.acc = [pinned.empty(n, f32, pin=pin_acc, device=device, zero=True) for _ in range(accumulators)]
-        self.gate = AccGate()  # one accumulator with overlap: the worker's watermark over it
+        self.grads = grads
+        self.gate = AccGate()  # one slot set with overlap: the worker's watermark over it
         self.device_owned = torch.zeros(layout.host_cols, dtype=torch.bool)  # True: column selected
         # The event after the last H2D copy that reads ``install_source`` (an install, chunks.py),
         # or None. Whoever writes the source next waits for it first: the CPU worker (its fence),
@@ -151,9 +154,10 @@ class HostState:
 
     @property
     def update_bytes(self) -> int:
-        """Host memory one CPU update moves per host-owned element: master and moments read and
-        written (24 B), the accumulator read (4 B), and the upload written (2 B, bf16/fp16)."""
-        return 28 + (self.upload.element_size() if self.upload is not None else 0)
+        """Host memory one CPU update moves per host-owned element beside its gradient reads (each
+        slot's itemsize, a carry's 4 B: ledger.py ``count_adamw_sum``): master and moments read and
+        written (24 B), and the upload written (2 B, bf16/fp16)."""
+        return 24 + (self.upload.element_size() if self.upload is not None else 0)
 
     def refresh_upload(self) -> None:
         """The upload buffer from the master (construction, a checkpoint load: nothing else writes
@@ -169,8 +173,9 @@ class HostState:
 
     def release(self) -> None:
         """Unpin the page-locked buffers (``close()``); they stay valid as pageable memory."""
-        for buf in (self.master, *self.acc, *([self.upload] if self.upload is not None else [])):
+        for buf in (self.master, *([self.upload] if self.upload is not None else [])):
             pinned.release(buf)
+        self.grads.release()
 
     def wait_install(self) -> None:
         """Host wait until no install DMA reads ``install_source`` any more (before anyone writes
@@ -220,20 +225,20 @@ class HostState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master, moments and counters: the live buffers themselves, not copies (as
         ``torch.optim`` does; a checkpoint streams them to disk, see zfctl/train/tensorfile.py).
-        Accumulators belong to the pipeline's state (which one is live depends on its counters);
-        ``device_owned`` follows from the selection."""
+        The unfinished interval's sum belongs to the pipeline's state (it depends on its
+        counters); ``device_owned`` follows from the selection."""
         return {k: getattr(self, k) for k in self.STATE_KEYS}
 
     def canonicalize(self, acc: torch.Tensor, *, fresh: bool) -> torch.Tensor:
-        """Make an accumulator (host, or the device path's device buffer) what a checkpoint stores,
-        in place, and return it: dead elements become zeros.
+        """Make an interval sum (the host paths' partial sum, or the device path's device buffer)
+        what a checkpoint stores, in place, and return it: dead elements become zeros.
 
-        The first step of an interval writes the host-owned elements and nothing ever reads the
-        device-owned ones, so those hold leftovers of older intervals that differ between a
+        Nothing ever reads the device-owned elements (the slots' chunks carry them along, the
+        device path's first step leaves them), so they hold leftovers that differ between a
         straight and a resumed run; ``fresh`` (the interval has no step yet) means nothing in it
         is live. Zeroing what nobody reads changes nothing for the run and keeps saved states
-        comparable bit for bit, without a copy or a per-element mask (one ``index_fill_`` of the
-        selected columns per matrix).
+        comparable bit for bit, without a per-element mask (one ``index_fill_`` of the selected
+        columns per matrix).
         """
         if fresh:
             return acc.zero_()

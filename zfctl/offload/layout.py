@@ -14,7 +14,7 @@ A *by-row* matrix (``ParamSlot.by_row``; the optimizer's ``vocab_params`` under
 are then its tokens). Everything below works on ``as_matrix`` and so never sees the difference;
 the host copy of a by-row matrix is the parameter's own row-major order.
 
-Host buffers. All matrices share flat fp32 host buffers (master, moments, accumulators) in
+Host buffers. All matrices share flat fp32 host buffers (master, moments, gradient slots) in
 column-major order, so column c of the flat *column space* is the contiguous run
 ``[col_offsets[c], col_offsets[c+1])``. Non-selected columns become (offset, length) runs for the
 native kernels, and a run may cross from one parameter into the next: the kernels are

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -46,9 +46,10 @@ BYTE_KINDS: dict[str, str] = {
     "h2d.migrate": "a selection's entering columns: state rows, and on the release path their gradient; "
                    "the moves' device-side ids",
     # host memory, read + written
-    "host.land": "gradient DMA writes into host memory: landing buffers, ring slots, the device path's sum",
-    "host.sum": "summing gradients: the accumulation (read the landed gradient, read/write the fp32 sum) "
-                "and the CPU update's read of the sum",
+    "host.land": "gradient writes into host memory: a step's gradient slot (its DMA, a missing gradient's -0.0), "
+                 "the step()-path ring's host slots, the device path's sum",
+    "host.sum": "summing gradients: the CPU update's read of each gradient slot (adamw_sum), or of the "
+                "device path's fp32 sum, and an accumulation outside the update (a checkpoint's interval sum)",
     "host.update": "the CPU AdamW's read + write of master and moments (and the copy it writes, if any)",
     "host.install": "an install's read of its host source",
     "host.migrate": "a selection's host gather/scatter of state rows (and released gradients); the leaving "
@@ -64,17 +65,18 @@ BYTE_KINDS: dict[str, str] = {
 WAIT_KINDS: dict[str, str] = {
     # the training thread (or a gradient hook on it) blocks until ...
     "host.scalars": "... the step's scalars have landed (ring.py fetch): once per step",
-    "host.d2h_chunk": "... a step()-path gradient chunk's D2H (ring.py d2h)",
     "host.cpu_update": "... the CPU update in flight is done (pipeline.py settle: collect, a drain)",
     "host.install_dma": "... the last install's DMA no longer reads the master (host.py wait_install)",
-    "host.hook_slot": "... the accumulation job that last read a landing buffer or ring slot (stream.py)",
     "host.hook_budget": "... an earlier chunk's D2H, the temporaries in flight being over budget (stream.py)",
-    "host.acc_drain": "... every queued accumulation job (stream.py drain)",
+    "host.slot_gate": "... one slot set: the CPU update in flight to have read the piece a write overwrites "
+                      "(acc_gate.py; counted when it blocks, as it depends on the worker's progress)",
+    "host.slot_fill": "... the last copy into the slot, before a missing gradient's -0.0 fill (stream.py _fill)",
+    "host.slot_drain": "... every gradient copy into a slot (stream.py drain: checkpoints, loading, closing)",
     "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
     "host.priority": "... the CPU update in flight has updated a selection's entering columns (worker.py prioritize)",
     "host.migrate_slot": "... a selection's page-locked staging is free: an in-ring slot's last H2D, or (a selection "
                          "larger than the out buffer) its leaving rows written (migration.py)",
-    "host.migrate_land": "... a release step's leaving gradient columns' D2H, before the host sum takes them "
+    "host.migrate_land": "... a release step's leaving gradient columns' D2H, before the step's slot takes them "
                          "(selector.py land)",
     # the compute stream waits (on the device) for ...
     "device.install": "... an install chunk's H2D copy (ring.py h2d)",
@@ -207,6 +209,17 @@ def count_adamw(ledger: Ledger, param: torch.Tensor, grad: torch.Tensor, *, runs
     sum read (``host.sum``), master and both moments read and written, ``out`` written (``host.update``)."""
     n = elements(param.numel(), runs)
     ledger.moved("host.sum", n * grad.element_size())
+    ledger.moved("host.update", n * (24 + (out.element_size() if out is not None else 0)))
+
+
+def count_adamw_sum(ledger: Ledger, param: torch.Tensor, slots: Sequence[torch.Tensor], *,
+                    carry: torch.Tensor | None = None, runs: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, **_: Any) -> None:
+    """What ``_native.adamw_sum`` moves in its one pass: each gradient slot read and the fp32 carry
+    read, if any (``host.sum``: the interval's sum is formed in registers, never written), master
+    and both moments read and written, ``out`` written (``host.update``)."""
+    n = elements(param.numel(), runs)
+    ledger.moved("host.sum", n * (sum(s.element_size() for s in slots) + (4 if carry is not None else 0)))
     ledger.moved("host.update", n * (24 + (out.element_size() if out is not None else 0)))
 
 

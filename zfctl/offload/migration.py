@@ -104,9 +104,11 @@ class Departure:
                 if scale != 1.0:
                     rows.mul_(scale)  # exact: a power of two
                     self.ledger.moved("host.stage", 2 * nbytes)  # read and written in place
-                host.index_copy_(0, cols, rows)
+                # A release step's gradient slot is in the model dtype (slots.py): narrowed here,
+                # exactly (the device widened these values from it).
+                host.index_copy_(0, cols, rows if rows.dtype == host.dtype else rows.to(host.dtype))
                 self.ledger.moved("host.stage", nbytes)  # the out buffer read ...
-                self.ledger.moved("host.migrate", nbytes)  # ... into the host rows
+                self.ledger.moved("host.migrate", rows.numel() * host.element_size())  # ... into the host rows
                 if mirror is not None:  # the leaving columns' model-dtype copy (selector.py ``_migrate``)
                     mirror.index_copy_(0, cols, rows.to(mirror.dtype))
                     self.ledger.moved("host.migrate", rows.numel() * mirror.element_size())
@@ -331,8 +333,12 @@ class Mover:
                         piece, slot, fill = [], self._in_slot(left), 0
                         continue
                     view = slot[fill : fill + take * w].view(take, w)
-                    torch.index_select(pair.host, 0, m.enter_cols[a : a + take], out=view)  # host gather
-                    self.ledger.moved("host.migrate", 4 * view.numel())  # the host rows read ...
+                    cols = m.enter_cols[a : a + take]
+                    if pair.host.dtype == view.dtype:
+                        torch.index_select(pair.host, 0, cols, out=view)  # host gather, into the ring
+                    else:  # a release step's gradient slot, model dtype (slots.py): widened, exactly
+                        view.copy_(pair.host.index_select(0, cols))
+                    self.ledger.moved("host.migrate", pair.host.element_size() * view.numel())  # host rows read ...
                     self.ledger.moved("host.stage", 8 * view.numel())  # ... into the ring, which the DMA reads
                     if pair.scale != 1.0:
                         view.div_(pair.scale)  # exact: a power of two

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -106,15 +105,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.transfers: Transfers | None = None
         self.gradient_path: GradientPath = NoHostColumns()  # replaced below when there are host columns
         self.accumulate = "host"  # resolved zenflow.accumulate
-        self.threads: tuple[int, int] | None = None  # (accumulation, update) native threads
+        self.threads: int | None = None  # native threads of the CPU update
         # zenflow.tuning.release_grads (release.py): not under update_interval: auto, whose rule
         # reads every step's per-matrix gradient masses from .grad in step(), nor on FSDP2 shards,
         # whose gradients arrive by FSDP2's reduce-scatter into the sharded params (sharded.py).
         release = config.tuning.release_grads and not self.policy.auto and self.sharded is None
         self.ledger = Ledger()  # each step's bytes and waits, counted where they happen (StepStats.bytes/waits)
         if self.layout.host_slots:
+            # The hooks are the stream's own unless release.py's (release) or FSDP2's (shards) call it.
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   release=release, hooks=self.sharded is None, ledger=self.ledger)
+                                   hooks=self.sharded is None and not release, ledger=self.ledger)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
             self.accumulate, self.threads = side.accumulate, side.threads
             if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
@@ -123,10 +123,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.sharded.hook_grads([s.index for s in self.layout.host_slots], self._shard_reduced)
         self._hook_warned = False  # _check_hooks
         self.release = self._build_release(release)
-        # Without overlap the CPU update runs alone while step() waits: it takes every core (0).
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
-                                 lag=config.tuning.install_lag, device=self.device,
-                                 update_threads=self.threads[1] if self.threads and config.overlap_step else 0)
+                                 lag=config.tuning.install_lag, device=self.device, update_threads=self.threads or 0)
         self.installer = Installer(self.device)  # the install stream and its per-module events
         for part in (self.pipeline, self.pipeline.worker, self.selector, self.installer):
             if part is not None:
@@ -170,24 +168,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                       f"(torch {torch.__version__} did not run the sharded parameters' post-accumulate-grad "
                       "hooks); step() moves them instead", RuntimeWarning, stacklevel=3)
 
-    def _raw_sums(self) -> bool:
-        """Whether the host sums are raw (release.py: the clip factor waits for the boundary). Off
-        until the first announced backward that starts an interval, then on for good (saved with
-        the pipeline's counters): a loop that never calls ``prepare_backward`` keeps ``.grad``
-        and the exact per-step clip, and no interval mixes the two kinds of sum."""
-        if self.release is None:
-            return False
-        if self.host is None:  # no host sums: release changes no arithmetic
-            return True
-        if not self.pipeline.raw_sums and self.pipeline.first_of_interval:
-            self.pipeline.raw_sums = True
-        return self.pipeline.raw_sums
-
-    def _raw_coef(self) -> float:
-        """What the release path adds each host gradient with: 1 / the fp16 loss scale (a power
-        of two, exact), else 1; the clip factor waits for the boundary (Pipeline.clip_sum)."""
-        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-
     # -- the loop's calls ---------------------------------------------------------------------
     def attach_install_waits(self, model: torch.nn.Module) -> int:
         """Each module's forward waits only for its own params' install (install.py); returns the
@@ -206,11 +186,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         gradients are then final and may leave for the host during it, device_to_host.py); False
         for earlier micro-batches. Optional: without it, step() moves the gradients itself."""
         due = self.selector.due(self.pipeline.t)
-        raw = self._raw_sums()
         # A selection reads the whole .grad on the step() path; the release path keeps the column
         # scores it needs in the hooks instead, on one process (the ranks' scores are all-reduced
-        # from .grad) and at an interval's first step (regather reads this step from the sum).
-        released = raw and (not due or (self.exchange is None and self.pipeline.first_of_interval))
+        # from .grad) and at an interval's first step (regather reads the step's own slot).
+        released = self.release is not None and (not due or (self.exchange is None and
+                                                              self.pipeline.first_of_interval))
         final = final and (not due or released)
         if self.release is not None:
             if final and released:
@@ -219,11 +199,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.release.disarm()
         if self.host is None:
             return
-        known = None if self.scale.needs_norm else 1.0  # the coefficient, when known before backward
-        if raw:
-            known = self._raw_coef()
-        self.gradient_path.begin(final=final, acc=self.pipeline.acc, first=self.pipeline.first_of_interval,
-                                 coef=known)
+        self.gradient_path.begin(final=final, slot=self.pipeline.slot() if final else None)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -255,9 +231,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         norms = released.norms if released is not None else None
         norm, coef = self.scale.coefficient(grads, sq, norms)  # 1. clip factor / loss scale, on the device
         if self.scale.overflowed(norm):  # fp16: skip the whole step (a host sync, fp16 only)
-            self.gradient_path.skip(stats)
-            if released is not None and self.host is not None:
-                self.pipeline.discard_interval()  # the hooks added the skipped step into the host sum
+            self.gradient_path.skip(stats)  # its slot is not recorded: the next step rewrites it
             self._disarm()
             stats.skipped, stats.grad_norm = True, math.inf
             self.ledger.close()
@@ -273,7 +247,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.device_state.write_params(self.params, self.selector.selected)
         self.gradient_path.add_device(grads, coef, first=self.pipeline.first_of_interval, stats=stats)
         clock.stop(stats)
-        self.selector.land()  # release: a selection's leaving gradient columns into the host sum
+        self.selector.land()  # release: a selection's leaving gradient columns into the step's slot
         tail, host_norm = time.perf_counter(), None
         if scalars is not None:  # 4-6. the rest of the gradient, and the boundary
             host_norm, tail = self._host_update(scalars, grads, warm, hp, stats)
@@ -299,7 +273,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.installer.wait_all()  # whoever reads the params next, on the compute stream
 
     def drain(self) -> None:
-        """Wait until no accumulation job (hook path) or sum copy (device path) still runs."""
+        """Wait until no gradient copy into a slot (host paths) or sum copy (device path) runs."""
         self.gradient_path.drain()
 
     def close(self) -> None:
@@ -312,15 +286,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.release.close()
         if self.sharded is not None:
             self.sharded.close()
-        self.gradient_path.close()  # drains the accumulation thread, waits for its copies
+        self.gradient_path.close()  # waits for the copies into the slots
         self.installer.close()  # the hooks off; the params' next reader comes after the last install
-        self.drain()  # a copy out may still write the host accumulator
+        self.drain()  # a copy out may still write the host sum
         self.pipeline.close()  # the worker wrote the last selection's leaving state from the staging
         self.selector.release()  # waits for the staging's last H2D, then unpins it
-        if self.host is not None and self.transfers is not None:
+        if self.host is not None:
             self.host.wait_install()  # the last install's DMA may still read the master
             self.host.release()
-            self.transfers.release()
 
     def __enter__(self) -> Self:
         return self
@@ -355,8 +328,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # The migration's streams follow the compute stream, which waited for the last install (wait_all above).
         extra = None
         if released is not None:  # the released gradients follow the new selection (release.py)
-            self.gradient_path.drain()  # the hooks' accumulation jobs: the moves read the sum
-            extra = regather_pairs(self.device_state, released.loaded, self.pipeline.acc, self._raw_coef())
+            self.gradient_path.drain()  # sync point: the hooks' copies into the slot the moves read
+            slot = self.pipeline.slot()
+            assert slot is not None  # a host path: a released selection is the interval's first step
+            extra = regather_pairs(self.device_state, released.loaded, slot)
         totals = self.selector.select(grads, self.host, stats, pipeline=self.pipeline,
                                       scores=released.scores if released else None, extra=extra)
         self.transfers.replan()
@@ -381,25 +356,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _host_update(self, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
                      hp: dict[str, float], stats: StepStats) -> tuple[float, float]:
-        """4. the other columns' gradient into the interval's sum; 5. a lagged install; 6. the
-        boundary. Returns the gradient norm read with the scalars, and when the host work began."""
+        """4. the other columns' gradient into the step's slot, with its coefficient; 5. a lagged
+        install; 6. the boundary. Returns the gradient norm read with the scalars, and when the
+        host work began."""
         values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
         # Not stall: the device update is queued behind the scalars, the device keeps busy.
         # Everything from here on is host work the device does not overlap with: stall.
         host_norm, host_coef, masses = values[0], values[1], values[2:]
         tail = c = time.perf_counter()
-        # release_grads (once a loop announced its backwards): every step's host sum is raw (what
-        # the hooks add), its clip factor counted for the boundary (Pipeline.clip_sum); without
-        # it the sum holds coef * grad.
-        add_coef, clip = host_coef, 1.0
-        if self.pipeline.raw_sums:
-            add_coef, clip = self._raw_coef(), self.scale.clip_factor(host_coef)
-        self.gradient_path.add_host(grads, self.pipeline.acc, add_coef, first=self.pipeline.first_of_interval,
-                                    stats=stats)
+        # The step's slot holds its raw gradient; its coefficient (clip factor / loss scale) goes
+        # with it, so the worker applies each step's own (slots.py). The device path adds on the
+        # device, coefficient included (add_device); it has no slots.
+        self.gradient_path.add_host(self.pipeline.slot(), stats)
+        self.pipeline.record(host_coef)
         stats.offload_ms = (time.perf_counter() - c) * 1e3
         if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
             self.pipeline.collect(stats)
-        if self.pipeline.close_step(force=warm or self.selector.due(self.pipeline.t + 1), clip=clip):
+        if self.pipeline.close_step(force=warm or self.selector.due(self.pipeline.t + 1)):
             self._boundary(stats, warm, hp)
         elif self.policy.auto and self.selector.selected:
             k, cols = self.selector.shapes()
@@ -411,21 +384,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         The update waits for what the gradient path says (its ``finish``, called once the previous
         update is collected) and for the install's DMA."""
         assert self.host is not None and self.transfers is not None  # only the host path has intervals
-        acc = self.pipeline.acc
-        clip = self.pipeline.clip_mean()  # release_grads: the interval's mean clip factor, else 1.0
         n = self.pipeline.end_interval()
         background = self.config.overlap_step and not warm
-        # One host accumulator that the next interval writes while this update reads it: the
-        # update goes piece by piece in the path's write order, and the writes follow (acc_gate.py).
-        order = self.gradient_path.write_order() if background and len(self.host.acc) == 1 else None
+        # One slot set that the next interval writes while this update reads it: the update goes
+        # piece by piece in the path's write order, and the writes follow (acc_gate.py).
+        order = self.gradient_path.write_order() if background and self.host.grads.sets == 1 else None
+        grad = self.pipeline.take()  # the interval's slots, coefficients and carry (slots.py)
         # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
         # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
-        update = cpu_update(self.config.deferred_lr_scale, n, acc, self.host.update_groups, hp,
+        update = cpu_update(self.config.deferred_lr_scale, n, grad, self.host.update_groups, hp,
                             pieces=tuple(order) if order is not None else None)
-        if clip != 1.0:
-            update = replace(update, grad_scale=update.grad_scale * clip)
-        self.pipeline.submit(update, stats, background=background,
-                             prepare=lambda: self.gradient_path.finish(acc, stats))
+        # Its bytes (each slot read, master and moments, the upload copy) are counted by the worker.
+        self.pipeline.submit(update, stats, background=background, prepare=lambda: self.gradient_path.finish(stats))
 
     def _install(self, stats: StepStats) -> None:
         """The host's finished update into the model params (the pipeline decides when), on the
@@ -442,7 +412,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _finish(self, stats: StepStats, norm: torch.Tensor | None, host_norm: float | None, tail: float) -> None:
         stats.set_grad_norm(host_norm, norm, cuda=self.device.type == "cuda")
-        if self.host is not None:  # writes that waited for the CPU update to read acc (acc_gate.py)
+        if self.host is not None:  # writes that waited for the CPU update to read a slot (acc_gate.py)
             stats.acc_gate_waits, stats.acc_gate_ms = self.host.gate.take_counts()
         stats.stall_ms += (time.perf_counter() - tail) * 1e3
         self.scale.step_done()

@@ -4,8 +4,8 @@ With a process group of ``W`` ranks, every rank keeps the *device* half of the s
 (dense params and the selected columns: identical on every rank, because every rank steps them
 with the same averaged gradient), and only a *slice* of the host half: the flat host column space
 (all matrices' columns, column-major, see ``layout``) is cut into ``W`` contiguous ranges of whole
-columns, balanced by elements. Rank ``r`` holds fp32 master, moments, counters and accumulators
-of its range only, accumulates only those columns, and its CPU worker updates only those. A
+columns, balanced by elements. Rank ``r`` holds fp32 master, moments, counters and gradient slots
+of its range only, lands only those columns, and its CPU worker updates only those. A
 matrix may straddle two ranks; a column never does.
 
 Communication per optimizer step (``N`` = elements of all params, ``H`` = elements of the

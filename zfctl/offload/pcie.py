@@ -18,9 +18,9 @@ Waits and bytes are counted where they happen (ledger.py): :func:`host_wait` and
 :func:`device_wait` wait and count in one call, so a wait written through them is in the step's
 ``StepStats.waits``.
 
-Helper threads (the accumulation thread, the CPU worker) wait for copy events. A new thread's
+The helper thread (the CPU worker) waits for copy events. A new thread's
 current CUDA device is device 0, and its first CUDA call there would create a context on GPU 0
-(~0.5 GB) in every rank of a multi-GPU job: :func:`bind_device` is every such thread's first call.
+(~0.5 GB) in every rank of a multi-GPU job: :func:`bind_device` is its first call.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ size. Saved as *pieces* instead, one per (matrix, owned column range)::
      "acc": [37, rows]}                                                      # pipeline-owned
 
 any rank of any world size can assemble its own cut from whichever pieces overlap it: every
-quantity is per column (AdamW on the host is element-wise, the counters are per column, the
-accumulators hold the interval's averaged gradient, identical for any world size), so re-cutting
-is copying rows. ``acc`` is the unfinished interval's sum. States written before the install read
+quantity is per column (AdamW on the host is element-wise, the counters are per column, and
+``acc``, the unfinished interval's fp32 gradient sum, is per element as well), so re-cutting
+is copying rows. States written before the install read
 the fp32 master also held ``upload`` (the pending update's values in the model dtype) while an
 update waited to be installed; loading ignores it (the master holds the same values).
 

@@ -3,8 +3,8 @@
 torch's ``pin_memory=True`` goes through the CUDA caching host allocator, which rounds every block
 up to the next power of two: a 13.48 GB buffer pins 17.18 GB, a 26.95 GB one 34.36 GB, and the
 rounding is host RAM nobody can use. The engine's large host buffers (the fp32 master the install
-reads, the accumulator the device path's interval sum lands in, the hook path's landing buffers,
-the ring slots) are allocated here instead: ordinary pageable memory from torch's CPU allocator,
+reads, the gradient slots each step lands in, the device path's interval sum, the selection
+staging) are allocated here instead: ordinary pageable memory from torch's CPU allocator,
 then page-locked in place with ``cudaHostRegister`` (docs/design.md, "Threads and buffer
 ownership"). The bytes pinned are the bytes asked for, rounded up to whole 4 KiB pages.
 

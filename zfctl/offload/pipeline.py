@@ -1,19 +1,20 @@
-"""The host path's state machine: one owner for the interval counters, the accumulators and the
-one-update-in-flight rule.
+"""The host path's state machine: one owner for the interval counters, the gradient slots' sets and
+the one-update-in-flight rule.
 
-Per optimizer step the optimizer asks three things of it: which accumulator to fill (``acc``),
-whether this step ends an interval (``close_step``), and, at a boundary, to hand the interval to
-the CPU worker (``submit``). Everything that decides *when* a result lands is here and depends on
-step counts only, never on thread timing:
+Per optimizer step the optimizer asks four things of it: which slot this step's gradient lands in
+(``slot``), to record that step's coefficient (``record``), whether this step ends an interval
+(``close_step``), and, at a boundary, to hand the interval to the CPU worker (``take``, then
+``submit``). Everything that decides *when* a result lands is here and depends on step counts
+only, never on thread timing:
 
 * synchronous (``overlap_step`` off, or a warm-up step): submit, wait, install at once;
 * overlapped: install the previous interval's result first (waiting if it is still running: the
-  only stall of this mode), then submit this interval and switch to the other accumulator. At
+  only stall of this mode), then submit this interval and switch to the other slot set. At
   most one update is ever in flight, and the installed values are exactly one interval stale.
   A re-selection does not change that: it takes only the entering columns' part of the update in
   flight (``prioritize``), and the rest installs on this schedule like any other update.
-  With one host accumulator (``zenflow.tuning.host_accumulators``) there is no other one: ``cur``
-  stays 0 and the next interval's first writes wait for the update to have read each chunk
+  With one slot set (``zenflow.tuning.host_accumulators: 1``) there is no other one: ``cur``
+  stays 0 and each write of the next interval waits for the update to have read that piece
   (acc_gate.py; the optimizer hands the update its ``pieces``). The same values, other waits.
 * overlapped with a lag ``L`` (``zenflow.tuning.install_lag``): as above, but the result is installed at
   the end of the ``L``-th step after the boundary that submitted it (``install_due``), or at the
@@ -25,6 +26,14 @@ the next boundary after a resume installs it exactly where the uninterrupted run
 wait for the jobs a selection deferred to the worker (``defer``: the leaving columns' state
 scattered into the host buffers), so no install, checkpoint, load or next update reads those
 rows before they are written.
+
+Checkpoints keep the saved format: the unfinished interval's fp32 sum (``acc``), computed from the
+slots with the worker's rounding (``GradSlots.partial_sum``); a resume continues from it as the
+set's carry. A state saved before the slots, under ``release_grads``, held a raw sum whose clip
+factors were to be applied at the boundary as their mean (``clip_sum``, ``raw_sums``): it is
+scaled once on load by the mean of the saved steps' factors, ``clip_sum / interval_len``, which is
+exact when those factors were equal (no clipping: all 1) and otherwise the old rule's mean for
+the saved steps only; the steps after the resume take their own factors.
 
 Without host columns (topk_ratio 1) only the step counter is used.
 """
@@ -40,14 +49,17 @@ import torch
 from zfctl.offload.auto_interval import IntervalPolicy
 from zfctl.offload.host import HostState, fill
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
+from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
 from zfctl.offload.worker import CpuUpdate, CpuWorker, PieceWaits
+
+Interval = tuple[tuple[torch.Tensor, ...], tuple[float, ...], torch.Tensor | None]
 
 Install = Callable[[StepStats], None]
 
 
 class Pipeline:
-    """Counters (steps, interval length), the accumulator in use, the CPU worker and pending install."""
+    """Counters (steps, interval length), the slot set in use, the CPU worker and pending install."""
 
     ledger: Ledger = NOWHERE  # where its waits are counted (ledger.py; the optimizer's own)
 
@@ -55,6 +67,7 @@ class Pipeline:
                  install: Install, lag: int = 0, device: torch.device | None = None,
                  update_threads: int = 0) -> None:
         self.host = host
+        self.grads: GradSlots | None = host.grads if host is not None else None
         self.policy = policy
         self.overlap = overlap
         self.lag = lag  # install a background update this many steps after its boundary; 0: at the next one
@@ -64,21 +77,22 @@ class Pipeline:
         if self.worker is not None:
             self.worker.threads = update_threads  # its share of the cores (threads.py); 0 = all
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
-        self.interval_len = 0  # steps accumulated in the current interval
-        # The interval's clip factors that are not in acc (release.py adds raw gradients): the
-        # boundary scales the mean gradient by clip_sum / interval_len. n x 1.0 without release.
-        self.clip_sum = 0.0
-        self.raw_sums = False  # release.py: the sums hold raw gradients (ZenFlowOptimizer._raw_sums)
+        self.interval_len = 0  # steps in the current interval (a resumed carry's included)
         self.last_interval = 0 if policy.auto else policy.fixed
-        self.cur = 0  # which accumulator the main thread fills
+        self.cur = 0  # the slot set this interval writes
         self.pending_install = False  # a finished CPU update waits to be copied into the model
 
     # -- per step -------------------------------------------------------------------------------
-    @property
-    def acc(self) -> torch.Tensor:
-        """The accumulator the main thread (or the gradient stream) fills this interval."""
-        assert self.host is not None, "only the host path (host columns) has accumulators"
-        return self.host.acc[self.cur]
+    def slot(self) -> torch.Tensor | None:
+        """Where this step's host-owned gradient lands (slots.py); None on the device path."""
+        if self.grads is None or self.grads.per_set == 0:
+            return None
+        return self.grads.next(self.cur)
+
+    def record(self, coef: float) -> None:
+        """This step's gradient (in ``slot()``) counts with coefficient ``coef`` (host paths)."""
+        if self.grads is not None and self.grads.per_set:
+            self.grads.record(self.cur, coef)
 
     @property
     def busy(self) -> bool:
@@ -87,25 +101,16 @@ class Pipeline:
 
     @property
     def first_of_interval(self) -> bool:
-        """No gradient has been added to ``acc`` in this interval yet."""
+        """No step of this interval has been taken yet."""
         return self.interval_len == 0
 
-    def close_step(self, force: bool, clip: float = 1.0) -> bool:
-        """Count one accumulated step (``clip``: its clip factor when the sum does not hold it,
-        release.py); True when it ends the interval (``force``: it must)."""
+    def close_step(self, force: bool) -> bool:
+        """Count one step; True when it ends the interval (``force``: it must; or its slot set
+        is full, which only ``update_interval: auto`` can reach: its sets hold
+        ``auto_max_interval`` slots, the longest interval it allows)."""
         self.interval_len += 1
-        self.clip_sum += clip
-        return self.policy.is_boundary(self.interval_len, force)
-
-    def clip_mean(self) -> float:
-        """The interval's mean clip factor not yet applied to its sum: exactly 1.0 when every
-        step's factor is in the sum or is 1 (a sum of n ones is n)."""
-        return self.clip_sum / self.interval_len if self.interval_len else 1.0
-
-    def discard_interval(self) -> None:
-        """Drop the unfinished interval's sum (release.py: an fp16 overflow step's hooks added
-        into it): the next step writes the accumulator afresh."""
-        self.interval_len, self.clip_sum = 0, 0.0
+        full = self.grads is not None and self.grads.full(self.cur)
+        return self.policy.is_boundary(self.interval_len, force or full)
 
     def advance(self) -> None:
         """One optimizer step done (not called for a skipped fp16 step)."""
@@ -120,21 +125,26 @@ class Pipeline:
     def end_interval(self) -> int:
         """Close the interval's counters; returns its length (the mean's divisor)."""
         n = self.interval_len
-        self.interval_len, self.last_interval, self.clip_sum = 0, n, 0.0
+        self.interval_len, self.last_interval = 0, n
         self.policy.reset()
         return n
+
+    def take(self) -> Interval:
+        """The ending interval's (slots, coefficients, carry) for its CPU update (slots.py)."""
+        assert self.grads is not None, "only the host path (host columns) has boundaries"
+        return self.grads.take(self.cur)
 
     def submit(self, update: CpuUpdate, stats: StepStats, *, background: bool,
                prepare: Callable[[], Callable[[], Any] | None]) -> None:
         """Hand one interval to the CPU worker; see the module docstring for the two modes.
 
         ``prepare``: called once the previous update is collected and before this one starts, it
-        returns the wait for what is still writing ``update.acc`` (the gradient path's ``finish``:
-        the hook path's last accumulation job, or the device path's copy of the interval sum into
-        its one host accumulator, which the previous update may still have been reading; that one
-        is a ``PieceWaits``, one copy event per matrix, which the update waits for piece by
-        piece). The worker also waits for the install DMA that may still read the install source,
-        the upload buffer or the master it writes (HostState.install_fence).
+        returns the wait for what is still writing the update's gradient (the gradient path's
+        ``finish``: the last copy into a slot, or the device path's copy of the interval sum into
+        its one host buffer, which the previous update may still have been reading; that one is a
+        ``PieceWaits``, one copy event per matrix, which the update waits for piece by piece). The
+        worker also waits for the install DMA that may still read the install source, the upload
+        buffer or the master it writes (HostState.install_fence).
         """
         host, worker = self.host, self.worker
         assert host is not None and worker is not None, "only the host path (host columns) has boundaries"
@@ -149,8 +159,8 @@ class Pipeline:
         waits = [counted_wait(self.ledger, kind, w) for kind, w in (("worker.grads", after), ("worker.install", dma))
                  if w is not None]
         worker.submit(update, waits)
-        if background:  # ... then this one runs in the background (one accumulator: cur stays)
-            self.cur = (self.cur + 1) % len(host.acc)
+        if background:  # ... then this one runs in the background (one slot set: cur stays)
+            self.cur = (self.cur + 1) % host.grads.sets
             self.age = 0
         else:
             self.collect(stats)
@@ -200,9 +210,11 @@ class Pipeline:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self, live_acc: torch.Tensor | None = None) -> dict[str, Any]:
-        """Counters, the policy and the unfinished interval's sum, made canonical in place
-        (``HostState.canonicalize``; ``live_acc``: where that sum lives when it is not the current
-        host accumulator: the device path's device buffer). Not copies: a checkpoint streams them.
+        """Counters, the policy and the unfinished interval's fp32 sum, canonical
+        (``HostState.canonicalize``): on the host paths a new buffer formed from the slots
+        (``GradSlots.partial_sum``, 4 B per host element while the caller holds it; an interval
+        without a step gives zeros that take no memory, an expanded scalar); on the device path
+        ``live_acc``, its device buffer, made canonical in place. A checkpoint streams them.
 
         An in-flight update is waited for first (a stall at checkpoint time only). Its result is
         then pending: the master holds it, and the install after a resume reads it from there.
@@ -210,20 +222,27 @@ class Pipeline:
         self.settle()
         sd: dict[str, Any] = {
             "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
-                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age,
-                         "clip_sum": self.clip_sum, "raw_sums": self.raw_sums},
+                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age},
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
-            acc = self.acc if live_acc is None else live_acc
-            sd["acc"] = self.host.canonicalize(acc, fresh=self.interval_len == 0)
+            assert self.grads is not None
+            fresh = self.interval_len == 0
+            acc = live_acc if live_acc is not None else None if fresh else self.grads.partial_sum(self.cur)
+            if acc is None:
+                acc = torch.zeros(1).expand(self.grads.numel)  # nothing is live: zeros, no memory
+            else:
+                acc = self.host.canonicalize(acc, fresh=fresh)
+            sd["acc"] = acc
         return sd
 
     def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
-        """Restore counters, policy and the unfinished interval's sum (into ``live_acc`` when it is
-        not the host accumulator). A saved ``upload`` (states written before the install read the
-        master) is ignored: it held the master's values rounded to the model dtype, which the load
-        computes again from the master, to the same bits (state.py, ``HostState.refresh_upload``)."""
+        """Restore counters, policy and the unfinished interval's sum: into ``live_acc`` (the
+        device path's device buffer), or as the current set's carry (host paths; ``sd["acc"]`` is
+        the fp32 buffer the loader filled, None for an interval without a step). A saved ``upload``
+        (states written before the install read the master) is ignored: it held the master's
+        values rounded to the model dtype, which the load computes again from the master, to the
+        same bits (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None:
             if self.worker.busy:  # self.busy, spelled out for the type checker
                 self.worker.wait()  # discard: everything it wrote is overwritten below
@@ -232,19 +251,23 @@ class Pipeline:
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]
         self.age = c.get("age", 0)  # absent before install_lag existed, where nothing reads it
-        self.clip_sum = float(c.get("clip_sum", self.interval_len))  # absent before release_grads: all 1
-        self.raw_sums = bool(c.get("raw_sums", False))
         self.policy.load_state_dict(sd["policy"])
         if self.host is None:
             return
-        self.cur = c["cur"] % len(self.host.acc)
-        for i, acc in enumerate(self.host.acc):
-            if live_acc is None and i == self.cur:
-                fill(acc, sd["acc"])
-            else:
-                acc.zero_()
-        if live_acc is not None:
-            fill(live_acc, sd["acc"])
+        assert self.grads is not None
+        self.cur = c["cur"] % self.grads.sets
+        acc = sd.get("acc")
+        if live_acc is not None and acc is not None:
+            fill(live_acc, acc)
+            acc = live_acc
+        if acc is not None and self.interval_len and c.get("raw_sums") and c.get("clip_sum") is not None:
+            # A state saved before the slots, with release_grads: the sum is raw and its clip factors
+            # were to come at the boundary as the interval's mean. Applied once here, as the mean
+            # of the saved steps' factors (exact when they were equal; module docstring).
+            clip = float(c["clip_sum"]) / self.interval_len
+            if clip != 1.0:
+                acc.mul_(clip)
+        self.grads.resume(self.cur, acc if live_acc is None and self.interval_len else None)
 
 
 def _install_wait(host: HostState) -> Callable[[], Any] | None:

@@ -7,9 +7,9 @@ post-accumulate-grad hook of each parameter
 
 1. (host columns) hands the gradient to the hook path (stream.py ``GradStream.on_grad``): data
    parallel, the exchange over the ranks first, completed one hook later; then the host columns
-   are copied through the bounded landing ring and added into the interval's fp32 sum, times
-   the coefficient known before backward (1, or 1 / the fp16 loss scale), without the clip
-   factor, which exists only once every gradient does;
+   are copied into the step's gradient slot (slots.py), raw, in the model dtype, as on every host
+   path: the step's coefficient (clip factor / fp16 loss scale), known only after the last hook,
+   is recorded with the slot by step() and applied by the CPU update to this step alone;
 2. gathers the columns the device owns (and whole 1-D params) into the device state's fp32
    gradient work buffer, raw (``DeviceAdam.load_one``; step() multiplies the buffer by the
    step's coefficient, the same two operations as without release, so the same bits);
@@ -18,25 +18,21 @@ post-accumulate-grad hook of each parameter
    non-finiteness is the fp16 overflow flag, read with the step's scalars;
 4. frees the ``.grad``.
 
-A parameter whose hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it
-has (an earlier micro-batch's, or None), and step() takes it as before. The hooks are on the
-matrices only: a 1-D param's (norm weight, bias) gradient is a few KB, and a hook for it costs
-more time than it frees (measured: the hooks of tiny-llama's 11 norm weights were ~2% of a CPU
-step), so it waits for step() as before. Data parallel, the hooks are on the matrices with host
-columns only (the others are exchanged by step()'s bucketed
-all-reduce from ``.grad``) and the norm comes from the exchange. Selection steps, backwards not
-announced as final and ``update_interval: auto`` keep ``.grad`` until step() (their rules read
-the whole gradient there).
+So release changes no arithmetic: every path clips each step by its own factor. A parameter whose
+hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it has (an earlier
+micro-batch's, or None), and step() takes it as before. The hooks are on the matrices only: a 1-D
+param's (norm weight, bias) gradient is a few KB, and a hook for it costs more time than it frees
+(measured: the hooks of tiny-llama's 11 norm weights were ~2% of a CPU step), so it waits for
+step() as before. Data parallel, the hooks are on the matrices with host columns only (the others
+are exchanged by step()'s bucketed all-reduce from ``.grad``) and the norm comes from the
+exchange. Selection steps of several ranks, backwards not announced as final and
+``update_interval: auto`` keep ``.grad`` until step() (their rules read the whole gradient there).
+An fp16 overflow step is skipped everywhere: its slot is not recorded, the next step rewrites it.
 
-The clip factor of step t, ``c_t``, is known only after the last hook, so what the hooks added is
-``sum_t g_t`` (raw): the boundary scales the interval's mean gradient by the interval's mean clip
-factor, ``mean(c_t)`` (``Pipeline.clip_sum``). The sums turn raw at the first announced backward
-that starts an interval and stay so (``Pipeline.raw_sums``; steps step() moves itself add raw too),
-so no interval mixes the two; a loop that never calls ``prepare_backward`` sees no change at all. With no clipping, or a clip that does not trigger
-(``c_t = 1``), that is the arithmetic without release, bit for bit; otherwise it is the documented
-"interval mean clip" rule. An fp16 overflow step is skipped everywhere; what its hooks already
-added cannot be taken out of the sum, so the interval's host sum is dropped (the next step starts
-a new interval).
+A selection step (one process) selects from the hooks' column scores; ``regather_pairs`` then
+moves the work buffer's columns with the new selection (the asynchronous migration, migration.py),
+with the step's slot as the host side: it is the interval's first step, so the slot holds exactly
+this step's raw host columns.
 
 Cost: per hook, one gather of the device columns and one norm kernel (one process) on the device,
 no host sync; device memory: the gradient being processed plus the hook path's temporaries in
@@ -129,19 +125,20 @@ class GradRelease:
         self._handles = []
 
 
-def regather_pairs(device_state: DeviceAdam, loaded: set[int], acc: torch.Tensor,
-                   coef: float) -> Callable[[Moves, Departure], list[Pair]]:
+def regather_pairs(device_state: DeviceAdam, loaded: set[int],
+                   grad_slot: torch.Tensor) -> Callable[[Moves, Departure], list[Pair]]:
     """A selection on a release step: the work buffer's raw gradient follows the columns too
     (selector.py ``select``'s ``extra``, moved with the state by migration.py), for the params in
     ``loaded`` (the hooks gathered them by the old selection). Staying columns move inside the
-    buffer; entering columns come back from the host sum, where the hooks added them times
-    ``coef`` (1 / the fp16 loss scale, a power of two: the division is exact) as the interval's
-    first step (a selection step always is: the step before it ends an interval); leaving columns
-    go into that sum the same way, through ``to`` (``Selector.land``: the main thread writes them
-    before the step's host update reads the sum)."""
+    buffer; entering columns come back from the step's slot (``grad_slot``, slots.py: the hooks
+    landed them there raw, in the model dtype; widened to fp32 exactly on their way in); leaving
+    columns go into it (narrowed to the model dtype: exact, the work buffer widened them from it),
+    where the CPU update finds them with the step's coefficient, through ``to``
+    (``Selector.land``: the main thread writes them before the interval is handed to the worker;
+    a selection step is always an interval's first step: the step before it ends an interval)."""
     def pairs(m: Moves, to: Departure) -> list[Pair]:
         if m.slot.index not in loaded:  # no hook took it: step() gathers it by the new selection
             return []
-        return [Pair(device_state.segment(device_state.grad, m.slot), m.slot.host_view(acc), to, scale=coef)]
+        return [Pair(device_state.segment(device_state.grad, m.slot), m.slot.host_view(grad_slot), to)]
 
     return pairs

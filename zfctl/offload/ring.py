@@ -1,16 +1,11 @@
-"""The transfer scheduler: a ring of slots per direction, with its own CUDA stream and events.
+"""The transfer scheduler: a ring of device slots for the installs, and the step's scalar fetch,
+each ring with its own CUDA stream and events.
 
 Large tensors move as slot-sized chunks, so the memory a transfer holds stays bounded
-(``slots x slot_bytes``) and copies, host work and device compute overlap. Every copy goes through
-``pcie.copy_async`` (a wait for the producer, the copy, an event after it).
-
-D2H (gradients, the step() path): ``fill(dst)`` writes a chunk into a fresh device temporary on
-the compute stream (the optimizer transposes a column range there, so the host receives
-column-major data); the ring's stream waits for the compute stream, copies the temporary into
-host slot i (page-locked at its exact size, pinned.py) and records slot i's event;
-``consume(view)`` runs on the host once that event fired (the optimizer accumulates it with the
-native kernel). Slot i is refilled only after its chunk was consumed. The host slots are
-allocated when the ring is built: ``slots x slot_bytes`` of host memory, counted by the plan.
+(``slots x slot_bytes``) and copies and device compute overlap. Every copy goes through
+``pcie.copy_async`` (a wait for the producer, the copy, an event after it). Gradients do not go
+through a ring: each step's land in the step's slot (stream.py, slots.py); the D2H ring only
+``fetch``es the step's scalars, and its slot size cuts the chunks (chunks.py).
 
 H2D (updated params, an install): the sources are ranges of the install source (the upload
 buffer the CPU AdamW writes in the model dtype, or the fp32 master: host.py), copied by
@@ -28,13 +23,12 @@ Page-locked means registered in pinned.py's registry (``pinned.holds``, by addre
 says False. From pageable memory (``pin_memory: false``) CUDA stages the source before the copy
 call returns, so there is no fence.
 
-Without CUDA the same code runs synchronously: ``fill`` writes straight into a host slot and
-``deliver`` reads straight from the install source. That is how CI exercises this module.
+Without CUDA the same code runs synchronously: ``deliver`` reads straight from the install
+source. That is how CI exercises this module.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,81 +38,22 @@ from zfctl.offload import pinned
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.pcie import copy_async, host_wait
 
-Fill = Callable[[torch.Tensor], None]
-
 
 class Ring:
-    """``nslots`` slots of ``slot_bytes`` each, one copy stream and one event per slot.
+    """``nslots`` device slots of ``slot_bytes`` each (made at the first install), one copy stream
+    and one event per slot; ``fetch`` uses the stream alone."""
 
-    ``host_slots``: allocate the host slots of the D2H direction (page-locked when ``pin_memory`` on
-    CUDA) now; a ring that only copies host to device (the install's) or only ``fetch``es scalars
-    (the device accumulation path's) needs none. ``ledger``: where its bytes and waits are counted
-    (ledger.py; the optimizer gives its own).
-    """
+    ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
-    ledger: Ledger = NOWHERE
-
-    def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool, *,
-                 host_slots: bool = True) -> None:
+    def __init__(self, device: torch.device, nslots: int, slot_bytes: int, pin_memory: bool) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.nslots = nslots
         self.slot_bytes = slot_bytes
         self.pin = pin_memory and self.cuda
-        # One flat allocation, page-locked at its exact size: no power-of-two rounding per slot.
-        self._host = pinned.empty(nslots * slot_bytes if host_slots else 0, torch.uint8, pin=self.pin,
-                                  device=device)
         self._device: torch.Tensor | None = None  # device slots of the H2D direction, made on first use
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._freed: list[Any] = [None] * nslots  # per device slot: the scatter that last read it
-
-    def _slot(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A typed view of host slot ``i`` for ``numel`` elements."""
-        nbytes = numel * dtype.itemsize
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"chunk of {nbytes} B exceeds the ring slot size of {self.slot_bytes} B")
-        return self._host[i * self.slot_bytes : i * self.slot_bytes + nbytes].view(dtype)
-
-    def release(self) -> None:
-        """Unregister the page-locked slots (close())."""
-        pinned.release(self._host)
-
-    def d2h(self, chunks: Iterable[tuple[int, torch.dtype, Fill, Any]],
-            consume: Callable[[torch.Tensor, Any], None]) -> int:
-        """Stream ``(numel, dtype, fill, tag)`` chunks to the host; ``consume(view, tag)`` each, in order.
-
-        Returns the bytes copied. The host blocks only on the event of the oldest chunk when the
-        ring is full, and at the end on the last one.
-        """
-        total = 0
-        inflight: deque[tuple[torch.Tensor, Any, Any]] = deque()
-        compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        for n, (numel, dtype, fill, tag) in enumerate(chunks):
-            i = n % self.nslots
-            if len(inflight) == self.nslots:  # the oldest chunk occupies slot i: wait, consume, reuse
-                view, old_tag, event = inflight.popleft()
-                host_wait(self.ledger, "host.d2h_chunk", event)  # sync point: that chunk's D2H copy
-                consume(view, old_tag)
-            view = self._slot(i, numel, dtype)
-            nbytes = view.numel() * view.element_size()
-            total += nbytes
-            self.ledger.moved("d2h.grad", nbytes)  # PCIe D2H (CPU: what would cross it) ...
-            self.ledger.moved("host.land", nbytes)  # ... written into the host slot
-            if not self.cuda:
-                fill(view)
-                consume(view, tag)
-                continue
-            assert self.stream is not None and compute is not None  # CUDA: both exist
-            tmp = torch.empty(numel, dtype=dtype, device=self.device)
-            fill(tmp)  # compute stream: a fresh buffer, never an alias of a live .grad
-            event = copy_async(self.stream, view, tmp, after=compute)  # PCIe D2H of one chunk
-            tmp.record_stream(self.stream)  # keep tmp's memory until the copy stream is done with it
-            inflight.append((view, tag, event))
-        while inflight:
-            view, tag, event = inflight.popleft()
-            host_wait(self.ledger, "host.d2h_chunk", event)  # sync point: the chunk's D2H copy
-            consume(view, tag)
-        return total
 
     def h2d(self, chunks: Iterable[tuple[torch.Tensor, Any]], deliver: Callable[[torch.Tensor, Any], None], *,
             stream: Any = None) -> tuple[int, Any]:

@@ -89,11 +89,6 @@ class GradientScale:
             coef = coef * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         return norm, coef
 
-    def clip_factor(self, coef: float) -> float:
-        """The clip factor inside a coefficient read on the host: ``coef`` times the fp16 loss scale
-        (a power of two, so exact), or ``coef`` itself."""
-        return coef * self.scaler.scale if self.scaler is not None else coef
-
     def overflowed(self, norm: torch.Tensor | None) -> bool:
         """fp16 only: True (and the scale halved) when this step's gradients hold inf/NaN: the step
         is skipped. A host sync, the one per-step sync that exists for fp16 alone."""

@@ -185,8 +185,8 @@ class Selector:
 
     def land(self) -> None:
         """After the step's device update is enqueued: a release step's leaving gradient columns
-        into the host sum (their D2H waited for: a host wait, selection steps of the release path
-        only), before the step's host update reads it. Nothing otherwise."""
+        into the step's slot (their D2H waited for: a host wait, selection steps of the release
+        path only), before the interval is handed to the CPU worker. Nothing otherwise."""
         self.landing.finish()
 
     def _migrate_owned(self, host: HostState, stats: StepStats, old: list[torch.Tensor | None],

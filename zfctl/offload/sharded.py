@@ -14,7 +14,7 @@ its dim-0 tokens, zfctl/offload/layout.py), so each rank holds all columns of so
   at a selection, and every rank ranks the same numbers and picks the same columns;
 * the clip norm's sum of squares, and the auto interval's L1 masses, are sums over elements:
   one small all-reduce each;
-* the host half (master, moments, accumulators) of this rank's rows lives in this rank's host
+* the host half (master, moments, gradient slots) of this rank's rows lives in this rank's host
   state: no host state is shared, no install is broadcast, no gradient is exchanged by zfctl.
 
 HSDP (a 2-D mesh: replicate across nodes, shard within one; zfctl/train/fsdp.py): FSDP2 also

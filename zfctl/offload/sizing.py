@@ -46,11 +46,12 @@ def device_fits(committed_bytes: float, acc_bytes: float, total_bytes: float) ->
     return committed_bytes + acc_bytes <= AUTO_DEVICE_SHARE * total_bytes
 
 
-# --- device_to_host.py: the release_grads landing ring --------------------------------------------
-def landing_slots(budget_bytes: int, slot_bytes: int) -> int:
-    """release_grads: slots of the landing ring, enough for the device temporaries in flight
-    (``budget_bytes``), at least two (one lands while the thread adds the other)."""
-    return max(2, -(-budget_bytes // slot_bytes))
+# --- device_to_host.py: the gradient slots of a set -----------------------------------------------
+def slots_per_set(update_interval: int | str, auto_max_interval: int) -> int:
+    """Slots in a set (slots.py): one per step of the longest interval (``update_interval``, or
+    under ``auto`` its bound ``tuning.auto_max_interval``, which a full set enforces:
+    Pipeline.close_step)."""
+    return auto_max_interval if update_interval == "auto" else int(update_interval)
 
 
 # --- layout.py: how many columns of a matrix stay on the device -----------------------------------

@@ -8,12 +8,13 @@ imports none of the engine's classes (the optimizer imports it), so there is no 
 What is saved, beyond torch.optim's param_groups (lr & co., scheduler-visible):
 
 * ``counters`` (``Pipeline``): steps taken, steps in the unfinished interval, the last interval's
-  length, which accumulator is current, whether a finished CPU update still waits to be
+  length, which slot set is current, whether a finished CPU update still waits to be
   installed; plus ``selected``: whether the first selection happened;
 * ``selection`` and ``device`` (``DeviceAdam``): sorted column ids per matrix; fp32 master,
   moments and per-column step counters (flat, as laid out);
 * ``host`` (``HostState`` + ``Pipeline``): fp32 master, moments and per-column counters
-  (column-major) and the accumulator of the unfinished interval, as pieces (pieces.py);
+  (column-major) and the unfinished interval's fp32 gradient sum (``acc``: formed from its slots
+  with the CPU update's rounding, slots.py), as pieces (pieces.py);
 * ``policy`` (``IntervalPolicy``) and ``scaler`` (``DynamicLossScaler``).
 
 An update in flight is waited for first (a stall, at checkpoint time only); its result is then
@@ -40,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from zfctl.offload.pieces import check_covers, gather_host, split_host
 
 STATE_FORMAT = "zfctl.zenflow/2"
@@ -52,7 +55,7 @@ def pack_state(*, names: list[str], shapes: list[list[int]], by_row: list[str], 
                scaler: dict[str, Any] | None) -> dict[str, Any]:
     """The saved format from the components' own state dicts (see the module docstring).
 
-    ``host``: the host state as name-keyed pieces, the pipeline's accumulator
+    ``host``: the host state as name-keyed pieces, the unfinished interval's sum
     included (``pieces.split_host``); ``pipeline``: its counters and policy.
     """
     device = dict(device)
@@ -117,8 +120,9 @@ def unpack_state(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(opt: Any) -> dict[str, Any]:
-    """``opt.state_dict()``: queued accumulation and an in-flight update waited for first, the
-    unfinished sum made canonical in place (``HostState.canonicalize``), then assembled."""
+    """``opt.state_dict()``: the copies into the slots and an in-flight update waited for first,
+    the unfinished interval's sum formed and made canonical (``Pipeline.state_dict``), then
+    assembled."""
     opt.drain()
     pipeline = opt.pipeline.state_dict(live_acc=opt.gradient_path.live_acc if opt.host is not None else None)
     host = None
@@ -146,18 +150,21 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         pieces = host if isinstance(host, list) else split_host(opt.layout, host)  # format 1: flat
         check_covers(opt.layout, pieces)
     # A CPU update in flight (a live optimizer rolled back) writes master, moments and reads the
-    # accumulator: it must be done before any of them is overwritten below; its result is discarded.
+    # interval's slots: it must be done before any of them is overwritten below; its result is discarded.
     opt.pipeline.settle()
-    opt.gradient_path.begin(final=False, acc=None, first=False, coef=None)  # a half-armed window is void
+    opt.gradient_path.begin(final=False, slot=None)  # a half-armed window is void
     for group, saved in zip(opt.param_groups, parts["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
     pipeline = parts["pipeline"]
     live = opt.gradient_path.live_acc if opt.host is not None else None
     if opt.host is not None:
         opt.host.wait_install()
-        # The unfinished sum goes where the pipeline reads it: its current host accumulator, or
-        # the device path's device buffer.
-        acc = live if live is not None else opt.host.acc[pipeline["counters"]["cur"] % len(opt.host.acc)]
+        # The unfinished sum goes where the pipeline reads it: the device path's device buffer, or
+        # a new fp32 buffer the current slot set continues from (its carry, 4 B per host element
+        # until that interval's update; none for an interval without a step).
+        acc = live
+        if acc is None and pipeline["counters"]["interval_len"]:
+            acc = torch.empty(opt.layout.host_numel, dtype=torch.float32)
         gather_host(opt.layout, pieces, into={**opt.host.state_dict(), "acc": acc})
         opt.host.refresh_upload()  # a pending install reads the loaded master's rounding (host.py)
         pipeline["acc"] = acc

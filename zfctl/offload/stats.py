@@ -19,7 +19,7 @@ class StepStats:
     the optimizer's share of the step.
 
     Stall is every host wait inside ``step()`` after the device update was enqueued: gradient
-    columns the step had to copy and accumulate itself, the
+    columns the step had to copy into its slot itself, the
     wait for the CPU worker, the host side of an install, and (hook path) the wait for gradient
     chunks still in flight; plus ``device_wait_ms``, the time the compute stream itself sat
     waiting for a copy (an install's H2D, the device path's copy out), read with events. While the host waits there, the device runs out of queued work, so
@@ -43,7 +43,7 @@ class StepStats:
     device_opt_ms: float = 0.0  # the device AdamW (selected columns + dense params)
     stall_ms: float = 0.0  # every host wait inside step() (see the class docstring)
     cpu_step_ms: float = 0.0  # duration of the CPU update that completed this step (0 if none)
-    offload_ms: float = 0.0  # gradient D2H + host accumulation done or waited for inside step()
+    offload_ms: float = 0.0  # gradient D2H into the step's slot done or waited for inside step()
     # Data-parallel bytes this rank sent this step (0 for one process): gradient exchange, score
     # and state exchange at a selection, install broadcasts; ring-model counts (partition.py).
     comm_bytes: int = 0
@@ -52,24 +52,20 @@ class StepStats:
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step
     update_interval: int = 0  # length of the latest finished interval (U unless cut short before a
     # re-selection, or chosen by the auto rule); before the first boundary: U, or 0 for auto
-    # Where this step's host-path gradient went (chunks = column ranges, see offload/chunks.py).
-    # ``early``: left the device during backward (gradient hooks) before step() was entered;
-    # ``in_step``: copied by step() itself; ``accumulated_early``: added into the accumulator
-    # before step() was entered; ``accumulated_late``: added by the host thread after step()
-    # returned (the clip/scale coefficient was needed first). The rest was accumulated in step().
+    # Where this step's host-path gradient went into its slot (chunks = column ranges, see
+    # offload/chunks.py, slots.py). ``early``: left the device during backward (gradient hooks)
+    # before step() was entered; ``in_step``: copied by step() itself.
     early_chunks: int = 0
     early_bytes: int = 0
     in_step_chunks: int = 0
     in_step_bytes: int = 0
-    accumulated_early: int = 0
-    accumulated_late: int = 0
     # Of stall_ms: the compute stream's own idle time waiting for a copy to land (an install's
     # H2D, the device path's copy out of the last interval), timed with CUDA events; 0 on CPU.
     device_wait_ms: float = 0.0
     budget_waits: int = 0  # hook path: times a hook waited for the cap on gradient temporaries in flight
-    # One host accumulator with overlap (acc_gate.py): first writes of the interval that waited
-    # for the CPU update to read their chunk, and how long, since the last step. step() path:
-    # part of stall_ms; hook path: the accumulation thread's wait (the backward's on CPU).
+    # One gradient slot set with overlap (acc_gate.py): writes of the interval that waited for the
+    # CPU update to read their chunk, and how long, since the last step. step() path: part of
+    # stall_ms; hook path: the hook's wait (the backward's).
     acc_gate_waits: int = 0
     acc_gate_ms: float = 0.0
     d2h_gbps: float | None = None  # the D2H rate measured at construction (bandwidth.py), CUDA only

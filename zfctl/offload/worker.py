@@ -1,21 +1,23 @@
 """The CPU worker thread: runs the native AdamW over the host-owned columns at each boundary.
 
-One thread, one update at a time. ``submit`` hands it an accumulator, the hyper-parameters of
-this boundary and the waits it must do first (the accumulation of the interval's last gradient,
-the install DMA still reading the master); from then until ``wait`` returns, the worker owns the
-host master, moments and that accumulator (see the table in ``host``). The native kernels release the GIL
-and split each call over their own thread pool, so the main thread keeps launching device work
-and accumulating the next interval meanwhile. Results never depend on timing: the worker touches
+One thread, one update at a time. ``submit`` hands it the interval's gradient (its per-step slots
+with their coefficients, and a carry: slots.py), the hyper-parameters of this boundary and the
+waits it must do first (the last copy into the interval's slots, the install DMA still reading
+the master); from then until ``wait`` returns, the worker owns the host master, moments and that
+interval's slots (see the table in ``host``). One native call per step-counter group and piece
+forms the interval's sum and runs AdamW on it in one pass (``adamw_sum``: ``CpuWorker._adamw``).
+The native kernels release the GIL and split each call over their own thread pool, so the main
+thread keeps launching device work meanwhile. Results never depend on timing: the worker touches
 only buffers the main thread leaves alone until ``wait``, and the main thread decides, by step
 count alone, when to wait and install.
 
 An update runs in *pieces* (element ranges, in order), for three reasons, none of which changes
 a bit (AdamW is per element: runs.py):
 
-* with one host accumulator and ``overlap_step`` (acc_gate.py) the next interval writes the
-  accumulator the update reads: the update carries ``pieces`` (the chunks in the order the
-  gradient path writes them) and publishes after each one how far it has read
-  (``AccGate.passed``); each first write of the next interval waits for that;
+* with one slot set and ``overlap_step`` (acc_gate.py) the next interval writes the slots the
+  update reads: the update carries ``pieces`` (the chunks in the order the gradient path writes
+  them) and publishes after each one how far it has read (``AccGate.passed``); each write of the
+  next interval waits for that;
 * on the device path the interval sum lands matrix by matrix (device_acc.py ``copy_out``): the
   update carries ``fences``, each piece with the wait for its own copy event, in copy order, so
   the update starts on the first matrix while the rest is still on the link;
@@ -23,10 +25,6 @@ a bit (AdamW is per element: runs.py):
   step earlier still runs: ``prioritize`` asks the worker to update those elements first (at
   the next piece boundary, if not done yet), returns once they are, and the worker leaves them
   out of the pieces that follow. The selection waits for that part only, not the whole update.
-
-``defer`` queues a job behind the update in flight on the same thread (a selection's leaving
-state, scattered into the host buffers once its D2H has landed: migration.py ``Departure``): it
-runs before the next update, and ``join_deferred`` waits for it.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import torch
 
 from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inner_steps
 from zfctl.offload.host import HostState
-from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw
+from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw_sum
 from zfctl.offload.pcie import bind_device
 from zfctl.offload.runs import plan_pieces, runs_and, runs_minus
 
@@ -52,10 +50,14 @@ Piece = tuple[int, int, Callable[[], Any] | None]
 
 @dataclass(frozen=True)
 class CpuUpdate:
-    """Everything one CPU AdamW update needs, passed by value at submission."""
+    """Everything one CPU AdamW update needs, passed by value at submission. The interval's
+    gradient is ``sum_j coefs[j] * slots[j]`` on top of ``carry``, formed with the rounding of a
+    per-step fp32 accumulation (slots.py, native ``adamw_sum``)."""
 
-    acc: torch.Tensor  # the interval's accumulated (clipped, unscaled) gradient sum
-    grad_scale: float  # 1 / steps accumulated: the kernel uses the interval-mean gradient
+    slots: tuple[torch.Tensor, ...]  # the interval's per-step gradient slots (model dtype), in step order
+    coefs: tuple[float, ...]  # each slot's coefficient: its step's clip factor / fp16 loss scale
+    carry: torch.Tensor | None  # fp32 partial sum the chain starts from (a resumed interval, the device path's sum)
+    grad_scale: float  # 1 / steps in the interval: the kernel uses the interval-mean gradient
     groups: list[tuple[int, torch.Tensor]]  # (1-based step, runs) per step-counter group
     lr: float
     beta1: float
@@ -63,7 +65,7 @@ class CpuUpdate:
     eps: float
     weight_decay: float
     repeat: int = 1  # AdamW steps per element, all with this gradient (correction.inner_steps)
-    # One shared accumulator (acc_gate.py): (offset, elements) of each chunk, in the order the next
+    # One shared slot set (acc_gate.py): (offset, elements) of each chunk, in the order the next
     # interval writes them; the update runs and publishes piece by piece. None: one pass.
     pieces: tuple[tuple[int, int], ...] | None = None
     # The device path (device_acc.py): (offset, elements, wait) of each matrix of the interval
@@ -92,16 +94,20 @@ class _Request:
     done: bool = False
 
 
-def cpu_update(mode: DeferredLrScale, n: int, acc: torch.Tensor, groups: Callable[[int], list],
-               hp: dict[str, float], pieces: tuple[tuple[int, int], ...] | None = None) -> CpuUpdate:
-    """The update of an interval of ``n`` steps: the interval-mean gradient (``grad_scale = 1/n``),
-    the boundary's hyper-parameters with ``zenflow.deferred_lr_scale``'s correction for the ``n``
-    steps the deferred columns stood still (correction.py: a scaled lr, or ``repeat``: n steps),
-    and the step-counter groups (``groups(steps)``: HostState.update_groups, which advances them);
-    ``pieces``: the shared accumulator's read order (acc_gate.py), or None."""
+def cpu_update(mode: DeferredLrScale, n: int, grad: tuple[tuple[torch.Tensor, ...], tuple[float, ...],
+               torch.Tensor | None], groups: Callable[[int], list], hp: dict[str, float],
+               pieces: tuple[tuple[int, int], ...] | None = None) -> CpuUpdate:
+    """The update of an interval of ``n`` steps: its gradient (``grad``: slots, coefficients,
+    carry, from ``Pipeline.take``) as the interval mean (``grad_scale = 1/n``), the boundary's
+    hyper-parameters with ``zenflow.deferred_lr_scale``'s correction for the ``n`` steps the
+    deferred columns stood still (correction.py: a scaled lr, or ``repeat``: n steps), and the
+    step-counter groups (``groups(steps)``: HostState.update_groups, which advances them);
+    ``pieces``: the shared slot set's read order (acc_gate.py), or None."""
     lr, wd = corrected_hyperparams(mode, n, hp["lr"], hp["weight_decay"])
     reps = inner_steps(mode, n)
-    return CpuUpdate(acc, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd, reps, pieces)
+    slots, coefs, carry = grad
+    return CpuUpdate(slots, coefs, carry, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd,
+                     reps, pieces)
 
 
 def clip_runs(runs: torch.Tensor, ends: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -139,7 +145,7 @@ class CpuWorker:
         self._future: Future | None = None
         self.threads = 0  # cap on the update's native threads (threads.py); 0 = all
         # Tests only: called with a piece's index before the worker reads it (a slow worker makes
-        # a missing wait on the shared accumulator, or on a priority request, show as wrong bits).
+        # a missing wait on the shared slot set, or on a priority request, show as wrong bits).
         self.before_piece: Callable[[int], None] | None = None
         # The default cut of an update without ``pieces`` or ``fences``: each matrix's range.
         self._ranges = [(s.host_off, s.host_numel) for s in host.layout.host_slots]
@@ -179,7 +185,7 @@ class CpuWorker:
             with self._cv:  # a request posted during the last piece: everything is updated now
                 self._active = False
                 self._cv.notify_all()
-        # No zeroing: the first step of a later interval overwrites acc (chunks.py, stream.py).
+        # Nothing to clear: the set's next interval writes every host chunk of each slot it uses.
         return (time.perf_counter() - t0) * 1e3
 
     def _pieces(self, update: CpuUpdate) -> list[Piece]:
@@ -226,20 +232,24 @@ class CpuWorker:
             self._cv.notify_all()
 
     def _adamw(self, update: CpuUpdate, step: int, runs: torch.Tensor) -> None:
+        """The one native call of an update (per step-counter group, per piece): the interval's
+        sum formed from its slots and AdamW on it, one pass. Host bytes per element: 24 (master
+        and moments read and written) + each slot's itemsize (+ 4 with a carry)."""
         h = self._host
-        count_adamw(self.ledger, h.master, update.acc, runs=runs, out=h.upload)  # host.sum + host.update, this step's tab
-        self.native.adamw_step(
-            h.master, update.acc, h.exp_avg, h.exp_avg_sq, step=step, lr=update.lr,
-            beta1=update.beta1, beta2=update.beta2, eps=update.eps,
-            weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
-            repeat=update.repeat, out=h.upload,  # bf16/fp16: the install source (host.py upload)
+        count_adamw_sum(self.ledger, h.master, update.slots, carry=update.carry, runs=runs,
+                        out=h.upload)  # host.sum + host.update, the submitting step's tab
+        self.native.adamw_sum(
+            h.master, h.exp_avg, h.exp_avg_sq, update.slots, update.coefs, carry=update.carry, step=step,
+            lr=update.lr, beta1=update.beta1, beta2=update.beta2, eps=update.eps,
+            weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs, repeat=update.repeat,
+            out=h.upload,  # bf16/fp16: the install source (host.py upload)
         )
 
     def submit(self, update: CpuUpdate, waits: Sequence[Callable[[], Any]] = ()) -> None:
-        """Start ``update`` in the background; the worker first calls each of ``waits`` (the
-        accumulation of the interval's last gradient: stream.py, device_acc.py; the install DMA
-        still reading the master: chunks.py). At most one update is ever in flight. An update
-        with ``pieces`` closes the accumulator gate here, on the submitting thread, so that no
+        """Start ``update`` in the background; the worker first calls each of ``waits`` (the last
+        copy into the interval's slots: stream.py; the device path's sum copy out: device_acc.py;
+        the install DMA still reading the master: chunks.py). At most one update is ever in flight. An update
+        with ``pieces`` closes the slot gate here, on the submitting thread, so that no
         write issued after this call can pass before the worker has read its piece."""
         if self._pool is None:
             raise RuntimeError("ZenFlowOptimizer is closed")
@@ -255,7 +265,7 @@ class CpuWorker:
             try:
                 self.native.set_thread_role(0, self.threads)  # this worker thread's share of the cores
                 for wait in waits:
-                    wait()  # worker thread: the accumulator is complete, the master free, only after these
+                    wait()  # worker thread: the slots have landed, the master is free, only after these
                 return self.run(update)
             finally:
                 with self._cv:  # failed before its pieces: no requester may wait forever

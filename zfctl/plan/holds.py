@@ -137,7 +137,7 @@ def _host_fix(plan: RunPlan, est: MemoryEstimate, have: float, resume: str | Non
         return f"resume where {_gb(est.node_host_total)} of RAM is available"
     replan = f"re-plan for it: --host-memory {have / GB:.1f}GB --fit"
     if est.host_accumulators == 2:
-        return f"{replan}, or --set zenflow.tuning.host_accumulators=1 ({_gb(est.item('gradient accumulators') / 2)} less)"
+        return f"{replan}, or --set zenflow.tuning.host_accumulators=1 ({_gb(est.item('gradient slots') / 2)} less)"
     return replan
 
 

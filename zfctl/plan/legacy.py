@@ -10,6 +10,8 @@ Checkpoints of those versions hold such a `plan.yaml`, and people keep `--config
     select_strategy: epoch, interval N    -> select_interval: 'N epochs' ('epoch' for 1)
     select_strategy: auto,  interval auto -> select_interval: auto       (1 epoch; 256 steps unknown)
     select_strategy: auto,  interval N    -> select_interval: 'N epochs' ('auto' for 1)
+    tuning.accumulate_threads             -> dropped (nothing accumulates on the host per step
+                                             since the gradient slots; the CPU update takes the threads)
 
 A `select_strategy` without a `select_interval` beside it re-reads the interval the layers below
 gave (``below``), as the old merged plan did; a lone integer `select_interval` is today's (steps).
@@ -27,6 +29,9 @@ from zfctl.offload.config import EPOCHS, TuningConfig, ZenFlowConfig
 
 TUNING_KEYS = tuple(f.name for f in fields(TuningConfig))
 STRATEGIES = ("auto", "step", "epoch")
+# Tuning keys that no longer exist, and why (their values change nothing today).
+RETIRED = {"accumulate_threads": "the host no longer accumulates gradients per step (zfctl/offload/slots.py); "
+           "the CPU update takes every cpu_threads thread"}
 
 
 def _count(interval: Any) -> Any:
@@ -66,7 +71,10 @@ def upgrade_zenflow(zf: Any, *, below: Any = None, where: str = "", notes: list[
     """``zf`` (one layer's zenflow mapping) with old keys as today's; a note per old key in
     ``notes``. ``below``: the zenflow mapping of the layers under this one (for a lone
     select_strategy). Anything that is not a mapping is returned for the schema to refuse."""
-    if not isinstance(zf, dict) or not (set(zf) & {*TUNING_KEYS, "select_strategy"}):
+    tuning_in = zf.get("tuning") if isinstance(zf, dict) else None
+    retired = set(RETIRED) & ((set(zf) if isinstance(zf, dict) else set()) |
+                              (set(tuning_in) if isinstance(tuning_in, dict) else set()))
+    if not isinstance(zf, dict) or not (set(zf) & {*TUNING_KEYS, "select_strategy"} or retired):
         return zf
     out = dict(zf)
     said = f"{where}: " if where else ""
@@ -74,6 +82,13 @@ def upgrade_zenflow(zf: Any, *, below: Any = None, where: str = "", notes: list[
     def note(text: str) -> None:
         if notes is not None:
             notes.append(f"{said}{text}")
+
+    for key in sorted(retired):  # the input mappings stay as they were
+        if key in out:
+            out.pop(key)
+        else:
+            out["tuning"] = {k: v for k, v in out["tuning"].items() if k != key}
+        note(f"old key zenflow.tuning.{key} dropped: {RETIRED[key]}")
 
     tuning = out.get("tuning")
     if set(out) & set(TUNING_KEYS) and (tuning is None or isinstance(tuning, dict)):

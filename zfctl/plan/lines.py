@@ -16,8 +16,8 @@ from zfctl.offload.sizing import (
     CHUNK_BYTES,
     device_fits,
     inflight_bytes,
-    landing_slots,
     ring_slot_bytes,
+    slots_per_set,
     staging_bytes,
 )
 from zfctl.plan.machine import GB, Machine
@@ -136,16 +136,19 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
-    # One accumulator here; a host path's count and note are resolved once every line exists (below).
-    host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" + pinned,
-         "zfctl/offload/host.py HostState.acc")
+    if choice == "device":
+        host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" +
+             pinned, "zfctl/offload/slots.py GradSlots (sum_buffer)")
+    else:  # one set here; its count and note are resolved once every line exists (below)
+        per = slots_per_set(z.update_interval, tu.auto_max_interval)
+        host("gradient slots", per * w * c.host, f"{per} x {t.precision} slots (one per step of an interval)" +
+             pinned, "zfctl/offload/slots.py GradSlots")
+        host("checkpoint interval sum", 4 * c.host, "a checkpoint saved or resumed inside an interval: its fp32 sum",
+             "zfctl/offload/slots.py GradSlots.partial_sum, carry")
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
          "zfctl/offload/host.py, layout.py")
     want = int(tu.ring_slot_mb * 2**20)
     slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
-    if choice != "device":  # the device path copies its sum out whole (device_acc.py), not through the ring
-        host("transfer ring", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB gradient chunks" +
-             pinned, "zfctl/offload/ring.py Ring")
     if cuda:
         dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
             "zfctl/offload/ring.py Ring.h2d")
@@ -156,13 +159,8 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         if not cuda and not tu.inflight_mb:
             budget = 4 * tu.ring_slots * slot
         budget = max(min(budget, w * c.host), 1)
-        if not fsdp and _released_gradients(plan, size, items, w, hook=True):  # fsdp: no release
-            n = landing_slots(budget, slot)
-            host("gradient landing buffers", n * slot, f"release_grads: a ring of {n} x {slot / 2**20:.3g} MiB "
-                 "chunk slots" + pinned, "zfctl/offload/stream.py GradStream.ring")
-        else:
-            host("gradient landing buffers", 2 * w * c.host, "stream_grads: two steps' gradient columns" + pinned,
-                 "zfctl/offload/stream.py GradStream.landing")
+        if not fsdp:  # fsdp: no release
+            _released_gradients(plan, size, items, w, hook=True)
         if cuda:
             dev("gradient temporaries in flight", budget,
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
@@ -189,7 +187,8 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
     n_acc = 1
     if choice == "host":
-        n_acc = _host_accumulators(plan, 4.0 * c.host, items, notes, device_kind, machine)
+        n_acc = _host_accumulators(plan, next(i.bytes for i in items if i.name == "gradient slots"), items, notes,
+                                   device_kind, machine)
     if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned):
         # no upload buffer: the install's device slots take the fp32 master's chunks, 4/w the bytes
         staging = next((i for i in items if i.name == "install staging"), None)
@@ -223,26 +222,29 @@ def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes:
 
 def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
                        machine: Machine) -> int:
-    """Resolve zenflow.tuning.host_accumulators on a host path (auto: 2 when the host total with the
-    second accumulator stays within the verdict's limit) and write the count into its line."""
+    """Resolve zenflow.tuning.host_accumulators on a host path: the gradient slot sets (auto: 2
+    when the host total with the second set, ``nbytes``, stays within the verdict's limit) and
+    write the count into its line."""
     z = plan.zenflow
-    line = next(i for i in items if i.name == "gradient accumulators")
+    line = next(i for i in items if i.name == "gradient slots")
+    per = slots_per_set(z.update_interval, z.tuning.auto_max_interval)
+    pin = " (page-locked, exact size)" if "page-locked" in line.note else ""
     if not z.overlap_step:
-        line.note = "1 x fp32: one interval (the step waits for the CPU update)"
+        line.note = f"1 set of {per} slots: one interval (the step waits for the CPU update)" + pin
         return 1
     choice = z.tuning.host_accumulators
     if choice == "auto":
         held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
         need = held + nbytes
         n = 2 if not machine.host_ram or need <= host_limit(machine) else 1
-        notes.append(f"zenflow.tuning.host_accumulators (auto): {n}; a second host accumulator costs "
+        notes.append(f"zenflow.tuning.host_accumulators (auto): {n}; a second set of gradient slots costs "
                      f"{nbytes / GB:.2f} GB of host memory, {'used' if n == 2 else 'not used: it does not fit'}")
     else:
         n = int(choice)
     line.bytes = nbytes * n
-    line.note = ("2 x fp32: overlap_step: the next interval sums into one while the CPU update reads the other"
-                 if n == 2 else "1 x fp32: overlap_step: the next interval's first writes wait for the CPU "
-                 "update to have read each chunk")
+    line.note = (f"2 sets of {per} slots: overlap_step: the next interval lands in one while the CPU update reads "
+                 "the other" if n == 2 else f"1 set of {per} slots: overlap_step: the next interval's writes wait "
+                 "for the CPU update to have read each chunk") + pin
     return n
 
 

@@ -36,14 +36,12 @@ host    fp32 master           4 H      page-locked on CUDA when the install DMAs
                                        host holds it): the CPU AdamW's model-dtype copy of the host
                                        columns, what an install DMAs instead; page-locked on CUDA
         fp32 moments          8 H
-        gradient accumulators 4 H x n  n = 1, or 2 with overlap_step on the host paths when
-                                       zenflow.tuning.host_accumulators resolves to 2
+        gradient slots        w H S n  host paths: a slot per step of an interval (S = update_interval,
+                                       auto: auto_max_interval), n = 1 set, 2 with overlap_step when
+                                       tuning.host_accumulators resolves to 2; page-locked on CUDA
+        checkpoint interval sum 4 H    host paths, a checkpoint saved or resumed inside an interval
+        gradient accumulators 4 H      accumulate=device: each interval's fp32 sum lands here
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
-        transfer ring         slots x slot bytes: D2H gradient chunks (the host paths)
-        landing buffers       2 w H    hook path (tuning.stream_grads, accumulate=host): the last
-                                       backward's gradient columns, two steps alternating; with
-                                       tuning.release_grads a ring of chunk slots as large as the
-                                       in-flight budget (at least 2 slots), whatever the model size
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
         selection staging     min(256 MiB, ~12 K) + min(2 GiB, 12 K) + 32 Kc  a selection's column
                                        migration (one process or fsdp; zero2 ranks migrate by
@@ -75,8 +73,8 @@ the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto``
 GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
 ``host`` (``MemoryEstimate.accumulate``, and a note). ``zenflow.tuning.host_accumulators: auto``
 resolves here the same way (``MemoryEstimate.host_accumulators``): with ``overlap_step`` on a host
-path, 2 when the host total with the second accumulator stays within what the verdict lets the
-host use, else 1. zfctl/plan/settle.py writes both answers into the plan, once, for the plan's
+path, 2 slot sets when the host total with the second set stays within what the verdict lets
+the host use, else 1. zfctl/plan/settle.py writes both answers into the plan, once, for the plan's
 machine; the run builds them (zfctl/train/optim.py) and only checks that its machine holds the
 plan (zfctl/plan/holds.py).
 
