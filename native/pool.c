@@ -23,7 +23,7 @@
  * bits whichever thread runs a tile, so all of this changes timing only. Cost per call: one
  * broadcast, one join, one atomic add per tile.
  *
- * Pinning (zf_set_pool_cpus; zfctl/offload/cores.py decides the CPUs). A pinned pool's worker k
+ * Pinning (zf_set_pool_cpus; zfctl/offload/cpu/cores.py decides the CPUs). A pinned pool's worker k
  * runs only on cpus[k % n], and its caller runs its share of the tiles on cpus[0], moved there for
  * the call and back after: the caller may be the training thread (the step() path's accumulate),
  * which must neither stay on a pool core nor run pool work on its own reserved core. The move

@@ -15,7 +15,7 @@ bench-results/gpu-7b-<commit>.json) with `zfctl plan --json`'s memory figures be
   (also for any process it starts) and by the process itself at exit (scripts/zf_memstats.py),
   plus metrics.jsonl's `host_peak_gib` (the process's VmHWM);
 - pinned host bytes: the caching host allocator's peak plus the peak of the bytes zfctl
-  registers itself (zfctl.offload.pinned.registered_bytes(), null where this build lacks it);
+  registers itself (zfctl.offload.device.pinned.registered_bytes(), null where this build lacks it);
   the two peaks may not coincide, so their sum is an upper bound;
 - peak device memory (allocated and reserved) and ms/step from metrics.jsonl, ZenFlow steps
   apart from the full-CPU warm-up steps.

@@ -101,7 +101,7 @@ def memory_row(gpu: str) -> str:
     m, plan = d["memory"], d["plan"]
     acc, n = m["accumulate"], m["host_accumulators"]
     how = f"`accumulate` resolves to `{acc}`"
-    if acc == "host":  # per-step gradient slots on the host (zfctl/offload/slots.py), n sets
+    if acc == "host":  # per-step gradient slots on the host (zfctl/offload/grads/slots.py), n sets
         how += f": gradients stream during backward into per-step slots; {n} slot set{'s' if n > 1 else ''}"
     if plan["train"]["activation_checkpointing"]:
         how += "; activation checkpointing on"

@@ -84,7 +84,7 @@ def _unsharded(out: Path, world: int) -> None:
 
     from safetensors.torch import save_file
 
-    from zfctl.offload.sharded import unshard_state
+    from zfctl.offload.parallel.sharded import unshard_state
     from zfctl.train import checkpoint as ck
     from zfctl.train.tensorfile import load_state, save_state_hashed
 

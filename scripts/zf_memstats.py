@@ -5,7 +5,7 @@ itself can see (used by scripts/gpu_7b.py):
 
 - pinned host memory: torch's caching host allocator's peak (`pin_memory=True` tensors; it
   rounds each block up to a power of two, so this is what was pinned, not what was asked for),
-  and the peak of `zfctl.offload.pinned.registered_bytes()` (buffers zfctl pins itself), sampled
+  and the peak of `zfctl.offload.device.pinned.registered_bytes()` (buffers zfctl pins itself), sampled
   every 0.25 s once the run has imported that module; null where this build has no such module;
 - peak CUDA memory, allocated and reserved (the run's metrics.jsonl has allocated only);
 - VmHWM, the process's own peak RSS.
@@ -37,7 +37,7 @@ _cap: dict = {"gpu_memory_cap_bytes": None, "gpu_memory_fraction": None, "gpu_to
 def _registered_now() -> int | None:
     # Read only what the run imported itself: importing zfctl.offload from this thread while the
     # main thread imports the CLI would race for the import locks and change what the run loads.
-    fn = getattr(sys.modules.get("zfctl.offload.pinned"), "registered_bytes", None)
+    fn = getattr(sys.modules.get("zfctl.offload.device.pinned"), "registered_bytes", None)
     return int(fn()) if fn is not None else None
 
 
@@ -80,7 +80,7 @@ def _cap_gpu(cap: int) -> None:
 
 def _dump() -> None:
     out: dict = {"vm_hwm_bytes": _vm_hwm(), "registered_peak_bytes": _registered["peak"],
-                 "registered_available": "zfctl.offload.pinned" in sys.modules,
+                 "registered_available": "zfctl.offload.device.pinned" in sys.modules,
                  "caching_allocator_peak_bytes": None, "device_allocated_peak_bytes": None,
                  "device_reserved_peak_bytes": None, **_cap}
     torch = sys.modules.get("torch")

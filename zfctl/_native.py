@@ -143,7 +143,7 @@ def adamw_step(
     ``repeat`` = n > 1 takes n steps with the same gradient, bias-correction steps ``step`` ..
     ``step + n - 1``: the bits of n calls (with ``out`` written once, at the end, so ``out`` may
     still be the gradient buffer) for the memory traffic of one. ZenFlow's deferred columns use
-    it (zfctl/offload/correction.py, mode ``repeat``).
+    it (zfctl/offload/cpu/correction.py, mode ``repeat``).
     """
     n = _check("param", param, _FP32).numel()
     _check("grad", grad, _ANY, n)
@@ -300,7 +300,7 @@ _CPU_SETSIZE = 1024  # glibc's cpu_set_t
 def set_pool_cpus(pool: int, cpus: Sequence[int]) -> None:
     """Pin native pool ``pool`` (0: the CPU update's, 1: the accumulation's): its worker k runs on
     ``cpus[k % len(cpus)]`` only, and a caller takes its tiles on ``cpus[0]`` for the call and gets
-    its own CPUs back after. An empty list unpins. zfctl/offload/cores.py chooses the lists."""
+    its own CPUs back after. An empty list unpins. zfctl/offload/cpu/cores.py chooses the lists."""
     cpus = list(cpus)
     if isinstance(pool, bool) or pool not in (0, 1):
         raise ValueError(f"set_pool_cpus: pool must be 0 or 1, got {pool!r}")

@@ -129,7 +129,7 @@ def test_numbers_are_positive_and_consistent(grid):
 
 def test_bytes_match_the_layout(grid):
     """D2H: the engine streams slot-sized ranges of whole columns, device-owned columns riding
-    along (zfctl/offload/chunks.py); one 32 MiB slot holds a whole 64x64 matrix, so every step
+    along (zfctl/offload/device/chunks.py); one 32 MiB slot holds a whole 64x64 matrix, so every step
     moves all matrix gradients plus a few bytes of scalars (norm, clip coefficient). H2D: the
     host's new values of the matrices, once per interval (overlap installs the previous
     interval's update at each boundary). `off` keeps everything on the device: no traffic."""

@@ -1,7 +1,7 @@
 """One clip rule on every path and strategy, through the real CLI (torchrun, gloo on CPU).
 
 Every step's host-owned gradient lands in its own slot and the CPU update applies that step's
-own clip factor (zfctl/offload/slots.py), as the device columns, FSDP2 shards and the device path
+own clip factor (zfctl/offload/grads/slots.py), as the device columns, FSDP2 shards and the device path
 always did; before the slots, zero2's default release path clipped an interval's host sum by the
 interval's mean factor instead, and fsdp then differed from zero2 and from one process by 2.6e-3
 relative at step 11, the first step after the first install (issue 35). Here, with default

@@ -67,7 +67,7 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (l1, l2)
     final = "checkpoints/step-000006/model.safetensors"
     w1, w2 = load_file(one / final), load_file(two / final)
-    # Weights: two ranks sum the clip norm from per-owner partial sums (zfctl/offload/exchange.py),
+    # Weights: two ranks sum the clip norm from per-owner partial sums (zfctl/offload/parallel/exchange.py),
     # a different fp32 order than one process's (on CPU, ~1e-5 relative for the 4096-row
     # lm_head); a few steps of AdamW at lr 3e-3 carry that into single elements (measured: one
     # element of one matrix, 1.1e-5 of that matrix's norm).

@@ -2,7 +2,7 @@
 writes one model shard per rank, and its checkpoints resume on another world size or strategy.
 
 Both strategies run with their defaults: fsdp has no release path (the gradients arrive by
-FSDP2's reduce-scatter, zfctl/offload/sharded.py) and zero2 releases them in their hooks, and both
+FSDP2's reduce-scatter, zfctl/offload/parallel/sharded.py) and zero2 releases them in their hooks, and both
 clip every step by its own factor (one rule on every path: docs/design.md, "Algorithm"), so on
 this tiny model, where every step clips, they agree to rounding.
 """

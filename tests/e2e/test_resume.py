@@ -65,7 +65,7 @@ def test_resume_inside_interval_with_overlap_is_bit_identical(tmp_path, accumula
     # Warm-up step 1 is synchronous; selection at step 2 and 10; CPU-update boundaries at steps 5
     # and 9. At k=6 the update submitted at step 5 is still in flight (installed at step 9 by the
     # straight run): the checkpoint must carry it as "pending", not install it early. With one
-    # slot set, step 6 wrote the slots that update was reading (zfctl/offload/acc_gate.py).
+    # slot set, step 6 wrote the slots that update was reading (zfctl/offload/grads/acc_gate.py).
     n, k = 11, 6
     straight = tiny_plan(tmp_path / "straight", *ZENFLOW, f"train.max_steps={n}", f"checkpoint.every={k}",
                          "checkpoint.keep_last=5", "train.eval_every=4",

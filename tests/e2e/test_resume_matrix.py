@@ -37,7 +37,7 @@ RUN = [*TINY, f"train.max_steps={STEPS}", "checkpoint.every=1", f"checkpoint.kee
 POINTS = ("warm-up", "mid-interval", "boundary")
 # An fsdp checkpoint continued on one process runs the zero2 hook path with release_grads (the
 # saved true, ignored under fsdp): its gradients land in per-step slots and every path clips each
-# step by its own factor (zfctl/offload/slots.py), so it continues fsdp's run within 1e-5, from the
+# step by its own factor (zfctl/offload/grads/slots.py), so it continues fsdp's run within 1e-5, from the
 # warm-up and mid-interval too (before the slots: a landing ring that needed the clip factor
 # before backward, and an interval-mean clip 5.8e-4 off at step 13).
 CASES = [pytest.param(s, n, p) for s in ("fsdp", "zero2") for n in (4, 2, 1) for p in POINTS]

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from zfctl.offload import migration, sizing
-from zfctl.offload.selection import ColumnState, migrate, plan_moves
+from zfctl.offload import sizing
+from zfctl.offload.columns import migration
+from zfctl.offload.columns.selection import ColumnState, migrate, plan_moves
 
 pytestmark = pytest.mark.gpu
 LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]

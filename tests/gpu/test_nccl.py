@@ -69,7 +69,7 @@ def _reshard(rank: int) -> tuple[dict | None, dict]:
     from test_offload_helpers import zen
 
     from zfctl.offload import ZenFlowOptimizer
-    from zfctl.offload.pieces import merge_states
+    from zfctl.offload.parallel.pieces import merge_states
 
     def steps(model, opt, lo, hi, ranks):
         x, y = _data()

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from test_offload_helpers import HID, IN, OUT, batches, max_rel_err, snapshot, tiny_net, train, zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
+from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.device import pinned
 
 pytestmark = pytest.mark.gpu
 # fc2 and head stand in for the vocabulary matrices: split by row where a config says vocab_select: rows.
@@ -224,7 +225,7 @@ def test_cuda_hook_path_tied_embedding_unused_matrix_and_fp16_overflow() -> None
 def test_cuda_inflight_cap_makes_hooks_wait_and_changes_no_bit() -> None:
     """A cap below one chunk (zenflow.inflight_mb): every hook waits for the previous copy (the
     waits are counted), and the result is the step() path's."""
-    from zfctl.offload.pcie import delay_copies
+    from zfctl.offload.device.pcie import delay_copies
 
     cfg = zen(**ZEN, **PATHS["host-hooks"], inflight_mb=1e-4, ring_slot_mb=0.0005)
     ref, _ = zen_run(zen(**ZEN, **PATHS["host-step"], ring_slot_mb=0.0005), "cuda", hooks=False)
@@ -292,7 +293,7 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     planned = sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload") and i.name not in transient)
     assert held == pytest.approx(planned, rel=0.02), (held, planned)
     # bf16: the install DMAs the upload buffer, the only one of the host state's buffers pinned
-    # (an fp32 model pins its master instead; zfctl/offload/host.py install_source).
+    # (an fp32 model pins its master instead; zfctl/offload/cpu/host.py install_source).
     assert est.item("upload buffer") > 0
     locked = sum(est.item(n) for n in ("upload buffer", "gradient slots", "selection staging"))
     locked += est.item("gradient accumulators") if acc == "device" else 0

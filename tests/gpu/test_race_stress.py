@@ -26,9 +26,10 @@ from slow_readers import slow_readers
 from test_offload_gpu import HP, PATHS, ZEN, loop
 from test_offload_helpers import HID, batches, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, pinned
-from zfctl.offload.pcie import delay_copies
-from zfctl.offload.ring import Ring
+from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
+from zfctl.offload.device import pinned
+from zfctl.offload.device.pcie import delay_copies
+from zfctl.offload.device.ring import Ring
 
 pytestmark = pytest.mark.gpu
 DELAY = 3_000_000  # GPU cycles before every copy: ~1.5-2 ms, far longer than a tiny net's step
@@ -57,7 +58,7 @@ def _run(cfg: ZenFlowConfig, *, dtype, hooks: bool, clip=None, set_to_none=True,
 
 
 def _slow_install_stream(opt) -> None:
-    """The install stream (zfctl/offload/install.py) spins ~2 ms before it puts each param's
+    """The install stream (zfctl/offload/device/install.py) spins ~2 ms before it puts each param's
     device-owned columns back, i.e. before that param's event: a forward that does not wait for
     its layer's event reads the ridden-along stale columns (or, with slow copies, the old ones)."""
     run = opt.installer.run
@@ -155,7 +156,7 @@ def test_device_path_under_slow_copies_or_reader(slow_copies, monkeypatch, dtype
     (pipeline.py ``submit``: collect, then ``prepare``). Slow adds (the compute
     stream spins before each step's adds) cover: the copy out waits for the event after the
     interval's last add (device_acc.py ``copy_out``), else it copies the sum without them."""
-    from zfctl.offload.device_acc import DeviceAccumulator
+    from zfctl.offload.grads.device_acc import DeviceAccumulator
 
     cfg = zen(**ZEN, **PATHS["device"], overlap_step=overlap)
     delay_copies(0)
@@ -215,7 +216,9 @@ def test_selections_under_slow_copies_or_a_late_worker(slow_copies, monkeypatch,
     migration's streams come after the compute stream, which comes after the install's restore
     of the device columns (``wait_all`` in ``_reselect``), and the leaving columns' upload
     entries are written before the next install reads them (``Departure``'s mirror)."""
-    from zfctl.offload import migration, runs, sizing
+    from zfctl.offload import sizing
+    from zfctl.offload.columns import migration
+    from zfctl.offload.cpu import runs
 
     monkeypatch.setattr(runs, "PIECE_ELEMS", 256)
     cfg = zen(**{**ZEN, "select_interval": 4, "update_interval": 2}, **PATHS[path], overlap_step=True)

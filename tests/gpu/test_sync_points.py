@@ -49,7 +49,7 @@ def test_steady_state_steps_make_no_implicit_sync(sync_is_an_error, path, clip, 
     # The batches go to the device before the checked section: a blocking .cuda() is a sync itself.
     data = [(x.cuda(), y.cuda()) for x, y in batches(1 + STEADY, dtype=dtype)]
     with ZenFlowOptimizer(model.named_parameters(), cfg, max_grad_norm=clip, **HP) as opt:
-        # Each layer's forward waits for its own part of an install (zfctl/offload/install.py):
+        # Each layer's forward waits for its own part of an install (zfctl/offload/device/install.py):
         # device-side waits in forward pre-hooks, counted here, inside the checked section.
         assert opt.attach_install_waits(model) == 3  # fc1, fc2, head
         waits = []

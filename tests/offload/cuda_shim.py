@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from zfctl.offload import pinned
+from zfctl.offload.device import pinned
 
 _ids = itertools.count()
 

@@ -6,7 +6,7 @@ Two processes (torch.multiprocessing.spawn, loopback rendezvous on a free port) 
 tiny MLP on their half of every global batch; the single-process reference trains on the same
 two halves as two accumulated micro-batches (loss / 2 each) in the test process. The exchange
 sums the halves' gradients and divides by 2, which gives the bits of g0/2 + g1/2: only the clip
-norm's summation order (partial sums per owner, zfctl/offload/exchange.py) differs, by rounding.
+norm's summation order (partial sums per owner, zfctl/offload/parallel/exchange.py) differs, by rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from proc_helpers import rendezvous, spawn_ranks
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.pieces import merge_states
+from zfctl.offload.parallel.pieces import merge_states
 from zfctl.offload.state import FORMAT_V1
 
 STEPS, BATCH = 20, 8
@@ -151,7 +151,7 @@ def _continue(case: str, rank: int, world: int, group, msd: dict, saved: list[di
 
 @contextlib.contextmanager
 def _buckets(nbytes: int):
-    from zfctl.offload import exchange, partition
+    from zfctl.offload.parallel import exchange, partition
 
     saved = partition.BUCKET_BYTES
     partition.BUCKET_BYTES = exchange.BUCKET_BYTES = nbytes
@@ -235,7 +235,7 @@ def test_host_state_is_partitioned(two_ranks, case):
 
 
 def test_comm_bytes_follow_the_ring_model(two_ranks):
-    """Bytes sent per step (StepStats.comm_bytes, ring model of zfctl/offload/partition.py), for
+    """Bytes sent per step (StepStats.comm_bytes, ring model of zfctl/offload/parallel/partition.py), for
     the two ranks together. A plain step (selection made, no install): the replicated elements
     (biases, selected columns) all-reduced, 2 (W-1)/W of their bytes on each rank; the host
     columns reduce-scattered to their owners, each rank sending the other's share, so together
@@ -273,9 +273,9 @@ def test_bucket_size_changes_nothing_but_the_rounds(two_ranks):
 def test_rounds_cover_each_owners_host_columns_once():
     """plan_rounds: every non-selected column of every owner's range lands in exactly one round,
     in slot and column order, and no owner's share of a round exceeds BUCKET_BYTES / W."""
-    from zfctl.offload.exchange import plan_rounds
     from zfctl.offload.layout import plan_layout
-    from zfctl.offload.partition import partition_layout
+    from zfctl.offload.parallel.partition import partition_layout
+    from zfctl.offload.parallel.rounds import plan_rounds
 
     layout = plan_layout(list(_model().named_parameters()), 0.25)
     index = [torch.tensor([0, 5, 9, 15]) if s.selects and s.cols == 16 else None for s in layout.slots]
@@ -393,7 +393,7 @@ def test_a_lost_peer_names_the_run_folder_and_its_checkpoint_and_corrects_a_stop
 
 
 def _bucket_worker(rank: int, init: str, out: str) -> None:
-    from zfctl.offload import partition
+    from zfctl.offload.parallel import partition
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:

@@ -1,11 +1,11 @@
-"""ZenFlow on FSDP2 shards (zfctl/offload/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: the
+"""ZenFlow on FSDP2 shards (zfctl/offload/parallel/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: the
 shipped tiny Llama (fp32), 30 steps, sharded over 2 and 4 ranks (and HSDP: 2 replicas of 2 shards), loses what one process loses.
 
 The one-process reference trains every global batch as two accumulated micro-batches (loss / 2
 each); each FSDP2 rank trains one half and FSDP2's reduce-scatter averages the two gradients. The
 scores ZenFlow selects by, the clip norm and the auto interval's masses are sums over the ranks'
 rows (one all-reduce each), so only their summation order differs from one process: every loss
-within 1e-4 relative. The same 2 ranks under zero2 (zfctl/offload/exchange.py) agree too.
+within 1e-4 relative. The same 2 ranks under zero2 (zfctl/offload/parallel/exchange.py) agree too.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def _load(out: Path, name: str) -> dict:
 def _recuts(rank: int, world: int, out: Path) -> dict[str, list[float]]:
     """Continue from the states saved at step AT on another strategy or world size: fsdp -> zero2,
     zero2 -> fsdp (through one process's state) and one process -> fsdp."""
-    from zfctl.offload.pieces import merge_states
-    from zfctl.offload.sharded import shard_state, unshard_state
+    from zfctl.offload.parallel.pieces import merge_states
+    from zfctl.offload.parallel.sharded import shard_state, unshard_state
 
     fsdp_one = unshard_state([_load(out, f"fsdp-opt{r}.pt") for r in range(world)])
     z2 = [_load(out, f"zero2-opt{r}.pt") for r in range(world)]
@@ -237,7 +237,7 @@ def fsdp_two(tmp_path_factory) -> dict[str, list[float]]:
         torch.set_num_threads(threads)
     spawn_ranks(_worker, 2, (2, rendezvous(out), str(out), list(CASES)), timeout=900, what="2-rank fsdp training")
     res = torch.load(out / "losses.pt", weights_only=True)
-    from zfctl.offload.sharded import unshard_state
+    from zfctl.offload.parallel.sharded import unshard_state
 
     # fsdp 2 -> 1: the two ranks' states as one process's, continued here.
     state = unshard_state([torch.load(out / f"fsdp-opt{r}.pt", weights_only=True) for r in range(2)])
@@ -304,7 +304,7 @@ def test_fsdp_resumes_exactly_from_its_state_dicts(fsdp_two) -> None:
     ("one-to-fsdp", "one-straight")])
 def test_a_state_recut_across_strategies_and_world_sizes_continues(fsdp_two, recut: str, straight: str) -> None:
     """Saved at step AT (mid-interval, an update in flight) under one strategy/world size and
-    continued under another (zfctl/offload/sharded.py unshard_state / shard_state,
+    continued under another (zfctl/offload/parallel/sharded.py unshard_state / shard_state,
     pieces.merge_states): the next losses within 1e-4 of the straight run's."""
     assert len(fsdp_two[recut]) == STEPS - AT
     assert not _close(fsdp_two[recut], fsdp_two[straight][AT:])

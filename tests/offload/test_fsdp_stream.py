@@ -1,4 +1,4 @@
-"""The hook path on FSDP2 shards (zfctl/offload/sharded.py ``hook_grads``): on the announced last
+"""The hook path on FSDP2 shards (zfctl/offload/parallel/sharded.py ``hook_grads``): on the announced last
 backward, each decoder layer's reduce-scattered gradient shards go to the host from the DTensors'
 post-accumulate-grad hooks, which FSDP2 calls once it has reduced that layer, while the earlier
 layers' backward still runs. CPU, gloo, 2 ranks, the shipped tiny Llama in fp32, two micro-batches
@@ -27,7 +27,7 @@ from test_fsdp import BATCH, STEPS, _batches, _loss, _model
 
 from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
-from zfctl.offload.device_to_host import DuringBackward, InStep
+from zfctl.offload.grads.device_to_host import DuringBackward, InStep
 from zfctl.plan import resolve_plan
 from zfctl.train.fsdp import data_parallel_mesh, decoder_layers, parallelize
 from zfctl.train.models.load import load_model

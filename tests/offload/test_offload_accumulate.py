@@ -10,7 +10,7 @@ from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, train
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload.device_acc import resolve
+from zfctl.offload.grads.device_acc import resolve
 from zfctl.offload.layout import num_selected
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
@@ -93,7 +93,7 @@ def test_device_path_keeps_one_host_accumulator_and_collects_before_it_copies_ou
     may still read that accumulator), then copies the new interval's sum into it, then submits.
     A CPU worker slowed down to outlast the next interval changes no bit; copying out first (the
     sum lands while the slow worker still reads the last one) would."""
-    from zfctl.offload.worker import CpuWorker
+    from zfctl.offload.cpu.worker import CpuWorker
 
     straight, _ = run("device")
     slow_run = CpuWorker.run

@@ -8,7 +8,7 @@ import torch
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.cpu.auto_interval import IntervalPolicy
 
 
 def boundaries(policy: IntervalPolicy, stream, steps: int) -> list[int]:

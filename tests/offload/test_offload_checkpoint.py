@@ -120,7 +120,7 @@ def test_format_1_flat_host_buffers_still_resume_exactly() -> None:
     """A state saved before host pieces (format 1: one flat buffer per key, acc among them) and
     before the install read the fp32 master (an ``upload`` buffer of the pending update in bf16)
     loads into the same world size and continues bit for bit: the master holds those values."""
-    from zfctl.offload.pieces import gather_host
+    from zfctl.offload.parallel.pieces import gather_host
     from zfctl.offload.state import FORMAT_V1
 
     cfg, data = CONFIGS["overlap"], batches(STEPS, dtype=torch.bfloat16)
@@ -176,7 +176,7 @@ def test_state_module_uses_the_parts_not_the_optimizer() -> None:
     tree = ast.parse(Path(state.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m and m.startswith("zfctl")} == {"zfctl.offload.pieces"}
+    assert {m for m in imported if m and m.startswith("zfctl")} == {"zfctl.offload.parallel.pieces"}
 
 
 def test_pipeline_round_trips_its_counters() -> None:

@@ -1,6 +1,6 @@
 """Three ranks issue the same collectives in the same order, whatever their gradient hooks did.
 
-The hook path starts each matrix's exchange inside its gradient hook (zfctl/offload/stream.py).
+The hook path starts each matrix's exchange inside its gradient hook (zfctl/offload/grads/stream.py).
 Here one matrix (``side``) gets no gradient on rank 1 in any step, and on rank 2 none in the last
 micro-batch of a step (its ``.grad`` comes from an earlier micro-batch, so its hook does not fire
 in the final backward). If the ranks issued collectives in hook order, rank 1 would start the
@@ -8,7 +8,7 @@ next matrix's exchange while ranks 0 and 2 start ``side``'s: mismatched messages
 error. In one fixed order every rank matches; the run must finish within the timeout, equal one
 process trained on all three ranks' micro-batches within 1e-6, and equal the step() path of the
 same three ranks bit for bit (per-matrix messages in both paths: the same summation order on 3
-ranks, zfctl/offload/exchange.py).
+ranks, zfctl/offload/parallel/exchange.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The core split (zfctl/offload/cores.py): reserved cores, pinned pools per local rank, NUMA.
+"""The core split (zfctl/offload/cpu/cores.py): reserved cores, pinned pools per local rank, NUMA.
 
 The planning is pure: machines here are fake sysfs trees and fake allowed sets, so a 2-node,
 hyperthreaded, 8-GPU node is checked on a 2-core CI machine. The pinning itself is checked with
@@ -18,9 +18,10 @@ from test_offload_helpers import batches, tiny_net, zen
 
 from zfctl import _native as N
 from zfctl.errors import ConfigError
-from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer, cores
+from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
 from zfctl.offload.config import TuningConfig
-from zfctl.offload.cores import Machine, parse_cpulist, plan_cores, read_machine
+from zfctl.offload.cpu import cores
+from zfctl.offload.cpu.cores import Machine, parse_cpulist, plan_cores, read_machine
 
 
 def fake_sysfs(root: Path, nodes: dict[int, str], smt: int = 1, gpus: dict[str, int] | None = None) -> Path:

@@ -18,9 +18,9 @@ from test_offload_helpers import snapshot, tiny_net, train, zen
 
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload import worker as worker_module
-from zfctl.offload.correction import corrected_hyperparams, inner_steps, lr_scale
-from zfctl.offload.worker import CpuWorker
+from zfctl.offload.cpu import worker as worker_module
+from zfctl.offload.cpu.correction import corrected_hyperparams, inner_steps, lr_scale
+from zfctl.offload.cpu.worker import CpuWorker
 
 _SUBMIT = CpuWorker.submit  # the real one, before any test wraps it
 HP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

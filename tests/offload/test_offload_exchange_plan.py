@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 from test_distributed import _model
 
-from zfctl.offload import exchange as exchange_mod
+from zfctl.offload.columns.selector import Selector
 from zfctl.offload.config import ZenFlowConfig
-from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.exchange import GradExchange, plan_rounds
-from zfctl.offload.host import HostState
+from zfctl.offload.cpu.host import HostState
+from zfctl.offload.device.device_adam import DeviceAdam
+from zfctl.offload.grads.slots import GradSlots
 from zfctl.offload.layout import plan_layout
-from zfctl.offload.partition import OwnedRows, partition_layout
-from zfctl.offload.selector import Selector
-from zfctl.offload.slots import GradSlots
+from zfctl.offload.parallel import exchange as exchange_mod
+from zfctl.offload.parallel.exchange import GradExchange
+from zfctl.offload.parallel.partition import OwnedRows, partition_layout
+from zfctl.offload.parallel.rounds import plan_rounds
 from zfctl.offload.stats import StepStats
 
 
@@ -71,7 +72,7 @@ def test_the_selection_plans_the_rounds_not_the_next_hook(monkeypatch) -> None:
     # would see them all-reduced) and the entering columns' gradients.
     monkeypatch.setattr(exchange, "scores", lambda: ([torch.rand(s.cols) for s in selector.selectable], 0))
     monkeypatch.setattr(exchange, "share_entering", lambda old: 0)
-    monkeypatch.setattr("zfctl.offload.selector.OwnedRows", _LocalRows)
+    monkeypatch.setattr("zfctl.offload.columns.selector.OwnedRows", _LocalRows)
     before = exchange.rounds
     selector.select([p.grad for p in params], host, StepStats(step=0))
     assert plans == [1]  # planned once, in select()
@@ -116,7 +117,7 @@ def test_an_exchange_in_flight_holds_what_the_plan_counts(monkeypatch) -> None:
     received share, at most twice the matrix (before the first selection every column is on the
     host path; a matrix one rank owns whole comes back whole). The plan's line is two of the
     largest: 4 w M."""
-    from zfctl.offload import partition as partition_mod
+    from zfctl.offload.parallel import partition as partition_mod
     from zfctl.plan.memory import ModelSize, layout_counts
 
     monkeypatch.setattr(exchange_mod.dist, "reduce_scatter", lambda *a, **kw: _Work())
@@ -153,7 +154,7 @@ def test_the_hooks_keep_at_most_two_exchanges_pending() -> None:
     from test_offload_helpers import tiny_net, zen
 
     from zfctl.offload import ZenFlowOptimizer
-    from zfctl.offload.stream import ExchangeOrder
+    from zfctl.offload.grads.stream import ExchangeOrder
 
     class Exchange:
         live = peak = 0

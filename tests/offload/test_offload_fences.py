@@ -12,8 +12,9 @@ from cuda_shim import FakeEvent, as_cuda, fake_cuda
 from slow_readers import slow_readers
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowOptimizer, pinned
-from zfctl.offload.ring import Ring
+from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.device import pinned
+from zfctl.offload.device.ring import Ring
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 BASE = {"topk_ratio": 0.1, "update_interval": 3, "select_interval": 6}
@@ -304,7 +305,7 @@ def test_the_device_path_update_follows_the_sum_matrix_by_matrix(monkeypatch) ->
     missing wait reads the sum before it lands shows on a GPU (tests/gpu/test_race_stress.py)."""
     from cuda_shim import FakeEvent
 
-    from zfctl.offload import device_acc
+    from zfctl.offload.grads import device_acc
 
     monkeypatch.setattr(device_acc, "GAP_ELEMS", 0)
     shim = fake_cuda(monkeypatch)

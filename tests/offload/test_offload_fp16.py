@@ -9,7 +9,7 @@ import torch
 from test_offload_helpers import batches, max_rel_err, snapshot, tiny_net, zen
 
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.scaler import DynamicLossScaler
+from zfctl.offload.grads.scaler import DynamicLossScaler
 
 
 def fp16_step(model, opt, x, y, poison: bool = False):
@@ -32,7 +32,7 @@ def test_injected_inf_skips_both_paths_and_lowers_the_scale(overlap: bool) -> No
             assert not fp16_step(model, opt, x, y).skipped
         params = snapshot(model)
         # The slot set the main thread fills: with overlap the in-flight CPU update owns the other
-        # one until the next boundary (zfctl/offload/host.py's table).
+        # one until the next boundary (zfctl/offload/cpu/host.py's table).
         cur = opt.pipeline.cur
         recorded = list(opt.host.grads.coefs[cur])
         dev = opt.device_state.master.clone(), opt.device_state.exp_avg_sq.clone(), opt.device_state.steps.clone()

@@ -21,8 +21,9 @@ import torch
 from cuda_shim import FakeStream, as_cuda, fake_cuda
 from test_offload_helpers import batches, tiny_net, zen
 
-from zfctl.offload import ZenFlowOptimizer, pinned
-from zfctl.offload import host as host_module
+from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.cpu import host as host_module
+from zfctl.offload.device import pinned
 
 HP = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0}
 # Boundaries every 3 steps, selections at t = 1 and every 4 steps after: installs on both sides of

@@ -1,4 +1,4 @@
-"""One gradient slot set with overlap_step (``host_accumulators: 1``, zfctl/offload/acc_gate.py):
+"""One gradient slot set with overlap_step (``host_accumulators: 1``, zfctl/offload/grads/acc_gate.py):
 the same bits as two.
 
 The CPU update reads the interval's slots while the next interval's steps overwrite them, piece
@@ -18,7 +18,7 @@ from test_offload_helpers import batches, tiny_net, zen
 from zfctl.errors import ConfigError
 from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
-from zfctl.offload.host import slot_sets
+from zfctl.offload.cpu.host import slot_sets
 from zfctl.plan import resolve_plan
 from zfctl.train.models.load import load_model
 from zfctl.train.optim import build_optimizer

@@ -11,7 +11,7 @@ import torch
 from test_offload_helpers import snapshot, tiny_net, train, zen
 
 from zfctl.offload import ZenFlowConfig, ZenFlowOptimizer
-from zfctl.offload.worker import CpuWorker
+from zfctl.offload.cpu.worker import CpuWorker
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 STEPS = 16  # boundaries at steps 3, 7, 11, 15

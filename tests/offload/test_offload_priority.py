@@ -16,10 +16,11 @@ import pytest
 import torch
 from test_offload_helpers import tiny_net, zen
 
-from zfctl.offload import ZenFlowOptimizer, runs
+from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.cpu import runs
+from zfctl.offload.cpu.runs import runs_and, runs_minus
+from zfctl.offload.cpu.worker import CpuWorker, cpu_update
 from zfctl.offload.layout import column_runs
-from zfctl.offload.runs import runs_and, runs_minus
-from zfctl.offload.worker import CpuWorker, cpu_update
 
 HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 

@@ -1,4 +1,4 @@
-"""zenflow.tuning.release_grads (zfctl/offload/release.py): each gradient leaves the device in its
+"""zenflow.tuning.release_grads (zfctl/offload/grads/release.py): each gradient leaves the device in its
 own hook and its ``.grad`` is freed there.
 
 Release on and off give bit-identical losses in every case: release changes no arithmetic (each

@@ -18,7 +18,9 @@ import pytest
 import torch
 from test_offload_helpers import batches, snapshot, tiny_net, zen
 
-from zfctl.offload import ZenFlowOptimizer, migration, runs
+from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.columns import migration
+from zfctl.offload.cpu import runs
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 PATHS = {"host-step": {"accumulate": "host", "stream_grads": False},
@@ -195,7 +197,7 @@ def test_a_selection_waits_once_on_the_training_thread_and_moves_by_dma(monkeypa
     not the training thread, waits for the leaving rows' D2H events before it writes them."""
     from cuda_shim import FakeEvent, as_cuda, fake_cuda
 
-    from zfctl.offload import pinned
+    from zfctl.offload.device import pinned
 
     shim = fake_cuda(monkeypatch)
     syncs: list[tuple[str, Any]] = []

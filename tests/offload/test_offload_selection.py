@@ -10,8 +10,8 @@ import torch
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.columns.selector import Selector
 from zfctl.offload.layout import column_runs, num_selected
-from zfctl.offload.selector import Selector
 
 ROWS, COLS = 64, 32
 FIRST = [1, 5, 9, 13]
@@ -130,8 +130,10 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     ``migrate`` gives, and the same bytes moved, whatever the piece size (one row, some, all)."""
     from cuda_shim import as_cuda, fake_cuda
 
-    from zfctl.offload import migration, pinned, sizing
-    from zfctl.offload.selection import ColumnState, migrate, plan_moves
+    from zfctl.offload import sizing
+    from zfctl.offload.columns import migration
+    from zfctl.offload.columns.selection import ColumnState, migrate, plan_moves
+    from zfctl.offload.device import pinned
 
     shim = fake_cuda(monkeypatch)
     rows, cols, k = 8, 40, 10

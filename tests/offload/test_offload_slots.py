@@ -1,4 +1,4 @@
-"""The host paths' per-step gradient slots (zfctl/offload/slots.py) against today's arithmetic.
+"""The host paths' per-step gradient slots (zfctl/offload/grads/slots.py) against today's arithmetic.
 
 Before the slots, the host summed each step's gradient columns into an fp32 accumulator as they
 arrived, ``acc = fma(coef_t, g_t, acc)`` (the interval's first step into +0), and the CPU update
@@ -31,9 +31,9 @@ from test_offload_release import Gated
 
 from zfctl import _native
 from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.cpu.worker import CpuUpdate, CpuWorker
+from zfctl.offload.grads.scaler import GradientScale
 from zfctl.offload.layout import as_matrix
-from zfctl.offload.scaler import GradientScale
-from zfctl.offload.worker import CpuUpdate, CpuWorker
 
 STEPS = 14
 BASE = {"topk_ratio": 0.25, "update_interval": 3, "select_interval": 6, "full_warm_up_rounds": 1}

@@ -226,7 +226,7 @@ def test_the_cpu_worker_binds_the_optimizer_device(monkeypatch) -> None:
     per step."""
     import threading
 
-    from zfctl.offload import worker as worker_mod
+    from zfctl.offload.cpu import worker as worker_mod
 
     bound: list[tuple[str, torch.device]] = []
 

@@ -2,7 +2,7 @@
 
 Each rank trains the same run twice, once moving gradients in step() and once during the last
 backward (the hooks exchange each matrix over the ranks before copying it,
-zfctl/offload/exchange.py); both must give the same parameters bit for bit and send the same
+zfctl/offload/parallel/exchange.py); both must give the same parameters bit for bit and send the same
 bytes, and the hook run must really have streamed.
 """
 

@@ -9,7 +9,7 @@ from test_offload_helpers import batches, tiny_net, zen
 
 from zfctl import _native as N
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.threads import split_threads
+from zfctl.offload.cpu.threads import split_threads
 
 
 def test_the_update_takes_every_thread() -> None:

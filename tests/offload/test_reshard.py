@@ -10,8 +10,8 @@ import torch
 
 from zfctl.errors import UserError
 from zfctl.offload.layout import plan_layout
-from zfctl.offload.partition import partition_layout
-from zfctl.offload.pieces import gather_host, merge_states, owned_ranges, owners, split_host
+from zfctl.offload.parallel.partition import partition_layout
+from zfctl.offload.parallel.pieces import gather_host, merge_states, owned_ranges, owners, split_host
 from zfctl.plan import resolve_plan
 from zfctl.train.world_size import as_saved_world, fit_world_size
 

@@ -69,7 +69,7 @@ def h200(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake.install(monkeypatch)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(machine_mod, "process_memory_cap", lambda: None)
-    monkeypatch.setattr("zfctl.offload.host.available_ram", lambda: 256 * GB)
+    monkeypatch.setattr("zfctl.offload.cpu.host.available_ram", lambda: 256 * GB)
     return fake
 
 

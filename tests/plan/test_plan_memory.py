@@ -154,7 +154,7 @@ def test_a_checkpoint_inside_an_interval_holds_what_its_plan_line_says() -> None
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_upload_buffer_line_is_what_the_engine_allocates(precision) -> None:
     """bf16: the engine holds the upload buffer the CPU AdamW writes for the install (2 B per host
-    element, zfctl/offload/host.py) and the plan has its line; fp32 has neither."""
+    element, zfctl/offload/cpu/host.py) and the plan has its line; fp32 has neither."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cpu", f"train.precision={precision}", "zenflow.full_warm_up_rounds=0",
         "zenflow.accumulate=host", "zenflow.select_interval=4", "zenflow.update_interval=2"])

@@ -202,7 +202,7 @@ def _worker(rank: int, world: int, init: str, out: str, job: str) -> None:
 
 def _unsharded(out: Path) -> None:
     """``out/plain``: the sharded checkpoint's state written the one-process way."""
-    from zfctl.offload.sharded import unshard_state
+    from zfctl.offload.parallel.sharded import unshard_state
 
     src, dst = out / "sharded", out / "plain"
     dst.mkdir()

@@ -1,4 +1,4 @@
-"""zfctl/train/fsdp.py and the engine's refusals (zfctl/offload/sharded.py), in one process: a
+"""zfctl/train/fsdp.py and the engine's refusals (zfctl/offload/parallel/sharded.py), in one process: a
 1-rank gloo group is enough for FSDP2 to wrap and place (the 2- and 4-rank numerics are
 tests/offload/test_fsdp.py)."""
 

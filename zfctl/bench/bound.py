@@ -96,7 +96,7 @@ def measure_machine(device: torch.device, threads: int) -> Machine:
     """The link each way (CUDA only) and the host memory rate at ``threads`` native threads
     (0: the native default, every core this process may use)."""
     from zfctl.errors import UserError
-    from zfctl.offload.bandwidth import measure_d2h_gbps, measure_h2d_gbps
+    from zfctl.offload.grads.bandwidth import measure_d2h_gbps, measure_h2d_gbps
 
     if threads <= 0:
         try:

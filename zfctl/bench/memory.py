@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from zfctl.errors import UserError
-from zfctl.offload.host import available_ram
+from zfctl.offload.cpu.host import available_ram
 from zfctl.train.metrics import peak_rss_bytes
 
 GiB = 1024**3
@@ -23,7 +23,7 @@ MARGIN = 0.10  # keep 10% free for activations, allocator slack, pinned rings
 
 def host_available_bytes() -> float | None:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping): the engine's
-    reader (zfctl/offload/host.py ``available_ram``); None when the system does not say."""
+    reader (zfctl/offload/cpu/host.py ``available_ram``); None when the system does not say."""
     return available_ram()
 
 

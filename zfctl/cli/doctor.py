@@ -24,7 +24,7 @@ from zfctl.cli._common import console
 if TYPE_CHECKING:
     import torch
 
-    from zfctl.offload.cores import CorePlan, Machine
+    from zfctl.offload.cpu.cores import CorePlan, Machine
 
 Check = Callable[[], tuple[str, str]]
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
@@ -120,8 +120,8 @@ def _core_plan(machine: Machine | None = None, device: torch.device | None = Non
     GPU if there is one."""
     import torch
 
-    from zfctl.offload import cores
     from zfctl.offload.config import ZenFlowConfig
+    from zfctl.offload.cpu import cores
 
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -129,9 +129,9 @@ def _core_plan(machine: Machine | None = None, device: torch.device | None = Non
 
 
 def check_core_split(machine: Machine | None = None, device: torch.device | None = None) -> tuple[str, str]:
-    """How a run with the default zenflow.tuning splits the cores (zfctl/offload/cores.py):
+    """How a run with the default zenflow.tuning splits the cores (zfctl/offload/cpu/cores.py):
     the training thread's reserved CPUs, the update pool's threads and CPUs."""
-    from zfctl.offload.cores import format_cpulist
+    from zfctl.offload.cpu.cores import format_cpulist
 
     device, plan = _core_plan(machine, device)
     where = "with a GPU" if device.type == "cuda" else "on the CPU"
@@ -144,8 +144,8 @@ def check_core_split(machine: Machine | None = None, device: torch.device | None
 
 def check_numa(machine: Machine | None = None, device: torch.device | None = None,
                pcis: list[str | None] | None = None) -> tuple[str, str]:
-    """NUMA nodes, and the GPU's: the host state lives on the GPU's node (zfctl/offload/cores.py)."""
-    from zfctl.offload.cores import format_cpulist, gpu_pci_addresses, read_machine
+    """NUMA nodes, and the GPU's: the host state lives on the GPU's node (zfctl/offload/cpu/cores.py)."""
+    from zfctl.offload.cpu.cores import format_cpulist, gpu_pci_addresses, read_machine
 
     pcis = gpu_pci_addresses() if pcis is None else pcis
     machine = read_machine(gpu_pci=pcis) if machine is None else machine

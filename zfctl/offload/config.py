@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from zfctl.errors import ConfigError, UserError
-from zfctl.offload.correction import DeferredLrScale
+from zfctl.offload.cpu.correction import DeferredLrScale
 
 # typing.Union, not `|`: zfctl.plan.coerce inspects fields with get_origin(tp) is Union.
 Interval = Union[int, Literal["auto"]]  # noqa: UP007
@@ -180,7 +180,7 @@ class ZenFlowConfig:
         "'repeat' = n AdamW steps with the interval-mean gradient (exact moments, bias correction "
         "and weight decay; n x the CPU arithmetic, same memory traffic). Adam's step is ~lr "
         "whatever the gradient's size, so without it deferred columns move up to n times less than "
-        "under AdamW. See zfctl/offload/correction.py.",
+        "under AdamW. See zfctl/offload/cpu/correction.py.",
     )
     vocab_select: Literal["columns", "rows"] = _f(
         "rows",

@@ -7,7 +7,8 @@ a ``GradientPath`` chosen once at construction (how the other columns' gradients
 device to host: device_to_host.py), ``Pipeline`` (the interval counters, the CPU worker and
 when its result is installed), ``GradientScale`` (clip and fp16 loss scale), ``GradExchange``
 (data parallel). ``step()`` reads as its phases: exchange, coefficient, selection, device
-update, host update, boundary.
+update, host update, boundary; the host side's phases are functions of this facade
+(zfctl/offload/cpu/phases.py).
 
 Choices the algorithm leaves open (dense params always on the device, a missing ``.grad`` stepped
 as zeros, one parameter group, a skipped fp16 step is no step) are listed in docs/design.md,
@@ -23,38 +24,38 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from typing_extensions import Self
 
 from zfctl.offload import state
-from zfctl.offload.auto_interval import IntervalPolicy
+from zfctl.offload.columns.selector import Selector
 from zfctl.offload.config import ZenFlowConfig
-from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.device_to_host import (
+from zfctl.offload.cpu import phases
+from zfctl.offload.cpu.auto_interval import IntervalPolicy
+from zfctl.offload.cpu.host import HostState
+from zfctl.offload.cpu.pipeline import Pipeline
+from zfctl.offload.device.device_adam import DeviceAdam
+from zfctl.offload.device.install import Installer
+from zfctl.offload.device.pcie import count_waits
+from zfctl.offload.grads.device_to_host import (
     DuringBackward,
     GradientPath,
     NoHostColumns,
     Transfers,
     build_host_side,
 )
-from zfctl.offload.exchange import GradExchange
-from zfctl.offload.host import HostState
-from zfctl.offload.install import Installer
+from zfctl.offload.grads.release import GradRelease, regather_pairs
+from zfctl.offload.grads.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.layout import named_params, plan_layout
 from zfctl.offload.ledger import Ledger
-from zfctl.offload.partition import Partition, group_info, partition_layout
-from zfctl.offload.pcie import count_waits
-from zfctl.offload.pieces import owned_ranges
-from zfctl.offload.pipeline import Pipeline
-from zfctl.offload.release import GradRelease, regather_pairs
-from zfctl.offload.scaler import DynamicLossScaler, GradientScale
-from zfctl.offload.selector import Selector
-from zfctl.offload.sharded import ShardedParams
+from zfctl.offload.parallel.exchange import GradExchange
+from zfctl.offload.parallel.partition import Partition, group_info, partition_layout
+from zfctl.offload.parallel.pieces import owned_ranges
+from zfctl.offload.parallel.sharded import ShardedParams
 from zfctl.offload.stats import DeviceClock, StepStats
-from zfctl.offload.worker import cpu_update
 
 
 class ZenFlowOptimizer(torch.optim.Optimizer):
@@ -123,8 +124,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.sharded.hook_grads([s.index for s in self.layout.host_slots], self._shard_reduced)
         self._hook_warned = False  # _check_hooks
         self.release = self._build_release(release)
-        self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step, install=self._install,
-                                 lag=config.tuning.install_lag, device=self.device, update_threads=self.threads or 0)
+        self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step,
+                                 install=lambda stats: phases.install(self, stats), lag=config.tuning.install_lag,
+                                 device=self.device, update_threads=self.threads or 0)
         self.installer = Installer(self.device)  # the install stream and its per-module events
         for part in (self.pipeline, self.pipeline.worker, self.selector, self.installer):
             if part is not None:
@@ -239,7 +241,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             return stats
         if self.selector.due(t):  # 2. selection: choose, the entering part of the update in flight, migrate
             totals = self._reselect(grads, stats, released)
-        scalars = self._start_scalars(norm, coef, grads, warm, totals) if self.host is not None else None
+        scalars = phases.start_scalars(self, norm, coef, grads, warm, totals) if self.host is not None else None
         clock = DeviceClock(self.device)  # 3. device AdamW (+ the device path's sum)
         self.device_state.load_grads(self.params, coef, self.selector.selected,
                                      loaded=released.loaded if released is not None else frozenset())
@@ -250,7 +252,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.selector.land()  # release: a selection's leaving gradient columns into the step's slot
         tail, host_norm = time.perf_counter(), None
         if scalars is not None:  # 4-6. the rest of the gradient, and the boundary
-            host_norm, tail = self._host_update(scalars, grads, warm, hp, stats)
+            host_norm, tail = phases.host_update(self, scalars, grads, warm, hp, stats)
         self._finish(stats, norm, host_norm, tail)
         if self.sharded is not None:
             self.sharded.release_grads()
@@ -341,74 +343,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stats.selection = True
         stats.stall_ms += (time.perf_counter() - c) * 1e3  # the ids, the entering part, the enqueueing
         return totals
-
-    def _start_scalars(self, norm: torch.Tensor | None, coef: torch.Tensor | None, grads: list[torch.Tensor | None],
-                       warm: bool, totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
-        """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix], ordered
-        before the device update, so the host waits for these few numbers only."""
-        assert self.transfers is not None
-        one = torch.ones((), device=self.device)
-        parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
-        if self.policy.auto and self.selector.selected and not warm:
-            masses = self.selector.masses(grads, totals)
-            parts += self.sharded.sum_list(masses) if self.sharded is not None else masses  # whole matrices
-        return self.transfers.d2h.fetch(torch.stack(parts))
-
-    def _host_update(self, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
-                     hp: dict[str, float], stats: StepStats) -> tuple[float, float]:
-        """4. the other columns' gradient into the step's slot, with its coefficient; 5. a lagged
-        install; 6. the boundary. Returns the gradient norm read with the scalars, and when the
-        host work began."""
-        values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
-        # Not stall: the device update is queued behind the scalars, the device keeps busy.
-        # Everything from here on is host work the device does not overlap with: stall.
-        host_norm, host_coef, masses = values[0], values[1], values[2:]
-        tail = c = time.perf_counter()
-        # The step's slot holds its raw gradient; its coefficient (clip factor / loss scale) goes
-        # with it, so the worker applies each step's own (slots.py). The device path adds on the
-        # device, coefficient included (add_device); it has no slots.
-        self.gradient_path.add_host(self.pipeline.slot(), stats)
-        self.pipeline.record(host_coef)
-        stats.offload_ms = (time.perf_counter() - c) * 1e3
-        if self.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
-            self.pipeline.collect(stats)
-        if self.pipeline.close_step(force=warm or self.selector.due(self.pipeline.t + 1)):
-            self._boundary(stats, warm, hp)
-        elif self.policy.auto and self.selector.selected:
-            k, cols = self.selector.shapes()
-            self.policy.observe([m * host_coef for m in masses[0::2]], [m * host_coef for m in masses[1::2]], k, cols)
-        return host_norm, tail
-
-    def _boundary(self, stats: StepStats, warm: bool, hp: dict[str, float]) -> None:
-        """End the interval: submit its CPU update (and, synchronous modes, wait and install it).
-        The update waits for what the gradient path says (its ``finish``, called once the previous
-        update is collected) and for the install's DMA."""
-        assert self.host is not None and self.transfers is not None  # only the host path has intervals
-        n = self.pipeline.end_interval()
-        background = self.config.overlap_step and not warm
-        # One slot set that the next interval writes while this update reads it: the update goes
-        # piece by piece in the path's write order, and the writes follow (acc_gate.py).
-        order = self.gradient_path.write_order() if background and self.host.grads.sets == 1 else None
-        grad = self.pipeline.take()  # the interval's slots, coefficients and carry (slots.py)
-        # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
-        # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
-        update = cpu_update(self.config.deferred_lr_scale, n, grad, self.host.update_groups, hp,
-                            pieces=tuple(order) if order is not None else None)
-        # Its bytes (each slot read, master and moments, the upload copy) are counted by the worker.
-        self.pipeline.submit(update, stats, background=background, prepare=lambda: self.gradient_path.finish(stats))
-
-    def _install(self, stats: StepStats) -> None:
-        """The host's finished update into the model params (the pipeline decides when), on the
-        install stream (install.py); each param's device-owned columns are put back after its chunks."""
-        assert self.host is not None and self.transfers is not None  # only the host path installs
-        p, sel = self.params, self.selector.selected
-        # Its bytes are counted by the ring (ledger.py).
-        _, fence = self.installer.run(self.transfers.h2d, self.transfers.chunks, self.host.install_source, p,
-                                      lambda slot: self.device_state.write_params(p, sel, only=[slot]))
-        self.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
-        count_waits(stats, self.installer.take_waits(), "device.install")  # no hooks: compute waits for it all
-        if self.exchange is not None:  # each owner's columns to every rank (collectives)
-            stats.comm_bytes += self.exchange.share_installed()
 
     def _finish(self, stats: StepStats, norm: torch.Tensor | None, host_norm: float | None, tail: float) -> None:
         stats.set_grad_norm(host_norm, norm, cuda=self.device.type == "cuda")

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.pieces import check_covers, gather_host, split_host
+from zfctl.offload.parallel.pieces import check_covers, gather_host, split_host
 
 STATE_FORMAT = "zfctl.zenflow/2"
 FORMAT_V1 = "zfctl.zenflow/1"  # flat per-rank host buffers: same rank and world size only

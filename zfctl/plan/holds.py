@@ -64,7 +64,7 @@ def found_here(device: torch.device) -> Found:
         fraction = machine_mod.memory_fraction(index)
         if fraction < 1.0 and fraction * total + CUDA_CONTEXT < gpu:
             gpu, gpu_why = fraction * total + CUDA_CONTEXT, f"torch's per-process cap, {fraction:.3g} of {total / GB:.1f} GB"
-    from zfctl.offload.host import available_ram
+    from zfctl.offload.cpu.host import available_ram
 
     avail = available_ram()
     host = None if avail is None else avail + _resident_bytes()

@@ -30,7 +30,7 @@ from zfctl.offload.config import EPOCHS, TuningConfig, ZenFlowConfig
 TUNING_KEYS = tuple(f.name for f in fields(TuningConfig))
 STRATEGIES = ("auto", "step", "epoch")
 # Tuning keys that no longer exist, and why (their values change nothing today).
-RETIRED = {"accumulate_threads": "the host no longer accumulates gradients per step (zfctl/offload/slots.py); "
+RETIRED = {"accumulate_threads": "the host no longer accumulates gradients per step (zfctl/offload/grads/slots.py); "
            "the CPU update takes every cpu_threads thread"}
 
 

@@ -82,10 +82,10 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     fsdp = strategy == "fsdp" and world > 1
     shards = fsdp_shards(plan)
     whole = size
-    if fsdp:  # this rank's shards: the layout ZenFlow plans for them (zfctl/offload/sharded.py)
+    if fsdp:  # this rank's shards: the layout ZenFlow plans for them (zfctl/offload/parallel/sharded.py)
         size = shard_shapes(size, shards, z.vocab_select == "rows")
     c = layout_counts(size, r, z.vocab_select == "rows")
-    if world > 1 and not fsdp:  # zero2: 1/W of the host columns per rank (zfctl/offload/partition.py)
+    if world > 1 and not fsdp:  # zero2: 1/W of the host columns per rank (zfctl/offload/parallel/partition.py)
         c = replace(c, host=-(-c.host // world), host_cols=-(-c.host_cols // world))
     p = size.params
     cuda = device_kind == "cuda"
@@ -109,7 +109,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "FSDP2 reduce-scatter (MixedPrecisionPolicy reduce_dtype fp32)")
     dev("selected optimizer state", 16 * c.device + 4 * c.device_cols,
         f"fp32 master, moments, gradient buffer: topk_ratio {r:g} of columns + 1-D params",
-        "zfctl/offload/device_adam.py DeviceAdam")
+        "zfctl/offload/device/device_adam.py DeviceAdam")
     if size.hidden and size.layers:
         tokens = t.micro_batch_size * d.max_length
         layer_acts = tokens * size.hidden * 34 * w / 2  # one decoder layer's saved activations
@@ -132,29 +132,29 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     choice = _accumulate(plan, c, items, device_kind, machine)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
     # Page-locked while it is what an install DMAs; the upload buffer (_upload_buffer, below) takes
-    # that over for bf16/fp16 where it fits (zfctl/offload/host.py install_source).
-    host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/host.py HostState.master")
+    # that over for bf16/fp16 where it fits (zfctl/offload/cpu/host.py install_source).
+    host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/cpu/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
-         "zfctl/offload/host.py HostState.exp_avg/exp_avg_sq")
+         "zfctl/offload/cpu/host.py HostState.exp_avg/exp_avg_sq")
     if choice == "device":
         host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" +
-             pinned, "zfctl/offload/slots.py GradSlots (sum_buffer)")
+             pinned, "zfctl/offload/grads/slots.py GradSlots (sum_buffer)")
     else:  # one set here; its count and note are resolved once every line exists (below)
         per = slots_per_set(z.update_interval, tu.auto_max_interval)
         host("gradient slots", per * w * c.host, f"{per} x {t.precision} slots (one per step of an interval)" +
-             pinned, "zfctl/offload/slots.py GradSlots")
+             pinned, "zfctl/offload/grads/slots.py GradSlots")
         host("checkpoint interval sum", 4 * c.host, "a checkpoint saved or resumed inside an interval: its fp32 sum",
-             "zfctl/offload/slots.py GradSlots.partial_sum, carry")
+             "zfctl/offload/grads/slots.py GradSlots.partial_sum, carry")
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
-         "zfctl/offload/host.py, layout.py")
+         "zfctl/offload/cpu/host.py, layout.py")
     want = int(tu.ring_slot_mb * 2**20)
     slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
     if cuda:
         dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
-            "zfctl/offload/ring.py Ring.h2d")
-    hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/sharded.py hook_grads)
+            "zfctl/offload/device/ring.py Ring.h2d")
+    hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/parallel/sharded.py hook_grads)
     if hook:
-        # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/device_to_host.py).
+        # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/grads/device_to_host.py).
         budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)
         if not cuda and not tu.inflight_mb:
             budget = 4 * tu.ring_slots * slot
@@ -164,7 +164,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         if cuda:
             dev("gradient temporaries in flight", budget,
                 "hook path: chunks whose D2H runs (zenflow.tuning.inflight_mb, or measured at start)",
-                "zfctl/offload/stream.py GradStream._make_room")
+                "zfctl/offload/grads/stream.py GradStream._make_room")
     if world > 1 and not fsdp:
         # exchange.py: a matrix's exchange holds its gathered send buffers (every host-path column,
         # the whole matrix before the first selection) and this rank's received share (at most the
@@ -172,16 +172,16 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         dev("gradient exchange in flight", 4 * w * c.largest,
             f"zero2 over {world} ranks: two pending exchanges of the largest matrix, "
             "send + receive",
-            "zfctl/offload/exchange.py GradExchange.launch")
+            "zfctl/offload/parallel/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
     if 0 < r < 1 and c.selected and (world == 1 or fsdp):
-        # zfctl/offload/selector.py Selector._mover: made at the first selection, kept. A release
+        # zfctl/offload/columns/selector.py Selector._mover: made at the first selection, kept. A release
         # step's selection moves the gradient work buffer's columns too (release.py regather_pairs).
         regather = hook and world == 1 and not fsdp and tu.release_grads and z.update_interval != "auto"
         host("selection staging", staging_bytes(c.selected, c.selected_cols, c.max_rows, 4 if regather else 3),
              "a selection's column migration: in ring, out buffer (every leaving row, at most 2 GiB), ids" + pinned,
-             "zfctl/offload/migration.py Mover")
+             "zfctl/offload/columns/migration.py Mover")
     how = "" if z.accumulate != "auto" else " (auto)"
     notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
                  f"of device memory, {'used' if choice == 'device' else 'not used'}")
@@ -216,7 +216,7 @@ def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes:
         return False
     next(i for i in items if i.name == "fp32 master").note = "4 B per host-column element"
     items.append(MemoryItem("host", "upload buffer", nbytes, f"the CPU AdamW's {plan.train.precision} copy of "
-                            "the host columns, what an install moves" + pinned, "zfctl/offload/host.py HostState.upload"))
+                            "the host columns, what an install moves" + pinned, "zfctl/offload/cpu/host.py HostState.upload"))
     return True
 
 
@@ -249,7 +249,7 @@ def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], no
 
 
 def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
-    """zenflow.tuning.release_grads (zfctl/offload/release.py) where it bounds the ``gradients``
+    """zenflow.tuning.release_grads (zfctl/offload/grads/release.py) where it bounds the ``gradients``
     line: the hook path (``hook``) in one process (``nproc x nodes`` = 1), a fixed update_interval,
     one micro-batch per step. Then at most one matrix's ``.grad`` lives at a time (the one whose hook runs) beside the
     1-D params' (not released), so the line becomes w x (the largest matrix + the 1-D params).
@@ -266,11 +266,11 @@ def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem],
     largest = max((_numel(shape) for _, shape in size.shapes if len(shape) > 1), default=0)
     if not largest:  # no shapes: the vocabulary matrix, or everything when even that is unknown
         largest = size.vocab * size.hidden if size.vocab and size.hidden else size.params
-    dense = size.params - size.params_2d  # 1-D params: not released, tiny (zfctl/offload/release.py)
+    dense = size.params - size.params_2d  # 1-D params: not released, tiny (zfctl/offload/grads/release.py)
     grads = next(i for i in items if i.name == "gradients")
     grads.bytes = float(w * (largest + dense))
     grads.note = f"{t.precision}, release_grads: one matrix's .grad at a time (the largest) + the 1-D params'"
-    grads.code = "autograd, each .grad freed in its hook (zfctl/offload/release.py)"
+    grads.code = "autograd, each .grad freed in its hook (zfctl/offload/grads/release.py)"
     return True
 
 
@@ -291,5 +291,5 @@ def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: 
     if choice == "device":
         items.append(MemoryItem("device", "gradient accumulator", nbytes,
                                 "zenflow.accumulate=device: fp32 interval sum, 4 B per host-column element",
-                                "zfctl/offload/device_acc.py DeviceAccumulator.buf"))
+                                "zfctl/offload/grads/device_acc.py DeviceAccumulator.buf"))
     return "device" if choice == "device" else "host"

@@ -54,7 +54,7 @@ device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R
 lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-rank shares:
 
 * ``zero2``: every GPU holds the whole model, its gradients and the selected state; each rank
-  holds ``1/W`` of the host columns (zfctl/offload/partition.py), plus the exchange in flight;
+  holds ``1/W`` of the host columns (zfctl/offload/parallel/partition.py), plus the exchange in flight;
 * ``fsdp``: FSDP2 shards weights and gradients by row (zfctl/train/fsdp.py): each GPU holds
   ``1/W`` of them, of the selected state and of the host elements (every column of its rows, so
   the per-column bookkeeping is not divided), plus what FSDP2 gathers: the root's parameters
@@ -67,7 +67,7 @@ lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-r
 * ``auto``: ``fsdp`` when ``W > 1`` and the GPU cannot hold the ``zero2`` lines, else ``zero2``
   (``MemoryEstimate.strategy``).
 
-Page-locked buffers are pinned at their exact size (zfctl/offload/pinned.py), so no line carries
+Page-locked buffers are pinned at their exact size (zfctl/offload/device/pinned.py), so no line carries
 the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
 ``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
 GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else

@@ -4,7 +4,7 @@
 parameters are all-gathered just before its forward (and again for backward) and freed after,
 and its gradients are reduce-scattered (averaged, in fp32) as soon as its backward ends, so a rank
 holds ``1/W`` of the weights and gradients plus about two layers gathered (the current and the
-prefetched one). Every weight is sharded on ZenFlow's row dim (zfctl/offload/sharded.py): dim 0,
+prefetched one). Every weight is sharded on ZenFlow's row dim (zfctl/offload/parallel/sharded.py): dim 0,
 except the vocabulary matrices ZenFlow reads by row (``zenflow.vocab_select: rows``), sharded on
 dim 1, so every rank holds every column of its rows and selection needs one summed score vector.
 

@@ -91,7 +91,7 @@ def forward_backward(model: torch.nn.Module, opt: TrainingOptimizer, batches: Se
 
     ``n_targets``: the step's target-token count (:func:`loss_divisor`), so the gradients are the
     step's mean however the step is split. The last backward's gradients are final: the optimizer
-    streams them to the host during it (zfctl/offload/stream.py), overlapped with the rest of
+    streams them to the host during it (zfctl/offload/grads/stream.py), overlapped with the rest of
     the backward pass."""
     step_loss = torch.zeros((), device=device)
     for i, batch in enumerate(batches):

@@ -31,12 +31,12 @@ class TrainingOptimizer(Protocol):
 
     def prepare_backward(self, *, final: bool) -> None:
         """Say whether the next backward is the last of the step's micro-batches: its gradients
-        are final, so they stream to the host during that backward (zfctl/offload/stream.py)."""
+        are final, so they stream to the host during that backward (zfctl/offload/grads/stream.py)."""
         ...
 
     def attach_install_waits(self, model: torch.nn.Module) -> int:
         """Let each of ``model``'s layers wait (on the device) only for its own part of an install
-        of the CPU update, not for the whole install (zfctl/offload/install.py); how many modules
+        of the CPU update, not for the whole install (zfctl/offload/device/install.py); how many modules
         were hooked (0 where an install is waited for whole: FSDP2, zero2)."""
         ...
 
@@ -82,7 +82,7 @@ def build_optimizer(model: torch.nn.Module, plan: RunPlan, *, steps_per_epoch: i
     ``named_parameters`` yields a tied weight once. Frozen parameters are left out. The token-indexed
     matrices are named as ``vocab_params``; ``zenflow.vocab_select`` decides what that changes.
     ``shard_group``: the model is FSDP2-sharded over it (zfctl/train/fsdp.py); the optimizer steps
-    the local shards (zfctl/offload/sharded.py). ``params``: the (name, tensor) pairs to step
+    the local shards (zfctl/offload/parallel/sharded.py). ``params``: the (name, tensor) pairs to step
     instead of ``model``'s trainable parameters, under the same names (export installs one FSDP2
     rank's update on copies of that rank's rows, zfctl/train/weights.py).
     """

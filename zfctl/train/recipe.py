@@ -135,7 +135,7 @@ class FinetuneRecipe:
         self.total_steps = (int(t.max_steps) if t.max_steps is not None else
                             max(1, t.epochs * self.sampler.batches_per_epoch() // t.gradient_accumulation_steps))
         # zero2: the optimizer averages the gradients over the world in step(); fsdp: FSDP2's
-        # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/sharded.py).
+        # reduce-scatter did, and the optimizer steps the local shards (zfctl/offload/parallel/sharded.py).
         zero2_group = dist.group.WORLD if env.world_size > 1 and shard_group is None else None
         # A plan that could not size its model (a hub id alone) still says auto: settled once, with
         # the built model's shapes, and saved so (zfctl/train/optim.py); any other plan is as made.
@@ -144,7 +144,7 @@ class FinetuneRecipe:
                                          process_group=zero2_group, shard_group=shard_group)
         self._cleanup.callback(self.optimizer.close)  # its CPU worker thread runs from here on
         # An install of the CPU update runs on its own stream; each layer's forward waits only for
-        # its own columns (zfctl/offload/install.py), so the first layers compute while the last land.
+        # its own columns (zfctl/offload/device/install.py), so the first layers compute while the last land.
         self.optimizer.attach_install_waits(self.model)
         self.scheduler = build_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                          total_steps=self.total_steps)

@@ -82,7 +82,7 @@ def final_weights(info: ck.CheckpointInfo, plan: RunPlan) -> PreTrainedModel:
 def install_sharded(info: ck.CheckpointInfo, plan: RunPlan, model: torch.nn.Module, steps_per_epoch: int) -> None:
     """Install each FSDP2 rank's in-flight CPU update into ``model`` (whole weights, loaded).
 
-    Rank r's optimizer stepped its local rows (zfctl/offload/sharded.py): an optimizer over
+    Rank r's optimizer stepped its local rows (zfctl/offload/parallel/sharded.py): an optimizer over
     copies of exactly those rows, under the same names, is the optimizer that saved rank r's
     state, so it loads that state as saved and ``flush`` installs what rank r would have; the
     rows go back into ``model``. One rank at a time: the extra memory is 1/W of the weights and

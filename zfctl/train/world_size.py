@@ -14,7 +14,7 @@ A checkpoint written by W processes can be resumed by W' (``zfctl resume RUN --n
   set does not fill whole global micro-batches, the sampler drops a different tail per world size
   (at most ``micro x world - 1`` samples per epoch), as any run with that world size would.
 * **Optimizer state.** The host state is saved as pieces keyed by parameter name and column range
-  (``zfctl/offload/pieces.py``); each new rank reads the replicated part from one saved file and
+  (``zfctl/offload/parallel/pieces.py``); each new rank reads the replicated part from one saved file and
   the pieces overlapping its own columns from the files that hold them, and verifies exactly
   those files' digests. Checkpoints of the older per-rank format resume on W processes only.
 * **RNG.** Each rank restores the RNG state of the saved rank with its number, if there was one;
@@ -28,8 +28,8 @@ from dataclasses import replace
 from typing import Any, Literal, cast
 
 from zfctl.errors import UserError
-from zfctl.offload.pieces import merge_states, owners
-from zfctl.offload.sharded import shard_state, unshard_state
+from zfctl.offload.parallel.pieces import merge_states, owners
+from zfctl.offload.parallel.sharded import shard_state, unshard_state
 from zfctl.offload.state import FORMAT_V1
 from zfctl.plan.schema import RunPlan
 from zfctl.train import checkpoint as ck
@@ -135,7 +135,7 @@ def load_optimizer_state(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, 
     """Load this rank's optimizer state from ``info``, re-cut when ``world`` or ``strategy``
     differs from the checkpoint's. zero2 -> zero2: the large tensors are read straight into the
     optimizer's buffers, piece by piece (zfctl/train/tensorfile.py). Across strategies or fsdp
-    world sizes the state goes through one process's state (zfctl/offload/sharded.py): the files
+    world sizes the state goes through one process's state (zfctl/offload/parallel/sharded.py): the files
     read are read whole into memory (:func:`_recut`). Raises UserError (one line) when the state
     does not fit. Under fsdp ``rank`` and ``world`` are the place in the shard group (HSDP: within
     a node), and an HSDP checkpoint is an fsdp checkpoint of its ``shard_world`` files."""
@@ -171,7 +171,7 @@ def load_optimizer_state(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, 
 def _recut(optimizer: TrainingOptimizer, info: ck.CheckpointInfo, files: list[str], rank: int, world: int,
            strategy: str) -> dict[str, Any]:
     """This rank's state from ``files`` (:func:`optimizer_files`), re-cut through
-    zfctl/offload/sharded.py. Every file named is read whole into memory (its tensors are sliced
+    zfctl/offload/parallel/sharded.py. Every file named is read whole into memory (its tensors are sliced
     along each column's elements, which a file range cannot give): fsdp W -> fsdp W' reads the
     saved ranks holding this rank's rows (W/W' of them when W' divides W; one when W divides W');
     fsdp -> zero2 and zero2 -> fsdp read every file, one process's state at once (in host RAM, for

@@ -115,7 +115,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     around each decoder layer): the forward keeps only each layer's input, and the backward runs
     the layer's forward again before its backward. Non-reentrant, because the reentrant variant
     calls backward inside backward, where the parameters' gradient hooks that stream gradients to
-    the host (zfctl/offload/stream.py) would fire at the wrong time, and it needs an input that
+    the host (zfctl/offload/grads/stream.py) would fire at the wrong time, and it needs an input that
     requires grad. Costs about one more forward per step. A model class without the switch is a
     ConfigError, never a run that silently keeps every activation.
     """

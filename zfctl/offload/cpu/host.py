@@ -50,13 +50,13 @@ from typing import Any
 
 import torch
 
-from zfctl.offload import pinned
-from zfctl.offload.acc_gate import AccGate
+from zfctl.offload.columns.selection import ColumnState
+from zfctl.offload.device import pinned
+from zfctl.offload.device.pcie import host_wait
+from zfctl.offload.grads.acc_gate import AccGate
+from zfctl.offload.grads.slots import GradSlots
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import host_wait
-from zfctl.offload.selection import ColumnState
-from zfctl.offload.slots import GradSlots
 
 AUTO_HOST_SHARE = 0.85  # host_accumulators: auto without a plan: the host state within this share of free RAM
 

@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.device_adam import DeviceAdam
+from zfctl.offload.columns.departure import Departure, Pair
+from zfctl.offload.columns.selection import Moves, column_l1
+from zfctl.offload.device.device_adam import DeviceAdam
+from zfctl.offload.grads.scaler import param_norm
 from zfctl.offload.layout import Layout, as_matrix
-from zfctl.offload.migration import Departure, Pair
-from zfctl.offload.scaler import param_norm
-from zfctl.offload.selection import Moves, column_l1
 
 
 class GradRelease:

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.correction import DeferredLrScale, corrected_hyperparams, inner_steps
-from zfctl.offload.host import HostState
+from zfctl.offload.cpu.correction import DeferredLrScale, corrected_hyperparams, inner_steps
+from zfctl.offload.cpu.host import HostState
+from zfctl.offload.cpu.runs import plan_pieces, runs_and, runs_minus
+from zfctl.offload.device.pcie import bind_device
 from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw_sum
-from zfctl.offload.pcie import bind_device
-from zfctl.offload.runs import plan_pieces, runs_and, runs_minus
 
 # (offset, elements, the wait for that piece's data or None): one piece of an update, in order.
 Piece = tuple[int, int, Callable[[], Any] | None]

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
+from zfctl.offload.cpu.worker import PieceWaits
+from zfctl.offload.device.pcie import copy_async, device_wait
 from zfctl.offload.layout import Layout, as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import copy_async, device_wait
 from zfctl.offload.sizing import device_fits  # `accumulate: auto`'s one rule, shared with the plan
-from zfctl.offload.worker import PieceWaits
 
 # A gap of device-owned columns at least this long splits a chunk's copy out in two (1 MiB of fp32):
 # shorter gaps ride along, a copy costs more than the bytes it would skip.

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from zfctl.offload import pinned
+from zfctl.offload.device import pinned
+from zfctl.offload.device.pcie import copy_async, host_wait
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import copy_async, host_wait
 
 
 class Ring:

@@ -29,21 +29,21 @@ from typing import Any, Protocol
 import torch
 
 from zfctl.errors import ConfigError
-from zfctl.offload import cores
-from zfctl.offload.acc_gate import Waiter
-from zfctl.offload.bandwidth import measure_d2h_gbps
-from zfctl.offload.chunks import plan_chunks
 from zfctl.offload.config import ZenFlowConfig
-from zfctl.offload.device_acc import DeviceAccumulator, resolve
-from zfctl.offload.host import HostState, slot_sets, upload_dtype
+from zfctl.offload.cpu import cores
+from zfctl.offload.cpu.host import HostState, slot_sets, upload_dtype
+from zfctl.offload.device.chunks import plan_chunks
+from zfctl.offload.device.pcie import count_waits
+from zfctl.offload.device.ring import Ring
+from zfctl.offload.grads.acc_gate import Waiter
+from zfctl.offload.grads.bandwidth import measure_d2h_gbps
+from zfctl.offload.grads.device_acc import DeviceAccumulator, resolve
+from zfctl.offload.grads.slots import GradSlots
+from zfctl.offload.grads.stream import GradStream
 from zfctl.offload.layout import Layout
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import count_waits
-from zfctl.offload.ring import Ring
 from zfctl.offload.sizing import inflight_bytes, ring_slot_bytes, slots_per_set  # the plan's rules too
-from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
-from zfctl.offload.stream import GradStream
 
 Fence = Callable[[], Any]
 

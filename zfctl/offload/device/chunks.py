@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from zfctl.offload.device.ring import Ring
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
-from zfctl.offload.ring import Ring
 
 
 @dataclass(frozen=True)

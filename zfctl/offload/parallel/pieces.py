@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zfctl.offload.host import fill
+from zfctl.offload.cpu.host import fill
 from zfctl.offload.layout import Layout
 
 COLUMN_KEYS = ("steps",)  # one value per column; every other key holds ``rows`` values per column

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zfctl.offload.threads import split_threads
+from zfctl.offload.cpu.threads import split_threads
 
 UPDATE_POOL = 0  # the native pool of the CPU update's AdamW (pool 1 serves no zfctl caller now)
 SYSFS = Path("/sys")

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.chunks import Chunk, install_params
+from zfctl.offload.device.chunks import Chunk, install_params
+from zfctl.offload.device.pcie import device_wait
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import device_wait
 
 Restore = Callable[[Any], None]  # called with a ParamSlot once its chunks are scattered
 

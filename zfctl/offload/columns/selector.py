@@ -31,16 +31,17 @@ from typing import Any
 
 import torch
 
+from zfctl.offload.columns.departure import Departure, Pair
+from zfctl.offload.columns.migration import Mover
+from zfctl.offload.columns.selection import HostRows, Moves, column_l1, migrate, plan_moves, top_columns
 from zfctl.offload.config import ZenFlowConfig
-from zfctl.offload.device_adam import DeviceAdam
-from zfctl.offload.exchange import GradExchange
-from zfctl.offload.host import HostState
+from zfctl.offload.cpu.host import HostState
+from zfctl.offload.device.device_adam import DeviceAdam
 from zfctl.offload.layout import Layout, as_matrix, column_runs
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.migration import Departure, Mover, Pair
-from zfctl.offload.partition import OwnedRows, Partition
-from zfctl.offload.selection import HostRows, Moves, column_l1, migrate, plan_moves, top_columns
-from zfctl.offload.sharded import ShardedParams
+from zfctl.offload.parallel.exchange import GradExchange
+from zfctl.offload.parallel.partition import OwnedRows, Partition
+from zfctl.offload.parallel.sharded import ShardedParams
 from zfctl.offload.sizing import out_elems, ring_elems
 from zfctl.offload.stats import StepStats
 

@@ -28,9 +28,9 @@ from collections.abc import Iterable
 
 import torch
 
-from zfctl.offload.host import fill
+from zfctl.offload.columns.selection import ColumnState
+from zfctl.offload.cpu.host import fill
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, gather_columns
-from zfctl.offload.selection import ColumnState
 
 
 class DeviceAdam:

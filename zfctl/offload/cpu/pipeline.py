@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.auto_interval import IntervalPolicy
-from zfctl.offload.host import HostState, fill
+from zfctl.offload.cpu.auto_interval import IntervalPolicy
+from zfctl.offload.cpu.host import HostState, fill
+from zfctl.offload.cpu.worker import CpuUpdate, CpuWorker, PieceWaits
+from zfctl.offload.grads.slots import GradSlots
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
-from zfctl.offload.slots import GradSlots
 from zfctl.offload.stats import StepStats
-from zfctl.offload.worker import CpuUpdate, CpuWorker, PieceWaits
 
 Interval = tuple[tuple[torch.Tensor, ...], tuple[float, ...], torch.Tensor | None]
 

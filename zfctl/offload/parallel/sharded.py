@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zfctl.offload.columns.selection import column_l1
 from zfctl.offload.layout import ParamSlot, as_matrix
-from zfctl.offload.selection import column_l1
 
 
 class ShardedParams:

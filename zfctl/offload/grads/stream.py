@@ -59,11 +59,11 @@ from typing import Any
 
 import torch
 
-from zfctl.offload.acc_gate import Waiter
-from zfctl.offload.chunks import Chunk
+from zfctl.offload.device.chunks import Chunk
+from zfctl.offload.device.pcie import copy_async
+from zfctl.offload.grads.acc_gate import Waiter
 from zfctl.offload.layout import as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.pcie import copy_async
 from zfctl.offload.stats import StepStats
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from zfctl.offload import pinned
+from zfctl.offload.device import pinned
 
 
 class GradSlots:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zfctl.offload import pinned
+from zfctl.offload.device import pinned
 
 # The budget rule itself (rate x window, clamped: ``inflight_bytes``) is arithmetic the plan applies
 # too, so it lives in sizing.py, which imports no torch.

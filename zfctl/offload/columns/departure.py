@@ -1,0 +1,88 @@
+"""Where a selection's leaving rows wait to be written into their host rows (``Departure``), and
+one state tensor's device and host sides as the migration moves it (``Pair``): migration.py's
+vocabulary, used by selector.py and release.py too.
+
+Owners: a ``Departure`` is filled by the main thread as the out copies are enqueued and emptied
+(``finish``) by whichever thread comes first: the CPU worker behind the update in flight (the
+state), or the main thread (a release step's gradient: selector.py ``land``; an out buffer that
+must be reused: migration.py ``_make_room``). Its lock makes ``finish`` safe to call from both.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zfctl.offload.ledger import NOWHERE, Ledger
+
+
+class Departure:
+    """Leaving rows that have left the device (or are on their way) and wait in the out buffer to
+    be written into their host rows. ``finish`` may run on any thread, more than once. Its waits
+    count as ``kind`` (ledger.py: ``worker.migrate`` for the state, ``host.migrate_land`` for a
+    release step's gradient), its bytes into the tab current where it was made (the selection
+    step's, whichever thread runs it)."""
+
+    def __init__(self, fence: Callable[[], Any] | None = None, *, ledger: Ledger = NOWHERE,
+                 kind: str = "worker.migrate") -> None:
+        self._fence = fence  # the last install's DMA, which may still read the master or the upload
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, torch.Tensor | None]] = []
+        self._lock = threading.Lock()
+        self.ledger, self.kind = ledger, kind
+        self._tab = ledger.tab()
+
+    def add(self, host: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, event: Any, scale: float,
+            mirror: torch.Tensor | None = None) -> None:
+        with self._lock:
+            self._parts.append((host, cols, rows, event, scale, mirror))
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._parts)
+
+    def finish(self, kind: str | None = None) -> None:
+        """Write every landed row into its host rows (each piece's D2H event waited for first; its
+        waits counted as ``kind``, by default the Departure's own)."""
+        kind = kind or self.kind
+        with self._lock, self.ledger.charging(self._tab):
+            parts, self._parts = self._parts, []
+            if parts and self._fence is not None:
+                with self.ledger.waiting(kind):
+                    self._fence()  # sync point: the install's DMA no longer reads these master/upload rows
+            last = None
+            for host, cols, rows, event, scale, mirror in parts:
+                if event is not None and event is not last:
+                    with self.ledger.waiting(kind):
+                        event.synchronize()  # sync point (worker, normally long fired): this piece's D2H
+                    last = event
+                nbytes = rows.numel() * rows.element_size()
+                if scale != 1.0:
+                    rows.mul_(scale)  # exact: a power of two
+                    self.ledger.moved("host.stage", 2 * nbytes)  # read and written in place
+                # A release step's gradient slot is in the model dtype (slots.py): narrowed here,
+                # exactly (the device widened these values from it).
+                host.index_copy_(0, cols, rows if rows.dtype == host.dtype else rows.to(host.dtype))
+                self.ledger.moved("host.stage", nbytes)  # the out buffer read ...
+                self.ledger.moved("host.migrate", rows.numel() * host.element_size())  # ... into the host rows
+                if mirror is not None:  # the leaving columns' model-dtype copy (selector.py ``_migrate``)
+                    mirror.index_copy_(0, cols, rows.to(mirror.dtype))
+                    self.ledger.moved("host.migrate", rows.numel() * mirror.element_size())
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One state tensor of one matrix: device rows ``[k, width]``, host rows ``[cols, width]``;
+    its leaving rows go to ``to``. ``scale`` (release.py's gradient: the fp16 loss scale's
+    inverse, a power of two, exact): the host holds ``scale`` times the device's values."""
+
+    dev: torch.Tensor
+    host: torch.Tensor
+    to: Departure
+    scale: float = 1.0
+    leaves: bool = True  # False: its leaving rows are written by the caller (the step counters)
+    mirror: torch.Tensor | None = None  # host rows that also take the leaving rows, in their dtype (the upload)

@@ -1,0 +1,94 @@
+"""The host side's phases of one optimizer step, in step() order (optimizer.py): the step's
+gradient into its slot and its coefficient recorded (``host_update``), the interval's end handed
+to the CPU worker (``boundary``), and the finished update installed into the params (``install``,
+called by the pipeline when its schedule says), and before them the D2H of the few scalars the
+host reads (``start_scalars``). Functions of the facade: they read its parts
+(pipeline, gradient path, selector, installer) and own no state of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from zfctl.offload.cpu.worker import cpu_update
+from zfctl.offload.device.pcie import count_waits
+from zfctl.offload.stats import StepStats
+
+if TYPE_CHECKING:
+    from zfctl.offload.optimizer import ZenFlowOptimizer
+
+
+def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, coef: torch.Tensor | None, grads: list[torch.Tensor | None],
+                   warm: bool, totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
+    """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix], ordered
+    before the device update, so the host waits for these few numbers only."""
+    assert opt.transfers is not None
+    one = torch.ones((), device=opt.device)
+    parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
+    if opt.policy.auto and opt.selector.selected and not warm:
+        masses = opt.selector.masses(grads, totals)
+        parts += opt.sharded.sum_list(masses) if opt.sharded is not None else masses  # whole matrices
+    return opt.transfers.d2h.fetch(torch.stack(parts))
+
+
+def host_update(opt: ZenFlowOptimizer, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
+                 hp: dict[str, float], stats: StepStats) -> tuple[float, float]:
+    """4. the other columns' gradient into the step's slot, with its coefficient; 5. a lagged
+    install; 6. the boundary. Returns the gradient norm read with the scalars, and when the
+    host work began."""
+    values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
+    # Not stall: the device update is queued behind the scalars, the device keeps busy.
+    # Everything from here on is host work the device does not overlap with: stall.
+    host_norm, host_coef, masses = values[0], values[1], values[2:]
+    tail = c = time.perf_counter()
+    # The step's slot holds its raw gradient; its coefficient (clip factor / loss scale) goes
+    # with it, so the worker applies each step's own (slots.py). The device path adds on the
+    # device, coefficient included (add_device); it has no slots.
+    opt.gradient_path.add_host(opt.pipeline.slot(), stats)
+    opt.pipeline.record(host_coef)
+    stats.offload_ms = (time.perf_counter() - c) * 1e3
+    if opt.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
+        opt.pipeline.collect(stats)
+    if opt.pipeline.close_step(force=warm or opt.selector.due(opt.pipeline.t + 1)):
+        boundary(opt, stats, warm, hp)
+    elif opt.policy.auto and opt.selector.selected:
+        k, cols = opt.selector.shapes()
+        opt.policy.observe([m * host_coef for m in masses[0::2]], [m * host_coef for m in masses[1::2]], k, cols)
+    return host_norm, tail
+
+
+def boundary(opt: ZenFlowOptimizer, stats: StepStats, warm: bool, hp: dict[str, float]) -> None:
+    """End the interval: submit its CPU update (and, synchronous modes, wait and install it).
+    The update waits for what the gradient path says (its ``finish``, called once the previous
+    update is collected) and for the install's DMA."""
+    assert opt.host is not None and opt.transfers is not None  # only the host path has intervals
+    n = opt.pipeline.end_interval()
+    background = opt.config.overlap_step and not warm
+    # One slot set that the next interval writes while this update reads it: the update goes
+    # piece by piece in the path's write order, and the writes follow (acc_gate.py).
+    order = opt.gradient_path.write_order() if background and opt.host.grads.sets == 1 else None
+    grad = opt.pipeline.take()  # the interval's slots, coefficients and carry (slots.py)
+    # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
+    # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
+    update = cpu_update(opt.config.deferred_lr_scale, n, grad, opt.host.update_groups, hp,
+                        pieces=tuple(order) if order is not None else None)
+    # Its bytes (each slot read, master and moments, the upload copy) are counted by the worker.
+    opt.pipeline.submit(update, stats, background=background, prepare=lambda: opt.gradient_path.finish(stats))
+
+
+def install(opt: ZenFlowOptimizer, stats: StepStats) -> None:
+    """The host's finished update into the model params (the pipeline decides when), on the
+    install stream (install.py); each param's device-owned columns are put back after its chunks."""
+    assert opt.host is not None and opt.transfers is not None  # only the host path installs
+    p, sel = opt.params, opt.selector.selected
+    # Its bytes are counted by the ring (ledger.py).
+    _, fence = opt.installer.run(opt.transfers.h2d, opt.transfers.chunks, opt.host.install_source, p,
+                                  lambda slot: opt.device_state.write_params(p, sel, only=[slot]))
+    opt.host.install_fence = fence  # the source's next writer waits for the DMA (HostState)
+    count_waits(stats, opt.installer.take_waits(), "device.install")  # no hooks: compute waits for it all
+    if opt.exchange is not None:  # each owner's columns to every rank (collectives)
+        stats.comm_bytes += opt.exchange.share_installed()
