@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from zfctl.cli import app
 from zfctl.errors import RunFailed, UserError
 from zfctl.train import checkpoint as ck
-from zfctl.train import checksum, recipe
+from zfctl.train import checksum
+from zfctl.train import loss as train_loss
 from zfctl.train.checkpoint import space
 from zfctl.train.metrics import read_metrics
 
@@ -139,14 +140,14 @@ def test_latest_good_resumes_from_the_newest_intact_checkpoint(trained: Path, tm
 @pytest.mark.slow
 def test_nan_step_stops_the_run_and_keep_last_keeps_the_good_checkpoints(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    real, calls = recipe.lm_loss_sum, {"n": 0}
+    real, calls = train_loss.lm_loss_sum, {"n": 0}
 
     def poisoned(logits, labels):  # the 5th micro-batch (step 5) produces NaN, like a bad record
         calls["n"] += 1
         loss = real(logits, labels)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(recipe, "lm_loss_sum", poisoned)  # the loop's own name for it
+    monkeypatch.setattr(train_loss, "lm_loss_sum", poisoned)  # forward_backward's own name for it
     out = tmp_path / "run"
     res = finetune(out, "checkpoint.every=1", steps=8)
     assert res.exit_code == 1, res.output
