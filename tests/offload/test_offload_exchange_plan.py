@@ -51,6 +51,13 @@ def test_a_plan_copies_the_ids_once_each_way(monkeypatch) -> None:
     assert calls == ["cpu"], calls
 
 
+class _Idle:
+    """A pipeline with no CPU update in flight (pipeline.py ``prioritize``): nothing to wait for."""
+
+    def prioritize(self, runs: torch.Tensor) -> float:
+        return 0.0
+
+
 def test_the_selection_plans_the_rounds_not_the_next_hook(monkeypatch) -> None:
     """A selection re-plans inside step() (``Selector.select``); afterwards ``rounds`` (what the
     hooks' ``launch`` reads) plans nothing."""
@@ -74,7 +81,8 @@ def test_the_selection_plans_the_rounds_not_the_next_hook(monkeypatch) -> None:
     monkeypatch.setattr(exchange, "share_entering", lambda old: 0)
     monkeypatch.setattr("zfctl.offload.columns.selector.OwnedRows", _LocalRows)
     before = exchange.rounds
-    selector.select([p.grad for p in params], host, StepStats(step=0))
+    # No update in flight: the pipeline's priority request has nothing to wait for (worker.py).
+    selector.select([p.grad for p in params], host, StepStats(step=0), pipeline=_Idle())
     assert plans == [1]  # planned once, in select()
     after = exchange.rounds  # the next backward's first hook: nothing left to plan
     assert plans == [1] and after is not before
