@@ -111,6 +111,23 @@ def _runs(runs: torch.Tensor | None, numel: int):
     return ptr, n
 
 
+def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, out: torch.Tensor | None,
+                 step: int, repeat: int) -> int:
+    """The checks every AdamW entry point makes of the state it writes and of its step counts;
+    returns the element count."""
+    n = _check("param", param, _FP32).numel()
+    _check("exp_avg", exp_avg, _FP32, n)
+    _check("exp_avg_sq", exp_avg_sq, _FP32, n)
+    if out is not None:
+        _check("out", out, _HALF, n)
+    _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
+    if int(step) != step or step < 1:
+        raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
+    if isinstance(repeat, bool) or int(repeat) != repeat or repeat < 1:
+        raise ValueError(f"repeat: must be an integer >= 1 (the number of steps to take), got {repeat!r}")
+    return n
+
+
 def adamw_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -145,17 +162,8 @@ def adamw_step(
     still be the gradient buffer) for the memory traffic of one. ZenFlow's deferred columns use
     it (zfctl/offload/cpu/correction.py, mode ``repeat``).
     """
-    n = _check("param", param, _FP32).numel()
+    n = _check_state(param, exp_avg, exp_avg_sq, out, step, repeat)
     _check("grad", grad, _ANY, n)
-    _check("exp_avg", exp_avg, _FP32, n)
-    _check("exp_avg_sq", exp_avg_sq, _FP32, n)
-    if out is not None:
-        _check("out", out, _HALF, n)
-    _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
-    if int(step) != step or step < 1:
-        raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
-    if isinstance(repeat, bool) or int(repeat) != repeat or repeat < 1:
-        raise ValueError(f"repeat: must be an integer >= 1 (the number of steps to take), got {repeat!r}")
     runs_ptr, nruns = _runs(runs, n)
     lib.zf_adamw_steps(
         _ptr(param, "float *"), _ptr(grad), _DTYPE[grad.dtype], _ptr(exp_avg, "float *"),
@@ -197,9 +205,7 @@ def adamw_sum(
     memory: per element 24 B of state plus each slot's bytes, no accumulator written or read.
     At most ``MAX_SLOTS`` slots; a carry alone (no slots) is an fp32 gradient read as it is.
     """
-    n = _check("param", param, _FP32).numel()
-    _check("exp_avg", exp_avg, _FP32, n)
-    _check("exp_avg_sq", exp_avg_sq, _FP32, n)
+    n = _check_state(param, exp_avg, exp_avg_sq, out, step, repeat)
     if len(slots) != len(coefs):
         raise ValueError(f"slots and coefs: {len(slots)} slots but {len(coefs)} coefficients")
     if len(slots) > MAX_SLOTS:
@@ -213,17 +219,10 @@ def adamw_sum(
         raise ValueError(f"slots: one dtype for all, got {sorted(str(d).removeprefix('torch.') for d in dtypes)}")
     if carry is not None:
         _check("carry", carry, _FP32, n)
-    if out is not None:
-        _check("out", out, _HALF, n)
-    _disjoint(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
     for name, read in (*((f"slots[{i}]", s) for i, s in enumerate(slots)), ("carry", carry)):
         for wname, written in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
             if read is not None:
                 _disjoint(**{name: read, wname: written})
-    if int(step) != step or step < 1:
-        raise ValueError(f"step: must be an integer >= 1 (the 1-based bias-correction count), got {step}")
-    if isinstance(repeat, bool) or int(repeat) != repeat or repeat < 1:
-        raise ValueError(f"repeat: must be an integer >= 1 (the number of steps to take), got {repeat!r}")
     runs_ptr, nruns = _runs(runs, n)
     slot_ptrs = ffi.new("void *[]", [_ptr(s) for s in slots] or [ffi.NULL])
     coef_arr = ffi.new("float[]", [float(c) for c in coefs] or [0.0])
