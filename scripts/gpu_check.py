@@ -21,7 +21,9 @@ Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU chec
 The bench parts' JSON carries each configuration's bound (zfctl/bench/bound.py: the slowest of
 device compute, PCIe each way and host memory for the bytes its ledger counted); the check holds
 each gradient path (default-host, default-device) to 1.3x of it at both batches (gpu_results.py
-``within_bound``; device compute from the batch's `off` row).
+``within_bound``; device compute from the batch's `off` row), and each path's selection steps
+to 2x its ordinary steps (``selection_cost``: the timed selection steps' mean over the median of
+the steps that neither select nor end an interval).
 
 Each part adds its results to ONE JSON file (default bench-results/gpu-check-<commit>.json; a
 file of another commit is refused), then the acceptance figures are recomputed from everything

@@ -29,6 +29,9 @@ TARGETS = (
 BOUND_PATHS = ("default-host", "default-device")
 BOUND_BATCHES = (1, 4)
 BOUND_TARGET = 1.3
+# A selection step (it re-chooses the device's columns and migrates their state) at most this
+# many times an ordinary step of the same path (issue 35: no selection that stops the GPU).
+SELECTION_TARGET = 2.0
 
 
 # -- from `zfctl bench --json` files to figures -------------------------------------------------------
@@ -43,6 +46,9 @@ def figures(row: dict[str, Any], meta: dict[str, Any], source: str) -> dict[str,
     phases = [_mean(row.get(k)) for k in ("fwd_ms", "bwd_ms", "device_opt_ms")]
     d2h = row.get("d2h_bytes_per_step")
     bound = row.get("bound") or {}
+    records = row.get("records") or []
+    selecting = [r["step_ms"] for r in records if r.get("selection")]
+    plain = sorted(r["step_ms"] for r in records if not r.get("selection") and not r.get("update"))
     return {
         "source": source,
         "label": row["label"],
@@ -76,6 +82,11 @@ def figures(row: dict[str, Any], meta: dict[str, Any], source: str) -> dict[str,
         "peak_host_rss_bytes": row.get("peak_host_rss_bytes"),
         "peak_device_allocated_bytes": row.get("peak_device_allocated_bytes"),
         "peak_device_reserved_bytes": row.get("peak_device_reserved_bytes"),
+        # the timed selection steps' mean, and the median of the steps that neither select nor
+        # end an interval (what a selection step is held against: ``selection_cost``)
+        "selection_step_ms": sum(selecting) / len(selecting) if selecting else None,
+        "selection_steps": len(selecting),
+        "ordinary_step_ms": plain[len(plain) // 2] if plain else None,
     }
 
 
@@ -182,6 +193,29 @@ def within_bound(bench: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def selection_cost(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each gradient path at each batch: its selection steps' mean over its ordinary steps'
+    median <= SELECTION_TARGET (pass / fail / missing: no selection step among the timed ones)."""
+    out = []
+    for batch in BOUND_BATCHES:
+        for path in BOUND_PATHS:
+            cfg, why = _usable(bench, batch, path)
+            entry: dict[str, Any] = {"name": f"{path} selection step within {SELECTION_TARGET:g}x of an ordinary "
+                                             f"step at batch {batch}", "config": f"b{batch}/{path}",
+                                     "target": SELECTION_TARGET, "ratio": None}
+            if cfg is not None and (cfg.get("selection_step_ms") is None or not cfg.get("ordinary_step_ms")):
+                why = f"b{batch}/{path}: no timed selection step (or no ordinary one) in the bench's records"
+            if why:
+                entry.update(status="missing", why=why)
+            else:
+                assert cfg is not None  # _usable gave no reason
+                ratio = cfg["selection_step_ms"] / cfg["ordinary_step_ms"]
+                entry.update(ratio=ratio, selection_ms=cfg["selection_step_ms"], ordinary_ms=cfg["ordinary_step_ms"],
+                             steps=cfg["selection_steps"], status="pass" if ratio <= SELECTION_TARGET else "fail")
+            out.append(entry)
+    return out
+
+
 def cpu_update_hidden(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """Does the default preset's CPU update fit behind one interval of device work? It is hidden
     while it takes less than `interval` x (forward + backward + device optimizer) of a step."""
@@ -211,7 +245,7 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     a 'pass' never hides them."""
     parts = doc.get("parts", {})
     failed = [p for p, r in parts.items() if r["status"] not in ("passed", "skipped")]
-    checks = [*doc.get("acceptance", []), *doc.get("within_bound", [])]
+    checks = [*doc.get("acceptance", []), *doc.get("within_bound", []), *doc.get("selection_cost", [])]
     failed += [a["name"] for a in checks if a["status"] == "fail"]
     missing = [p for p in PARTS if p not in parts]
     missing += [a["name"] for a in checks if a["status"] == "missing"]
@@ -239,11 +273,12 @@ def merge(doc: dict[str, Any], part: str, result: dict[str, Any], host: dict[str
     doc["updated"] = stamp()
     doc["acceptance"] = acceptance(doc["bench"])
     doc["within_bound"] = within_bound(doc["bench"])
+    doc["selection_cost"] = selection_cost(doc["bench"])
     doc["cpu_update_hidden"] = cpu_update_hidden(doc["bench"])
     doc["verdict"] = verdict(doc)
     # The summary first, for a person opening the file; whatever else it held after.
-    order = ("commit", "updated", "verdict", "acceptance", "within_bound", "cpu_update_hidden", "machine", "tests", "nccl",
-             "fit_24gb", "bench", "parts")
+    order = ("commit", "updated", "verdict", "acceptance", "within_bound", "selection_cost", "cpu_update_hidden",
+             "machine", "tests", "nccl", "fit_24gb", "bench", "parts")
     return {**{k: doc[k] for k in order if k in doc}, **doc}
 
 
@@ -265,6 +300,10 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     for b in doc.get("within_bound", []):
         got = "missing" if b["ratio"] is None else f"{b['ratio']:.2f}x its bound of {b['bound_ms']:.0f} ms ({b['limit']})"
         lines.append(f"{b['config']}: measured / bound {got}, target <= {b['target']:g}: {b['status']}")
+    for c in doc.get("selection_cost", []):
+        got = "missing" if c["ratio"] is None else \
+            f"{c['ratio']:.2f}x ({c['selection_ms']:.0f} ms against {c['ordinary_ms']:.0f} ms)"
+        lines.append(f"{c['config']}: selection step / ordinary step {got}, target <= {c['target']:g}: {c['status']}")
     for h in doc["cpu_update_hidden"]:
         if h["hidden"] is not None:
             lines.append(f"{h['config']}: CPU update {h['cpu_update_ms']:.0f} ms vs {h['interval']} x "

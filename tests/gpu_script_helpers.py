@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 
@@ -45,9 +46,11 @@ CONFIGS = {
 RATES = {"d2h_gbps": 54.9, "h2d_gbps": 50.0, "host_gbps": 100.0}
 
 
-def _records(name: str, step_ms: list[float], cpu_ms: float, host_bytes: int) -> list[StepRecord]:
-    """Steps of `step_ms`; ZenFlow's every 4th is an update step whose CPU update took `cpu_ms`;
-    each offloading step's ledger: 500 MB of gradient D2H and `host_bytes` of host memory."""
+def _records(name: str, step_ms: list[float], cpu_ms: float, host_bytes: int,
+             selections: tuple[int, ...] = ()) -> list[StepRecord]:
+    """Steps of `step_ms`; ZenFlow's every 4th is an update step whose CPU update took `cpu_ms`,
+    and the steps at `selections` select (ZenFlow only); each offloading step's ledger: 500 MB of
+    gradient D2H and `host_bytes` of host memory."""
     out = []
     for i, ms in enumerate(step_ms):
         update = name == "zero-offload" or (name == "zenflow" and i % 4 == 3)
@@ -55,12 +58,14 @@ def _records(name: str, step_ms: list[float], cpu_ms: float, host_bytes: int) ->
         out.append(StepRecord(update=update, step_ms=ms, fwd_ms=ms / 4, bwd_ms=ms / 2, opt_ms=ms / 4,
                               device_opt_ms=2.0, offload_ms=1.0, cpu_step_ms=cpu_ms if update else 0.0,
                               stall_ms=ms / 10, d2h_bytes=0 if name == "off" else 500_000_000, h2d_bytes=0,
-                              skipped=False, host_bytes=host_bytes if name != "off" else 0, bytes=ledger))
+                              skipped=False, host_bytes=host_bytes if name != "off" else 0, bytes=ledger,
+                              selection=name == "zenflow" and i in selections))
     return out
 
 
 def bench_file(folder: Path, batch: int, preset: str, rows: dict[str, list[float]], *, cpu_ms: float = 300.0,
-               accumulate: str = "host", host_bytes: int = 1_000_000_000, **meta_over) -> Path:
+               accumulate: str = "host", host_bytes: int = 1_000_000_000, selections: tuple[int, ...] = (),
+               **meta_over) -> Path:
     """llama-1b-b<batch>-<preset>.json with one row per entry of `rows` ('off', 'zero-offload',
     'zenflow' -> its step times), as `zfctl bench --model llama3.2-1b --seq-len 1024 --json` writes it
     on CUDA, with each row's bound (zfctl/bench/bound.py, on ``RATES``): the device compute of `off`
@@ -69,13 +74,14 @@ def bench_file(folder: Path, batch: int, preset: str, rows: dict[str, list[float
     out_rows, results = [], []
     for name, steps in rows.items():
         res = ConfigResult(CONFIGS[name], warmup_steps=8, steps=len(steps))
-        res.trials.append(TrialResult(_records(name, steps, cpu_ms, host_bytes), window_wall_ms=sum(steps),
+        res.trials.append(TrialResult(_records(name, steps, cpu_ms, host_bytes, selections), window_wall_ms=sum(steps),
                                       loss_first=12.0, loss_last=11.5))
         results.append(res)
         row = summarize(res, param_bytes=2_471_000_000, samples_per_step=batch, tokens_per_step=batch * 1024,
                         n_params=1_235_814_400)
         row.update(peak_host_rss_bytes=30 * 2**30, peak_device_allocated_bytes=9 * 2**30,
-                   peak_device_reserved_bytes=10 * 2**30)
+                   peak_device_reserved_bytes=10 * 2**30,
+                   records=[asdict(r) for r in res.records])  # every timed step, as zfctl/cli/bench.py writes it
         out_rows.append(row)
     add_speedups(out_rows)
     meta = {"model_preset": "llama3.2-1b", "batch": batch, "seq_len": 1024, "dtype": "bf16",

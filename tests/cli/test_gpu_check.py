@@ -23,11 +23,14 @@ def fake_part(folder, batch: int, *, device_ms: float = 170.0, skip: tuple[str, 
     if "paper" not in skip:
         bench_file(folder, batch, "paper", {"off": [base[0]] * 8, "zero-offload": [base[1]] * 8, "zenflow": [190.0] * 8})
     if "default-host" not in skip:
-        # b4: mean 180, median 170 (a slow step every 4); b1: 200 flat, CPU update too slow to hide
+        # b4: mean 180, median 170 (a slow step every 4); b1: 200 flat, CPU update too slow to hide;
+        # the first step selects, as fast as an ordinary one
         steps = [170.0, 170.0, 170.0, 210.0] * 2 if batch == 4 else [200.0] * 8
-        bench_file(folder, batch, "default-host", {"zenflow": steps}, cpu_ms=500.0 if batch == 4 else 700.0)
+        bench_file(folder, batch, "default-host", {"zenflow": steps}, cpu_ms=500.0 if batch == 4 else 700.0,
+                   selections=(0,))
     if "default-device" not in skip:
-        bench_file(folder, batch, "default-device", {"zenflow": [device_ms] * 8}, accumulate="device")
+        bench_file(folder, batch, "default-device", {"zenflow": [device_ms] * 8}, accumulate="device",
+                   selections=(0,))
 
 
 def bench_result(folder, batch: int) -> dict:
@@ -145,6 +148,36 @@ def test_each_path_is_held_to_the_bound_its_bytes_set(tmp_path):
     assert [c["status"] for c in missing if c["config"].startswith("b1/")] == ["missing", "missing"]
     bench["b4"]["default-host"]["bound_ms"] = None  # a bench from before the bound
     assert "printed no bound" in {c["config"]: c for c in gpu_results.within_bound(bench)}["b4/default-host"]["why"]
+
+
+def test_a_selection_step_is_held_to_twice_an_ordinary_one(tmp_path):
+    """Per path and batch, the timed selection steps' mean over the median of the steps that
+    neither select nor end an interval is at most 2 (gpu_results.selection_cost); a failing one
+    fails the verdict, and a bench without a timed selection step leaves it missing."""
+    fake_part(tmp_path, 4)
+    # ordinary steps 100-110 ms (median 104), update steps (every 4th) 300 ms, which are no
+    # ordinary steps (counted in, the median would be 110); selections of 200 and 216 ms: their
+    # mean is exactly 2x, a pass
+    steps = [200.0, 100.0, 104.0, 300.0, 110.0, 110.0, 100.0, 300.0, 216.0, 104.0, 100.0, 300.0]
+    bench_file(tmp_path, 4, "default-host", {"zenflow": steps}, selections=(0, 8))
+    bench_file(tmp_path, 4, "default-device", {"zenflow": [100.0] * 3 + [150.0] + [201.0] + [100.0] * 3},
+               accumulate="device", selections=(4,))
+    bench = gpu_results.collect_bench(tmp_path)
+    checks = {c["config"]: c for c in gpu_results.selection_cost(bench)}
+    host, dev = checks["b4/default-host"], checks["b4/default-device"]
+    assert (host["selection_ms"], host["ordinary_ms"], host["steps"]) == (208.0, 104.0, 2)
+    assert host["ratio"] == pytest.approx(2.0) and host["status"] == "pass"
+    assert dev["ratio"] == pytest.approx(2.01) and dev["status"] == "fail"
+    assert checks["b1/default-host"]["status"] == "missing"  # no batch-1 bench
+    doc = gpu_results.merge({}, "bench-b4", bench_result(tmp_path, 4), HOST)
+    assert dev["name"] in doc["verdict"]["failed"] and host["name"] not in doc["verdict"]["failed"]
+    assert any("b4/default-device: selection step / ordinary step 2.01x" in line
+               for line in gpu_results.summary_lines(doc))
+    flat = tmp_path / "flat"  # no step selects
+    flat.mkdir()
+    bench_file(flat, 4, "default-host", {"zenflow": [100.0] * 8})
+    none = {c["config"]: c for c in gpu_results.selection_cost(gpu_results.collect_bench(flat))}
+    assert none["b4/default-host"]["status"] == "missing" and "no timed selection step" in none["b4/default-host"]["why"]
 
 
 def test_parts_merge_into_one_file_and_a_rerun_replaces_its_part(tmp_path):
