@@ -86,7 +86,7 @@ def closing_lines(run: Path = RUN) -> list[str]:
         "",
         "what this was: tiny-llama is a 5.3M-parameter model from random init, trained for a few minutes.",
         "It shows the machinery (ZenFlow's offloaded optimizer, checkpoints, resume, export), not answer",
-        f"quality: `zfctl generate {run}` answers noise such as `1`.",
+        f"quality: `zfctl generate {run}` answers noise, or nothing at all.",
         "a real answer: fine-tune SmolLM2-135M-Instruct, a small pretrained model (offline once",
         "installed; ~6 GB RAM; on 2 busy CPU cores ~20 s a step, so 30 steps take ~10 minutes):",
         *install,
