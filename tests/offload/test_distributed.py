@@ -151,14 +151,14 @@ def _continue(case: str, rank: int, world: int, group, msd: dict, saved: list[di
 
 @contextlib.contextmanager
 def _buckets(nbytes: int):
-    from zfctl.offload.parallel import exchange, partition, rounds
+    from zfctl.offload.parallel import partition, rounds
 
     saved = partition.BUCKET_BYTES
-    partition.BUCKET_BYTES = exchange.BUCKET_BYTES = rounds.BUCKET_BYTES = nbytes
+    partition.BUCKET_BYTES = rounds.BUCKET_BYTES = nbytes  # the exchange plans through rounds.py
     try:
         yield
     finally:
-        partition.BUCKET_BYTES = exchange.BUCKET_BYTES = rounds.BUCKET_BYTES = saved
+        partition.BUCKET_BYTES = rounds.BUCKET_BYTES = saved
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
