@@ -30,7 +30,7 @@ BOUND_PATHS = ("default-host", "default-device")
 BOUND_BATCHES = (1, 4)
 BOUND_TARGET = 1.3
 # A selection step (it re-chooses the device's columns and migrates their state) at most this
-# many times an ordinary step of the same path (issue 35: no selection that stops the GPU).
+# many times an ordinary step of the same path (docs/design.md, "Performance model": no selection that stops the GPU).
 SELECTION_TARGET = 2.0
 
 

@@ -3,7 +3,7 @@
     python scripts/readme_figures.py            # check: exit 1 with a diff for each quote that drifted
     python scripts/readme_figures.py --write    # rewrite the quotes (`make readme-figures`)
 
-Hand-typed figures drifted as the program changed (issue 36: a no-fit example, a memory table row,
+Hand-typed figures drifted as the program changed (a no-fit example, a memory table row,
 a plan without its newest line, a step count). So every quote of program output is made by the
 program here, and tests/cli/test_readme_figures.py fails when README.md no longer matches. After a
 change that moves a figure (a new memory line, another step count), `make readme-figures` rewrites

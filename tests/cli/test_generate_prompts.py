@@ -1,4 +1,4 @@
-"""Small features the other tools have (issue 36): `zfctl generate --prompts FILE` (JSON lines out),
+"""Small features the other tools have: `zfctl generate --prompts FILE` (JSON lines out),
 `--system TEXT` for chat runs, and `train.sample_prompts`, answered and logged at each evaluation.
 
 Tiny 2-layer runs in-process (a few steps each); answers are compared with the one-prompt path

@@ -1,4 +1,4 @@
-"""The light verbs answer without torch: `zfctl --help`, `presets ls/show`, `plan` (issue 36).
+"""The light verbs answer without torch: `zfctl --help`, `presets ls/show`, `plan`.
 
 `import torch` alone takes about 2 s of the 2-core machine (transformers and datasets more), so a
 verb that only reads YAML or does arithmetic must not load them. Each case runs the verb in a

@@ -1,4 +1,4 @@
-"""What a verb prints is the product (issue 36): no `error:` for a closed pipe, no line twice.
+"""What a verb prints is the product: no `error:` for a closed pipe, no line twice.
 
 The cases here are the small defects a new user met in the first hour: ``zfctl ... | head``
 ending with ``error: Broken pipe (EPIPE)``, and ``--debug-data`` printing the data summary twice.

@@ -1,4 +1,4 @@
-"""Quiet by default (issue 36): torchrun's OMP_NUM_THREADS banner, transformers' loading bars and
+"""Quiet by default: torchrun's OMP_NUM_THREADS banner, transformers' loading bars and
 the 80-line plan are hidden unless --verbose (zfctl/quiet.py, zfctl/plan/brief.py)."""
 
 from __future__ import annotations

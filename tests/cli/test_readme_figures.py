@@ -1,6 +1,6 @@
 """The README's quotes of program output are the program's output (scripts/readme_figures.py).
 
-A figure typed by hand drifts when the program changes (issue 36 found a no-fit example, a memory
+A figure typed by hand drifts when the program changes (a no-fit example, a memory
 row, a 7B plan without its newest line and a step count that no longer matched). Each quote is
 regenerated here from the program and compared; `make readme-figures` rewrites them after a
 change that moves a figure.

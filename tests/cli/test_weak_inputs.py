@@ -1,4 +1,4 @@
-"""Bad inputs whose line used to mislead or name no fix (issue 36, "Weak bad inputs"), and defect 3
+"""Bad inputs whose line used to mislead or name no fix, and one defect
 (`generate` on an export without its tokenizer): each is now one `error:` line naming the problem
 and the fix, exit 2, no traceback, nothing written.
 

@@ -4,7 +4,7 @@ Every step's host-owned gradient lands in its own slot and the CPU update applie
 own clip factor (zfctl/offload/grads/slots.py), as the device columns, FSDP2 shards and the device path
 always did; before the slots, zero2's default release path clipped an interval's host sum by the
 interval's mean factor instead, and fsdp then differed from zero2 and from one process by 2.6e-3
-relative at step 11, the first step after the first install (issue 35). Here, with default
+relative at step 11, the first step after the first install. Here, with default
 settings otherwise (release_grads on, max_grad_norm 1.0, which clips at every step of this random
 init), two ranks under zero2, two under fsdp and one process with two accumulation steps see the
 same global batches and must agree within 1e-5 relative, every step.

@@ -1,5 +1,5 @@
 """`make demo` (scripts/demo.py): it says what the tiny model is for and how to get a real answer,
-and it replaces runs/demo only while the folder is as the demo left it (issue 36)."""
+and it replaces runs/demo only while the folder is as the demo left it."""
 
 from __future__ import annotations
 

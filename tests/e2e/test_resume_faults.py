@@ -1,5 +1,5 @@
 """Resumes that fail or meet damage never rewrite the run folder, and every line names the way on
-(issue 36: defect 2, defect 4's resume side and the fault items of item 8).
+(docs/design.md, "Failures and the run folder").
 
 In-process (the Typer app, tiny 2-layer model, a few steps each): a resume that fails in its first
 step leaves plan.yaml and metrics.jsonl byte for byte; leftover temporary files of atomic writes are

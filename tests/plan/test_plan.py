@@ -18,7 +18,7 @@ from zfctl.plan.schema import RunPlan
 from zfctl.plan.sizes import _built_size, _llama_size
 
 # DeepSpeedExamples' ZenFlow fine-tuning config (training/DeepSpeed-ZenFlow/finetuning/zf_config.json),
-# as described in REFERENCE-NOTES.md section 9.2.
+# its zenflow section as published there.
 REFERENCE_DS = {
     "train_batch_size": 8,
     "bf16": {"enabled": True},

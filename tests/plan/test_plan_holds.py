@@ -89,7 +89,7 @@ def built_config(monkeypatch: pytest.MonkeyPatch, plan):
 
 
 def test_a_plan_for_a_5gb_card_builds_the_host_path_on_a_141gb_one(h200: FakeCuda, monkeypatch) -> None:
-    """GPU-BASELINE.md's out-of-memory: `zfctl plan --gpu-memory 5.3GB --fit` said host, the run
+    """An out-of-memory seen on an H200: `zfctl plan --gpu-memory 5.3GB --fit` said host, the run
     re-decided for the physical 141 GB card and built the device accumulator. The plan's answer
     is in the plan now, and the run builds it: the check passes (the card is larger than planned)."""
     plan = settle(fit_or_fail(resolve_plan("tiny-llama", "alpaca-sample", overrides=[

@@ -40,7 +40,7 @@ COLUMN_BYTES = 13  # per host column: fp32 step counter, bool owner flag, int64 
 # prepared data, and with CUDA the host side of its libraries (cuBLAS, cuDNN, NCCL) and driver.
 # CPU: scripts/memory_proof.py's runs peaked 0.44-0.47 GB above their lines (tiny-llama widened to
 # hidden 768, 1 and 6 layers, alpaca-sample, torch 2.13 on this repo's 2-core VM); CUDA:
-# /work/shared/GPU-BASELINE.md's 6-layer 7B run held 31.9 GB against 29.9 GB of lines (an H200,
+# a 6-layer 7B run (docs/design.md, "Defaults and the numbers behind them") held 31.9 GB against 29.9 GB of lines (an H200,
 # torch 2.11 + CUDA 13). Constants, not a rule: the libraries' size does not scale with the model.
 PROCESS_BASELINE = {"cpu": 0.45 * GB, "cuda": 2.0 * GB}
 # The CUDA context on the device (kernels of torch and its libraries, driver state), outside

@@ -2,7 +2,7 @@
 node holds the host state.
 
 On a GPU machine the Python thread that launches device work must never wait for a core: a late
-launch is a GPU stall. Measured on a 16-core H200 host (issue 35), 16 native threads plus
+launch is a GPU stall. Measured on a 16-core H200 host (docs/design.md, "Threads and buffer ownership"), 16 native threads plus
 Python's own threads shared 16 cores and the CPU update's time spread from 245 to 380 ms. So the
 native pools (native/pool.c) get the cores that are left after ``zenflow.tuning.reserved_cores``,
 each pool thread pinned to a core of its own, and the reserved cores never run pool work.
