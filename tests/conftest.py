@@ -81,3 +81,16 @@ def widen_consoles(monkeypatch: pytest.MonkeyPatch, width: int = 200, *, err_onl
     monkeypatch.setattr(_common.err_console, "_width", width)
     if not err_only:
         monkeypatch.setattr(_common.console, "_width", width)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op torch thread for the test (restored after): on the shared 2-core box two
+    threads run tiny-llama's backward several times slower. Modules take it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

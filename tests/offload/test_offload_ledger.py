@@ -63,13 +63,7 @@ PATHS = {  # zenflow keys of each gradient path, and whether the loop announces 
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core box two run tiny-llama's backward ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,7 @@ from zfctl.train.optim import build_optimizer
 STEPS = 30
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """On a shared 2-core box two intra-op threads run tiny-llama ~6x slower (3 s vs 18 s a run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def llama_run(accumulators: int, hooks: bool, interval: int, lag: int) -> tuple[list[torch.Tensor], list[float]]:
