@@ -42,15 +42,21 @@ native: $(NATIVE_STAMP)
 # The full suite (what CI runs), then ruff and mypy (lint), the kernel tests again against an
 # ASan/UBSan build (check-native) and the Python-free kernel driver on every ISA and on aarch64
 # under qemu (check-arch; both in native/native.mk).
+# pytest-xdist runs the suite on one worker per core (TEST_WORKERS=0: one process, as plain
+# pytest); tests/conftest.py puts the multi-rank modules in one group, run one after another on
+# one worker. The 15 slowest tests are listed at the end, so a new slow one shows when it arrives.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST) --durations=15
 	$(MAKE) lint
 	$(MAKE) check-native
 	$(MAKE) check-arch
 
 # The edit loop: the suite without the tests marked slow (whole CLI runs, multi-process runs).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow" --durations=5
 
 # The embedded tiny-llama on the shipped sample (CPU, minutes), then what it was for and the
 # commands that train a real small model (scripts/demo.py). A runs/demo that was resumed or

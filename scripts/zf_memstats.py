@@ -29,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-STATS = Path(sys.argv[1])
 _registered = {"peak": None}
 _cap: dict = {"gpu_memory_cap_bytes": None, "gpu_memory_fraction": None, "gpu_total_bytes": None}
 
@@ -78,7 +77,7 @@ def _cap_gpu(cap: int) -> None:
     _cap.update(gpu_memory_cap_bytes=cap, gpu_memory_fraction=fraction, gpu_total_bytes=total)
 
 
-def _dump() -> None:
+def _dump(stats_file: Path) -> None:
     out: dict = {"vm_hwm_bytes": _vm_hwm(), "registered_peak_bytes": _registered["peak"],
                  "registered_available": "zfctl.offload.device.pinned" in sys.modules,
                  "caching_allocator_peak_bytes": None, "device_allocated_peak_bytes": None,
@@ -89,13 +88,14 @@ def _dump() -> None:
         out["caching_allocator_peak_bytes"] = stats.get("allocated_bytes.peak")
         out["device_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
         out["device_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
-    tmp = STATS.with_suffix(".tmp")
+    tmp = stats_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, STATS)
+    os.replace(tmp, stats_file)
 
 
 if __name__ == "__main__":
-    atexit.register(_dump)  # runs on a normal exit and on SystemExit (every zfctl error)
+    # Read here, not at import: tests import this file for cap_fraction under any sys.argv.
+    atexit.register(_dump, Path(sys.argv[1]))  # runs on a normal exit and on SystemExit (every zfctl error)
     threading.Thread(target=_sample, daemon=True).start()
     rest = sys.argv[2:]
     if rest[:1] == ["--cap-gpu-memory"]:

@@ -22,6 +22,14 @@ os.environ["ZFCTL_CACHE_DIR"] = str(TEST_CACHE / "zfctl")
 os.environ["HF_DATASETS_CACHE"] = str(TEST_CACHE / "hf-datasets")
 atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
 
+# pytest-xdist's workers (`make test` runs the suite through it) start with COLUMNS=80 and
+# LINES=24 in their environment, where a plain pytest process has neither: every rich Console made
+# at import would then be pinned to 80 columns and wrap the tables the tests read. Dropped before
+# any test module imports zfctl, so both runners see the same widths.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 # Tests live by layer: offload/ (the engine), native/ (the C kernels), plan/, train/, cli/ (verbs,
 # benchmark and GPU scripts), e2e/ (whole runs: subprocesses, several processes), gpu/ (CUDA only).
 # Slow tests (whole training runs, subprocesses that import torch, multi-rank runs: 20-90 s each on
@@ -34,8 +42,30 @@ for folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p
         sys.path.insert(0, str(folder))
 
 
+# Modules whose tests start several training processes at once (ranks of one job, 2-4 processes
+# that each import torch): each such run already keeps both cores of the 2-core CI box busy, so
+# under the parallel runner (`make test`: pytest-xdist, `--dist loadgroup`) they share one group
+# and run one after another on one worker, while the other worker takes the one-process tests.
+# Without xdist the mark does nothing. A module, not a test: a new multi-rank test in a listed
+# module is grouped without anyone remembering to mark it.
+RANK_MODULES = frozenset({
+    "test_checkpoint_shards", "test_checkpoint_trust", "test_clip_rule", "test_distributed",
+    "test_distributed_cli", "test_failures", "test_fsdp", "test_fsdp_bf16", "test_fsdp_cli",
+    "test_fsdp_stream", "test_hsdp", "test_multinode", "test_offload_collective_order",
+    "test_offload_stream_dist", "test_resume", "test_resume_faults", "test_resume_jobs",
+    "test_resume_matrix", "test_run_safety",
+})
+
+
+def _group_rank_runs(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in RANK_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _group_rank_runs(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
