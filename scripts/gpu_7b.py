@@ -22,7 +22,7 @@ bench-results/gpu-7b-<commit>.json) with `zfctl plan --json`'s memory figures be
 Not measured: host memory pinned by the CUDA driver outside torch and zfctl (its own staging),
 and RSS of a process killed before it could write its stats (the outside poll still has it).
 
-A smaller GPU, emulated (the README's 24 GB Llama-2-7B row on an 80 GB card): ``--emulate-gpu-memory 24GB``
+A smaller GPU, emulated (the 24 GB Llama-2-7B row of docs/memory.md on an 80 GB card): ``--emulate-gpu-memory 24GB``
 plans for a GPU of that size with ``zfctl plan --gpu-memory 24GB --fit`` (recorded as ``fit``:
 the ``--set`` changes it made), runs ``zfctl finetune`` with the same ``--gpu-memory 24GB --fit``,
 and caps the training process with ``torch.cuda.set_per_process_memory_fraction(24 GB / the

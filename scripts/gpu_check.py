@@ -3,7 +3,7 @@
 
     python3 scripts/gpu_check.py [tests|bench-b1|bench-b4|nccl|fit-24gb|all ...] [--out FILE]
 
-Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU check"):
+Parts, each made to fit one 10-minute slot on an H100 (docs/gpu-check.md):
   tests     pytest -m gpu over tests/: passed/failed/skipped counts and the failing test ids
   bench-b1  scripts/bench_zenflow_gpu.sh llama at batch 1: llama3.2-1b shape, seq 1024, bf16,
             presets off, zero-offload, paper, default (host accumulation), default (device)
@@ -11,7 +11,7 @@ Parts, each made to fit one 10-minute slot on an H100 (README, section "GPU chec
   nccl      `zfctl finetune tiny-llama --nproc 2` on CUDA with NCCL, once per gradient path that
             exchanges differently (NCCL_VARIANTS: accumulate host with the gradient hooks and
             page-locked memory, accumulate device); skipped below 2 GPUs
-  fit-24gb  the "Llama-2-7B on a 24 GB GPU" plan (README, "GPU check"), scaled to the lent machine's 64 GiB disk:
+  fit-24gb  the "Llama-2-7B on a 24 GB GPU" plan (docs/gpu-check.md), scaled to the lent machine's 64 GiB disk:
             scripts/gpu_7b.py fit with llama2-7b's width and FIT_LAYERS of its 32 layers (a ~28 GB
             checkpoint instead of ~130 GB), on a GPU emulated at 24 GB x its share of the 7B's
             parameters, with zfctl's --fit settings: 20 steps, peak device and host memory and

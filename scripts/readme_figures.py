@@ -9,11 +9,18 @@ program here, and tests/cli/test_readme_figures.py fails when README.md no longe
 change that moves a figure (a new memory line, another step count), `make readme-figures` rewrites
 them and the diff shows what moved. Two kinds of quote:
 
-* blocks: README.md holds ``<!-- figures: NAME -->`` ... ``<!-- /figures -->``; what lies between
-  is exactly ``BLOCKS[NAME]()``: a command's output (`zfctl plan` runs as a subprocess, as a user
-  runs it), a table built from `zfctl plan --json`, the lines `make demo` prints at its end;
+* blocks: README.md or a page under docs/ (``BLOCK_FILES``) holds ``<!-- figures: NAME -->`` ...
+  ``<!-- /figures -->``, each name once; what lies between is exactly ``BLOCKS[NAME]()``: a
+  command's output (`zfctl plan` runs as a subprocess, as a user runs it), a table built from
+  `zfctl plan --json` or from the presets and the memory estimate, the lines `make demo` prints at
+  its end;
 * facts: a figure inside a sentence, found by a pattern with one group (``FACTS``), whose text
-  must equal what the program gives (the demo's step count, in README.md and the tiny-llama preset).
+  must equal what the program gives (the demo's step count, in README.md and the tiny-llama preset;
+  the memory figures of the README, the presets' comments and `make smollm2`'s suggested run).
+
+Memory figures quoted in prose come from the same estimate the plan prints: bytes per parameter
+from zfctl/cli/doctor.py ``host_bytes_per_param`` (what `zfctl doctor` prints), the SmolLM2 run's
+RAM from scripts/demo.py ``smollm2_memory`` (what `make demo` prints) on ``CPU_MACHINE``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+BLOCK_FILES = [README, DOCS / "memory.md"]
 START = re.compile(r"^<!-- figures: ([\w-]+) -->\n", re.MULTILINE)
 END = "<!-- /figures -->\n"
 
@@ -120,12 +129,88 @@ def block_memory_7b() -> str:
             "| --- | ---: | ---: |\n" + memory_row("80GB") + "\n" + memory_row("24GB") + "\n")
 
 
-def preset_7b_memory() -> str:
-    """The presets table's memory cell for llama2-7b."""
-    big, small = plan_json("80GB")["memory"], plan_json("24GB")["memory"]
-    return (f"on an 80 GB GPU: host ~{big['host_total'] / 1e9:.0f} GB, device ~{big['device_total'] / 1e9:.0f} GB "
-            f"(a 128 GB host fits); on a 24 GB GPU: host ~{small['host_total'] / 1e9:.0f} GB, "
-            f"device ~{small['device_total'] / 1e9:.0f} GB (more than the card)")
+# What each model preset's row of the README's presets table (and the memory line of its file's
+# opening comment) is planned on: (data, GPU, host RAM per node, extra --set); GPU None = a CPU run.
+# A preset missing here stops the script: every preset `zfctl presets ls` lists has a row.
+PRESET_MACHINES: dict[str, tuple[str, str | None, str, tuple[str, ...]]] = {
+    "tiny-llama": ("alpaca-sample", None, "32GB", ()),
+    "smollm2-135m": ("alpaca-sample", None, "32GB", ()),
+    "gpt2": ("arxiv-abstract", "24GB", "64GB", ()),
+    "opt-350m": ("glue-sst2", "24GB", "64GB", ()),
+    "llama3.2-1b": ("alpaca", "16GB", "64GB", ()),
+    "llama2-7b": ("alpaca", "80GB", "128GB", ()),
+    "llama2-13b": ("alpaca", "80GB", "512GB", ()),
+    "llama2-70b": ("alpaca", "80GB", "1000GB", ("distributed.nproc=8", "distributed.nodes=2")),
+}
+CPU_MACHINE = "32GB"  # the host the README's CPU figures (SmolLM2's RAM) are planned for
+PRESET_MEMORY = re.compile(r"^# Memory, as `zfctl plan` counts it (.+)$", re.MULTILINE)
+
+
+@functools.cache
+def preset_memory(name: str) -> tuple[str, str, str]:
+    """(what the plan is for, host, device) of model preset ``name``: `zfctl plan`'s totals on its machine."""
+    from zfctl.plan import resolve_plan
+    from zfctl.plan.memory import estimate
+
+    if name not in PRESET_MACHINES:
+        raise SystemExit(f"model preset {name} has no machine in PRESET_MACHINES (scripts/readme_figures.py)")
+    data, gpu, host, sets = PRESET_MACHINES[name]
+    # as `zfctl plan NAME --data DATA --gpu-memory GPU --host-memory HOST --set ...` resolves it (the
+    # machine is in the plan before its auto values resolve); a CPU run with --set train.device=cpu
+    machine = {"host_memory": host, **({"gpu_memory": gpu} if gpu else {})}
+    plan = resolve_plan(name, data, overrides=[*sets, *([] if gpu else ["train.device=cpu"])],
+                        flags={"machine": machine})
+    est = estimate(plan)
+    d = plan.distributed
+    if gpu is None:
+        on = f"{data}; CPU, {host.removesuffix('GB')} GB host"
+        cells = f"{_gb(est.node_host_total)}, device side included", "-"
+    elif d.nproc * d.nodes > 1:
+        on = f"{data}; {d.nodes} nodes x {d.nproc} GPUs of {gpu.removesuffix('GB')} GB, {host.removesuffix('GB')} GB host each, {est.strategy}"
+        cells = f"{_gb(est.node_host_total)} per node", f"{_gb(est.device_total)} per GPU"
+    else:
+        where = "GPU" if est.accumulate == "device" else "host"
+        on = f"{data}; {gpu.removesuffix('GB')} GB GPU, {host.removesuffix('GB')} GB host, gradient sum on the {where}"
+        cells = _gb(est.host_total), _gb(est.device_total)
+    return (on if est.fits else f"{on}: does not fit"), *cells
+
+
+def preset_comment(name: str) -> str:
+    """The memory line of a model preset file's opening comment (after `counts it `)."""
+    on, host, device = preset_memory(name)
+    return f"({on}): host {host}, device {device}"
+
+
+def block_presets_models() -> str:
+    """The README's model presets table: every preset `zfctl presets ls` lists, its description and
+    the memory `zfctl plan` counts for it."""
+    from zfctl.plan.presets import list_presets
+
+    rows = ["| `{}` | {} | {} | {} | {} |".format(p.name, p.description, *preset_memory(p.name))
+            for p in list_presets("model")]
+    return ("| name | what | planned for (data; machine) | host | device |\n| --- | --- | --- | ---: | ---: |\n"
+            + "\n".join(rows) + "\n")
+
+
+def smollm2_ram() -> str:
+    """The suggested SmolLM2 run's RAM on ``CPU_MACHINE`` (scripts/demo.py smollm2_memory), e.g. '10.1 GB'."""
+    return _demo().smollm2_memory(CPU_MACHINE).removesuffix(" RAM")
+
+
+def bytes_per_param(where: str) -> str:
+    """Llama-2-7B's host bytes per parameter as `zfctl doctor` prints them, e.g. '16.7 B'."""
+    from zfctl.cli.doctor import host_bytes_per_param
+
+    return f"{host_bytes_per_param()[where]:.1f} B"
+
+
+def llama2_7b_params() -> float:
+    from zfctl.plan import resolve_plan
+    from zfctl.plan.memory import model_size
+
+    size = model_size(resolve_plan("llama2-7b", "alpaca"))
+    assert size is not None
+    return float(size.params)
 
 
 @functools.cache
@@ -154,13 +239,24 @@ def block_demo_next() -> str:
     return "```\nnext:\n  source .venv/bin/activate\n" + "".join(f"  {c}\n" for c in lines) + "```\n"
 
 
-def block_demo_closing() -> str:
-    """The lines `make demo` ends with, on a machine without the smollm2 extra (scripts/demo.py)."""
+def _demo():  # the scripts/demo.py module
     sys.path.insert(0, str(ROOT / "scripts"))
     import demo
 
-    demo.smollm2_installed = lambda: False  # type: ignore[attr-defined]
-    return "```\n" + "\n".join(demo.closing_lines()).strip("\n") + "\n```\n"
+    return demo
+
+
+def block_demo_closing() -> str:
+    """The lines `make demo` ends with, on a CPU machine of ``CPU_MACHINE`` without the smollm2 extra
+    (scripts/demo.py)."""
+    demo = _demo()
+    installed = demo.smollm2_installed
+    demo.smollm2_installed = lambda: False
+    try:
+        lines = demo.closing_lines(cpu_host=CPU_MACHINE)
+    finally:
+        demo.smollm2_installed = installed
+    return "```\n" + "\n".join(lines).strip("\n") + "\n```\n"
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
@@ -169,6 +265,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "plan-7b": block_plan_7b,
     "plan-no-fit": block_no_fit,
     "memory-7b": block_memory_7b,
+    "presets-models": block_presets_models,
 }
 
 
@@ -186,7 +283,17 @@ FACTS = [
     Fact(README, r"runs/demo/checkpoints/step-(\d+) \(step \d+\) -> runs/demo-hf", lambda: f"{demo_steps():06d}"),
     Fact(README, r"runs/demo/checkpoints/step-\d+ \(step (\d+)\) -> runs/demo-hf", lambda: str(demo_steps())),
     Fact(ROOT / "presets" / "models" / "tiny-llama.yaml", r"one-epoch demo \((\d+) steps\)", lambda: str(demo_steps())),
-    Fact(README, r"^\| `llama2-7b` \| [^|]+ \| ([^|]+) \|$", preset_7b_memory),
+    Fact(README, r"needs\s+(\d[\d.]* GB)\s+of\s+RAM\s+on\s+a\s+CPU", smollm2_ram),
+    Fact(README, r"host\s+memory\s+per\s+parameter:\s+(\d[\d.]* B)\s+with\s+the\s+gradient\s+sum\s+on\s+the\s+GPU",
+         lambda: bytes_per_param("device")),
+    Fact(README, r"with\s+the\s+gradient\s+sum\s+on\s+the\s+GPU,\s+(\d[\d.]* B)\s+with\s+it\s+on\s+the\s+host",
+         lambda: bytes_per_param("host")),
+    Fact(README, r"16\s+bytes\s+of\s+fp32\s+state\s+per\s+parameter\s+\([^)]*\):\s+(\d+ GB)\s+for\s+Llama-2-7B",
+         lambda: f"{16 * llama2_7b_params() / 1e9:.0f} GB"),
+    Fact(README, r"holds\s+its\s+(\d[\d.]* GB)\s+of\s+bf16\s+weights", lambda: f"{2 * llama2_7b_params() / 1e9:.1f} GB"),
+    *(Fact(ROOT / "presets" / "models" / f"{name}.yaml", PRESET_MEMORY.pattern,
+           functools.partial(preset_comment, name)) for name in PRESET_MACHINES),
+    Fact(ROOT / "Makefile", r'^\t@echo "  (zfctl finetune smollm2-135m [^"]*)"$', lambda: _demo().SMOLLM2_RUN),
 ]
 
 
@@ -201,12 +308,22 @@ def blocks_in(text: str) -> list[tuple[str, int, int]]:
 
 
 def quoted(name: str) -> str:
-    """The body of README.md's block ``name`` as it stands."""
-    text = README.read_text(encoding="utf-8")
-    bodies = {n: text[a:b] for n, a, b in blocks_in(text)}
-    if name not in bodies:
-        raise SystemExit(f"README.md has no block `<!-- figures: {name} -->` (scripts/readme_figures.py)")
-    return bodies[name]
+    """The body of block ``name`` as it stands, in whichever of ``BLOCK_FILES`` holds it."""
+    for path in BLOCK_FILES:
+        text = path.read_text(encoding="utf-8")
+        bodies = {n: text[a:b] for n, a, b in blocks_in(text)}
+        if name in bodies:
+            return bodies[name]
+    raise SystemExit(f"no file holds `<!-- figures: {name} -->` (scripts/readme_figures.py)")
+
+
+def block_names() -> dict[str, list[str]]:
+    """{block name: the files (relative to the repository) that hold it}."""
+    where: dict[str, list[str]] = {}
+    for path in BLOCK_FILES:
+        for name, _, _ in blocks_in(path.read_text(encoding="utf-8")):
+            where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return where
 
 
 def _with_group(m: re.Match[str], value: str) -> str:
@@ -218,18 +335,21 @@ def _with_group(m: re.Match[str], value: str) -> str:
 def regenerate() -> dict[Path, tuple[str, str]]:
     """{file: (its text now, the text with every quote regenerated)}."""
     files: dict[Path, str] = {}
-    for path in {README, *(f.file for f in FACTS)}:
+    for path in {*BLOCK_FILES, *(f.file for f in FACTS)}:
         files[path] = path.read_text(encoding="utf-8")
     new = dict(files)
-    text = new[README]
-    names = [name for name, _, _ in blocks_in(text)]
-    unknown = sorted(set(names) - set(BLOCKS))
-    missing = sorted(set(BLOCKS) - set(names))
-    if unknown or missing:
-        raise SystemExit(f"README.md figure blocks: unknown {unknown}, missing {missing} (scripts/readme_figures.py)")
-    for name, start, end in reversed(blocks_in(text)):
-        text = text[:start] + BLOCKS[name]() + text[end:]
-    new[README] = text
+    where = block_names()
+    unknown = sorted(set(where) - set(BLOCKS))
+    missing = sorted(set(BLOCKS) - set(where))
+    twice = sorted(name for name, paths in where.items() if len(paths) > 1)
+    if unknown or missing or twice:
+        raise SystemExit(f"figure blocks: unknown {unknown}, missing {missing}, in more than one place {twice} "
+                         "(scripts/readme_figures.py)")
+    for path in BLOCK_FILES:
+        text = new[path]
+        for name, start, end in reversed(blocks_in(text)):
+            text = text[:start] + BLOCKS[name]() + text[end:]
+        new[path] = text
     for fact in FACTS:
         pattern = re.compile(fact.pattern, re.MULTILINE)
         if not pattern.search(new[fact.file]):
@@ -262,9 +382,10 @@ def main() -> int:
         return 0
     diff = drift(result)
     if diff:
-        print(diff + "\nthe README's figures drifted from the program: `make readme-figures` rewrites them")
+        print(diff + "\nthe figures of the README and docs/ drifted from the program: `make readme-figures` "
+              "rewrites them")
         return 1
-    print("README figures match the program")
+    print("the figures of the README and docs/ match the program")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`zfctl plan` on the small machines the README promises (section "zfctl plan"), `--fit`, the exit code of a plan that
+"""`zfctl plan` on the small machines docs/memory.md promises (section "zfctl plan"), `--fit`, the exit code of a plan that
 does not fit, and the bad memory sizes (the real CLI, in-process)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The resume matrix the README promises: a checkpoint of an fsdp or zero2 run on 4 processes,
+"""The resume matrix docs/multi-gpu.md promises: a checkpoint of an fsdp or zero2 run on 4 processes,
 taken during the warm-up, in the middle of a ZenFlow interval (a CPU update in flight) or at a
 CPU-update boundary, continues on 4, 2 or 1 processes within 1e-5 relative of the uninterrupted
 run (fp32, CPU, gloo).
