@@ -9,7 +9,8 @@ In-process and cheap. Signals are raised inside the checkpoint writer itself: th
 the subprocess tests slow down with ZFCTL_TEST_SLOW_CHECKPOINT (zfctl/train/testhooks.py) is
 patched to call ``signal.raise_signal``, which runs the run's handler before it returns, so the
 signal lands mid-save every time. Runs are the tiny 2-layer model for one or two steps (a
-checkpoint after each); the writer's own faults use a 4x4 Linear and no training at all.
+checkpoint after each); the writer's own faults use a 4x4 Linear and no training at all. One
+test (slow) runs `--nproc 2`, for the ranks' agreement to stop after a save.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import errno
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,8 +38,10 @@ from zfctl.train import checksum, resume, run
 from zfctl.train.checkpoint import write
 from zfctl.train.metrics import read_metrics
 from zfctl.train.signals import Aborted, Interrupted, run_stop_signals
+from zfctl.train.testhooks import SLOW_WRITE_ENV
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -131,6 +137,38 @@ def test_a_stop_during_the_final_save_finishes_it_and_exits_143(tmp_path: Path,
     assert stopped.value.code == 143 and "after step 1; checkpoint saved" in stopped.value.message
     assert entries(out) == ["latest", "step-000001"]
     assert ck.damaged_files(ck.resolve_checkpoint(out)) == []
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_save_of_two_ranks_stops_both_after_it(tmp_path: Path) -> None:
+    """Under --nproc 2 the ranks agree once the save is done (one tiny all-reduce), so both stop at
+    its step. Two processes because that agreement is the claim; the step-2 save sleeps 20 s on
+    rank 0 (the test hook) so that the launcher's forwarded SIGTERM lands inside it."""
+    out = tmp_path / "run"
+    sets = [a for s in [*TINY, "train.max_steps=4"] for a in ("--set", s)]
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "zfctl", "finetune", "tiny-llama", "--data", "alpaca-sample",
+                              "--output", str(out), "--nproc", "2", *sets], cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "300", SLOW_WRITE_ENV: "2:20"})
+        try:
+            partial = out / ck.CHECKPOINTS / ".tmp-step-000002" / ck.MODEL_FILE
+            deadline = time.monotonic() + 300
+            while not partial.exists():
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)  # the launcher forwards it to both ranks
+            assert p.wait(300) == 143, log.read_text()
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = log.read_text()
+    assert "stopped by SIGTERM after step 2; checkpoint saved" in text, text
+    assert entries(out) == ["latest", "step-000001", "step-000002"] and list(losses(out)) == [1, 2]
+    info = ck.resolve_checkpoint(out)
+    assert info.step == 2 and info.world_size == 2 and ck.damaged_files(info) == []
 
 
 # ------------------------------------------------------------------------------ a second stop during a save
