@@ -19,7 +19,7 @@ import contextlib
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -252,7 +252,7 @@ class FinetuneRecipe:
         :meth:`_train_step`; a metrics record and the console (rank 0); the non-finite guard (a
         NaN/inf loss or gradient norm stops the run before any checkpoint, except under fp16,
         whose loss scaler skips such steps by design); evaluation and checkpoint when due, or
-        when a stop signal arrived. At the end: a checkpoint of the exact training state, then
+        when a stop signal arrived (one that arrives during them ends the run after them). At the end: a checkpoint of the exact training state, then
         ``optimizer.flush()`` (installs an in-flight CPU update) and the final evaluation.
         """
         p, total, start = self.progress, self.total_steps, self.progress.step
@@ -260,8 +260,11 @@ class FinetuneRecipe:
         guard_non_finite = self.plan.train.precision != "fp16"  # fp16's loss scaler skips overflows itself
         self.model.train()
         timer = StepTimer(self.device)
+        # A second signal removes the partial folder of a save in progress when this process is
+        # its only writer; under --nproc the other ranks may still be writing into it (a line names it).
         stop = run_stop_signals(self.display.print, rank=self.env.rank, run_dir=self.run_dir,
-                                newest=lambda: self.saved_step, world_size=self.env.world_size)
+                                newest=lambda: self.saved_step, world_size=self.env.world_size,
+                                abandon=lambda: ck.abandon_save(remove=self.env.world_size == 1))
         self.display.start(total, start)
         if start == 0 and when.eval_every > 0:  # the baseline the falling eval loss is read against
             self._evaluate(0)
@@ -286,24 +289,42 @@ class FinetuneRecipe:
                     raise failed
                 if when.should_eval(step):
                     self._evaluate(step)
-                if when.should_save(step) or s.stopping:  # a stop on any rank: all save this step
+                saving = when.should_save(step) or s.stopping  # a stop on any rank: all save this step
+                if saving:
                     self.save_checkpoint(step)
-                if s.stopping:
-                    exc = interrupted(stop.signum or 15, step, str(self.run_dir))
-                    self.display.print(f"[yellow]{exc.message}")
-                    self.display.close()
-                    raise exc
+                # A stop that came during this evaluation or save (after the step's vote) ends the
+                # run here too: the save just written is the stop checkpoint, or one is written now.
+                if s.stopping or ((saving or when.should_eval(step)) and self._stop_voted(stop)):
+                    if not saving:
+                        self.save_checkpoint(step)
+                    self._stop(stop, step)
 
-        # -- end: save the exact training state first (a later `zfctl resume --max-steps`
-        #    continues the same trajectory), then install any in-flight CPU update: the weights
-        #    are final.
-        if self.saved_step != p.step:
-            self.save_checkpoint(p.step)
+            # -- end: save the exact training state first (a later `zfctl resume --max-steps`
+            #    continues the same trajectory), then install any in-flight CPU update: the weights
+            #    are final. A stop during this save finishes it and ends the run without the final
+            #    evaluation.
+            if self.saved_step != p.step:
+                self.save_checkpoint(p.step)
+                if self._stop_voted(stop):
+                    self._stop(stop, p.step)
         self.optimizer.flush()
         eval_loss = self._evaluate(p.step)
         self.display.close()
         return RunResult(output_dir=self.run_dir, steps=p.step, final_train_loss=p.last_loss,
                          final_eval_loss=eval_loss, last_checkpoint=self.last_checkpoint)
+
+    def _stop_voted(self, stop: StopSignals) -> bool:
+        """Whether any rank holds a stop request; every rank calls it at the same point (with
+        several processes one tiny all-reduce, so all stop at the same step or none does)."""
+        (votes,) = all_reduce_sum([float(stop.requested)], self.device, self.env.world_size)
+        return votes > 0
+
+    def _stop(self, stop: StopSignals, step: int) -> NoReturn:
+        """End the run after ``step``, whose checkpoint is saved, with the signal's exit code."""
+        exc = interrupted(stop.signum or 15, step, str(self.run_dir))
+        self.display.print(f"[yellow]{exc.message}")
+        self.display.close()
+        raise exc
 
     def _train_step(self, timer: StepTimer, stop: StopSignals) -> StepResult:
         """One optimizer step on every rank: the micro-batches, forward + backward, the optimizer

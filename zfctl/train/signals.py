@@ -2,10 +2,13 @@
 
 The handler only records the request; the loop polls it once per optimizer step (a Python
 attribute read, no syscall), so a step is never torn in half and the checkpoint is a normal,
-exactly resumable one. A second signal aborts at once without a checkpoint, for a user who
-cannot wait for the step to end; it says so in one line (which checkpoint the run folder still
-has) and exits 130 / 143 through the normal unwinding, so the CPU worker thread and the run
-folder's lock are still released.
+exactly resumable one. A request that comes while a checkpoint is being written (or the model
+evaluated) is seen once that is done: a save in progress is finished and is the stop checkpoint,
+and no further step is trained (zfctl/train/recipe.py). A second signal aborts at once without
+a checkpoint, for a user who cannot wait for the step to end; it says so in one line (which
+checkpoint the run folder still has), removes the partial folder of a save in progress
+(zfctl/train/checkpoint/write.py, ``abandon_save``) and exits 130 / 143 through the normal
+unwinding, so the CPU worker thread and the run folder's lock are still released.
 
 A rank of a multi-process job whose loop ends with an error (a peer died: the collective
 raised) does not go back to the default handlers at once: torchrun SIGTERMs the survivors of a
@@ -135,17 +138,32 @@ class StopSignals:
 
 
 def run_stop_signals(say: Callable[[str], None], *, rank: int, run_dir: Path,
-                     newest: Callable[[], int | None], world_size: int = 1) -> StopSignals:
+                     newest: Callable[[], int | None], world_size: int = 1,
+                     abandon: Callable[[], tuple[int | None, Path | None]] = lambda: (None, None)) -> StopSignals:
     """The loop's :class:`StopSignals`: ``say`` announces the first signal on the console; the
     second one's line (rank 0 only) names the newest checkpoint, step ``newest()`` (None: none).
-    With several processes a loop that fails holds the next signal (:func:`hold_signals`)."""
+    ``abandon``: called by that second signal's handler on rank 0 first, it ends the save in
+    progress (write.py ``abandon_save``): (its step, if it was already installed; its partial
+    folder, if that is left on disk). With several processes a loop that fails holds the next
+    signal (:func:`hold_signals`)."""
+
+    def abort_message(signum: int) -> str | None:
+        if rank != 0:
+            return None
+        installed, left = abandon()
+        if installed is not None:
+            return f"the checkpoint of step {installed} was already written (continue: zfctl resume {run_dir})"
+        step = newest()
+        return "no checkpoint was written; " + (
+            f"the newest in {run_dir} is step {step} (continue: zfctl resume {run_dir})" if step
+            else f"{run_dir} has none yet") + (
+            f"; its partial folder {left} is left for the next start to remove" if left is not None else "")
+
     return StopSignals(
         hold_on_error=world_size > 1,
         on_first=lambda s: say("[yellow]stop requested: finishing this step and writing a checkpoint "
                                "(press Ctrl-C again to abort without one)"),
-        abort_message=lambda s: None if rank != 0 else "no checkpoint was written; " + (
-            f"the newest in {run_dir} is step {newest()} (continue: zfctl resume {run_dir})"
-            if newest() else f"{run_dir} has none yet"))
+        abort_message=abort_message)
 
 
 def interrupted(signum: int, step: int, run_dir: str) -> Interrupted:

@@ -10,14 +10,16 @@ A checkpoint folder holds everything a run needs to continue on the same traject
 | ``rng-rankRRRRR.pt`` | torch CPU/CUDA, Python and NumPy RNG states of that rank |
 | ``trainer.pt`` | step, LR-scheduler state, data position, the run's counters (keys in format.py) |
 | ``plan.yaml`` | the resolved run plan |
-| ``meta.json`` | zfctl version, step, world size, every file's size and xxh3-128 digest: written last |
+| ``meta.json`` | zfctl version, step, world size, the checkpoint's ``id`` and the one it ``follows``, every file's size and xxh3-128 digest: written last |
 
 One module per job; this package re-exports their public names (``from zfctl.train import
 checkpoint as ck; ck.save_checkpoint(...)``):
 
 * format.py: the file names, the keys of ``trainer.pt``, :class:`CheckpointInfo`;
-* write.py: the multi-rank save protocol, atomic installation, ``latest``, rotation;
-* find.py: listing, resolving a path to a checkpoint, digest checks (*listed* vs *intact*);
+* write.py: the multi-rank save protocol, atomic installation, ``latest``, rotation, and what a
+  second stop signal makes of a save in progress;
+* find.py: listing, resolving a path to a checkpoint (the one saved after ``latest``'s, when a
+  kill kept ``latest`` from moving), digest checks (*listed* vs *intact*);
 * load.py: model weights, optimizer state and torch files back into the run;
 * shards.py: model weights as FSDP2 shards, one file per rank, read into any layout;
 * space.py: the free-space check before a run and before each save, stale-folder cleaning;
@@ -37,6 +39,7 @@ from zfctl.train.checkpoint.find import (
     read_checkpoint,
     resolve_checkpoint,
     resume_with,
+    saved_after,
     use_checkpoint_with,
     verify_checkpoint,
 )
@@ -81,16 +84,16 @@ from zfctl.train.checkpoint.space import (
     estimate_bytes,
     last_size,
 )
-from zfctl.train.checkpoint.write import rotate, save_checkpoint
+from zfctl.train.checkpoint.write import Abandoned, abandon_save, rotate, save_checkpoint
 
 __all__ = [
     "CHECKPOINTS", "LAST_LOSS_KEY", "LATEST", "META", "MODEL_FILE", "NUM_TRAIN_SAMPLES_KEY",
     "OPTIMIZER_BYTES_PER_PARAM", "PLAN_FILE", "SAMPLER_KEY", "SCHEDULER_KEY", "STEPS_PER_EPOCH_KEY",
-    "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "TRAIN_DIGEST_KEY", "VERSION_KEY", "CheckpointInfo",
-    "capture_rng",
+    "STEP_KEY", "TOKENS_SEEN_KEY", "TRAINER_FILE", "TRAIN_DIGEST_KEY", "VERSION_KEY", "Abandoned",
+    "CheckpointInfo", "abandon_save", "capture_rng",
     "check_free_space", "check_run_space", "clean_stale", "damaged_files", "estimate_bytes", "full_tensors",
     "is_sharded", "last_size", "legacy_optimizer_file", "load_model_weights", "load_optimizer", "load_torch",
     "model_files_in", "model_shard_file", "model_shard_files", "nearest_intact", "newest_listed",
     "older_checkpoint_fix", "optimizer_file", "optimizer_file_in", "read_checkpoint", "resolve_checkpoint", "restore_rng", "resume_with", "rng_file",
-    "rotate", "save_checkpoint", "save_model_shard", "step_name", "use_checkpoint_with", "verify_checkpoint",
+    "rotate", "save_checkpoint", "save_model_shard", "saved_after", "step_name", "use_checkpoint_with", "verify_checkpoint",
 ]

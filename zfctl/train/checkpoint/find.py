@@ -4,6 +4,12 @@ A checkpoint is *listed* when ``meta.json`` parses and every file has its record
 used to find checkpoints and before rotation) and *intact* when every file's xxh3-128 digest
 matches as well (one sequential read per file: done by resume and export on the files they load,
 before loading anything). ``.tmp-*`` and ``.trash-*`` folders are never listed.
+
+``latest`` names the checkpoint a run folder continues from, with one exception: a process killed
+between a save's rename and its move of ``latest`` leaves a newer complete checkpoint that
+``latest`` does not name. Its ``meta.json`` ``follows`` the id of the one ``latest`` names
+(write.py), which no checkpoint of a timeline abandoned by a resume from an older checkpoint
+does; :func:`resolve_checkpoint` uses it when every file verifies, and says so.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from zfctl.errors import UserError
-from zfctl.train.checkpoint.format import CHECKPOINTS, LATEST, META, PLAN_FILE, CheckpointInfo
+from zfctl.train.checkpoint.format import (
+    CHECKPOINTS,
+    ID_KEY,
+    LATEST,
+    META,
+    PLAN_FILE,
+    PREVIOUS_KEY,
+    CheckpointInfo,
+)
 from zfctl.train.checksum import HASH_NAME, file_digest
 
 
@@ -161,7 +175,8 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
     ``latest_good``: for a run or ``checkpoints/`` folder, the newest checkpoint whose every file
     verifies against its digests (newer damaged ones are skipped on purpose; each costs one read).
     ``notes`` receives one line when ``latest`` is missing or broken and an older checkpoint is
-    used instead, so the caller can say so (resume, export).
+    used instead, or when a checkpoint saved after the one ``latest`` names is found (used when
+    every file of it verifies: :func:`saved_after`), so the caller can say so (resume, export).
     """
     path = Path(path)
     if not path.exists():
@@ -170,31 +185,23 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
     if (path / META).exists():
         return read_checkpoint(path)
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
-    pointer = root / LATEST
-    why = f"{pointer} is missing"
-    target = None
-    if pointer.is_file():
-        try:
-            target = root / pointer.read_bytes().decode("utf-8").strip()
-        except (UnicodeDecodeError, ValueError):  # bytes that are no name (damaged on disk, an editor's)
-            why = f"{pointer} is not a checkpoint name (its bytes are not text: damaged?)"
-        if target is not None and not (target / META).exists():
-            why = f"{pointer} names {target.name}, which does not exist or has no {META}"
-            target = None
+    target, why = _pointer(root)
     if latest_good:
-        # Never past what ``latest`` names: a run resumed from an earlier step keeps the later
-        # checkpoints of the timeline it left (rotation keeps them), which are not its past.
+        # Never past what ``latest`` names (or the checkpoint saved after it): a run resumed from
+        # an earlier step keeps the later checkpoints of the timeline it left (rotation keeps
+        # them), which are not its past.
         limit = None
         if target is not None:
             with contextlib.suppress(UserError):  # an unreadable target bounds nothing
-                limit = read_checkpoint(target, advise=False).step + 1
+                named = read_checkpoint(target, advise=False)
+                limit = (saved_after(root, named) or named).step + 1
         good = nearest_intact(root, before=limit)
         if good is not None:
             return good
         raise UserError(f"no intact checkpoint under {path} (every one is incomplete or damaged); start the run "
                         f"again with your `zfctl finetune` command plus `--output {_run_of(root)} --force`")
     if target is not None:
-        return read_checkpoint(target)
+        return _or_saved_after(root, read_checkpoint(target), notes)
     # No usable pointer (killed between the rename and the pointer update, or edited by hand):
     # fall back to the newest folder that validates.
     newest = newest_listed(root)
@@ -209,6 +216,59 @@ def resolve_checkpoint(path: Path, notes: list[str] | None = None, *,
     if notes is not None:
         notes.append(f"{why}; falling back to the newest readable checkpoint, {newest.path.name}")
     return newest
+
+
+def _pointer(root: Path) -> tuple[Path | None, str]:
+    """The folder ``root/latest`` names, if it has a meta.json; else None and why not."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None, f"{pointer} is missing"
+    try:
+        target = root / pointer.read_bytes().decode("utf-8").strip()
+    except (UnicodeDecodeError, ValueError):  # bytes that are no name (damaged on disk, an editor's)
+        return None, f"{pointer} is not a checkpoint name (its bytes are not text: damaged?)"
+    if not (target / META).exists():
+        return None, f"{pointer} names {target.name}, which does not exist or has no {META}"
+    return target, ""
+
+
+def latest_target(root: Path) -> Path | None:
+    """The checkpoint folder that ``root``'s (a ``checkpoints/`` folder) ``latest`` names, if any."""
+    return _pointer(root)[0]
+
+
+def saved_after(root: Path, info: CheckpointInfo) -> CheckpointInfo | None:
+    """The listed checkpoint under ``root`` that its run saved right after ``info`` (its meta.json
+    ``follows`` ``info``'s id), if any: what a process killed between that save's rename and its
+    move of ``latest`` leaves (module docstring). A ``meta.json`` read per newer folder: none,
+    when ``latest`` names the newest."""
+    ident = info.meta.get(ID_KEY)
+    if not ident:  # written before ids were
+        return None
+    for step, p in sorted(step_dirs(root), reverse=True):
+        if step <= info.step:
+            break
+        with contextlib.suppress(UserError):
+            newer = read_checkpoint(p, advise=False)
+            if newer.meta.get(PREVIOUS_KEY) == ident:
+                return newer
+    return None
+
+
+def _or_saved_after(root: Path, named: CheckpointInfo, notes: list[str] | None) -> CheckpointInfo:
+    """``named`` (what ``latest`` names), or the checkpoint saved after it (:func:`saved_after`)
+    if every one of its files verifies (one read of each); ``notes`` gets a line saying which."""
+    newer = saved_after(root, named)
+    if newer is None:
+        return named
+    bad = damaged_files(newer)
+    if notes is not None:
+        pointer, old, new = root / LATEST, named.path.name, newer.path.name
+        notes.append(f"{pointer} names {old}; {new}, saved after it, is damaged ({', '.join(bad)} does not match its "
+                     f"digest), so {old} is used" if bad else
+                     f"{pointer} names {old}, but {new} was saved after it and every file verifies (the process "
+                     f"ended before it moved {LATEST}); using {new}")
+    return named if bad else newer
 
 
 def _run_of(root: Path) -> Path:

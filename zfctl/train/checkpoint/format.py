@@ -17,6 +17,11 @@ MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 PLAN_FILE = "plan.yaml"
 
+# meta.json's lineage keys (write.py): a random id per checkpoint, and the id of the run's
+# checkpoint before it; missing in checkpoints written before them.
+ID_KEY = "id"
+PREVIOUS_KEY = "follows"
+
 # The keys of trainer.pt, each named once (torchtune names its recipe-state keys the same way).
 STEP_KEY = "step"  # optimizer steps done
 TOKENS_SEEN_KEY = "tokens_seen"  # missing in early checkpoints: 0
