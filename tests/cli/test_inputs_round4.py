@@ -10,7 +10,9 @@ torch loads: the CLI entry must fix it before then).
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +115,55 @@ def test_a_json_prompts_file_that_is_not_json_prompts_is_refused_with_the_hint(t
 def test_generate_help_says_how_a_json_file_is_read() -> None:
     text = " ".join(zf("generate", "--help").stdout.replace("│", " ").split())
     assert "a .json file an array of them (or JSON lines)" in text, text
+
+
+# -- train.sample_prompts longer than the model ---------------------------------------------------
+
+LONG = " ".join(["word"] * 1100)  # 1,112 tokens in the alpaca format; tiny-llama's limit is 1,024
+LONG_LINE = ("train.sample_prompts[1] ('word word word word word word word wo...', 5,499 characters): 1,112 "
+             "tokens with the run's prompt format, the model's limit is 1,024; give a shorter prompt")
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def transformers_log():
+    """What transformers logs (its own handler writes to the stderr it found at import, which the
+    in-process runner does not capture): the records, from its root logger."""
+    handler = Records()
+    log = logging.getLogger("transformers")
+    log.addHandler(handler)
+    yield handler.messages
+    log.removeHandler(handler)
+
+
+def test_a_sample_prompt_longer_than_the_model_is_refused_before_the_plan(tmp_path: Path, transformers_log) -> None:
+    """Refused by plan and by finetune in the pre-flight: no plan printed, no run folder, no
+    transformers line. (Were it not refused, the run is one step without an evaluation.)"""
+    prompts = f"train.sample_prompts=['What is 12 + 7?', '{LONG}']"
+    one_error(zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", prompts), LONG_LINE)
+    one_error(zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", tmp_path / "run", "--set", prompts,
+                 "--max-steps", "1", "--set", "train.eval_every=0", "--set", "train.device=cpu"), LONG_LINE)
+    assert not (tmp_path / "run").exists()
+    assert not [m for m in transformers_log if "Token indices" in m], transformers_log
+
+
+def test_the_run_refuses_a_sample_prompt_past_a_limit_only_its_loaded_model_says() -> None:
+    """A hub model's limit may be known only once it is loaded: the run's check refuses the
+    prompt then, with the same line, instead of answering its last tokens."""
+    from zfctl.plan.resolve import resolve_plan
+    from zfctl.train.samples import SamplePrompts
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample",
+                        overrides=["train.sample_prompts=['Say hi.', 'a b c d e f g h i j']"])
+    assert [len(ids) for ids in SamplePrompts(plan, model_config={"n_positions": 22}).ids] == [16, 21]  # whole
+    with pytest.raises(UserError, match=re.escape("train.sample_prompts[1] ('a b c d e f g h i j', 19 characters): "
+                                                  "21 tokens with the run's prompt format, the model's limit is 21;")):
+        SamplePrompts(plan, model_config={"n_positions": 21})
