@@ -10,6 +10,7 @@ torch loads: the CLI entry must fix it before then).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from typer.testing import CliRunner
 
 from zfctl.cli import app
 from zfctl.errors import UserError
+from zfctl.plan.machine import GB
 from zfctl.train.prompts import read_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,3 +169,68 @@ def test_the_run_refuses_a_sample_prompt_past_a_limit_only_its_loaded_model_says
     with pytest.raises(UserError, match=re.escape("train.sample_prompts[1] ('a b c d e f g h i j', 19 characters): "
                                                   "21 tokens with the run's prompt format, the model's limit is 21;")):
         SamplePrompts(plan, model_config={"n_positions": 21})
+
+
+# -- plan: no model fits; sizes that never read alike ---------------------------------------------
+
+
+@pytest.mark.parametrize("args, code, first", [
+    (["--host-memory", "300MB"], 3,
+     ("no model fits: the process alone needs 0.45 GB of host RAM (Python, torch, transformers, the tokenizer and "
+     "data, before any model), more than the host offers: 0.23 GB may be used of its 0.30 GB")),
+    (["--gpu-memory", "80GB", "--host-memory", "1GB", "--fit"], 2,
+     ("error: --fit: no model fits: the process alone needs 2.00 GB of host RAM (Python, torch, transformers, the "
+     "tokenizer and data, CUDA libraries, before any model), more than the host offers: 0.75 GB may be used of its "
+     "1.00 GB")),
+    (["--gpu-memory", "80GB", "--host-memory", "4GB", "--set", "distributed.nproc=2"], 3,
+     ("no model fits: the 2 processes alone need 4.00 GB of host RAM (Python, torch, transformers, the tokenizer and "
+     "data, CUDA libraries, before any model), more than the host offers: 3.00 GB may be used of its 4.00 GB")),
+])
+def test_a_host_smaller_than_the_process_says_no_model_fits_first(args: list[str], code: int, first: str) -> None:
+    """The only line: no advice to shrink the model, the micro-batch or topk (nothing would fit)."""
+    result = zf("plan", "tiny-llama", "--data", "alpaca-sample", *args)
+    assert result.exit_code == code, result.output
+    assert result.output.strip().splitlines() == [first], result.output
+
+
+def test_finetune_fit_on_a_host_smaller_than_the_process_says_no_model_fits(tmp_path: Path) -> None:
+    one_error(zf("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", tmp_path / "run", "--fit",
+                 "--gpu-memory", "80GB", "--host-memory", "1GB"), "error: --fit: no model fits: the process alone")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sizes_of_a_verdict_never_read_alike() -> None:
+    from zfctl.plan.verdict import gb_apart
+
+    assert gb_apart(1.15 * GB, 1.125 * GB, 1.5 * GB) == ["1.15 GB", "1.12 GB", "1.50 GB"]
+    assert gb_apart(100 * GB, 85 * GB) == ["100.0 GB", "85.0 GB"]  # apart already: one decimal
+    assert gb_apart(2 * GB, 2 * GB, 1 * GB) == ["2.0 GB", "2.0 GB", "1.0 GB"]  # the same size reads the same
+    a, b = gb_apart(1.0 * GB + 2048, 1.0 * GB)
+    assert a != b and float(a.split()[0]) > float(b.split()[0])
+
+
+def test_the_verdict_says_why_its_need_is_not_the_tables_host_total() -> None:
+    """update_interval auto on 1.5 GB without CUDA: needs 1.15 GB of 1.125 GB usable, which read
+    "1.1 GB" twice; and the need is the host total plus the device total (the device side is
+    host RAM without CUDA), so it is not the table's host total."""
+    from zfctl.plan.memory import estimate
+    from zfctl.plan.render import machine_line
+    from zfctl.plan.resolve import resolve_plan
+    from zfctl.plan.verdict import gb
+
+    result = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", "zenflow.update_interval=auto",
+                "--host-memory", "1.5GB", "--json")
+    assert result.exit_code == 3, result.output
+    est = json.loads(result.stdout)["memory"]
+    [reason] = est["reasons"]
+    m = re.fullmatch(r"host RAM: needs (\S+) GB \(the host total (.+) \+ the device total (.+): without CUDA the "
+                     r"device side is host RAM\), the machine has (\S+) GB of which (\S+) GB may be used \(largest: .*\)",
+                     reason)
+    assert m, reason
+    need, host, device, ram, usable = m.groups()
+    assert (host, device) == (gb(est["host_total"]), gb(est["device_total"]))  # as the table prints them
+    assert need != usable and float(need) > float(usable), reason
+    assert abs(float(need) - est["node_host_total"] / GB) <= 0.005 and float(ram) == 1.5
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["zenflow.update_interval=auto",
+                                                                  "machine.host_memory=1.5GB"])
+    assert machine_line(estimate(plan)).startswith(f"checked against: {ram} GB RAM ({usable} GB usable)")
