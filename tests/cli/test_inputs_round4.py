@@ -234,3 +234,47 @@ def test_the_verdict_says_why_its_need_is_not_the_tables_host_total() -> None:
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["zenflow.update_interval=auto",
                                                                   "machine.host_memory=1.5GB"])
     assert machine_line(estimate(plan)).startswith(f"checked against: {ram} GB RAM ({usable} GB usable)")
+
+
+# -- OMP_NUM_THREADS that libgomp refuses ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, fine", [("", False), ("  ", False), ("abc", False), ("0", False), ("-1", False),
+                                         ("2abc", False), ("4", True), (" 4 ", True), ("4,2", True)])
+def test_a_bad_omp_num_threads_is_removed_for_this_process_and_its_children(value: str, fine: bool) -> None:
+    """What libgomp accepts (tested against it: each refused value makes it print its line)."""
+    from zfctl.cli._threads import drop_bad_omp_threads
+
+    env = {"OMP_NUM_THREADS": value, "PATH": "/bin"}
+    note = drop_bad_omp_threads(env)
+    assert (note is None) == fine and ("OMP_NUM_THREADS" in env) == fine
+    if not fine:  # the environment children inherit holds no value for libgomp to refuse
+        assert note == (f"OMP_NUM_THREADS={value!r} is not a thread count (a positive integer); ignored, as if "
+                        "unset: torch and the CPU AdamW use their default thread counts (zfctl doctor shows them)")
+
+
+@pytest.mark.slow
+def test_doctor_with_a_bad_omp_num_threads_prints_a_note_not_libgomps_line() -> None:
+    """A process: libgomp prints when torch loads it. doctor loads torch and the native library."""
+    p = zfctl_process("doctor", env={"OMP_NUM_THREADS": "abc"})
+    assert p.returncode == 0, p.stderr
+    assert "libgomp" not in p.stderr + p.stdout, p.stderr
+    assert p.stderr.splitlines() == [("note: OMP_NUM_THREADS='abc' is not a thread count (a positive integer); ignored, "
+                                     "as if unset: torch and the CPU AdamW use their default thread counts (zfctl "
+                                     "doctor shows them)")], p.stderr
+    row = next(line for line in p.stdout.splitlines() if line.startswith("│ threads "))
+    assert re.search(r"│ warn +│ OMP_NUM_THREADS='abc' is not a thread count: ignored; torch uses \d+ intra-op "
+                     r"threads, the CPU AdamW \d+ ", row), row
+
+
+def test_doctor_names_the_omp_num_threads_value_and_the_counts_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from zfctl import _native
+    from zfctl.cli import doctor
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert doctor.check_threads() == ("ok", (f"OMP_NUM_THREADS='3'; torch uses {torch.get_num_threads()} intra-op "
+                                            f"threads, the CPU AdamW {_native.get_num_threads()}"))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert doctor.check_threads()[1].startswith("OMP_NUM_THREADS unset; torch uses ")
