@@ -131,7 +131,7 @@ def print_memory(est: MemoryEstimate, console: Console) -> None:
         under = f" under {est.strategy} ({est.world_size} ranks)" if est.world_size > 1 else ""
         console.print(Text("it fits" + under, style="bold green"))
     else:
-        console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"))
+        console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"), soft_wrap=True)
 
 
 def advice_lines(result: FitResult) -> list[str]:
