@@ -60,8 +60,9 @@ def baseline_short(baseline: float, machine: Machine, per_node: int, *, cuda: bo
         return None
     need_s, limit_s, ram_s = gb_apart(baseline, limit, machine.host_ram, decimals=2)
     who = f"the {per_node} processes alone need" if per_node > 1 else "the process alone needs"
+    libraries = ", CUDA libraries" if cuda else ""
     return (f"{NO_MODEL_FITS}: {who} {need_s} of host RAM (Python, torch, transformers, the tokenizer and "
-            f"data{', CUDA libraries' if cuda else ''}, before any model), more than the host offers: {limit_s} may be used of its {ram_s}")
+            f"data{libraries}, before any model), more than the host offers: {limit_s} may be used of its {ram_s}")
 
 
 def _largest(items: list[MemoryItem], where: set[str]) -> str:
@@ -93,7 +94,8 @@ def _verdict(items: list[MemoryItem], device_kind: str, device_total: float, nod
         why = ""
         if device_kind == "cpu" and per_node == 1:  # the table's host total leaves the device side out
             device_s, host_s = gb(device_total), gb(node_host - device_total)
-            why = f" (the host total {host_s} + the device total {device_s}: without CUDA the device side is host RAM)"
+            why = (f" (the host total {host_s} + the device total {device_s}: without CUDA the device side is "
+                   "host RAM)")
         reasons.append(
             f"host RAM: needs {need_s}{ranks}{why}, the machine has {ram_s} of which {limit_s} may be used "
             f"(largest: {_largest(items, where)})"

@@ -58,9 +58,10 @@ def check_data(plan: RunPlan, *, batch: bool = True, model_keys: bool = True) ->
     data file's first record, read and rendered as the pipeline will (hub data: nothing), then
     (``batch``; not for ``--debug-data``, which trains nothing) that the data fills one global
     micro-batch, and that each of ``train.sample_prompts`` leaves the model room to answer
-    (zfctl/train/samples.py). ``zfctl plan`` leaves the keys out: checking them imports transformers (and with
-    it torch, seconds on a loaded machine), which that light verb never does; finetune, which
-    loads both anyway, refuses a mistyped key here, before its plan is printed."""
+    (zfctl/train/samples.py). ``zfctl plan`` leaves the keys out: checking them imports
+    transformers (and with it torch, seconds on a loaded machine), which that light verb never
+    does; finetune, which loads both anyway, refuses a mistyped key here, before its plan is
+    printed. Sample prompts need the tokenizer, so a plan that has them pays that import."""
     if model_keys and plan.model.source == "config" and plan.model.config:
         from zfctl.train.models.config_keys import check_config_keys
 
