@@ -63,6 +63,12 @@ PIPED_COLUMNS = 200
 
 def main() -> None:
     """Console-script entry point (`zfctl`, `python -m zfctl`)."""
+    from zfctl.cli._common import note_line
+    from zfctl.cli._threads import drop_bad_omp_threads
+
+    bad_threads = drop_bad_omp_threads()  # before anything loads torch: libgomp reads it as torch loads
+    if bad_threads:
+        note_line(bad_threads)
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
         # Every rich Console reads COLUMNS when it sizes itself, those torchrun ranks make too.
         os.environ["COLUMNS"] = str(PIPED_COLUMNS)

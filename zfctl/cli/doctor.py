@@ -49,6 +49,27 @@ def check_torch() -> tuple[str, str]:
     return "ok", f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
 
 
+def check_threads() -> tuple[str, str]:
+    """OMP_NUM_THREADS as the user gave it (the CLI entry removes a value libgomp would refuse,
+    zfctl/cli/_threads.py) and the thread counts this process uses."""
+    import torch
+
+    from zfctl.cli._threads import OMP, given_omp_threads, is_thread_count
+
+    given = given_omp_threads()
+    status, how = "ok", f"{OMP} unset"
+    if given is not None:
+        how = f"{OMP}={given!r}"
+        if not is_thread_count(given):
+            status, how = "warn", f"{how} is not a thread count: ignored"
+    used = f"{how}; torch uses {torch.get_num_threads()} intra-op threads"
+    try:
+        from zfctl import _native
+    except Exception:  # noqa: BLE001 - the native library's own row says what is wrong with it
+        return status, used
+    return status, f"{used}, the CPU AdamW {_native.get_num_threads()}"
+
+
 def check_cuda() -> tuple[str, str]:
     import torch
 
@@ -236,6 +257,7 @@ def check_presets() -> tuple[str, str]:
 CHECKS: list[tuple[str, Check]] = [
     ("python / zfctl", check_python),
     ("torch", check_torch),
+    ("threads", check_threads),
     ("CUDA", check_cuda),
     ("native CPU-Adam", check_native),
     ("CPU ISA", check_cpu_isa),

@@ -28,9 +28,10 @@ def generate(
     prompts: Annotated[
         Path | None,
         typer.Option("--prompts", metavar="FILE",
-                     help="Answer every prompt of FILE: one per line, or (a .jsonl file) JSON lines, each a "
-                     'string or {"prompt": ..., "system": ...}. Writes one JSON line per prompt to stdout: '
-                     '{"prompt", "answer"} (and "system").'),
+                     help="Answer every prompt of FILE: one per line as typed (plain text; control characters "
+                     'refused), or JSON: a .jsonl file holds one per line, each a string or {"prompt": ..., '
+                     '"system": ...}; a .json file an array of them (or JSON lines). Writes one JSON line per '
+                     'prompt to stdout: {"prompt", "answer"} (and "system").'),
     ] = None,
     chat: Annotated[
         bool,
@@ -53,9 +54,10 @@ def generate(
     """Generate from a fine-tuned model in the prompt format its run trained on (streamed)."""
     if sum((prompt is not None, prompts is not None, chat)) != 1:
         raise UserError("give one of --prompt TEXT, --prompts FILE, or --chat for an interactive session")
-    if chat and not sys.stdin.isatty():
-        raise UserError("--chat needs a terminal on stdin; for piped or scripted input use --prompt TEXT or "
-                        "--prompts FILE")
+    if chat and (sys.stdin is None or not sys.stdin.isatty()):  # None: fd 0 closed (`<&-`)
+        where = "stdin is closed" if sys.stdin is None else "stdin is not one"
+        raise UserError(f"--chat needs a terminal on stdin ({where}); for piped or scripted input use "
+                        "--prompt TEXT or --prompts FILE")
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty; give the text to answer")
     if system is not None and not system.strip():

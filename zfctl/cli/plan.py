@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from zfctl.cli._common import (
     ConfigOpt,
@@ -71,10 +72,13 @@ def plan(
     # Every auto decided once, here, for the plan as it will run (after --fit): what the printed
     # plan and the JSON show is what finetune saves as plan.yaml and the run builds (settle.py).
     shown = settle(result.plan if fit else resolved, notes=notes)
+    est = result.estimate if fit else result.before
+    if est.no_model_fits and not as_json:  # the one line that matters: no plan or note would change it
+        console.print(Text(est.no_model_fits, style="bold red"), soft_wrap=True)
+        raise typer.Exit(code=DOES_NOT_FIT)
     if not as_json:
         for note in notes:
             note_line(note)
-    est = result.estimate if fit else result.before
     if as_json:
         print(dumps_json({"plan": plan_to_dict(shown), "memory": est.to_dict(),
                           "fit": {**result.to_dict(), "applied": fit}, "notes": notes}))

@@ -147,7 +147,7 @@ def fit(plan: RunPlan, machine: Machine | None = None) -> FitResult:
     """The cheapest changes that make ``plan`` fit ``machine`` (default: the plan's target)."""
     machine = machine or target_machine(plan.machine)
     est = estimate(plan, machine)
-    if est.fits or est.size is None:
+    if est.fits or est.size is None or est.no_model_fits:  # the process alone too much: nothing to try
         return FitResult(est.fits, [], plan, est, est)
     kept, current, cur_est = _greedy(plan, est, machine)
     notes = []
@@ -213,6 +213,8 @@ def fit_or_fail(plan: RunPlan) -> FitResult:
     if result.fits:
         return result
     est = result.estimate
+    if est.no_model_fits:
+        raise UserError(f"--fit: {est.no_model_fits}")
     if est.size is None:
         raise UserError("--fit: the model's size is unknown (set model.params_b), so nothing can be fitted")
     tried = " ".join(c.flags for c in result.changes) or "no change helps"

@@ -111,7 +111,7 @@ from zfctl.plan.sizes import (
     model_size,
     shard_shapes,
 )
-from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, _verdict, host_limit
+from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, NO_MODEL_FITS, _verdict, host_limit
 
 # The lines (lines.py), the sizes (sizes.py) and the verdict (verdict.py) live in their own
 # modules; this one assembles them. GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported:
@@ -149,6 +149,12 @@ class MemoryEstimate:
             d["size"].pop("shapes")
             d["size"].pop("vocab_names")
         return d
+
+    @property
+    def no_model_fits(self) -> str | None:
+        """The reason no model fits the machine (the process alone is more than its host may
+        use; no change of the plan helps), else None."""
+        return next((r for r in self.reasons if r.startswith(NO_MODEL_FITS)), None)
 
     def item(self, name: str) -> float:
         """Bytes of the item called `name` (0 if absent)."""
@@ -195,7 +201,8 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
                      f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
         node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
                         (per_node - 1) * load / fsdp_shards(plan))
-    reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node)
+    reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node,
+                       baseline=per_node * PROCESS_BASELINE[device_kind])
     if strategy == "fsdp" and d.hsdp and world > 1:
         notes.append(f"distributed.hsdp: weights, gradients and optimizer state sharded over the {per_node} ranks "
                      f"of a node, each of the {d.nodes} nodes holding a whole copy")

@@ -16,8 +16,9 @@ from rich.text import Text
 from zfctl.plan.coerce import field_types
 from zfctl.plan.io import plan_to_dict
 from zfctl.plan.machine import GB
-from zfctl.plan.memory import MemoryEstimate, host_limit
+from zfctl.plan.memory import MemoryEstimate
 from zfctl.plan.schema import SECTIONS, RunPlan
+from zfctl.plan.verdict import gb, host_figures
 
 if TYPE_CHECKING:  # for the annotations only
     from zfctl.plan.fit import FitResult
@@ -67,8 +68,7 @@ def print_plan(plan: RunPlan, console: Console) -> None:
     console.print(plan_table(plan))
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:,.2f} GB" if x < 10 * GB else f"{x / GB:,.1f} GB"
+_gb = gb  # as the verdict's lines print sizes (zfctl/plan/verdict.py)
 
 
 def memory_table(est: MemoryEstimate) -> Table:
@@ -99,7 +99,8 @@ def machine_line(est: MemoryEstimate) -> str:
     """What the estimate was checked against: this machine, or the plan's target sizes."""
     m = est.machine
     gpu = f"{m.gpu_name}, {m.gpu_mem / GB:.1f} GB" if m.cuda else "no CUDA device"
-    return f"checked against: {m.host_ram / GB:.1f} GB RAM ({host_limit(m) / GB:.1f} GB usable), {gpu}"
+    _, ram, usable = host_figures(est.node_host_total, m)  # the figures the verdict prints, alike
+    return f"checked against: {ram} RAM ({usable} usable), {gpu}"
 
 
 def verdict_line(est: MemoryEstimate) -> str:
@@ -130,13 +131,13 @@ def print_memory(est: MemoryEstimate, console: Console) -> None:
         under = f" under {est.strategy} ({est.world_size} ranks)" if est.world_size > 1 else ""
         console.print(Text("it fits" + under, style="bold green"))
     else:
-        console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"))
+        console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"), soft_wrap=True)
 
 
 def advice_lines(result: FitResult) -> list[str]:
     """What to change when the plan does not fit, cheapest first, as ``--set`` flags to paste."""
-    if result.before.fits or result.before.size is None:
-        return []
+    if result.before.fits or result.before.size is None or result.before.no_model_fits:
+        return []  # no model fits: the verdict says so, and no change of this plan would help
     if not result.fits:
         tried = f" (even {' '.join(c.flags for c in result.changes)} is not enough)" if result.changes else ""
         return [f"no change zfctl can make fits this machine{tried}; plan for a larger machine or a smaller model",

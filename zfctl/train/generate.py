@@ -41,7 +41,7 @@ class Generator:
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` rendered with the generation prompt, as training saw them."""
-        with _hf_errors_only():  # a prompt past model_max_length: zfctl's own line says so (generate)
+        with hf_errors_only():  # a prompt past model_max_length: zfctl's own line says so (generate)
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         return [int(i) for i in ids]
@@ -100,9 +100,10 @@ class Generator:
 
 
 @contextlib.contextmanager
-def _hf_errors_only() -> Iterator[None]:
+def hf_errors_only() -> Iterator[None]:
     """transformers' log at ERROR for a moment: its "Token indices sequence length is longer than
-    the specified maximum" warning would print a raw line before zfctl's own error for that prompt."""
+    the specified maximum" warning would print a raw line before zfctl's own error for that prompt
+    (generate's, and train.sample_prompts', zfctl/train/samples.py)."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.get_verbosity()

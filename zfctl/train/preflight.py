@@ -57,23 +57,28 @@ def check_data(plan: RunPlan, *, batch: bool = True, model_keys: bool = True) ->
     """``model.config``'s keys (``model_keys``: the architecture built from them), then a local
     data file's first record, read and rendered as the pipeline will (hub data: nothing), then
     (``batch``; not for ``--debug-data``, which trains nothing) that the data fills one global
-    micro-batch. ``zfctl plan`` leaves the keys out: checking them imports transformers (and with
-    it torch, seconds on a loaded machine), which that light verb never does; finetune, which
-    loads both anyway, refuses a mistyped key here, before its plan is printed."""
+    micro-batch, and that each of ``train.sample_prompts`` leaves the model room to answer
+    (zfctl/train/samples.py). ``zfctl plan`` leaves the keys out: checking them imports
+    transformers (and with it torch, seconds on a loaded machine), which that light verb never
+    does; finetune, which loads both anyway, refuses a mistyped key here, before its plan is
+    printed. Sample prompts need the tokenizer, so a plan that has them pays that import."""
     if model_keys and plan.model.source == "config" and plan.model.config:
         from zfctl.train.models.config_keys import check_config_keys
 
         check_config_keys(dict(plan.model.config))
-    if plan.data.source == "hub":
-        return
-    source = resolve(plan.data)
-    rec = first_record(Path(source.train))  # a file that cannot be read, or holds nothing: refused here
-    if rec is not None and plan.data.template == "chat":
-        normalize(rec, source.train, 0)  # roles, turns, an assistant turn: no tokenizer needed
-    elif rec is not None:
-        render(rec, plan.data, source.train, 0)  # RecordError names the file, record and field
-    if batch:
-        check_batch(plan, Path(source.train), held_out=source.eval is None)
+    if plan.data.source != "hub":
+        source = resolve(plan.data)
+        rec = first_record(Path(source.train))  # a file that cannot be read, or holds nothing: refused here
+        if rec is not None and plan.data.template == "chat":
+            normalize(rec, source.train, 0)  # roles, turns, an assistant turn: no tokenizer needed
+        elif rec is not None:
+            render(rec, plan.data, source.train, 0)  # RecordError names the file, record and field
+        if batch:
+            check_batch(plan, Path(source.train), held_out=source.eval is None)
+    if plan.train.sample_prompts:  # the tokenizer (transformers, seconds): only for a plan that has them
+        from zfctl.train.samples import check_sample_prompts
+
+        check_sample_prompts(plan)
 
 
 def check_batch(plan: RunPlan, train_file: Path, *, held_out: bool) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from rich.markup import escape
 
+from zfctl.errors import UserError
 from zfctl.plan.schema import RunPlan
 
 SAMPLE_TOKENS = 48  # new tokens per answer: a short answer, a few seconds of a 7B model's forwards
@@ -31,8 +32,11 @@ class SamplePrompts:
     """The run's ``train.sample_prompts``, tokenised once in its prompt format."""
 
     def __init__(self, plan: RunPlan, *, model_config: object) -> None:
+        """A UserError (one line) for a prompt that leaves the model no position to answer in,
+        as ``zfctl generate`` refuses one: never cut to its end."""
         from zfctl.plan.validate import position_limit
         from zfctl.train.data.prompt_format import prompt_template
+        from zfctl.train.generate import hf_errors_only
         from zfctl.train.models.load import load_tokenizer
 
         found = position_limit(model_config) if model_config is not None else None
@@ -43,10 +47,17 @@ class SamplePrompts:
         self.prompts = list(plan.train.sample_prompts or [])
         limit = model_limit or plan.data.max_length + SAMPLE_TOKENS
         self.ids: list[list[int]] = []
-        for text in self.prompts:
-            ids: Any = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                          add_generation_prompt=True, tokenize=True, return_dict=False)
-            self.ids.append([int(i) for i in ids][-(limit - 1):])  # a prompt past the model's positions: its end
+        for i, text in enumerate(self.prompts):
+            with hf_errors_only():  # transformers' raw "Token indices sequence length" line: ours instead
+                ids: Any = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False)
+            if model_limit is not None and len(ids) >= model_limit:
+                short = text if len(text) <= 40 else text[:37] + "..."
+                raise UserError(f"train.sample_prompts[{i}] ({short!r}, {len(text):,} characters): {len(ids):,} "
+                                f"tokens with the run's prompt format, the model's limit is {model_limit:,}; give "
+                                "a shorter prompt")
+            self.ids.append([int(t) for t in ids])
         self.limit = limit
 
     def answers(self, model: torch.nn.Module, device: torch.device, *, lockstep: bool) -> list[str]:
@@ -93,3 +104,24 @@ def sample_line(step: int, total: int, prompt: str, answer: str) -> str:
     width = len(str(total))
     short = answer.strip().replace("\n", " ")
     return escape(f"step {step:>{width}}/{total} | sample {prompt!r} -> {short[:120]!r}")
+
+
+def check_sample_prompts(plan: RunPlan) -> None:
+    """Refuse a ``train.sample_prompts`` entry the model has no room to answer, before the plan
+    is printed (zfctl/train/preflight.py): the tokenizer's count against the model's position
+    limit in the plan (``model.config``, or a hub model's ``model.arch``). Where the plan does not
+    say the limit, or the tokenizer is not at hand without a download it cannot make, the run
+    refuses it once the model is loaded (:class:`SamplePrompts`)."""
+    from zfctl.errors import ConfigError
+    from zfctl.plan.validate import position_limit
+
+    if not plan.train.sample_prompts:
+        return
+    found = position_limit((plan.model.config if plan.model.source == "config" else plan.model.arch) or {})
+    if found is None:
+        return
+    try:
+        SamplePrompts(plan, model_config=dict([found]))
+    except ConfigError as e:  # the tokenizer cannot be had now (offline, not cached): the run's check
+        if e.key != "model.tokenizer":
+            raise
