@@ -185,6 +185,8 @@ FACTS = [
     Fact(README, r"`finished: runs/demo ended at step (\d+)", lambda: str(demo_steps())),
     Fact(README, r"runs/demo/checkpoints/step-(\d+) \(step \d+\) -> runs/demo-hf", lambda: f"{demo_steps():06d}"),
     Fact(README, r"runs/demo/checkpoints/step-\d+ \(step (\d+)\) -> runs/demo-hf", lambda: str(demo_steps())),
+    # the export folder the demo's next: block names (zfctl/cli/finetune.py, export_folder)
+    Fact(README, r"runs/demo-hf-step(\d+)\b", lambda: str(demo_steps())),
     Fact(ROOT / "presets" / "models" / "tiny-llama.yaml", r"one-epoch demo \((\d+) steps\)", lambda: str(demo_steps())),
     Fact(README, r"^\| `llama2-7b` \| [^|]+ \| ([^|]+) \|$", preset_7b_memory),
 ]
