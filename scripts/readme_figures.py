@@ -71,18 +71,23 @@ NO_FIT = ("llama3.2-1b", "--data", "alpaca", "--set", "data.max_length=4096", "-
           "--set", "train.activation_checkpointing=false", "--gpu-memory", "40GB", "--host-memory", "256GB")
 
 
+def plan_lead(out: list[str]) -> list[str]:
+    """What `zfctl plan` prints before the plan: the verdict, the totals, the machine, the advice."""
+    return out[:next(i for i, line in enumerate(out) if line.startswith("run plan"))]
+
+
 def block_plan_7b() -> str:
     out = zfctl("plan", *PLAN_7B).splitlines()
     first = next(i for i, line in enumerate(out) if line.startswith("memory estimate"))
     body = unboxed(out[first + 1:])
-    return "```\n$ zfctl plan " + " ".join(PLAN_7B) + "\n...\n" + "\n".join(body) + "\n```\n"
+    return ("```\n$ zfctl plan " + " ".join(PLAN_7B) + "\n" + "\n".join(plan_lead(out)) + "\n...\n"
+            + "\n".join(body) + "\n```\n")
 
 
 def block_no_fit() -> str:
     out = zfctl("plan", *NO_FIT, ok=(3,)).splitlines()
-    first = next(i for i, line in enumerate(out) if line.startswith("it does not fit"))
     cmd = "$ zfctl plan " + " ".join(NO_FIT[:7]) + " \\\n    " + " ".join(NO_FIT[7:])
-    return "```\n" + cmd + "\n...\n" + "\n".join(out[first:]) + "\n```\n"
+    return "```\n" + cmd + "\n" + "\n".join(plan_lead(out)) + "\n...\n```\n"
 
 
 @functools.cache

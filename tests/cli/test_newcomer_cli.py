@@ -38,7 +38,7 @@ def test_boolean_flags_show_no_value_placeholder() -> None:
 
 def test_piped_output_is_not_wrapped_at_80_columns() -> None:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    res = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample"],
+    res = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample", "--verbose"],
                          check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     description = "5.3M-param Llama, random init + embedded tokenizer; the offline default (CPU, minutes)"
