@@ -155,7 +155,15 @@ def block_demo_next() -> str:
     from zfctl.plan import resolve_plan
 
     plan = resolve_plan("tiny-llama", "alpaca-sample", flags={"checkpoint": {"output_dir": "runs/demo"}})
-    lines = [c for c in next_commands(plan, Path("runs/demo"), demo_steps()) if not c.startswith("source ")]
+    steps = demo_steps()
+    # in an empty folder: a checkout's own runs/demo-hf-step* (the block followed) would move the name
+    here = Path.cwd()
+    with tempfile.TemporaryDirectory() as cwd:
+        os.chdir(cwd)  # (contextlib.chdir is Python 3.11+; pyproject allows 3.10)
+        try:
+            lines = [c for c in next_commands(plan, Path("runs/demo"), steps) if not c.startswith("source ")]
+        finally:
+            os.chdir(here)
     return "```\nnext:\n  source .venv/bin/activate\n" + "".join(f"  {c}\n" for c in lines) + "```\n"
 
 
