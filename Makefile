@@ -19,23 +19,24 @@ setup: $(STAMP) $(NATIVE_STAMP)
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the small CPU build where reachable.
 TORCH_INDEX ?=
 
-# Set-up prints a line per phase and pip's own download progress (-q would hide both: a first
-# install was ~3 minutes of silence); --progress-bar off where the output is not a terminal, so a
-# log gets pip's lines, not bars redrawn with carriage returns.
-PIP := $(PY) -m pip install --disable-pip-version-check $$(test -t 1 || echo --progress-bar off)
+# Set-up prints its own line per phase and pip only its warnings
+# and errors: pip's hundreds of "Collecting"/"Requirement already satisfied" lines buried them.
+# VERBOSE=1 shows pip's output (with its download progress: --progress-bar off where the output
+# is not a terminal, so a log gets pip's lines, not bars redrawn with carriage returns).
+PIP := $(PY) -m pip install --disable-pip-version-check $(if $(VERBOSE),$$(test -t 1 || echo --progress-bar off),-q)
 
 $(STAMP): pyproject.toml
-	@echo "setup 1/3: $(VENV) with torch==2.13.0 (a first install downloads ~200 MB to ~2.5 GB: minutes)"
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@echo "setup 1/3: $(VENV) with torch==2.13.0 (a first install downloads ~200 MB to ~2.5 GB: minutes; pip's output: VERBOSE=1)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@echo "setup 2/3: zfctl and its dependencies (transformers, datasets, ...), editable, with the dev tools"
-	$(PIP) -e '.[dev]'
-	touch $@
+	@$(PIP) -e '.[dev]'
+	@touch $@
 
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
 	@echo "setup 3/3: the native CPU AdamW (C, cffi)"
-	$(PY) native/build.py
-	touch $@
+	@$(PY) native/build.py
+	@touch $@
 
 native: $(NATIVE_STAMP)
 
@@ -61,7 +62,7 @@ test-fast: setup
 # The embedded tiny-llama on the shipped sample (CPU, minutes), then what it was for and the
 # commands that train a real small model (scripts/demo.py). A runs/demo that was resumed or
 # changed since the demo wrote it is refused (exit 2): FORCE=1 replaces it. VERBOSE=1: the whole
-# plan and the libraries' bars.
+# plan, the libraries' bars and (on a first set-up) pip's output.
 demo: setup
 	$(PY) scripts/demo.py $(if $(FORCE),--force) $(if $(VERBOSE),--verbose)
 

@@ -80,18 +80,25 @@ NO_FIT = ("llama3.2-1b", "--data", "alpaca", "--set", "data.max_length=4096", "-
           "--set", "train.activation_checkpointing=false", "--gpu-memory", "40GB", "--host-memory", "256GB")
 
 
+def plan_lead(out: list[str]) -> list[str]:
+    """What `zfctl plan` prints before the plan: the verdict, the totals, the machine, the advice
+    (its `note:` lines left out: the README quotes the answer, docs/memory.md explains the autos)."""
+    lead = out[:next(i for i, line in enumerate(out) if line.startswith("run plan"))]
+    return [line for line in lead if not line.startswith("note: ")]
+
+
 def block_plan_7b() -> str:
     out = zfctl("plan", *PLAN_7B).splitlines()
     first = next(i for i, line in enumerate(out) if line.startswith("memory estimate"))
     body = unboxed(out[first + 1:])
-    return "```\n$ zfctl plan " + " ".join(PLAN_7B) + "\n...\n" + "\n".join(body) + "\n```\n"
+    return ("```\n$ zfctl plan " + " ".join(PLAN_7B) + "\n" + "\n".join(plan_lead(out)) + "\n...\n"
+            + "\n".join(body) + "\n```\n")
 
 
 def block_no_fit() -> str:
     out = zfctl("plan", *NO_FIT, ok=(3,)).splitlines()
-    first = next(i for i, line in enumerate(out) if line.startswith("it does not fit"))
     cmd = "$ zfctl plan " + " ".join(NO_FIT[:7]) + " \\\n    " + " ".join(NO_FIT[7:])
-    return "```\n" + cmd + "\n...\n" + "\n".join(out[first:]) + "\n```\n"
+    return "```\n" + cmd + "\n" + "\n".join(plan_lead(out)) + "\n...\n```\n"
 
 
 @functools.cache
@@ -235,7 +242,15 @@ def block_demo_next() -> str:
     from zfctl.plan import resolve_plan
 
     plan = resolve_plan("tiny-llama", "alpaca-sample", flags={"checkpoint": {"output_dir": "runs/demo"}})
-    lines = [c for c in next_commands(plan, Path("runs/demo"), demo_steps()) if not c.startswith("source ")]
+    steps = demo_steps()
+    # in an empty folder: a checkout's own runs/demo-hf-step* (the block followed) would move the name
+    here = Path.cwd()
+    with tempfile.TemporaryDirectory() as cwd:
+        os.chdir(cwd)  # (contextlib.chdir is Python 3.11+; pyproject allows 3.10)
+        try:
+            lines = [c for c in next_commands(plan, Path("runs/demo"), steps) if not c.startswith("source ")]
+        finally:
+            os.chdir(here)
     return "```\nnext:\n  source .venv/bin/activate\n" + "".join(f"  {c}\n" for c in lines) + "```\n"
 
 
@@ -282,6 +297,8 @@ FACTS = [
     Fact(README, r"`finished: runs/demo ended at step (\d+)", lambda: str(demo_steps())),
     Fact(README, r"runs/demo/checkpoints/step-(\d+) \(step \d+\) -> runs/demo-hf", lambda: f"{demo_steps():06d}"),
     Fact(README, r"runs/demo/checkpoints/step-\d+ \(step (\d+)\) -> runs/demo-hf", lambda: str(demo_steps())),
+    # the export folder the demo's next: block names (zfctl/cli/finetune.py, export_folder)
+    Fact(README, r"runs/demo-hf-step(\d+)\b", lambda: str(demo_steps())),
     Fact(ROOT / "presets" / "models" / "tiny-llama.yaml", r"one-epoch demo \((\d+) steps\)", lambda: str(demo_steps())),
     Fact(README, r"needs\s+(\d[\d.]* GB)\s+of\s+RAM\s+on\s+a\s+CPU", smollm2_ram),
     Fact(README, r"host\s+memory\s+per\s+parameter:\s+(\d[\d.]* B)\s+with\s+the\s+gradient\s+sum\s+on\s+the\s+GPU",

@@ -38,7 +38,7 @@ def test_boolean_flags_show_no_value_placeholder() -> None:
 
 def test_piped_output_is_not_wrapped_at_80_columns() -> None:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    res = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample"],
+    res = subprocess.run([sys.executable, "-m", "zfctl", "plan", "tiny-llama", "--data", "alpaca-sample", "--verbose"],
                          check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     description = "5.3M-param Llama, random init + embedded tokenizer; the offline default (CPU, minutes)"
@@ -163,7 +163,7 @@ def test_next_commands_ask_for_allow_changes_only_where_the_lr_would_change(monk
     monkeypatch.setattr(finetune, "activate_command", lambda: None)  # zfctl on PATH is this one
     inside = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=6"])  # warm-up: 20 steps
     assert finetune.next_commands(inside, Path("runs/x"), 6) == [
-        "zfctl generate runs/x --prompt 'What is 12 + 7?'", "zfctl export runs/x --output runs/x-hf",
+        "zfctl generate runs/x --prompt 'What is 12 + 7?'", "zfctl export runs/x --output runs/x-hf-step6",
         "zfctl resume runs/x --max-steps 12"]
     past = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.max_steps=40", "train.warmup_steps=4"])
     assert finetune.next_commands(past, Path("my runs/x"), 40)[-1] == (

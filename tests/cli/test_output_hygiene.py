@@ -82,7 +82,7 @@ def test_bench_loss_under_recompute_does_not_warn_about_the_cache() -> None:
 
 
 def test_export_names_the_checkpoint_as_generate_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf`, as the README
+    """`exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf-step118`, as the README
     quotes it and as `generate` names a checkpoint: relative to the current folder, not absolute."""
     import json
 
@@ -98,6 +98,6 @@ def test_export_names_the_checkpoint_as_generate_does(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(zfctl.train, "export", fake_export)
     (tmp_path / "runs" / "demo").mkdir(parents=True)
-    res = CliRunner().invoke(app, ["export", "runs/demo", "--output", "runs/demo-hf"], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(app, ["export", "runs/demo", "--output", "runs/demo-hf-step118"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert res.output.strip() == "exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf"
+    assert res.output.strip() == "exported runs/demo/checkpoints/step-000118 (step 118) -> runs/demo-hf-step118"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,10 +53,10 @@ def sh(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def readme_transformers_snippet() -> str:
-    """README.md's python block that loads runs/demo-hf with plain transformers."""
+    """README.md's python block that loads the demo's export with plain transformers."""
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    (snippet,) = [b for b in blocks if 'AutoTokenizer.from_pretrained("runs/demo-hf")' in b]
+    (snippet,) = [b for b in blocks if 'AutoTokenizer.from_pretrained("runs/demo-hf-step' in b]
     return snippet
 
 
@@ -77,7 +78,7 @@ def test_the_run_ends_with_commands_that_run_as_printed(demo) -> None:
     assert commands == [
         activate,
         f"zfctl generate runs/demo --prompt '{PROMPT}'",
-        "zfctl export runs/demo --output runs/demo-hf",
+        f"zfctl export runs/demo --output runs/demo-hf-step{STEPS}",
         f"zfctl resume runs/demo --max-steps {FURTHER} --allow-changes",
     ]
     # what that continuation does to the LR, said next to it (stderr: the next: block holds commands only)
@@ -100,8 +101,9 @@ def test_the_run_ends_with_commands_that_run_as_printed(demo) -> None:
     assert any(ln.startswith(f"done {FURTHER} steps  train loss (last step) ") for ln in resumed), resumed
     assert "next:" in resumed, resumed
     exported = outputs["export"].stdout + outputs["export"].stderr
-    assert exported.strip() == f"exported runs/demo/checkpoints/step-{STEPS:06d} (step {STEPS}) -> runs/demo-hf"
-    modes = {f.name: f.stat().st_mode & 0o777 for f in (work / "runs" / "demo-hf").iterdir()}
+    assert exported.strip() == (f"exported runs/demo/checkpoints/step-{STEPS:06d} (step {STEPS}) -> "
+                                f"runs/demo-hf-step{STEPS}")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (work / "runs" / f"demo-hf-step{STEPS}").iterdir()}
     assert set(modes.values()) == {0o644}, modes  # safetensors' own 0600 included
     # a finished run says so, and loads nothing
     res = sh(f"{activate}\nzfctl resume runs/demo", work)
@@ -140,7 +142,7 @@ def test_generate_matches_plain_transformers_on_the_export(demo, tmp_path) -> No
     # the CLI streams the same text, from the run folder's checkpoint and from the export
     answer = tok.decode(plain, skip_special_tokens=True)
     # the README's plain-transformers snippet, as printed there, on this export
-    snippet = readme_transformers_snippet().replace('"runs/demo-hf"', repr(str(out)))
+    snippet = re.sub(r'"runs/demo-hf-step\d+"', lambda _: repr(str(out)), readme_transformers_snippet())
     res = subprocess.run([sys.executable, "-c", snippet], cwd=work, capture_output=True, text=True, timeout=300,
                          check=False)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -208,13 +208,14 @@ def resolve_from_cli(
     return plan, notes
 
 
-def print_run_plan(plan: Any) -> None:
-    """The plan at the start of `finetune` and `resume`: every key with ``--verbose``
-    (zfctl/quiet.py), else the brief (zfctl/plan/brief.py), so the first step line is on the first
-    screen. The run folder's plan.yaml and `zfctl plan` hold every key either way."""
+def print_run_plan(plan: Any, *, verbose: bool = False, holds_all: str = "plan.yaml in the run folder holds all") -> None:
+    """The plan at the start of `finetune` and `resume` (and under `zfctl plan`'s verdict): every
+    key with ``--verbose`` (zfctl/quiet.py), else the brief (zfctl/plan/brief.py), so the first
+    step line is on the first screen. ``holds_all``: where every key is either way (the run
+    folder's plan.yaml; `zfctl plan --json`)."""
     from zfctl.quiet import is_verbose
 
-    if is_verbose():
+    if verbose or is_verbose():
         from zfctl.plan.render import print_plan
 
         print_plan(plan, console)
@@ -222,8 +223,8 @@ def print_run_plan(plan: Any) -> None:
     from zfctl.plan.brief import brief_lines
 
     console.print(Text("run plan", style="bold") + Text(" (the keys that matter and every key changed from "
-                                                         "its default; --verbose prints all, plan.yaml in the run "
-                                                         "folder holds all)", style="dim"), soft_wrap=True)
+                                                         f"its default; --verbose prints all, {holds_all})",
+                                                         style="dim"), soft_wrap=True)
     for line in brief_lines(plan):
         section, rest = line.split(": ", 1)
         console.print(Text(f"  {section}: ", style="bold magenta") + Text(rest), soft_wrap=True, highlight=False)

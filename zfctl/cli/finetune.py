@@ -174,17 +174,33 @@ def further_lr_note(train, steps: int) -> str:
 def next_commands(plan, run: Path, steps: int) -> list[str]:
     """What to do with a finished run, as commands that run as printed in this shell: activate
     the environment first when `zfctl` on PATH is not this one (``make demo`` runs
-    .venv/bin/zfctl), then try the model (a chat run: an interactive chat), export it, and train
-    it further (:func:`further_steps`)."""
+    .venv/bin/zfctl), then try the model (a chat run: an interactive chat), export it (into a new
+    folder, :func:`export_folder`), and train it further (:func:`further_steps`). Each runs as
+    printed, also after an earlier block was followed (tests/e2e/test_next_blocks.py)."""
     run_arg = shlex.quote(str(run))
     if plan.data.template == "chat":
         try_it = f"zfctl generate {run_arg} --chat"
     else:
         try_it = f"zfctl generate {run_arg} --prompt {shlex.quote(_TRY.get(plan.data.template, 'What is 12 + 7?'))}"
-    lines = [try_it, f"zfctl export {run_arg} --output {shlex.quote(str(run) + '-hf')}",
+    lines = [try_it, f"zfctl export {run_arg} --output {shlex.quote(str(export_folder(run, steps)))}",
              further_command(plan, run, steps)]
     activate = activate_command()
     return ([activate] if activate else []) + lines
+
+
+def export_folder(run: Path, steps: int) -> Path:
+    """Where the `next:` block's export writes: a new folder named after the run and its step
+    (``runs/demo-hf-step118``), so the export that a resume's block prints never meets the one an
+    earlier block made (export refuses an existing folder without --force, and --force would
+    replace the earlier step's weights). A name already taken (a run replaced by `finetune --force`
+    and exported at the same step) gets the first free ``-2``, ``-3``, ... after it."""
+    base = f"{run}-hf-step{steps}"
+    taken = 1
+    folder = Path(base)
+    while folder.exists() and not (folder.is_dir() and not any(folder.iterdir())):  # an empty folder is free
+        taken += 1
+        folder = Path(f"{base}-{taken}")
+    return folder
 
 
 def further_command(plan, run: Path, steps: int) -> str:

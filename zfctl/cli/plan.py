@@ -24,6 +24,7 @@ from zfctl.cli._common import (
     dumps_json,
     note_line,
     plan_flags,
+    print_run_plan,
     resolve_from_cli,
 )
 
@@ -48,18 +49,24 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {plan, memory, fit, notes} as JSON instead.")
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Print every key of the plan, not only the keys that matter and "
+                           "those changed from their defaults.")
+    ] = False,
 ) -> None:
-    """Resolve the run plan, print it with a memory estimate, and exit.
+    """Resolve the run plan, print whether it fits the machine, then the plan and its memory estimate.
 
-    Takes the same options as `finetune`; nothing is loaded or written. The estimate is checked
-    against this machine, or against the sizes --gpu-memory / --host-memory give (plan a GPU run
-    from a laptop). When the plan does not fit, it lists the cheapest changes that make it fit
-    (--fit applies them) and exits with code 3.
+    Takes the same options as `finetune`; nothing is loaded or written. The first line is the
+    verdict (it fits / it does not fit, and why), then the device and host totals and the machine
+    they are checked against: this one, or the sizes --gpu-memory / --host-memory give (plan a GPU
+    run from a laptop). When the plan does not fit, the cheapest changes that make it fit follow
+    (--fit applies them) and the exit code is 3. Below: the plan (every key with --verbose) and the
+    memory table, a line per buffer.
     """
     from zfctl.plan import plan_to_dict
     from zfctl.plan.fit import fit as find_fit
     from zfctl.plan.fit import fit_or_fail
-    from zfctl.plan.render import print_fit, print_memory, print_plan
+    from zfctl.plan.render import print_memory, print_verdict
     from zfctl.plan.settle import settle
     from zfctl.train.preflight import check_for_plan
 
@@ -76,15 +83,16 @@ def plan(
     if est.no_model_fits and not as_json:  # the one line that matters: no plan or note would change it
         console.print(Text(est.no_model_fits, style="bold red"), soft_wrap=True)
         raise typer.Exit(code=DOES_NOT_FIT)
-    if not as_json:
-        for note in notes:
-            note_line(note)
     if as_json:
         print(dumps_json({"plan": plan_to_dict(shown), "memory": est.to_dict(),
                           "fit": {**result.to_dict(), "applied": fit}, "notes": notes}))
     else:
-        print_plan(shown, console)
+        # The answer first (a whole plan is ~90 lines): the verdict and totals, what to change,
+        # the notes; then the plan (brief unless --verbose) and the table the totals add up.
+        print_verdict(est, result, console, applied=fit)
+        for note in notes:
+            note_line(note)
+        print_run_plan(shown, verbose=verbose, holds_all="--json holds all")
         print_memory(est, console)
-        print_fit(result, console, applied=fit)
     if est.size is not None and not est.fits:
         raise typer.Exit(code=DOES_NOT_FIT)

@@ -117,21 +117,39 @@ def verdict_line(est: MemoryEstimate) -> str:
     return f"memory: {dev}host {_gb(host)}: {verdict}"
 
 
-def print_memory(est: MemoryEstimate, console: Console) -> None:
-    """The estimate, the machine it is checked against, and a one-line verdict (red when it does
-    not fit, naming the largest lines)."""
-    if est.size is not None:
-        console.print(memory_table(est))
-    console.print(machine_line(est))
-    for note in est.notes:
-        console.print(Text(f"note: {note}", style="yellow"))
+def totals_line(est: MemoryEstimate) -> str:
+    """The memory table's totals in one line (per GPU, rank and node for a plan of several ranks)."""
+    if est.world_size == 1:
+        here = "" if est.device_kind == "cuda" else " (no CUDA: the device side would use host RAM)"
+        return f"totals: device {_gb(est.device_total)}, host {_gb(est.host_total)}{here}"
+    r = est.ranks_per_node
+    return (f"totals: device {_gb(est.device_total)} per GPU, host {_gb(est.host_total)} per rank, "
+            f"{_gb(est.node_host_total)} per node ({r} ranks; {est.strategy} over {est.world_size} ranks)")
+
+
+def print_verdict(est: MemoryEstimate, result: FitResult, console: Console, *, applied: bool) -> None:
+    """What `zfctl plan` leads with: the verdict (red when it does not fit, naming the largest
+    lines), the totals, the machine they are checked against, what to change (:func:`print_fit`)
+    and the estimate's notes; the memory table (:func:`print_memory`) comes below the plan."""
     if est.size is None:
-        return
-    if est.fits:
+        console.print(verdict_line(est), soft_wrap=True)
+    elif est.fits:
         under = f" under {est.strategy} ({est.world_size} ranks)" if est.world_size > 1 else ""
-        console.print(Text("it fits" + under, style="bold green"))
+        console.print(Text("it fits" + under, style="bold green"), soft_wrap=True)
     else:
         console.print(Text("it does not fit: " + "; ".join(est.reasons), style="bold red"), soft_wrap=True)
+    if est.size is not None:
+        console.print(totals_line(est), soft_wrap=True, highlight=False)
+    console.print(machine_line(est), soft_wrap=True, highlight=False)
+    print_fit(result, console, applied=applied)
+    for note in est.notes:
+        console.print(Text(f"note: {note}", style="yellow"), soft_wrap=True)
+
+
+def print_memory(est: MemoryEstimate, console: Console) -> None:
+    """The memory estimate's table, a line per buffer (none when the model's size is unknown)."""
+    if est.size is not None:
+        console.print(memory_table(est))
 
 
 def advice_lines(result: FitResult) -> list[str]:

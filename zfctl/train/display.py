@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-# What the dense line's fields mean, printed once above a run's first line (and kept in the
-# README's finetune section and `zfctl finetune --help`, tests/train/test_display.py checks them).
+# What the dense line's fields mean, printed above the first line of a run folder's first run (a
+# resume's, too, with --verbose; RichDisplay's ``legend``), and kept in the README's finetune
+# section and `zfctl finetune --help` (tests/cli/test_newcomer_cli.py checks them).
 STEP_LINE_LEGEND = (
     "step line: loss = train loss, the mean since the last line (avg N) | lr = learning rate | tok/s = "
     "tokens per second | ms = the whole step: fwd/bwd (device forward + backward) + opt (device "
@@ -91,10 +92,12 @@ def format_eval_line(step: int, eval_loss: float, total_steps: int) -> str:
 
 
 class RichDisplay:
-    """Progress bar (steps, elapsed, ETA, last loss) with lines printed above it."""
+    """Progress bar (steps, elapsed, ETA, last loss) with lines printed above it. ``legend``:
+    :data:`STEP_LINE_LEGEND` above them (~600 characters: once per run folder, not on every resume)."""
 
-    def __init__(self, console: Console | None = None) -> None:
+    def __init__(self, console: Console | None = None, *, legend: bool = True) -> None:
         self.console = console or Console()
+        self._legend = legend
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._total = 0
@@ -109,7 +112,8 @@ class RichDisplay:
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="")
         self._progress.start()
-        self._progress.console.print(STEP_LINE_LEGEND, style="dim", highlight=False, soft_wrap=True)
+        if self._legend:
+            self._progress.console.print(STEP_LINE_LEGEND, style="dim", highlight=False, soft_wrap=True)
 
     def step(self, rec: dict[str, Any], *, line: bool) -> None:
         self._window.append(rec["loss"])

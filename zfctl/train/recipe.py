@@ -31,6 +31,7 @@ from zfctl.plan.fit import resolve_activation_checkpointing
 from zfctl.plan.io import dump_plan_yaml
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.validate import check_max_length, check_packing
+from zfctl.quiet import is_verbose
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import ResumableSampler
 from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line
@@ -230,7 +231,9 @@ class FinetuneRecipe:
             if fresh:
                 self._open_run_files()
         self._barrier()
-        self.display = RichDisplay(Console()) if main else NullDisplay()
+        # The step line's legend once per run folder: above a fresh run's first line, not a
+        # resume's (--verbose: every time).
+        self.display = RichDisplay(Console(), legend=fresh or is_verbose()) if main else NullDisplay()
         self._cleanup.callback(self.display.close)
 
     def _open_run_files(self) -> None:
