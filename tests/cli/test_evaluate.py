@@ -118,14 +118,20 @@ def test_a_chat_run_scores_its_validation_split_by_default_on_the_last_assistant
             for line in CHAT_VALIDATION.read_text(encoding="utf-8").splitlines()[:3]]
     assert [a["reference"].strip() for a in got["answers"]] == [t.strip() for t in last]
     lines = result.stdout.splitlines()
+    assert len(result.output.splitlines()) == 4  # no progress bar nor blank line off a terminal
     assert lines[0].startswith("model: ") and lines[1].startswith(f"data: {CHAT_VALIDATION}: 3 examples")
     assert lines[2] == (f"loss {got['loss']:.4f}  perplexity {got['perplexity']:,.3f}  exact-match "
                         f"{sum(a['match'] for a in got['answers'])}/3 ({got['exact_match']:.1%})")
+    assert lines[3] == f"scores written to {tmp_path / 's.json'}"
 
 
-def test_a_step_number_picks_that_checkpoint(runs, tmp_path):
-    got = scores(runs["alpaca"], tmp_path / "s.json", "--checkpoint", "2", "--limit", "1", "--max-new-tokens", "1")
+def test_a_step_number_picks_that_checkpoint_and_its_export_scores_the_same(runs, tmp_path):
+    got = scores(runs["alpaca"], tmp_path / "s.json", "--checkpoint", "2", "--limit", "4", "--max-new-tokens", "3")
     assert got["model"].endswith("step-000002 (step 2)")
+    assert zf("export", runs["alpaca"], "--output", tmp_path / "hf").exit_code == 0
+    exported = scores(tmp_path / "hf", tmp_path / "e.json", "--limit", "4", "--max-new-tokens", "3")
+    assert exported["loss"] == pytest.approx(got["loss"], rel=1e-6)
+    assert exported["answers"] == got["answers"]
 
 
 def one_error_line(result, *needles: str) -> str:
@@ -152,6 +158,9 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path):
     line = one_error_line(zf("evaluate", runs["alpaca"], "--data", chat_file), "chat.jsonl", "'instruction'",
                           "is missing", "data.template=alpaca")
     assert "--set" not in line  # evaluate has no --set: the file must change, not the run's fields
+    later = jsonl(tmp_path / "later.jsonl", [{"instruction": "Hi", "output": "Hello"}, {"instruction": "Hi"}])
+    one_error_line(zf("evaluate", runs["alpaca"], "--data", later), "later.jsonl: record 2: field 'output' is missing",
+                   "data.template=alpaca")
     one_error_line(zf("evaluate", runs["alpaca"], "--checkpoint", "7"), "--checkpoint 7", "steps there: 2")
 
 
@@ -213,7 +222,10 @@ def test_smollm2_run_is_scored_on_its_chat_validation_data(tmp_path):
     run(resolve_plan("smollm2-135m", "chat-sample", overrides=[
         f"checkpoint.output_dir={out}", "train.max_steps=1", "train.micro_batch_size=1", "train.eval_every=0",
         "train.eval_batches=1", "data.end_idx=4", "train.device=cpu"]))
-    got = scores(out, tmp_path / "s.json", "--limit", "2", "--max-new-tokens", "4")
+    result = zf("evaluate", out, "--limit", "2", "--max-new-tokens", "4", "--json", tmp_path / "s.json")
+    assert result.exit_code == 0, result.output
+    assert "Loading weights" not in result.output and "" not in result.output.splitlines()  # no bars, no gaps
+    got = json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))
     assert got["examples"] == 2 and got["data"] == str(CHAT_VALIDATION)
     assert got["perplexity"] == pytest.approx(math.exp(got["loss"]))
     assert got["loss"] < 4.0  # a pretrained instruct model, far below an untrained one's ln(49152) = 10.8

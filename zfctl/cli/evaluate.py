@@ -6,13 +6,19 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.text import Text
 
 from zfctl.cli._common import VerboseOpt, console, dumps_json, err_console, note_line
 from zfctl.errors import UserError
+
+if TYPE_CHECKING:  # the engine loads inside the command: `zfctl --help` stays light
+    from zfctl.plan.schema import DataConfig, RunPlan
+    from zfctl.train.data.prepare import PreparedData
+    from zfctl.train.evaluate import Scores
+    from zfctl.train.generate import Generator
 
 
 def evaluate(
@@ -54,6 +60,9 @@ def evaluate(
 ) -> None:
     """Score a fine-tuned model: loss and perplexity over the answer tokens (as training computes its
     loss) and exact-match of its greedy answers (whitespace stripped), on data in its run's format."""
+    from zfctl.quiet import set_verbose
+
+    set_verbose(verbose)  # before transformers loads (zfctl.train.evaluate imports it): its bars read this once
     from zfctl.train import evaluate as ev
 
     tasks = [t.strip() for t in task.split(",") if t.strip()] if task is not None else []
@@ -68,9 +77,6 @@ def evaluate(
         cfg = ev.eval_config(plan.data, data, limit)
         if cfg.source == "local":
             ev.check_format(cfg, Path(str(cfg.path)))
-    from zfctl.quiet import set_verbose
-
-    set_verbose(verbose)  # before transformers loads: its "Loading weights" bar reads the environment once
     from zfctl.train.checkpoint import use_checkpoint_with
     from zfctl.train.generate import load_generator
 
@@ -81,10 +87,11 @@ def evaluate(
     gen = load_generator(path, ev.model_device(), notes)
     for line in notes:
         note_line(line)
+    prepared = ev.prepare(gen, cfg, plan) if cfg is not None else None  # a bad record: its line alone
     console.print(f"model: {gen.source}", style="dim", highlight=False, soft_wrap=True)
     result: dict = {"model": gen.source}
-    if cfg is not None:
-        scores = _score(ev, gen, cfg, plan, max_new_tokens)
+    if cfg is not None and prepared is not None:
+        scores = _score(gen, prepared, cfg, plan, max_new_tokens)
         result.update(dataclasses.asdict(scores))
     if tasks:
         with err_console.status(f"lm-eval-harness: {', '.join(tasks)}"):
@@ -98,14 +105,16 @@ def evaluate(
         console.print(f"scores written to {json_out}", style="dim", highlight=False, soft_wrap=True)
 
 
-def _score(ev, gen, cfg, plan, max_new_tokens: int):
-    """Score ``cfg``'s records with a progress bar over the generated answers; print the result."""
+def _score(gen: Generator, prepared: PreparedData, cfg: DataConfig, plan: RunPlan, max_new_tokens: int) -> Scores:
+    """Score ``prepared`` with a progress bar over the generated answers; print the result."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from zfctl.train import evaluate as ev
+
     with Progress(TextColumn("answering"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err_console, transient=True) as bar:
+                  console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
         job = bar.add_task("answering", total=None)
-        scores = ev.score(gen, cfg, plan, max_new_tokens=max_new_tokens,
+        scores = ev.score(gen, prepared, cfg, plan, max_new_tokens=max_new_tokens,
                           on_answer=lambda done, total: bar.update(job, completed=done, total=total))
     console.print(f"data: {scores.data}: {scores.examples:,} examples (data.template={cfg.template}), "
                   f"{scores.target_tokens:,} target tokens", highlight=False, soft_wrap=True)

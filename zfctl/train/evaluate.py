@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from zfctl.train import checkpoint as ck
 from zfctl.train.checkpoint.find import step_dirs
 from zfctl.train.data.templates import IGNORE_INDEX, RecordError
 from zfctl.train.generate import Generator, is_export
+
+if TYPE_CHECKING:
+    from zfctl.train.data.prepare import PreparedData
 
 EVAL_EXTRA = "pip install 'zfctl[eval]'"
 
@@ -133,21 +136,34 @@ def check_format(cfg: DataConfig, file: Path) -> None:
         elif rec is not None:
             render(rec, cfg, str(file), 0)
     except RecordError as e:
-        # The pipeline's hint to map a field with --set belongs to training: here the run's
-        # format is fixed, and the file is what must change.
-        problem = str(e).split("; if another field holds it")[0]
-        raise UserError(f"--data: {problem}: the file is not in the format the run trained on "
-                        f"(data.template={cfg.template}); give records in that format") from None
+        raise wrong_format(e, cfg) from None
 
 
-def score(gen: Generator, cfg: DataConfig, plan: RunPlan, *, max_new_tokens: int,
-          on_answer: Callable[[int, int], None] | None = None) -> Scores:
-    """Loss, perplexity and exact-match of ``gen`` on the records ``cfg`` reads (:func:`eval_config`).
-    ``on_answer(done, total)`` is called after each generated answer (a progress bar)."""
+def wrong_format(e: RecordError, cfg: DataConfig) -> UserError:
+    """A bad record's line for ``--data``. The pipeline's hint to map a field with --set belongs to
+    training: here the run's format is fixed, and the file is what must change."""
+    problem = str(e).split("; if another field holds it")[0]
+    return UserError(f"--data: {problem}: the file is not in the format the run trained on "
+                     f"(data.template={cfg.template}); give records in that format")
+
+
+def prepare(gen: Generator, cfg: DataConfig, plan: RunPlan) -> PreparedData:
+    """The records ``cfg`` reads (:func:`eval_config`), tokenised by the training pipeline with the
+    loaded tokenizer (and cached as training data is)."""
     from zfctl.train.data.prepare import prepare_data
+
+    try:
+        return prepare_data(cfg, gen.tokenizer, seed=plan.train.seed)
+    except RecordError as e:  # a later record than the first (check_format) in another shape
+        raise wrong_format(e, cfg) from None
+
+
+def score(gen: Generator, prepared: PreparedData, cfg: DataConfig, plan: RunPlan, *, max_new_tokens: int,
+          on_answer: Callable[[int, int], None] | None = None) -> Scores:
+    """Loss, perplexity and exact-match of ``gen`` on ``prepared`` (:func:`prepare`).
+    ``on_answer(done, total)`` is called after each generated answer (a progress bar)."""
     from zfctl.train.loss import evaluate
 
-    prepared = prepare_data(cfg, gen.tokenizer, seed=plan.train.seed)
     rows = prepared.train
     device = gen.model.device
     mb = plan.train.micro_batch_size
