@@ -28,6 +28,7 @@ from zfctl.resources import presets_root
 from zfctl.train import run
 from zfctl.train.data.templates import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 from zfctl.train.generate import load_generator
+from zfctl.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()
@@ -91,6 +92,13 @@ def test_loss_and_perplexity_are_a_plain_transformers_forward_over_the_answer_to
     assert got["examples"] == 3 and got["target_tokens"] == n
     assert got["loss"] == pytest.approx(total / n, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(total / n), rel=1e-5)
+
+
+def test_on_the_records_the_run_evaluated_the_loss_is_the_runs_own_eval_loss(runs, tmp_path):
+    # the run's last evaluation: train.eval_batches=2 micro-batches of 4, the first 8 validation records
+    logged = read_metrics(runs["alpaca"] / "metrics.jsonl", "eval")[-1]["eval_loss"]
+    got = scores(runs["alpaca"], tmp_path / "s.json", "--limit", "8", "--max-new-tokens", "1")
+    assert got["loss"] == pytest.approx(logged, rel=1e-6)
 
 
 def test_exact_match_compares_generates_greedy_answer_with_the_reference_stripped(runs, tmp_path):
