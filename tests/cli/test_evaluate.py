@@ -13,6 +13,8 @@ import builtins
 import importlib.metadata
 import json
 import math
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -170,6 +172,8 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path):
     one_error_line(zf("evaluate", runs["alpaca"], "--data", later), "later.jsonl: record 2: field 'output' is missing",
                    "data.template=alpaca")
     one_error_line(zf("evaluate", runs["alpaca"], "--checkpoint", "7"), "--checkpoint 7", "steps there: 2")
+    one_error_line(zf("evaluate", runs["alpaca"], "--json", tmp_path / "no" / "s.json"), "--json",
+                   f"the folder {tmp_path / 'no'} does not exist")
 
 
 def test_a_task_without_lm_eval_installed_is_one_line_naming_the_extra(runs, monkeypatch):
@@ -230,9 +234,14 @@ def test_smollm2_run_is_scored_on_its_chat_validation_data(tmp_path):
     run(resolve_plan("smollm2-135m", "chat-sample", overrides=[
         f"checkpoint.output_dir={out}", "train.max_steps=1", "train.micro_batch_size=1", "train.eval_every=0",
         "train.eval_batches=1", "data.end_idx=4", "train.device=cpu"]))
-    result = zf("evaluate", out, "--limit", "2", "--max-new-tokens", "4", "--json", tmp_path / "s.json")
-    assert result.exit_code == 0, result.output
-    assert "Loading weights" not in result.output and "" not in result.output.splitlines()  # no bars, no gaps
+    # its own process, as a user runs it: transformers, imported here by the run, has read its
+    # progress-bar setting already, and that bar is what evaluate must keep quiet
+    result = subprocess.run([sys.executable, "-m", "zfctl", "evaluate", str(out), "--limit", "2", "--max-new-tokens",
+                             "4", "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=False,
+                            env={**os.environ, "COLUMNS": "300"}, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Loading weights" not in output and "" not in output.splitlines()  # no bars, no gaps
     got = json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))
     assert got["examples"] == 2 and got["data"] == str(CHAT_VALIDATION)
     assert got["perplexity"] == pytest.approx(math.exp(got["loss"]))

@@ -68,6 +68,9 @@ def evaluate(
     tasks = [t.strip() for t in task.split(",") if t.strip()] if task is not None else []
     if task is not None and not tasks:
         raise UserError("--task is empty; give lm-eval-harness task names, e.g. --task hellaswag,arc_easy")
+    if json_out is not None and not json_out.parent.is_dir():  # refused now, not after the scoring
+        raise UserError(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or give "
+                        "another file")
     if tasks:
         ev.lm_eval_module()  # the missing extra is one line before anything loads
     path = ev.checkpoint_path(run, checkpoint)
