@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from zfctl.cli import bench, doctor, export, finetune, generate, plan, presets, resume
+from zfctl.cli import bench, doctor, evaluate, export, finetune, generate, plan, presets, resume
 from zfctl.cli._common import ZfctlGroup
 
 app = typer.Typer(
@@ -52,6 +52,7 @@ app.command("plan")(plan.plan)
 app.add_typer(presets.app, name="presets")
 app.command("export")(export.export)
 app.command("generate")(generate.generate)
+app.command("evaluate")(evaluate.evaluate)
 app.command("doctor")(doctor.doctor)
 
 

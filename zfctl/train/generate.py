@@ -67,7 +67,14 @@ class Generator:
                  on_text: Callable[[str], None] | None = None) -> list[int]:
         """The new token ids for ``messages`` (greedy when ``temperature`` is 0); ``on_text``
         receives the decoded text as it is produced."""
-        ids = torch.tensor([self.check_length(messages)], device=self.model.device)
+        return self.continue_ids(self.check_length(messages), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, on_text=on_text)
+
+    def continue_ids(self, prompt: list[int], *, max_new_tokens: int, temperature: float,
+                     on_text: Callable[[str], None] | None = None) -> list[int]:
+        """The new token ids after ``prompt``, token ids already in the run's format (``generate``
+        renders them; ``zfctl evaluate`` takes them from the tokenised records)."""
+        ids = torch.tensor([prompt], device=self.model.device)
         limit = _position_limit(self.model)
         if limit is not None:
             max_new_tokens = min(max_new_tokens, limit - ids.shape[1])
