@@ -75,6 +75,10 @@ def finetune(
     finished this step; sel = share of weights updated on the device every step (0.00 during
     zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); gnorm = gradient L2 norm before clipping;
     host/dev = peak memory, GiB.
+
+    Ctrl-C or SIGTERM finishes the step (or the checkpoint being written), saves a checkpoint and
+    exits 130 / 143 with the resume command; a second one aborts at once and removes the
+    half-written checkpoint.
     """
     from zfctl.quiet import set_verbose
 
