@@ -357,9 +357,13 @@ GLOO_GONE = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/
                          "logs of the remote worker for more details.\nGLHF")
 
 
-def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback():
+def test_a_collective_failing_on_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch):
     from zfctl.errors import RunFailed
+    from zfctl.train import signals
     from zfctl.train.dist import DistEnv, rank_error
+
+    # A process that received no stop signal: in-process runs of other tests may have had one.
+    monkeypatch.setattr(signals, "_received", None)
 
     env = DistEnv(rank=0, world_size=2)
     out = rank_error(GLOO_GONE, env)

@@ -120,6 +120,8 @@ class StopSignals:
         return self.signum is not None
 
     def __enter__(self) -> None:
+        global _received
+        _received = None  # a new run: an earlier run's stop in this process is not this one's
         if threading.current_thread() is threading.main_thread():
             for s in _HANDLED:
                 self._previous[s] = signal.signal(s, self._handle)
