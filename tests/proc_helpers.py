@@ -3,9 +3,10 @@ spawned in-process, and run folders shared between tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,22 @@ def metric_steps(run: Path) -> list[int]:
     """The steps of the train records in ``run``'s metrics.jsonl ([] before the first)."""
     path = run / "metrics.jsonl"
     return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread inside the block (restored after), as each torchrun rank runs
+    (OMP_NUM_THREADS=1): on the loaded 2-core box two threads run tiny-llama's steps several times
+    slower. For module fixtures, which the function-scoped ``one_torch_thread`` (tests/conftest.py)
+    does not reach: a run read by tests that compare bytes with their own runs takes the same count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rendezvous(folder: Path) -> str:

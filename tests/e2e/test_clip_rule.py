@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from proc_helpers import one_thread
 from test_distributed_cli import assert_close, losses
 from test_resume_matrix import RUN, STEPS, reference
 
@@ -41,14 +41,10 @@ def _clipped_each_step(out: Path) -> None:
 def test_zero2_fsdp_and_one_process_clip_alike(tmp_path_factory, tmp_path: Path) -> None:
     zero2, fsdp = reference(tmp_path_factory, "zero2"), reference(tmp_path_factory, "fsdp")
     one = tmp_path / "one"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1): a loaded 2-core box
-    try:
+    with one_thread():
         run(resolve_plan("tiny-llama", "alpaca-sample", overrides=[
             *RUN, "distributed.strategy=zero2", "train.gradient_accumulation_steps=4", "checkpoint.every=0",
             f"checkpoint.output_dir={one}"]))
-    finally:
-        torch.set_num_threads(threads)
     for out in (zero2, fsdp, one):
         _clipped_each_step(out)
     assert load_plan_yaml(fsdp / "plan.yaml").distributed.strategy == "fsdp"

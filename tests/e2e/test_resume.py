@@ -25,6 +25,10 @@ from zfctl.train.checksum import file_digest
 from zfctl.train.metrics import read_metrics
 from zfctl.train.tensorfile import load_state
 
+# One intra-op thread (tests/conftest.py): the straight run and its resume share it, and two threads
+# on the loaded 2-core box run this model's steps several times slower.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TINY = [  # a 2-layer, 64-wide tiny-llama: each step takes milliseconds on one core
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from proc_helpers import rendezvous, shared_run, spawn_ranks
+from proc_helpers import one_thread, rendezvous, shared_run, spawn_ranks
 from test_distributed_cli import TINY, assert_close, losses, zfctl
 
 from zfctl.train import resume
@@ -117,13 +117,9 @@ def _resume_all(factory: pytest.TempPathFactory, out: Path, nproc: int) -> None:
     if nproc > 1:
         spawn_ranks(_resume_ranks, 4, (phases,), timeout=900, what="the 4- and 2-process resumes")
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1): a loaded 2-core box
-    try:
+    with one_thread():
         for ckpt in phases[0][2]:
             assert resume(Path(ckpt)).steps == STEPS, ckpt
-    finally:
-        torch.set_num_threads(threads)
 
 
 def resumed(factory: pytest.TempPathFactory, strategy: str, nproc: int, point: str) -> Path:
