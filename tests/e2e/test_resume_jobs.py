@@ -35,6 +35,7 @@ def _sets(*extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> Path:
+    """A finished 2-process run, 2 steps: a newest checkpoint to damage and an intact one to name."""
     out = tmp_path_factory.mktemp("jobs") / "run"
     zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out), "--nproc", "2",
           *_sets("train.max_steps=2", "checkpoint.every=1", "checkpoint.keep_last=2"))
