@@ -1,11 +1,15 @@
-"""Shared pieces for the tests that run whole jobs as processes: the process tree and a run's steps."""
+"""Shared pieces for the tests that run whole jobs as processes: the process tree, a run's steps, ranks
+spawned in-process, and run folders shared between tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from zfctl.train.metrics import read_metrics
 
@@ -36,6 +40,22 @@ def metric_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(path, "train")] if path.exists() else []
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread inside the block (restored after), as each torchrun rank runs
+    (OMP_NUM_THREADS=1): on the loaded 2-core box two threads run tiny-llama's steps several times
+    slower. For module fixtures, which the function-scoped ``one_torch_thread`` (tests/conftest.py)
+    does not reach: a run read by tests that compare bytes with their own runs takes the same count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def rendezvous(folder: Path) -> str:
     """A ``file://`` init_method in ``folder`` for the ranks of one test. A file, not a TCP port:
     a port picked free here could be taken by another process before rank 0 binds it."""
@@ -45,7 +65,6 @@ def rendezvous(folder: Path) -> str:
 def spawn_ranks(worker: Callable[..., None], nprocs: int, args: tuple, *, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for all of them; past
     ``timeout`` seconds kill them and fail the test with ``what`` (a hang is mismatched collectives)."""
-    import pytest
     import torch.multiprocessing as mp
 
     ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
@@ -55,3 +74,27 @@ def spawn_ranks(worker: Callable[..., None], nprocs: int, args: tuple, *, timeou
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{what} did not finish within {timeout:.0f} s")
+
+
+_SHARED: dict[tuple[Path, str], Path | BaseException] = {}
+
+
+def shared_run(factory: pytest.TempPathFactory, key: str, make: Callable[[Path], None]) -> Path:
+    """The run folder ``make(folder)`` writes, made once per test session (once per pytest-xdist
+    worker) and handed to every test, in any module, that asks for ``key``: one reference run read
+    by several modules instead of one per module. Tests read it and copy it (shutil.copytree)
+    where they write. A ``make`` that failed fails every later caller the same way, without
+    running again."""
+    at = (factory.getbasetemp(), key)
+    if at not in _SHARED:
+        out = factory.mktemp(key) / "run"
+        try:
+            make(out)
+            _SHARED[at] = out
+        except BaseException as e:
+            _SHARED[at] = e
+            raise
+    got = _SHARED[at]
+    if isinstance(got, BaseException):
+        raise got
+    return got

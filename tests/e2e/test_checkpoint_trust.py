@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import widen_consoles
+from proc_helpers import one_thread
 from typer.testing import CliRunner
 
 from zfctl.cli import app
@@ -28,6 +29,9 @@ from zfctl.train import loss as train_loss
 from zfctl.train.checkpoint import space
 from zfctl.train.metrics import read_metrics
 
+# One intra-op thread for every run here, the module's shared one too (proc_helpers.one_thread):
+# test_latest_good_resumes_from_the_newest_intact_checkpoint compares its bytes with a rerun's.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -66,7 +70,8 @@ def tree(path: Path) -> dict[str, str]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 4-step run with checkpoints at steps 2 and 4 (copied per test)."""
     out = tmp_path_factory.mktemp("trust") / "run"
-    res = finetune(out)
+    with one_thread():
+        res = finetune(out)
     assert res.exit_code == 0, res.output
     return out
 

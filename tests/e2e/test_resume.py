@@ -25,6 +25,10 @@ from zfctl.train.checksum import file_digest
 from zfctl.train.metrics import read_metrics
 from zfctl.train.tensorfile import load_state
 
+# One intra-op thread (tests/conftest.py): the straight run and its resume share it, and two threads
+# on the loaded 2-core box run this model's steps several times slower.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TINY = [  # a 2-layer, 64-wide tiny-llama: each step takes milliseconds on one core
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
@@ -106,7 +110,7 @@ def test_a_checkpoint_in_the_torch_save_format_still_resumes_exactly(tmp_path):
     """Checkpoints written before the optimizer state was streamed hold ``optimizer-rankR.pt``
     (torch.save of copies, with the pending update's bf16 ``upload`` buffer): they resume bit for
     bit, the install computing the same bf16 values from the master."""
-    n, k = 9, 6
+    n, k = 9, 6  # step 6 holds the update submitted at 5 (pending); the straight run installs it at 9
     common = [*ZENFLOW, "train.precision=bf16", f"train.max_steps={n}", "train.eval_every=0",
               "checkpoint.keep_last=5", f"checkpoint.every={k}"]
     res_a = run(tiny_plan(tmp_path / "straight", *common))
@@ -142,6 +146,7 @@ def test_k_steps_then_resume_max_steps_matches_straight(tmp_path):
     """The literal user flow: a run that ends at k, then `zfctl resume --max-steps N`. With a
     constant schedule the LR does not depend on the planned length, so N straight must match."""
     common = [*ZENFLOW, "train.schedule=constant", "checkpoint.every=0", "train.eval_every=0"]
+    # 8 steps: after the resume at 3 the run meets the CPU-update boundary at 5 (its update in flight to the end)
     run(tiny_plan(tmp_path / "a", *common, "train.max_steps=8"))
     run(tiny_plan(tmp_path / "b", *common, "train.max_steps=3"))
     res = resume(tmp_path / "b", max_steps=8)
@@ -158,7 +163,7 @@ def test_k_steps_then_resume_max_steps_matches_straight(tmp_path):
 @pytest.mark.slow
 def test_changed_plan_is_refused_then_allowed(tmp_path):
     out = tmp_path / "run"
-    run(tiny_plan(out, "train.max_steps=2", "zenflow.topk_ratio=1.0"))
+    run(tiny_plan(out, "train.max_steps=2", "zenflow.topk_ratio=1.0"))  # a checkpoint to resume: steps do not matter
     plan = load_plan_yaml(out / "plan.yaml")
     dump_plan_yaml(replace(plan, train=replace(plan.train, lr=1e-4)), out / "plan.yaml")
     before = sorted(p.name for p in (out / "checkpoints").iterdir())

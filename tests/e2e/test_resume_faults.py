@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import widen_consoles
+from proc_helpers import one_thread
 from typer.testing import CliRunner
 
 from zfctl.cli import app
@@ -34,6 +35,8 @@ from zfctl.train.metrics import read_metrics
 from zfctl.train.models.load import load_tokenizer
 from zfctl.train.testhooks import FAIL_ENV
 
+# One intra-op thread for every run here, the module's shared one too (proc_helpers.one_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()
 TINY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -72,7 +75,8 @@ def errors(result) -> list[str]:
 @pytest.fixture(scope="module")
 def three(tmp_path_factory) -> Path:
     """A 3-step run with a checkpoint after every step (each test works on a copy)."""
-    return tiny_run(tmp_path_factory.mktemp("faults") / "three", 3)
+    with one_thread():
+        return tiny_run(tmp_path_factory.mktemp("faults") / "three", 3)
 
 
 def copy_of(run_dir: Path, tmp: Path) -> Path:

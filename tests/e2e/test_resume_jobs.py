@@ -23,8 +23,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import widen_consoles
 from proc_helpers import alive, children, metric_steps
 from test_distributed_cli import ENV, ROOT, TINY, zfctl
+from typer.testing import CliRunner
+
+from zfctl.cli import app
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +39,20 @@ def _sets(*extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> Path:
+    """A finished 2-process run, 2 steps: a newest checkpoint to damage and an intact one to name."""
     out = tmp_path_factory.mktemp("jobs") / "run"
     zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out), "--nproc", "2",
           *_sets("train.max_steps=2", "checkpoint.every=1", "checkpoint.keep_last=2"))
     return out
 
 
-def test_a_finished_two_process_run_is_known_before_torchrun_starts(two_rank_run: Path) -> None:
-    log = zfctl("resume", str(two_rank_run))
+def test_a_finished_two_process_run_is_known_before_torchrun_starts(two_rank_run: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # in this process (the Typer app): the launcher's own decision, no process of its own needed to see it
+    widen_consoles(monkeypatch, 400)
+    result = CliRunner().invoke(app, ["resume", str(two_rank_run)])
+    assert result.exit_code == 0, result.output
+    log = result.output
     assert "launching" not in log and "resuming from" not in log, log
     assert log.startswith(f"finished: {two_rank_run} ended at step 2 ("), log
 
