@@ -53,7 +53,7 @@ RANK_MODULES = frozenset({
     "test_distributed_cli", "test_failures", "test_fsdp", "test_fsdp_bf16", "test_fsdp_cli",
     "test_fsdp_stream", "test_hsdp", "test_multinode", "test_offload_collective_order",
     "test_offload_stream_dist", "test_resume", "test_resume_faults", "test_resume_jobs",
-    "test_resume_matrix", "test_run_safety",
+    "test_resume_matrix", "test_run_safety", "test_stop_faults",
 })
 
 
