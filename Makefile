@@ -44,8 +44,9 @@ native: $(NATIVE_STAMP)
 # ASan/UBSan build (check-native) and the Python-free kernel driver on every ISA and on aarch64
 # under qemu (check-arch; both in native/native.mk).
 # pytest-xdist runs the suite on one worker per core (TEST_WORKERS=0: one process, as plain
-# pytest); tests/conftest.py puts the multi-rank modules in one group, run one after another on
-# one worker. The 15 slowest tests are listed at the end, so a new slow one shows when it arrives.
+# pytest); with --dist loadgroup, tests/conftest.py makes the work units: each module whole, and
+# the multi-rank modules as one unit, run one after another on one worker. The 15 slowest tests
+# are listed at the end, so a new slow one shows when it arrives.
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 

@@ -43,11 +43,11 @@ for folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p
 
 
 # Modules whose tests start several training processes at once (ranks of one job, 2-4 processes
-# that each import torch): each such run already keeps both cores of the 2-core CI box busy, so
-# under the parallel runner (`make test`: pytest-xdist, `--dist loadgroup`) they share one group
-# and run one after another on one worker, while the other worker takes the one-process tests.
-# Without xdist the mark does nothing. A module, not a test: a new multi-rank test in a listed
-# module is grouped without anyone remembering to mark it.
+# that each import torch): each such run already keeps both cores of the 2-core CI box busy. Under
+# the parallel runner (`make test`: pytest-xdist with `--dist loadgroup`) they form one work unit,
+# run one after another on one worker, while the other workers take the one-process modules, each
+# module whole (its module-scoped runs are made once, not once per worker). A module, not a test:
+# a new multi-rank test in a listed module is grouped without anyone remembering to mark it.
 RANK_MODULES = frozenset({
     "test_checkpoint_shards", "test_checkpoint_trust", "test_clip_rule", "test_distributed",
     "test_distributed_cli", "test_failures", "test_fsdp", "test_fsdp_bf16", "test_fsdp_cli",
@@ -57,15 +57,30 @@ RANK_MODULES = frozenset({
 })
 
 
-def _group_rank_runs(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.stem in RANK_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: "ranks" for the multi-rank modules, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return "ranks" if Path(module).stem in RANK_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup` with the work units of :func:`work_unit`. xdist's own loadgroup finds
+    `xdist_group` marks by rewriting the test's private `_nodeid`, which pytest 9.2 no longer
+    reads: its groups were silently ignored (every test scheduled alone, each module's shared runs
+    made on both workers). Any other `--dist` keeps xdist's scheduler."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RankUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return RankUnits(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _group_rank_runs(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
