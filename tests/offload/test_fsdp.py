@@ -30,6 +30,8 @@ from zfctl.offload.config import TuningConfig, ZenFlowConfig
 from zfctl.plan import resolve_plan
 from zfctl.train.models.load import load_model
 
+# The runs are module fixtures, made once per pytest-xdist worker that gets one of this module's
+# tests: the three fsdp modules want --dist loadfile (or loadscope), which keeps a module on one worker.
 pytestmark = pytest.mark.slow  # spawned ranks (2, then 4), 16-step runs of a small model
 
 STEPS, BATCH, SEQ = 16, 4, 32
