@@ -1,11 +1,17 @@
-"""ZenFlow on FSDP2 shards (zfctl/offload/parallel/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: the
-shipped tiny Llama (fp32), 30 steps, sharded over 2 and 4 ranks (and HSDP: 2 replicas of 2 shards), loses what one process loses.
+"""ZenFlow on FSDP2 shards (zfctl/offload/parallel/sharded.py, zfctl/train/fsdp.py) on CPU with gloo: a
+small tiny Llama (fp32), 16 steps, sharded over 2 and 4 ranks (and HSDP: 2 replicas of 2 shards), loses what one process loses.
 
 The one-process reference trains every global batch as two accumulated micro-batches (loss / 2
 each); each FSDP2 rank trains one half and FSDP2's reduce-scatter averages the two gradients. The
 scores ZenFlow selects by, the clip norm and the auto interval's masses are sums over the ranks'
 rows (one all-reduce each), so only their summation order differs from one process: every loss
 within 1e-4 relative. The same 2 ranks under zero2 (zfctl/offload/parallel/exchange.py) agree too.
+
+What the runs take and why: the shipped tiny Llama's 4 layers and vocabulary at hidden 64 (every
+sharded dim still divides by 4 ranks), and 16 steps with the warm-up cut from 20 to 4 steps, so
+that a run still passes the warm-up, two selections (steps 4 and 12), the overlapped intervals
+between and after them, and its loss falls by more than 0.5 (at lr 5e-3); the other options are
+the presets'. Each rank count is one spawn that runs every case of this module.
 """
 
 from __future__ import annotations
@@ -24,28 +30,38 @@ from zfctl.offload.config import TuningConfig, ZenFlowConfig
 from zfctl.plan import resolve_plan
 from zfctl.train.models.load import load_model
 
-pytestmark = pytest.mark.slow  # spawned ranks, 30-step runs: ~2 min (2 ranks) + ~2 min (4) on 2 cores
+# The runs are module fixtures, made once per pytest-xdist worker that gets one of this module's
+# tests: the three fsdp modules want --dist loadfile (or loadscope), which keeps a module on one worker.
+pytestmark = pytest.mark.slow  # spawned ranks (2, then 4), 16-step runs of a small model
 
-STEPS, BATCH, SEQ = 30, 4, 32
+STEPS, BATCH, SEQ = 16, 4, 32
+WARM = 4  # full warm-up steps: selections at WARM and WARM + 8 (select_interval 8)
+SELECTIONS = (WARM, WARM + 8)
 RTOL = 1e-4
+LR = 5e-3  # the small model's loss falls by more than 0.5 within STEPS (the runs are not noise)
+# The shipped tiny Llama (4 layers, 4096 tokens) narrowed to hidden 64; test_fsdp_bf16.py and
+# test_fsdp_stream.py train it too.
+SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
+         "model.config.num_key_value_heads=4"]
 CASES: dict[str, dict] = {
-    # The `default` preset as shipped: 20 warm-up steps, selection at 20 and 28 (vocabulary
+    # The `default` preset but for the warm-up's length: selection at 4 and 12 (vocabulary
     # matrices by row), update_interval 4 with overlap.
     "default": {},
     "topk-1": {"topk_ratio": 1.0},
     "zero-offload": {"topk_ratio": 0.0, "update_interval": 1},
     # The auto interval reads whole-matrix L1 masses: summed over the ranks' rows.
-    "auto-interval": {"update_interval": "auto", "full_warm_up_rounds": 4, "select_interval": 8},
+    "auto-interval": {"update_interval": "auto", "select_interval": 8},
 }
 
 
 def _config(case: str) -> ZenFlowConfig:
-    return ZenFlowConfig(**CASES[case], cpu_threads=1, tuning=TuningConfig(pin_memory=False))
+    return ZenFlowConfig(**{"full_warm_up_rounds": WARM, **CASES[case]}, cpu_threads=1,
+                         tuning=TuningConfig(pin_memory=False))
 
 
-def _model() -> torch.nn.Module:
-    plan = resolve_plan("tiny-llama", "alpaca-sample")
-    return load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=7)
+def _model(precision: str = "fp32", device: str = "cpu") -> torch.nn.Module:
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=SMALL)
+    return load_model(plan.model, precision=precision, device=torch.device(device), seed=7)
 
 
 def _batches() -> torch.Tensor:
@@ -60,7 +76,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(model: torch.nn.Module, case: str, **group) -> ZenFlowOptimizer:
-    return ZenFlowOptimizer(model.named_parameters(), _config(case), lr=1e-3, weight_decay=0.01,
+    return ZenFlowOptimizer(model.named_parameters(), _config(case), lr=LR, weight_decay=0.01,
                             max_grad_norm=1.0, vocab_params=vocab_matrices(model), **group)
 
 
@@ -151,7 +167,7 @@ def _recuts(rank: int, world: int, out: Path) -> dict[str, list[float]]:
     }
 
 
-AT = 22  # mid-interval (an update in flight), two steps after the first selection
+AT = WARM + 2  # mid-interval (an update in flight), two steps after the first selection
 
 
 def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -191,7 +207,7 @@ def _held_and_planned(world: int) -> tuple[int, float]:
 
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cpu", "train.precision=fp32", "zenflow.full_warm_up_rounds=0", "zenflow.accumulate=host",
-        "distributed.strategy=fsdp", f"distributed.nproc={world}"])
+        "distributed.strategy=fsdp", f"distributed.nproc={world}", *SMALL])
     model = _model()
     parallelize(model, data_parallel_mesh("cpu", world), by_row=vocab_matrices(model))
     opt = build_optimizer(model, plan, steps_per_epoch=100, shard_group=dist.group.WORLD)
@@ -227,22 +243,39 @@ def _worker(rank: int, world: int, init: str, out: str, cases: list[str]) -> Non
 
 
 @pytest.fixture(scope="module")
-def fsdp_two(tmp_path_factory) -> dict[str, list[float]]:
-    out = tmp_path_factory.mktemp("fsdp")
+def out(tmp_path_factory) -> Path:
+    """This module's runs' folder: the states saved at step AT and the ranks' results."""
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def one_rank(out: Path) -> dict[str, list[float]]:
+    """Every case in this process; the default run also saves its state at step AT (``one-*.pt``),
+    which the ranks continue under fsdp."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:  # one process's state at step AT, for the ranks to continue under fsdp
-        one = _train("default", save=out)
+    try:
+        return {case: _train(case, save=out if case == "default" else None) for case in CASES}
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fsdp_two(out: Path, one_rank) -> dict[str, list[float]]:
     spawn_ranks(_worker, 2, (2, rendezvous(out), str(out), list(CASES)), timeout=900, what="2-rank fsdp training")
     res = torch.load(out / "losses.pt", weights_only=True)
     from zfctl.offload.parallel.sharded import unshard_state
 
     # fsdp 2 -> 1: the two ranks' states as one process's, continued here.
     state = unshard_state([torch.load(out / f"fsdp-opt{r}.pt", weights_only=True) for r in range(2)])
-    res["fsdp-to-one"] = _continued("default", 0, 1, None, torch.load(out / "fsdp-model.pt", weights_only=True), state)
-    res["one-straight"] = one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res["fsdp-to-one"] = _continued("default", 0, 1, None, torch.load(out / "fsdp-model.pt", weights_only=True),
+                                        state)
+    finally:
+        torch.set_num_threads(threads)
+    res["one-straight"] = one_rank["default"]  # the run that saved the state one-to-fsdp continues
     return res
 
 
@@ -254,16 +287,6 @@ def fsdp_four(tmp_path_factory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("fsdp4")
     spawn_ranks(_worker, 4, (4, rendezvous(out), str(out), FOUR), timeout=900, what="4-rank fsdp training")
     return torch.load(out / "losses.pt", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> dict[str, list[float]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {case: _train(case) for case in CASES}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _close(a: list[float], b: list[float]) -> list[tuple[int, float, float]]:

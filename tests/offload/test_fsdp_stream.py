@@ -1,12 +1,14 @@
 """The hook path on FSDP2 shards (zfctl/offload/parallel/sharded.py ``hook_grads``): on the announced last
 backward, each decoder layer's reduce-scattered gradient shards go to the host from the DTensors'
 post-accumulate-grad hooks, which FSDP2 calls once it has reduced that layer, while the earlier
-layers' backward still runs. CPU, gloo, 2 ranks, the shipped tiny Llama in fp32, two micro-batches
-per rank and step (the second one's hooks see FSDP2's accumulated ``.grad``), 30 steps:
+layers' backward still runs. CPU, gloo, 2 ranks, test_fsdp.py's small tiny Llama (4 layers, hidden
+64) in fp32, two micro-batches per rank and step (the second one's hooks see FSDP2's accumulated
+``.grad``), test_fsdp.py's 16 steps:
 
 * every loss and every weight bit for bit what the in-step path (``stream_grads: false``, the
-  gradients read in step()) gives, for the default preset (selections at 20 and 28) and for
-  ``topk_ratio`` 0 with ``update_interval`` 1 (every column on the host, a boundary every step);
+  gradients read in step()) gives, for the default preset with test_fsdp.py's 4-step warm-up
+  (selections at 4 and 12) and for ``topk_ratio`` 0 with ``update_interval`` 1 (every column on
+  the host, a boundary every step);
 * each announced step's host chunks all left in the hooks (``early_chunks``), none in step();
 * a torch whose FSDP2 does not call those hooks is reported (one warning), not silently slower;
 * the hooks fired layer by layer: every matrix of decoder layer ``i`` before layer ``i - 1``'s
@@ -23,16 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from proc_helpers import rendezvous, spawn_ranks
-from test_fsdp import BATCH, STEPS, _batches, _loss, _model
+from test_fsdp import BATCH, LR, STEPS, WARM, _batches, _loss, _model
 
 from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
 from zfctl.offload.grads.device_to_host import DuringBackward, InStep
-from zfctl.plan import resolve_plan
 from zfctl.train.fsdp import data_parallel_mesh, decoder_layers, parallelize
-from zfctl.train.models.load import load_model
 
-pytestmark = pytest.mark.slow  # 2 spawned ranks, 4 runs of 30 steps: ~1-2 min on 2 cores
+pytestmark = pytest.mark.slow  # 2 spawned ranks, 4 runs of 16 steps of a small model
 
 CASES: dict[str, dict] = {"default": {}, "zero-offload": {"topk_ratio": 0.0, "update_interval": 1}}
 MICRO = 2  # micro-batches per rank and step
@@ -43,16 +43,15 @@ def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False, de
     """One rank's run: its losses, its final local weights, the warnings it gave, and (``stream``)
     what the hooks did. ``unhook``: the DTensors' hooks removed, as on a torch whose FSDP2 does
     not call them. ``device`` cuda: also which stream each hook ran on."""
-    model = _model() if (device, precision) == ("cpu", "fp32") else load_model(
-        resolve_plan("tiny-llama", "alpaca-sample").model, precision=precision, device=torch.device(device), seed=7)
+    model = _model(precision, device)
     world = dist.get_world_size()
     mesh = data_parallel_mesh(device, world)
     parallelize(model, mesh, by_row=vocab_matrices(model))
     # accumulate: host named, since auto picks the device accumulator on CUDA for a tiny model,
     # which has no gradient hooks to test (on an H200 the CUDA case failed just so).
-    config = ZenFlowConfig(**CASES[case], cpu_threads=1, accumulate="host",
+    config = ZenFlowConfig(**{"full_warm_up_rounds": WARM, **CASES[case]}, cpu_threads=1, accumulate="host",
                            tuning=TuningConfig(pin_memory=device == "cuda", stream_grads=stream))
-    opt = ZenFlowOptimizer(model.named_parameters(), config, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0,
+    opt = ZenFlowOptimizer(model.named_parameters(), config, lr=LR, weight_decay=0.01, max_grad_norm=1.0,
                            vocab_params=vocab_matrices(model), shard_group=mesh.get_group("shard"))
     assert isinstance(opt.gradient_path, DuringBackward if stream else InStep)
     log: list[tuple] = []  # ("hook", name) / ("layer", i): layer i's backward begins / ("end",)
@@ -170,6 +169,7 @@ def test_hooks_that_never_fire_are_reported_once_and_step_moves_the_gradients(ru
         assert len(unhooked["warned"]) == 1 and "no gradient reached the host during backward" in unhooked["warned"][0]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_one_rank_streams_from_the_reduce_stream_bit_for_bit(tmp_path, device: str) -> None:
     """One FSDP2 rank in this process (gloo on CPU; on CUDA, NCCL and bf16): the same bits as the
