@@ -94,3 +94,38 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------ shared reference runs
+# Whole-CLI runs that several tests/e2e modules read (test_distributed_cli, test_multinode,
+# test_hsdp, test_fsdp_cli), made once per session (once per pytest-xdist worker): a multi-process
+# case costs its processes' start-up (Python, torch, transformers), not its 6 tiny steps, so the
+# uninterrupted runs are trained once and the tests that resume copy them (shutil.copytree) before
+# writing. The settings are test_distributed_cli.py's TINY: 6 steps, global batch 4, a checkpoint
+# at step 3 one step into an update interval with its CPU update in flight. Here, not in a
+# tests/e2e/conftest.py: a second module named conftest would shadow this one for every
+# `from conftest import ...` in the suite.
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY on one process with micro-batch 4: what 2 processes (micro-batch 2), 2 nodes of 2 and
+    HSDP over 2 x 2 (micro-batch 1) must lose. Read only."""
+    from test_distributed_cli import finetune
+
+    out = tmp_path_factory.mktemp("one-process") / "run"
+    finetune(out, 4, 1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """TINY on 2 processes (``--nproc 2``, micro-batch 2, zero2): (the run folder, the launcher's
+    output). Read only."""
+    from test_distributed_cli import finetune
+
+    out = tmp_path_factory.mktemp("two-processes") / "run"
+    return out, finetune(out, 2, 2)
+
+
+# ------------------------------------------------------------------------------ end of shared reference runs
