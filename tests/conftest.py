@@ -139,3 +139,68 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------ a shared finished run
+# A finished 2-step tiny-llama run that several modules only read (tests/cli/test_train_cli.py,
+# tests/e2e/test_run_safety.py): trained once per session (once per pytest-xdist worker), in
+# this process, where a subprocess would spend most of its time importing torch. Each test that
+# writes into it works on a copy (shutil.copytree).
+FINISHED_RUN_SETS = [
+    "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
+    "data.end_idx=96", "data.max_length=64", "train.micro_batch_size=4", "train.eval_batches=2",
+    "train.device=cpu", "train.precision=fp32", "train.eval_every=0", "logging.every=1",
+    "zenflow.topk_ratio=0.1", "zenflow.update_interval=2", "zenflow.cpu_threads=1",
+    "train.max_steps=2", "checkpoint.every=1",
+]
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder that ended at step 2 (global batch 4, micro-batch 4, checkpoints of steps 1
+    and 2). Read only."""
+    from zfctl.plan.resolve import resolve_plan
+    from zfctl.train import run
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run(resolve_plan("tiny-llama", "alpaca-sample", overrides=[*FINISHED_RUN_SETS, f"checkpoint.output_dir={out}"]))
+    return out
+
+
+# ------------------------------------------------------------------------------ end of the shared finished run
+
+
+# ------------------------------------------------------------------------------ shared reference runs
+# Whole-CLI runs that several tests/e2e modules read (test_distributed_cli, test_multinode,
+# test_hsdp, test_fsdp_cli), made once per session (once per pytest-xdist worker): a multi-process
+# case costs its processes' start-up (Python, torch, transformers), not its 6 tiny steps, so the
+# uninterrupted runs are trained once and the tests that resume copy them (shutil.copytree) before
+# writing. The settings are test_distributed_cli.py's TINY: 6 steps, global batch 4, a checkpoint
+# at step 3 one step into an update interval with its CPU update in flight. Here, not in a
+# tests/e2e/conftest.py: a second module named conftest would shadow this one for every
+# `from conftest import ...` in the suite.
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY on one process with micro-batch 4: what 2 processes (micro-batch 2), 2 nodes of 2 and
+    HSDP over 2 x 2 (micro-batch 1) must lose. Read only."""
+    from test_distributed_cli import finetune
+
+    out = tmp_path_factory.mktemp("one-process") / "run"
+    finetune(out, 4, 1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """TINY on 2 processes (``--nproc 2``, micro-batch 2, zero2): (the run folder, the launcher's
+    output). Read only."""
+    from test_distributed_cli import finetune
+
+    out = tmp_path_factory.mktemp("two-processes") / "run"
+    return out, finetune(out, 2, 2)
+
+
+# ------------------------------------------------------------------------------ end of shared reference runs

@@ -1,6 +1,8 @@
-"""The real CLI in a subprocess: SIGKILL mid-checkpoint, SIGTERM, and bad input -> exit 2.
+"""The real CLI: SIGKILL mid-checkpoint, SIGTERM, and bad input -> exit 2.
 
-Each test starts `python -m zfctl` like a user would; a tiny-llama variant keeps steps short.
+The signal tests start `python -m zfctl` like a user would; the bad inputs, refused in their
+pre-flight, run through the Typer app but for the one that needs a rank's environment. A tiny-llama
+variant keeps steps short.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import widen_consoles
+from typer.testing import CliRunner
 
+from zfctl.cli import app
 from zfctl.train.checkpoint import read_checkpoint, resolve_checkpoint
 from zfctl.train.metrics import read_metrics
 from zfctl.train.testhooks import SLOW_WRITE_ENV
@@ -106,12 +111,7 @@ def test_sigterm_checkpoints_and_exits_143_with_resume_hint(tmp_path):
     assert read_metrics(out / "metrics.jsonl", "train")[-1]["step"] == step
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "run"
-    rc, log = finish(finetune(out, "train.max_steps=2", "checkpoint.every=1"))
-    assert rc == 0, log
-    return out
+# finished_run: tests/conftest.py, a finished 2-step run shared with tests/e2e/test_run_safety.py
 
 
 def _one_line_error(rc: int, log: str, *needles: str) -> None:
@@ -122,7 +122,8 @@ def _one_line_error(rc: int, log: str, *needles: str) -> None:
 
 
 @pytest.mark.slow
-def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
+def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path, monkeypatch):
+    widen_consoles(monkeypatch)  # each error on one line, as COLUMNS=200 gives the process below
     before = tree_digest(finished_run)
     bad = tmp_path / "bad.jsonl"  # record 2 lacks its `output` field (records enough to fill a micro-batch)
     bad.write_text(json.dumps({"instruction": "a", "input": "", "output": "b"}) + "\n"
@@ -131,17 +132,31 @@ def test_bad_inputs_exit_2_and_touch_nothing(finished_run, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text("{oops")
-    # (process, words the one error line must hold); started together: each is mostly import time
+    # A rank's environment needs its own process (what a rank reads of WORLD_SIZE must not leak into
+    # this one): started first, it imports while the refusals below run through the Typer app, each
+    # in its pre-flight. `python -m zfctl`'s own exit path: tests/cli/test_cli.py.
+    ranked = zfctl("resume", str(finished_run), env={"WORLD_SIZE": "2", "RANK": "0"})
+
+    def cli(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        return result.exit_code, result.output
+
+    def tune(out: Path, *extra: str, data: str = "alpaca-sample", model: str = "tiny-llama") -> tuple[int, str]:
+        return cli("finetune", model, "--data", data, "--output", str(out),
+                   *[a for s in [*TINY, *extra] for a in ("--set", s)])
+
+    # (exit code and output, words the one error line must hold)
     cases = [
-        (finetune(finished_run, "train.max_steps=1"), ["--force"]),  # existing output
-        (finetune(tmp_path / "m", data=str(tmp_path / "nope.jsonl")), ["nope.jsonl"]),  # missing data file
-        (finetune(tmp_path / "x", "data.template=alpaca", data=str(bad)), ["bad.jsonl", "output"]),  # bad record
-        (finetune(tmp_path / "y", model="tiny-lama"), ["tiny-lama"]),  # unknown model
-        (zfctl("resume", str(broken)), ["unreadable", "meta.json"]),  # unreadable checkpoint
-        (zfctl("resume", str(finished_run), env={"WORLD_SIZE": "2", "RANK": "0"}),
-         ["cannot resume on 2 process(es)", "--nproc 1"]),  # a world size that cannot keep the global batch
+        (tune(finished_run, "train.max_steps=1"), ["--force"]),  # existing output
+        (tune(tmp_path / "m", data=str(tmp_path / "nope.jsonl")), ["nope.jsonl"]),  # missing data file
+        (tune(tmp_path / "x", "data.template=alpaca", data=str(bad)), ["bad.jsonl", "output"]),  # bad record
+        (tune(tmp_path / "y", model="tiny-lama"), ["tiny-lama"]),  # unknown model
+        (cli("resume", str(broken)), ["unreadable", "meta.json"]),  # unreadable checkpoint
+        (finish(ranked), ["cannot resume on 2 process(es)", "--nproc 1"]),  # a world size that cannot keep
+        # the global batch
     ]
-    for proc, needles in cases:
-        _one_line_error(*finish(proc), *needles)
+    for result, needles in cases:
+        _one_line_error(*result, *needles)
     assert tree_digest(finished_run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken"]  # no output folder made

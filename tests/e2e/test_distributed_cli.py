@@ -42,8 +42,8 @@ def zfctl(*args: str, timeout: float = 300) -> str:
     return p.stdout
 
 
-def finetune(out: Path, mbs: int, nproc: int) -> str:
-    sets = [a for s in [*TINY, f"train.micro_batch_size={mbs}"] for a in ("--set", s)]
+def finetune(out: Path, mbs: int, nproc: int, *extra: str) -> str:
+    sets = [a for s in [*TINY, f"train.micro_batch_size={mbs}", *extra] for a in ("--set", s)]
     return zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out),
                  "--nproc", str(nproc), *sets)
 
@@ -52,11 +52,26 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run / "metrics.jsonl", "train")]
 
 
+def resume_copy(run: Path, into: Path, nproc: int | None = None) -> str:
+    """Resume a copy of ``run`` from its step-3 checkpoint (with ``nproc`` processes, if given):
+    the shared runs (tests/conftest.py) stay as they were for the next test."""
+    shutil.copytree(run, into)
+    more = ["--nproc", str(nproc)] if nproc else []
+    return zfctl("resume", str(into / "checkpoints/step-000003"), *more)
+
+
+def assert_close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
+    assert len(a) == len(b), (a, b)
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst <= tol, (worst, a, b)
+    print(f"worst relative loss difference {worst:.2e} over {len(a)} steps")  # shown by pytest -s
+    return worst
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_and_resume_exactly(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    finetune(one, 4, 1)
-    log = finetune(two, 2, 2)
+def test_two_processes_match_one_and_resume_exactly(one_process_run, two_process_run, tmp_path):
+    """Needs the shared 1- and 2-process runs (tests/conftest.py) and one 2-process resume."""
+    one, (two, log) = one_process_run, two_process_run
     assert "launching 2 processes under torchrun" in log
     assert log.count("run plan") == 1, log  # only the launcher and rank 0 print, the plan once
     assert "OMP_NUM_THREADS" not in log, log  # torchrun's banner: zfctl sets the value itself (zfctl/quiet.py)
@@ -78,66 +93,42 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
     assert {p.name for p in ck.glob("optimizer-rank*")} == {"optimizer-rank00000.safetensors",
                                                         "optimizer-rank00001.safetensors"}
 
-    # Resume the 2-rank run from step 3 (mid-interval): `zfctl resume` relaunches with the
-    # checkpoint's world size and rewrites steps 4..6 identically.
-    before, weights = losses(two), load_file(two / final)
-    log = zfctl("resume", str(two / "checkpoints/step-000003"))
+    # Resume (a copy of) the 2-rank run from step 3 (mid-interval): `zfctl resume` relaunches with
+    # the checkpoint's world size and rewrites steps 4..6 identically.
+    again = tmp_path / "two"
+    log = resume_copy(two, again)
     assert "launching 2 processes under torchrun" in log
-    assert losses(two) == before
-    after = load_file(two / final)  # tensors, not file bytes: the header's metadata order varies
+    assert losses(again) == losses(two)
+    # tensors, not file bytes: the header's metadata order varies
+    after, weights = load_file(again / final), load_file(two / final)
     assert after.keys() == weights.keys() and all(torch.equal(after[k], weights[k]) for k in weights)
 
 
-# Steps 1..14, a checkpoint every 4: step 4 is one step into the interval that began after the
-# boundary of step 3, whose CPU update (overlap on) is still in flight; re-selection at step 9.
-RESHARD = ["train.max_steps=14", "checkpoint.every=4", "checkpoint.keep_last=4", "zenflow.update_interval=3", "zenflow.select_interval=8"]
-
-
-def finetune_accum(out: Path, nproc: int, accum: int) -> str:
-    sets = [a for s in [*TINY, *RESHARD, "train.micro_batch_size=2", f"train.gradient_accumulation_steps={accum}"]
-            for a in ("--set", s)]
-    return zfctl("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(out),
-                 "--nproc", str(nproc), *sets)
-
-
-def resume_copy(run: Path, into: Path, nproc: int) -> str:
-    """Resume a copy of ``run`` from its step-4 checkpoint with ``nproc`` processes."""
-    shutil.copytree(run, into)
-    return zfctl("resume", str(into / "checkpoints/step-000004"), "--nproc", str(nproc))
-
-
-def assert_close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
-    assert len(a) == len(b), (a, b)
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    assert worst <= tol, (worst, a, b)
-    print(f"worst relative loss difference {worst:.2e} over {len(a)} steps")  # shown by pytest -s
-    return worst
-
-
 @pytest.mark.slow
-def test_checkpoint_reshards_between_two_ranks_and_one(tmp_path):
-    """Saved on 2 ranks, resumed on 1 (and the reverse), mid-interval with an update in flight:
-    the accumulation doubles (halves) to keep the global batch of 4, every rank finds its host
-    columns by name and range, and the 10 steps after the checkpoint match the uninterrupted
-    2-rank run within 1e-5."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    finetune_accum(two, nproc=2, accum=1)
-    finetune_accum(one, nproc=1, accum=2)
+def test_checkpoint_reshards_between_two_ranks_and_one(two_process_run, tmp_path):
+    """Saved on 2 ranks, resumed on 1 (and the reverse) from step 3, one step into an update
+    interval with its CPU update in flight: the accumulation doubles (halves) to keep the global
+    batch of 4, every rank finds its host columns by name and range, and steps 4..6 (an install at
+    the boundary of step 4, the re-selection of step 5, the boundary of step 6) match the
+    uninterrupted 2-rank run within 1e-5. Needs the shared 2-process run, one 1-process run with
+    accumulation 2 (the reverse direction's source) and the two resumes."""
+    two, one = two_process_run[0], tmp_path / "one"
+    finetune(one, 2, 1, "train.gradient_accumulation_steps=2")
     straight = losses(two)
-    assert len(straight) == 14
+    assert len(straight) == 6
     assert_close(losses(one), straight)
 
     log = resume_copy(two, tmp_path / "two-on-one", nproc=1)
     assert "train.gradient_accumulation_steps 1 -> 2 keeps the global batch of 4 sequences" in log, log
     assert "launching" not in log
     resumed = losses(tmp_path / "two-on-one")
-    assert resumed[:4] == straight[:4]  # the records before the checkpoint are kept as they were
-    assert_close(resumed[4:], straight[4:])
-    new = tmp_path / "two-on-one/checkpoints/step-000014"
+    assert resumed[:3] == straight[:3]  # the records before the checkpoint are kept as they were
+    assert_close(resumed[3:], straight[3:])
+    new = tmp_path / "two-on-one/checkpoints/step-000006"
     assert sorted(p.name for p in new.glob("optimizer-rank*")) == ["optimizer-rank00000.safetensors"]
     assert "gradient_accumulation_steps: 2" in (new / "plan.yaml").read_text()
 
     log = resume_copy(one, tmp_path / "one-on-two", nproc=2)
     assert "launching 2 processes under torchrun" in log
     assert "train.gradient_accumulation_steps 2 -> 1 keeps the global batch of 4 sequences" in log, log
-    assert_close(losses(tmp_path / "one-on-two")[4:], straight[4:])
+    assert_close(losses(tmp_path / "one-on-two")[3:], straight[3:])

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_distributed_cli import ENV, ROOT, TINY, finetune, losses
+from test_distributed_cli import ENV, ROOT, TINY, losses
 
 NODES, PER_NODE = 2, 2
 
@@ -43,9 +43,10 @@ def two_nodes(*args: str, rdzv_id: str = "zfctl-2x2") -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_processes_match_one_process(tmp_path: Path) -> None:
-    one, multi = tmp_path / "one", tmp_path / "2x2"
-    finetune(one, NODES * PER_NODE, 1)  # micro_batch 4 on one process: the same global batch
+def test_two_nodes_of_two_processes_match_one_process(one_process_run: Path, tmp_path: Path) -> None:
+    """Needs the two launches of 2 (the claim) and the shared one-process run with micro-batch 4
+    (tests/conftest.py): the same global batch."""
+    one, multi = one_process_run, tmp_path / "2x2"
     sets = [a for s in [*TINY, "train.micro_batch_size=1"] for a in ("--set", s)]
     logs = two_nodes("finetune", "tiny-llama", "--data", "alpaca-sample", "--output", str(multi), *sets)
     assert sum(log.count("run plan") for log in logs) == 1  # rank 0 of the whole job prints, once

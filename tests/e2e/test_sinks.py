@@ -1,4 +1,4 @@
-"""The optional logging sinks, for real: a tiny run through the CLI with TensorBoard, then W&B offline.
+"""The optional logging sinks, for real: one tiny run through the CLI with TensorBoard and W&B offline.
 
 Each test reads back what the sink wrote (TensorBoard's own EventAccumulator; the W&B offline
 run's record log, parsed into wandb's own protobuf records) and compares it with
@@ -8,6 +8,7 @@ config/cache folders under tmp_path: no network, nothing written to the home fol
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -47,14 +48,28 @@ def f32(x: float) -> float:
     return float(np.float32(x))
 
 
+@pytest.fixture(scope="module")
+def sinks_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run that writes both sinks (each test reads its own): a run's cost is its process
+    start-up, not its 3 steps, and neither sink reads what the other writes."""
+    sinks = [s for s in ("tensorboard", "wandb") if importlib.util.find_spec(s)]  # both in the dev extra
+    tmp = tmp_path_factory.mktemp("sinks")
+    out = tmp / "run"
+    home = tmp / "wandb-home"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(home / "config"),
+           "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data"),
+           "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}
+    rc, log = finetune(out, *[f"logging.{s}=true" for s in sinks], "logging.wandb_project=zfctl-test", env=env)
+    assert rc == 0, log
+    return out
+
+
 @pytest.mark.slow
-def test_tensorboard_events_hold_the_metrics(tmp_path: Path) -> None:
+def test_tensorboard_events_hold_the_metrics(sinks_run: Path) -> None:
     pytest.importorskip("tensorboard")  # in the dev extra: `make test` always runs this
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    rc, log = finetune(out, "logging.tensorboard=true")
-    assert rc == 0, log
+    out = sinks_run
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     train = read_metrics(out / "metrics.jsonl", "train")
@@ -71,15 +86,9 @@ def test_tensorboard_events_hold_the_metrics(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_wandb_offline_run_folder_holds_the_metrics(tmp_path: Path) -> None:
+def test_wandb_offline_run_folder_holds_the_metrics(sinks_run: Path) -> None:
     pytest.importorskip("wandb")  # in the dev extra: `make test` always runs this
-    out = tmp_path / "run"
-    home = tmp_path / "wandb-home"
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(home / "config"),
-           "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data"),
-           "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}
-    rc, log = finetune(out, "logging.wandb=true", "logging.wandb_project=zfctl-test", env=env)
-    assert rc == 0, log
+    out = sinks_run
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, sorted(p.name for p in (out / "wandb").iterdir())
     logs = list(runs[0].glob("run-*.wandb"))
