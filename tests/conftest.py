@@ -63,6 +63,7 @@ def work_unit(nodeid: str) -> str:
     return "ranks" if Path(module).stem in RANK_MODULES else module
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: plain pytest (or -p no:xdist) never calls it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`--dist loadgroup` with the work units of :func:`work_unit`. xdist's own loadgroup finds
     `xdist_group` marks by rewriting the test's private `_nodeid`, which pytest 9.2 no longer

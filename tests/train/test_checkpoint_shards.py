@@ -14,7 +14,9 @@ own flushed weights.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,6 +200,14 @@ def _worker(rank: int, world: int, init: str, out: str, job: str) -> None:
                        out_dir / f"{job}.pt")
     finally:
         dist.destroy_process_group()
+    # Both ranks are done and their results on disk. Leave without the interpreter's teardown:
+    # torch 2.13's CPU build aborted there ("terminate called without an active exception", a
+    # joinable C++ thread destroyed at exit) in about one run in three of this module, after every
+    # rank had got past destroy_process_group, and spawn then reported SIGABRT for a job that
+    # succeeded. The exit code stays the check: an exception above still fails the rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _unsharded(out: Path) -> None:
