@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import mmap
 
 import pytest
 import torch
@@ -77,9 +78,14 @@ def test_every_row_has_its_memory_peaks(tmp_path):
 def test_reset_peaks_starts_a_new_host_window():
     if not reset_peaks(torch.device("cpu")):
         pytest.skip("this kernel refuses /proc/self/clear_refs: peaks cover the whole process")
-    big = torch.ones(64 * 2**20)  # 256 MiB, every page touched
+    # 256 MiB of anonymous memory, every page touched, given back to the kernel at close(): a
+    # torch tensor's pages may stay resident after `del` in a process (an xdist worker) whose
+    # allocators already hold freed memory, and then no window could drop them.
+    big = mmap.mmap(-1, 256 * 2**20)
+    for offset in range(0, len(big), mmap.PAGESIZE):
+        big[offset] = 1
     during = read_peaks(torch.device("cpu"))["peak_host_rss_bytes"]
-    del big
+    big.close()
     assert reset_peaks(torch.device("cpu"))
     after = read_peaks(torch.device("cpu"))["peak_host_rss_bytes"]
     assert during is not None and after is not None
