@@ -71,6 +71,16 @@ class TuningConfig:
         "Same results either way.",
         ge=1, le=2,
     )
+    grad_layout: Literal["auto", "slots", "carry"] = _f(
+        "auto",
+        "Host paths: how an interval's host-owned gradient waits for its CPU update. slots = one "
+        "page-locked slot per step of the interval in the model dtype (2 B x update_interval per "
+        "host element in bf16, x2 with two sets), summed inside the CPU AdamW: the fastest; carry = "
+        "one fp32 sum per host element (4 B), each landed chunk added into it as it arrives, behind "
+        "a small landing ring: the least host memory. auto = slots when the plan's host total with "
+        "them fits the machine, else carry, decided when the plan is made (plan.yaml holds the "
+        "answer). Same results either way (docs/design.md, Algorithm).",
+    )
     upload_buffer: AutoBool = _f(
         "auto",
         "bf16/fp16 models: the CPU AdamW also writes the updated host columns in the model dtype, "

@@ -8,6 +8,7 @@ written into the plan's own fields (docs/design.md, "Defaults and the numbers be
 | ``zenflow.accumulate`` | host or device | the estimate: lines.py ``_accumulate`` (``device_fits``) |
 | ``zenflow.tuning.host_accumulators`` | 1 or 2 | the estimate: lines.py ``_host_accumulators`` |
 | ``zenflow.tuning.upload_buffer`` | true or false | the estimate: lines.py ``_upload_buffer`` (false for fp32) |
+| ``zenflow.tuning.grad_layout`` | slots or carry | slots (the carry layout is not built yet) |
 | ``zenflow.tuning.release_grads`` | false where the plan's own settings leave nothing to release | :func:`release_ruled_out` |
 
 ``zfctl plan`` and ``zfctl finetune`` settle the plan after ``--fit`` (which searches with ``auto``
@@ -36,7 +37,8 @@ from zfctl.plan.sizes import ModelSize
 
 # (section, field) of what settle() writes, for a comparison that reads `auto` as "not decided yet".
 SETTLED = (("train", "precision"), ("train", "activation_checkpointing"), ("zenflow", "accumulate"),
-           ("zenflow.tuning", "host_accumulators"), ("zenflow.tuning", "upload_buffer"))
+           ("zenflow.tuning", "host_accumulators"), ("zenflow.tuning", "upload_buffer"),
+           ("zenflow.tuning", "grad_layout"))
 
 
 def unsettled(plan: RunPlan) -> bool:
@@ -71,6 +73,8 @@ def settle(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | N
                 z.tuning.host_accumulators = est.host_accumulators
             if z.tuning.upload_buffer == "auto":
                 z.tuning.upload_buffer = est.upload_buffer
+    if z.tuning.grad_layout == "auto":
+        z.tuning.grad_layout = "slots"  # the only layout the run builds so far
     if z.tuning.release_grads:
         why = release_ruled_out(plan, est if est is not None and est.size is not None else None, size=size,
                                 machine=machine)
