@@ -13,6 +13,7 @@ from zfctl.bench.grid import (
     build_grid,
     measured_steps,
     parse_intervals,
+    parse_layouts,
     parse_switch,
     parse_topks,
     reference_interval,
@@ -129,6 +130,17 @@ def test_csv_and_json_carry_every_row_and_leave_missing_values_empty():
     assert table[0]["accumulate_mean_ms"] == "" and float(table[1]["overall_mean_ms"]) == 20.0
     doc = json.loads(render_json({"device": "cpu"}, rows, []))
     assert [r["label"] for r in doc["results"]] == [ZO.label, ZF.label]
+
+
+def test_grid_layouts_apply_to_zenflow_points_only():
+    grid = build_grid([0.1], [4], [True], [True], with_off=True, layouts=["slots", "carry"])
+    assert [c.layout for c in grid] == [None, None, "slots", "carry"]  # zero-offload, off keep the base's
+    assert [c.label.split(", ")[2] for c in grid[2:]] == ["slots", "carry"]
+    base = ZenFlowConfig()
+    assert [c.zenflow_config(base).tuning.grad_layout for c in grid] == [base.tuning.grad_layout] * 2 + ["slots", "carry"]
+    assert parse_layouts(None) == [None] and parse_layouts("carry,slots,carry") == ["carry", "slots"]
+    with pytest.raises(UserError, match="--grad-layout 'ring': use slots, carry"):
+        parse_layouts("ring")
 
 
 def test_grid_has_baselines_first_and_no_duplicates():

@@ -1,7 +1,8 @@
 """The configurations a benchmark runs: the user's grid plus the two baselines.
 
-A grid is the cross product of the `--topk`, `--interval`, `--overlap`, `--pin` and
-`--activation-checkpointing` lists. Every grid also runs `zero-offload` (topk 0, update every
+A grid is the cross product of the `--topk`, `--interval`, `--overlap`, `--pin`,
+`--activation-checkpointing` and `--grad-layout` lists (the layout applies to ZenFlow points only:
+the yardstick keeps the base configuration's). Every grid also runs `zero-offload` (topk 0, update every
 step, no overlap: plain ZeRO-Offload, the yardstick of the speedup column), once per pin and
 recompute setting so that speedups compare like with like, and `off` (topk 1: everything on the
 device, no CPU work) once per recompute setting when its device state fits; unless `--baselines`
@@ -30,6 +31,7 @@ class BenchConfig:
     overlap: bool
     pin: bool
     recompute: bool = False  # train.activation_checkpointing on the preset model (--activation-checkpointing)
+    layout: str | None = None  # zenflow.tuning.grad_layout (--grad-layout); None: the base configuration's
 
     @property
     def label(self) -> str:
@@ -37,7 +39,8 @@ class BenchConfig:
         if self.name == "off":
             return f"off (all on device){again}"
         tag = "zero-offload" if self.name == "zero-offload" else f"topk {self.topk:g}, U {self.interval}"
-        return f"{tag}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}{again}"
+        layout = f", {self.layout}" if self.layout else ""
+        return f"{tag}{layout}, overlap {'on' if self.overlap else 'off'}, pin {'on' if self.pin else 'off'}{again}"
 
     def zenflow_config(self, base: ZenFlowConfig) -> ZenFlowConfig:
         """`base` with this point's four knobs; no warm-up rounds (the bench has its own). The
@@ -48,7 +51,7 @@ class BenchConfig:
             topk_ratio=self.topk,
             update_interval=self.interval,
             overlap_step=self.overlap,
-            tuning=replace(base.tuning, pin_memory=self.pin),
+            tuning=replace(base.tuning, pin_memory=self.pin, grad_layout=self.layout or base.tuning.grad_layout),
             full_warm_up_rounds=0,
         ).validate()
 
@@ -138,6 +141,22 @@ def warmup_steps(interval: Interval, warmup: int) -> int:
     return math.ceil(warmup / interval) * interval
 
 
+LAYOUTS = ("slots", "carry")
+
+
+def parse_layouts(text: str | None) -> list[str | None]:
+    """`--grad-layout slots,carry` -> ['slots', 'carry']; None (not given) -> [None]: the base
+    configuration's layout, unlabelled."""
+    if text is None:
+        return [None]
+    out = []
+    for s in _items("--grad-layout", text):
+        if s not in LAYOUTS:
+            raise UserError(f"--grad-layout {s!r}: use slots, carry or slots,carry")
+        out.append(s)
+    return list(dict.fromkeys(out))
+
+
 BASELINES = ("off", "zero-offload")
 
 
@@ -154,7 +173,7 @@ def parse_baselines(text: str) -> tuple[str, ...]:
 
 def build_grid(
     topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool,
-    with_zero_offload: bool = True, recomputes: list[bool] | None = None,
+    with_zero_offload: bool = True, recomputes: list[bool] | None = None, layouts: list[str | None] | None = None,
 ) -> list[BenchConfig]:
     """Per recompute setting: baselines first (zero-offload per pin setting, then off), then the
     grid; no duplicates."""
@@ -168,10 +187,10 @@ def build_grid(
             for interval in intervals:
                 for overlap in overlaps:
                     for pin in pins:
-                        cfg = BenchConfig("zenflow", topk, interval, overlap, pin, again)
                         if topk == 0.0 and interval == 1 and not overlap and with_zero_offload:
                             continue  # identical to the zero-offload baseline already in the list
                         if topk == 1.0 and with_off:
                             continue  # nothing is offloaded: the same as the 'off' baseline
-                        configs.append(cfg)
+                        configs += [BenchConfig("zenflow", topk, interval, overlap, pin, again, layout)
+                                    for layout in layouts or [None]]
     return configs

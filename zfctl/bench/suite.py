@@ -63,6 +63,7 @@ class BenchOptions:
     accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
     baselines: tuple[str, ...] = ("off", "zero-offload")  # which of the two baselines to run
     recomputes: list[bool] = field(default_factory=lambda: [False])  # activation checkpointing (--model only)
+    layouts: list[str | None] = field(default_factory=lambda: [None])  # zenflow.tuning.grad_layout (--grad-layout)
 
 
 @dataclass
@@ -129,7 +130,8 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         raise UserError("--activation-checkpointing on needs --model PRESET: the synthetic MLP has no decoder layers")
     configs = build_grid(opts.topks, opts.intervals, opts.overlaps, opts.pins,
                          with_off=fits and "off" in opts.baselines,
-                         with_zero_offload="zero-offload" in opts.baselines, recomputes=opts.recomputes)
+                         with_zero_offload="zero-offload" in opts.baselines, recomputes=opts.recomputes,
+                         layouts=opts.layouts)
     ref = reference_interval(opts.intervals)
     # The machine, once: the link each way and the host memory rate at the run's native threads
     # (bound.py; a few pinned copies and one AdamW pass over 4x the last-level cache).
@@ -166,7 +168,7 @@ def run_bench(opts: BenchOptions, console: Console) -> BenchReport:
         "host_rss_peak_scope": None,  # set once the grid has run
         "max_grad_norm": opts.max_grad_norm,
         "grid": {"topk": opts.topks, "interval": opts.intervals, "overlap": opts.overlaps, "pin": opts.pins,
-                 "activation_checkpointing": opts.recomputes},
+                 "activation_checkpointing": opts.recomputes, "grad_layout": opts.layouts},
         "model_preset": getattr(opts.model, "name", None),
         "seq_len": opts.seq_len if opts.model is not None else None,
         "batch": opts.batch if opts.model is not None else None,

@@ -189,6 +189,16 @@ def bench(
             rich_help_panel=GRID,
         ),
     ] = None,
+    grad_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--grad-layout",
+            help="zenflow.tuning.grad_layout of the ZenFlow points: slots, carry or slots,carry to compare "
+            "(the host gradient layout: per-step slots, or one fp32 sum; the table's host B/param/U and the "
+            "bound say what each moves). Default: the preset's.",
+            rich_help_panel=GRID,
+        ),
+    ] = None,
     warmup: Annotated[
         int, typer.Option(help="Untimed steps first (rounded up to whole intervals).", rich_help_panel=RUN)
     ] = 4,
@@ -284,7 +294,14 @@ def bench(
     from zfctl.quiet import set_verbose
 
     set_verbose(verbose)  # before transformers loads (--model): its bars read the environment once
-    from zfctl.bench.grid import build_grid, parse_baselines, parse_intervals, parse_switch, parse_topks
+    from zfctl.bench.grid import (
+        build_grid,
+        parse_baselines,
+        parse_intervals,
+        parse_layouts,
+        parse_switch,
+        parse_topks,
+    )
     from zfctl.bench.model import DTYPES
 
     # Everything the user typed is checked here, before a model is built or a file is touched.
@@ -294,6 +311,7 @@ def bench(
     if any(recomputes) and model is None:
         raise UserError("--activation-checkpointing on needs --model PRESET: the synthetic MLP has no decoder layers")
     which_baselines = parse_baselines(baselines)
+    layouts = parse_layouts(grad_layout)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if device not in ("auto", "cuda", "cpu"):
@@ -334,7 +352,7 @@ def bench(
     model_cfg = _model_config(model) if model is not None else None
     renamed: list[str] = []
     zenflow_cfg = _zenflow_config(zenflow, set_ or [], renamed)
-    _check_grid(build_grid(topks, intervals, overlaps, pins, with_off=True), zenflow_cfg)
+    _check_grid(build_grid(topks, intervals, overlaps, pins, with_off=True, layouts=layouts), zenflow_cfg)
 
     from zfctl.bench.report import print_tables, render_csv, render_json, write_atomic
     from zfctl.bench.suite import BenchOptions, run_bench
@@ -364,6 +382,7 @@ def bench(
         accumulate=accumulate,
         baselines=which_baselines,
         recomputes=recomputes,
+        layouts=layouts,
     )
     report = run_bench(opts, console)
     # What the rows start from, for the tables, the plot and the JSON (zfctl/bench/report.py).
