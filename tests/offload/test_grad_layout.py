@@ -62,10 +62,10 @@ def deep(sd: dict) -> dict:
 
 def train(layout: str, cfg: dict[str, Any], *, hooks: bool, dtype: torch.dtype = torch.float32,
           clip: float | None = None, poison: int | None = None, start: dict | None = None,
-          steps: range = range(STEPS), save_at: int | None = None, on_shim: Any = None) -> dict[str, Any]:
+          steps: range = range(STEPS), save_at: int | None = None, setup: Any = None) -> dict[str, Any]:
     """Two micro-batches per step (the loop's call pattern). ``poison``: fp16, the step whose loss
     is inf (skipped). ``save_at``: the state after that many steps. ``start``: the state to
-    resume from. ``on_shim``: called with the optimizer before the first step. Returns the
+    resume from. ``setup``: called with the optimizer before the first step. Returns the
     weights, losses, the final optimizer state and the saved one."""
     torch.manual_seed(0)
     model = Gated().to(dtype)
@@ -75,8 +75,8 @@ def train(layout: str, cfg: dict[str, Any], *, hooks: bool, dtype: torch.dtype =
     data, losses, out = batches(STEPS, dtype=dtype), [], {}
     with ZenFlowOptimizer(model.named_parameters(), config, lr=1e-2, weight_decay=0.01, max_grad_norm=clip) as opt:
         assert isinstance(opt.host.grads, GradCarry) == (layout == "carry")
-        if on_shim is not None:
-            on_shim(opt)
+        if setup is not None:
+            setup(opt)
         if start is not None:
             opt.load_state_dict(start["opt"])
         for t in steps:
@@ -161,6 +161,25 @@ def test_a_checkpoint_inside_an_interval_holds_the_same_sum_and_resumes(path: st
         resumed = train("carry", cfg, hooks=hooks, start=saved, steps=range(6, STEPS))
         assert all(torch.equal(resumed["weights"][n], carry["weights"][n]) for n in carry["weights"])
         same_state(resumed["state"], carry["state"])
+
+
+@pytest.mark.parametrize("path", ["step-path", "release"])
+def test_a_slow_cpu_update_is_waited_for_before_the_carry_is_overwritten(path: str) -> None:
+    """Overlap with one carry: the worker sleeps before each piece, so the next interval's first
+    step reaches the carry while the update still reads it; each overwrite waits until its piece
+    was read (acc_gate.py, counted), and the bits are the slots' (two sets: nothing waits)."""
+    hooks, cfg = PATHS[path]
+    waits: list[int] = []
+
+    def slow(opt: ZenFlowOptimizer) -> None:
+        opt.pipeline.worker.before_piece = lambda i: time.sleep(0.005)
+        step = opt.step
+        opt.step = lambda *a, **k: (s := step(*a, **k), waits.append(s.acc_gate_waits))[0]  # type: ignore[method-assign]
+
+    want = train("slots", cfg, hooks=hooks)
+    got = train("carry", cfg, hooks=hooks, setup=slow)
+    same_run(got, want)
+    assert sum(waits) > 0
 
 
 @pytest.mark.xfail(strict=True, reason="needs the interval-mean rule (i39rule)")
@@ -262,7 +281,7 @@ def shim_run(monkeypatch: pytest.MonkeyPatch, layout: str, *, fold_s: float = 0.
 
         opt.step = counted  # type: ignore[method-assign]
 
-    out = train(layout, {"ring_slots": ring_slots, **ONE_COLUMN}, hooks=True, on_shim=on_shim)
+    out = train(layout, {"ring_slots": ring_slots, **ONE_COLUMN}, hooks=True, setup=on_shim)
     monkeypatch.undo()
     out["waits"] = waits
     return out

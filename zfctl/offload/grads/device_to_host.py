@@ -11,7 +11,10 @@ update reads the interval on the host. Two kinds of path do it (docs/design.md, 
   :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks, during the
   last backward (release.py frees each ``.grad`` there with ``release_grads``); what no hook
   landed (no announced backward, a selection step, a matrix whose hook did not fire) step()
-  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix;
+  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix. Under
+  ``zenflow.tuning.grad_layout: carry`` the same stream lands each chunk in a small landing ring
+  instead and folds it into one fp32 sum per host element (carry.py ``GradCarry``: 4 B per
+  element instead of the slots' ``U x itemsize`` per set), with the same bits;
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device (device_acc.py);
   only the interval sum is copied device to host, once, at the boundary, into one fp32 buffer
   the worker reads as the chain's carry (slots.py).

@@ -34,6 +34,8 @@ Buffers and owners (docs/design.md, "Threads and buffer ownership"):
 | --- | --- | --- | --- |
 | device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``); at most ``budget_bytes`` in flight, across steps |
 | the step's slot (page-locked, slots.py) | copy stream (a chunk's D2H); the main thread's ``-0.0`` fill, after the last copy's event | the CPU worker at the boundary, after ``fence()`` | the set's next interval (two sets), or behind the worker's watermark (one set, acc_gate.py) |
+| the carry layout's landing ring slot (page-locked, carry.py) | copy stream (a chunk's D2H), into a free slot (the issuing thread waits for one) | the fold thread, after the copy's event; it folds the chunk into the carry | after its fold |
+| the carry (page-locked fp32, carry.py) | the fold thread (folds; a missing gradient's ``+0`` on an interval's first step) | the CPU worker at the boundary, after ``fence()`` (the last fold) | behind the worker's watermark with overlap (acc_gate.py, as one set) |
 
 The bound on device temporaries in flight (``budget_bytes``, counted across steps: the copies of
 one step may outlast the next backward at 7B) makes a hook wait for the oldest copy's event, on
@@ -48,7 +50,7 @@ calls once it has reduce-scattered each layer, on the stream that wrote ``.grad`
 through ``on_final`` when a param's ``.grad`` may be taken and freed.
 
 Without CUDA the same code runs synchronously: each copy is a plain host copy into the slot (that is
-how CI tests the logic).
+how CI tests the logic); under the carry layout the chunk is folded at once, on the same thread.
 """
 from __future__ import annotations
 
