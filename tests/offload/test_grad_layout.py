@@ -182,6 +182,33 @@ def test_a_slow_cpu_update_is_waited_for_before_the_carry_is_overwritten(path: s
     assert sum(waits) > 0
 
 
+def test_the_carry_is_the_partial_sum_a_streamed_save_reads() -> None:
+    """``partial_sum_into`` (the streamed save's chunk, the interface of the interval-mean rule's
+    slots) copies elements [lo, hi) of the carry: the same bits as the slots' ``partial_sum``."""
+    sums = {}
+    for layout in ("slots", "carry"):
+        model = tiny_net()
+        with ZenFlowOptimizer(model.named_parameters(), zen(topk_ratio=0.25, update_interval=4,
+                                                            grad_layout=layout)) as opt:
+            for x, y in batches(2):
+                opt.zero_grad(set_to_none=True)
+                opt.prepare_backward(final=True)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            opt.drain()
+            acc = opt.host.grads.partial_sum(0)
+            assert acc is not None
+            sums[layout] = acc
+            if layout == "carry":
+                n = opt.layout.host_numel
+                parts = [torch.empty(hi - lo) for lo, hi in ((0, n // 3), (n // 3, n))]
+                opt.host.grads.partial_sum_into(0, parts[0], 0, n // 3)
+                opt.host.grads.partial_sum_into(0, parts[1], n // 3, n)
+                assert torch.equal(torch.cat(parts), sums["carry"])
+            opt.host.canonicalize(acc, fresh=False)  # device-owned rows hold leftovers: nothing reads them
+    assert torch.equal(sums["carry"], sums["slots"]) and bool(sums["carry"].abs().sum())
+
+
 @pytest.mark.xfail(strict=True, reason="needs the interval-mean rule (i39rule)")
 def test_carry_is_bit_identical_to_slots_with_clipping() -> None:
     """Today the slots take each step's clip factor at the boundary, the carry only ``u`` on
