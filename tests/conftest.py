@@ -51,7 +51,7 @@ for folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p
 RANK_MODULES = frozenset({
     "test_checkpoint_shards", "test_checkpoint_trust", "test_clip_rule", "test_distributed",
     "test_distributed_cli", "test_failures", "test_fsdp", "test_fsdp_bf16", "test_fsdp_cli",
-    "test_fsdp_stream", "test_hsdp", "test_multinode", "test_offload_collective_order",
+    "test_fsdp_stream", "test_grad_layout_dist", "test_hsdp", "test_multinode", "test_offload_collective_order",
     "test_offload_stream_dist", "test_resume", "test_resume_faults", "test_resume_jobs",
     "test_resume_matrix", "test_run_safety", "test_stop_faults",
 })

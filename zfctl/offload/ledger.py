@@ -47,7 +47,10 @@ BYTE_KINDS: dict[str, str] = {
                    "the moves' device-side ids",
     # host memory, read + written
     "host.land": "gradient writes into host memory: a step's gradient slot (its DMA, a missing gradient's -0.0), "
-                 "the step()-path ring's host slots, the device path's sum",
+                 "the carry layout's landing ring slot (its DMA), the step()-path ring's host slots, the device "
+                 "path's sum",
+    "host.fold": "the carry layout (carry.py): a landed chunk's ring slot read and the fp32 carry read and written "
+                 "(written only on an interval's first step, and a missing gradient's +0 there)",
     "host.sum": "summing gradients: the CPU update's read of each gradient slot (adamw_sum), or of the "
                 "device path's fp32 sum, and an accumulation outside the update (a checkpoint's interval sum)",
     "host.update": "the CPU AdamW's read + write of master and moments (and the copy it writes, if any)",
@@ -68,8 +71,12 @@ WAIT_KINDS: dict[str, str] = {
     "host.cpu_update": "... the CPU update in flight is done (pipeline.py settle: collect, a drain)",
     "host.install_dma": "... the last install's DMA no longer reads the master (host.py wait_install)",
     "host.hook_budget": "... an earlier chunk's D2H, the temporaries in flight being over budget (stream.py)",
-    "host.slot_gate": "... one slot set: the CPU update in flight to have read the piece a write overwrites "
-                      "(acc_gate.py; counted when it blocks, as it depends on the worker's progress)",
+    "host.slot_gate": "... one slot set (or the carry): the CPU update in flight to have read the piece a write "
+                      "overwrites (acc_gate.py; counted when it blocks, as it depends on the worker's progress)",
+    "host.ring_full": "... the carry layout: a free landing ring slot, the fold of an earlier chunk (carry.py; "
+                      "CUDA only, counted when it blocks, as it depends on the fold thread's progress)",
+    "host.fold_drain": "... every fold into the carry issued so far (carry.py drain: checkpoints, loading, a "
+                       "release selection reading the carry, closing; CUDA only)",
     "host.slot_fill": "... the last copy into the slot, before a missing gradient's -0.0 fill (stream.py _fill)",
     "host.slot_drain": "... every gradient copy into a slot (stream.py drain: checkpoints, loading, closing)",
     "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
@@ -82,6 +89,8 @@ WAIT_KINDS: dict[str, str] = {
     "device.install": "... an install chunk's H2D copy (ring.py h2d)",
     "device.sum_copy": "... a matrix's copy out of the last interval sum (device_acc.py add)",
     "device.migrate": "... a selection's entering state (the migration's in stream), before the device AdamW",
+    # the carry layout's fold thread waits (CUDA only) for ...
+    "fold.copy": "... a chunk's D2H into its landing ring slot, before folding it into the carry (carry.py)",
     # the CPU worker waits, before its update, for ...
     "worker.grads": "... the interval's gradient sum to be complete (the path's fence)",
     "worker.install": "... the install DMA still reading the master",

@@ -105,6 +105,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.host: HostState | None = None
         self.transfers: Transfers | None = None
         self.gradient_path: GradientPath = NoHostColumns()  # replaced below when there are host columns
+        self.lands_early = True  # False: no backward is announced as final (carry.py, loss scaling)
         self.accumulate = "host"  # resolved zenflow.accumulate
         self.threads: int | None = None  # native threads of the CPU update
         # zenflow.tuning.release_grads (release.py): not under update_interval: auto, whose rule
@@ -114,9 +115,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.ledger = Ledger()  # each step's bytes and waits, counted where they happen (StepStats.bytes/waits)
         if self.layout.host_slots:
             # The hooks are the stream's own unless release.py's (release) or FSDP2's (shards) call it.
+            scaler = self.scaler
             side = build_host_side(self.layout, self.params, self.device, config, exchange=self.exchange,
-                                   hooks=self.sharded is None and not release, ledger=self.ledger)
+                                   hooks=self.sharded is None and not release, ledger=self.ledger,
+                                   unscale=(lambda: 1.0 / scaler.scale) if scaler is not None else None)
             self.host, self.transfers, self.gradient_path = side.host, side.transfers, side.path
+            self.lands_early = side.lands_early
             self.accumulate, self.threads = side.accumulate, side.threads
             if self.sharded is not None and isinstance(self.gradient_path, DuringBackward):
                 # The hook path on FSDP2 shards: autograd never accumulates into the local shards,
@@ -187,6 +191,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Announce the next backward: ``final=True`` if it is the last of this optimizer step (its
         gradients are then final and may leave for the host during it, device_to_host.py); False
         for earlier micro-batches. Optional: without it, step() moves the gradients itself."""
+        final = final and self.lands_early  # the carry layout under loss scaling: step() lands (carry.py)
         due = self.selector.due(self.pipeline.t)
         # A selection reads the whole .grad on the step() path; the release path keeps the column
         # scores it needs in the hooks instead, on one process (the ranks' scores are all-reduced

@@ -74,6 +74,14 @@ def ring_slot_bytes(want: int, nslots: int, max_rows: int, host_numel: int, item
     return -(-size // 64) * 64
 
 
+def carry_host_bytes(host_numel: int, ring_slots: int, slot_bytes: int) -> int:
+    """Host bytes of the carry gradient layout (carry.py; both page-locked on CUDA): the fp32
+    carry, 4 B per host element, plus the landing ring, ``ring_slots`` slots of ``slot_bytes``
+    (``ring_slot_bytes``: one D2H ring slot each). The slots layout's counterpart is
+    ``slots_per_set x sets x itemsize`` per host element."""
+    return 4 * host_numel + ring_slots * slot_bytes
+
+
 # --- migration.py: a selection's column migration ------------------------------------------------
 STAGE_BYTES = 64 * 2**20  # one packed DMA (each way), and one in-ring slot
 IN_SLOTS = 4  # in-ring slots: the host gathers slot i + 1 while the link moves slot i

@@ -2,7 +2,9 @@
 to have read what they overwrite.
 
 With two slot sets (``zenflow.tuning.host_accumulators: 2``, slots.py) the next interval lands in
-the other set and nothing waits. With one (``update_interval x itemsize`` B per host element
+the other set and nothing waits. The carry layout (carry.py) is one set: its one fp32 sum is read
+by the update as the next interval's first step overwrites it, so its writes (a chunk's copy into
+the landing ring, whose fold comes after; a missing gradient's ``+0``) wait here the same way. With one (``update_interval x itemsize`` B per host element
 less), the CPU update of interval k reads the set's slots while interval k+1's steps overwrite
 them. So the worker updates piece by piece, in a fixed order (the order the gradient path writes
 chunks in: ``GradientPath.write_order``), reading every slot of a piece at once, and publishes

@@ -11,7 +11,10 @@ update reads the interval on the host. Two kinds of path do it (docs/design.md, 
   :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks, during the
   last backward (release.py frees each ``.grad`` there with ``release_grads``); what no hook
   landed (no announced backward, a selection step, a matrix whose hook did not fire) step()
-  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix;
+  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix. Under
+  ``zenflow.tuning.grad_layout: carry`` the same stream lands each chunk in a small landing ring
+  instead and folds it into one fp32 sum per host element (carry.py ``GradCarry``: 4 B per
+  element instead of the slots' ``U x itemsize`` per set), with the same bits;
 * :class:`SummedOnDevice` (``accumulate: device``): the sum lives on the device (device_acc.py);
   only the interval sum is copied device to host, once, at the boundary, into one fp32 buffer
   the worker reads as the chain's carry (slots.py).
@@ -37,12 +40,18 @@ from zfctl.offload.device.pcie import count_waits
 from zfctl.offload.device.ring import Ring
 from zfctl.offload.grads.acc_gate import Waiter
 from zfctl.offload.grads.bandwidth import measure_d2h_gbps
+from zfctl.offload.grads.carry import GradCarry
 from zfctl.offload.grads.device_acc import DeviceAccumulator, resolve
 from zfctl.offload.grads.slots import GradSlots
 from zfctl.offload.grads.stream import GradStream
 from zfctl.offload.layout import Layout
 from zfctl.offload.ledger import NOWHERE, Ledger
-from zfctl.offload.sizing import inflight_bytes, ring_slot_bytes, slots_per_set  # the plan's rules too
+from zfctl.offload.sizing import (  # the plan's rules too
+    carry_host_bytes,
+    inflight_bytes,
+    ring_slot_bytes,
+    slots_per_set,
+)
 from zfctl.offload.stats import StepStats
 
 Fence = Callable[[], Any]
@@ -60,7 +69,7 @@ class Transfers:
             need = biggest.rows * itemsize / 2**20
             raise ConfigError("zenflow.tuning.ring_slot_mb", config.tuning.ring_slot_mb,
                               f"one column of {biggest.name!r} is {need:.3f} MiB; use at least that")
-        slot_bytes = ring_slot_bytes(want, config.tuning.ring_slots, biggest.rows, layout.host_numel, itemsize)
+        slot_bytes = _ring_slot_bytes(layout, config, itemsize)
         # D2H: the step's scalars only (``fetch``): gradients land in the interval's slots
         # (stream.py); its slot size cuts the chunks. H2D: the same column ranges of the install
         # source, copied straight from it into device slots: the model dtype (the upload buffer,
@@ -168,8 +177,9 @@ class InStep(NoHostColumns):
         else:
             budget = 4 * config.tuning.ring_slots * transfers.d2h.slot_bytes
         budget = min(budget, layout.host_numel * itemsize)
+        grads = transfers.host.grads
         self.stream = GradStream(params, layout.host_slots, device=device, budget_bytes=max(budget, 1),
-                                 exchange=exchange, hooks=hooks)
+                                 exchange=exchange, hooks=hooks, carry=grads if isinstance(grads, GradCarry) else None)
 
     def _waiter(self) -> Waiter | None:
         """One slot set: each write of a piece waits for the update in flight to have read it
@@ -264,11 +274,17 @@ class HostSide:
     path: GradientPath
     accumulate: str  # zenflow.accumulate as resolved: "host" or "device"
     threads: int  # native threads of the CPU update
+    # False: the gradient hooks must land nothing (the carry layout under loss scaling, carry.py:
+    # a skipped step's folds could not be taken back); step() lands the step after its check.
+    lands_early: bool = True
 
 
 def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.device, config: ZenFlowConfig, *,
-                    exchange: Any, hooks: bool = True, ledger: Ledger = NOWHERE) -> HostSide:
+                    exchange: Any, hooks: bool = True, ledger: Ledger = NOWHERE,
+                    unscale: Callable[[], float] | None = None) -> HostSide:
     """Host buffers, transfers and the gradient path (r < 1 only), chosen once here.
+    ``unscale``: the step's ``1 / loss_scale`` when the loss is scaled (fp16), read when a step's
+    landing opens (the carry layout folds with it, carry.py); None: 1.
     ``hooks=False``: the hook path registers no hooks on ``params``; release.py (``release_grads``)
     or FSDP2's hooks on the shards (sharded.py) call ``GradStream.on_grad``. ``ledger``: where the
     transfers, the gradient stream, the host state and the device sum count their bytes and waits."""
@@ -297,11 +313,18 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
             # this one (overlap): zenflow.tuning.host_accumulators (one: the next interval's writes
             # follow the worker, acc_gate.py).
             per_set = slots_per_set(config.update_interval, config.tuning.auto_max_interval)
-            set_bytes = per_set * itemsize * n
-            sets = slot_sets(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=True,
-                             committed_bytes=12 * n + set_bytes, set_bytes=set_bytes)
-            grads = GradSlots(n, dtype, per_set=per_set, sets=sets, pin=cuda_pin, device=device)
-            grad_bytes = sets * set_bytes
+            if config.tuning.grad_layout == "carry":  # one fp32 sum and a landing ring (carry.py)
+                slot_bytes = _ring_slot_bytes(layout, config, itemsize)
+                grads = GradCarry(n, dtype, per_set=per_set, pin=cuda_pin, device=device,
+                                  ring_slots=config.tuning.ring_slots, slot_bytes=slot_bytes,
+                                  unscale=unscale or (lambda: 1.0))
+                grad_bytes = carry_host_bytes(n, config.tuning.ring_slots, slot_bytes)
+            else:  # slots (auto reaches here as slots: the plan resolves it, settle.py)
+                set_bytes = per_set * itemsize * n
+                sets = slot_sets(config.tuning.host_accumulators, overlap=config.overlap_step, summed_on_host=True,
+                                 committed_bytes=12 * n + set_bytes, set_bytes=set_bytes)
+                grads = GradSlots(n, dtype, per_set=per_set, sets=sets, pin=cuda_pin, device=device)
+                grad_bytes = sets * set_bytes
         # bf16/fp16 (zenflow.tuning.upload_buffer): the CPU AdamW writes the installed params in
         # the model dtype (host.py upload) and only that buffer is page-locked for the install's
         # DMA; fp32, or without it: the master itself is.
@@ -311,6 +334,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
         transfers = Transfers(layout, host, device, config, itemsize, on_device=on_device)
     buffers = [host.master, host.exp_avg, host.exp_avg_sq, *grads.buffers]
     buffers += [t for t in (grads.carry[0] if grads.sum_buffer else None, host.upload) if t is not None]
+    if isinstance(grads, GradCarry):
+        buffers.append(grads.folds.ring)
     cores.bind_host(plan, _native, buffers)
     threads = cores.apply(plan, _native)
     path: GradientPath
@@ -321,8 +346,18 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
         path = DuringBackward(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
     else:
         path = InStep(transfers, params, device=device, config=config)
+    folds = grads.folds if isinstance(grads, GradCarry) else None
     for part in (transfers.d2h, transfers.h2d, host, host.gate, getattr(path, "stream", None),
-                 getattr(path, "sum", None)):
+                 getattr(path, "sum", None), folds):
         if part is not None:
             part.ledger = ledger  # each counts what it moves and waits for (ledger.py)
-    return HostSide(host, transfers, path, accumulate, threads)
+    # Under loss scaling the carry layout lands a step only after its overflow check (carry.py).
+    return HostSide(host, transfers, path, accumulate, threads, lands_early=folds is None or unscale is None)
+
+
+def _ring_slot_bytes(layout: Layout, config: ZenFlowConfig, itemsize: int) -> int:
+    """The D2H ring's slot size (``Transfers``'s rule, sizing.py): the carry's landing ring
+    slots are that size, so each chunk fits one."""
+    rows = max(s.rows for s in layout.host_slots)
+    want = int(config.tuning.ring_slot_mb * 2**20)
+    return ring_slot_bytes(want, config.tuning.ring_slots, rows, layout.host_numel, itemsize)

@@ -34,6 +34,8 @@ Buffers and owners (docs/design.md, "Threads and buffer ownership"):
 | --- | --- | --- | --- |
 | device temporaries | compute stream (transpose) | copy stream | the copy's event (``record_stream``); at most ``budget_bytes`` in flight, across steps |
 | the step's slot (page-locked, slots.py) | copy stream (a chunk's D2H); the main thread's ``-0.0`` fill, after the last copy's event | the CPU worker at the boundary, after ``fence()`` | the set's next interval (two sets), or behind the worker's watermark (one set, acc_gate.py) |
+| the carry layout's landing ring slot (page-locked, carry.py) | copy stream (a chunk's D2H), into a free slot (the issuing thread waits for one) | the fold thread, after the copy's event; it folds the chunk into the carry | after its fold |
+| the carry (page-locked fp32, carry.py) | the fold thread (folds; a missing gradient's ``+0`` on an interval's first step) | the CPU worker at the boundary, after ``fence()`` (the last fold) | behind the worker's watermark with overlap (acc_gate.py, as one set) |
 
 The bound on device temporaries in flight (``budget_bytes``, counted across steps: the copies of
 one step may outlast the next backward at 7B) makes a hook wait for the oldest copy's event, on
@@ -48,7 +50,7 @@ calls once it has reduce-scattered each layer, on the stream that wrote ``.grad`
 through ``on_final`` when a param's ``.grad`` may be taken and freed.
 
 Without CUDA the same code runs synchronously: each copy is a plain host copy into the slot (that is
-how CI tests the logic).
+how CI tests the logic); under the carry layout the chunk is folded at once, on the same thread.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ import torch
 from zfctl.offload.device.chunks import Chunk
 from zfctl.offload.device.pcie import copy_async
 from zfctl.offload.grads.acc_gate import Waiter
+from zfctl.offload.grads.carry import GradCarry
 from zfctl.offload.layout import as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.stats import StepStats
@@ -96,8 +99,12 @@ class GradStream:
     ledger: Ledger = NOWHERE  # where its bytes and waits are counted (ledger.py; the optimizer's own)
 
     def __init__(self, params: list[torch.Tensor], slots: list[Any], *, device: torch.device, budget_bytes: int,
-                 exchange: Any = None, hooks: bool = True) -> None:
+                 exchange: Any = None, hooks: bool = True, carry: GradCarry | None = None) -> None:
         self.cuda = device.type == "cuda"
+        # The carry layout (carry.py): each chunk lands in a ring slot and is folded into the
+        # carry with the step's (u, overwrite), taken when the window opens; None: the slots layout.
+        self.carry = carry
+        self.fold_args = (1.0, False)
         self.device = device
         self.params = params
         # release.py: called with each param index whose host columns a hook has just landed (after
@@ -144,6 +151,8 @@ class GradStream:
         for ch in chunks:
             self.chunks.setdefault(ch.slot.index, []).append(ch)
         self.dst, self.wait_read = dst, wait_read
+        if self.carry is not None:
+            self.fold_args = self.carry.step_fold()
 
     def arm(self, chunks: list[Chunk], dst: torch.Tensor, wait_read: Waiter | None = None) -> None:
         """Stream the next backward's final gradients into ``dst`` from their hooks."""
@@ -220,15 +229,17 @@ class GradStream:
         dst = self.dst
         assert dst is not None  # open() gave the slot
         for ch in chunks:
-            view = dst[ch.off : ch.off + ch.numel]
             if self.wait_read is not None:
-                self.wait_read(ch.off)  # one slot set: the update in flight has read this piece
+                self.wait_read(ch.off)  # one slot set (or the carry): the update in flight has read this piece
+            ring = self.carry.folds.slot(ch.numel) if self.carry is not None else None  # carry.py: a ring slot
+            view = ring[1] if ring is not None else dst[ch.off : ch.off + ch.numel]
             self.landed.append(ch)
             nbytes = ch.numel * view.element_size()
             self.ledger.moved("d2h.grad", nbytes)  # PCIe D2H (CPU: what would cross it) ...
-            self.ledger.moved("host.land", nbytes)  # ... written into the step's slot
+            self.ledger.moved("host.land", nbytes)  # ... written into the step's slot (carry: a ring slot)
             if not self.cuda:
                 view.view(ch.c1 - ch.c0, ch.slot.rows).copy_(gm[:, ch.c0 : ch.c1].t())
+                self._fold(ring, ch, None)
                 continue
             self._make_room(ch.numel * view.element_size())
             assert self.copy_stream is not None  # CUDA: created in __init__
@@ -241,6 +252,14 @@ class GradStream:
             tmp.record_stream(self.copy_stream)  # the temporary lives until its copy is done
             self.inflight.append((self.last, tmp.numel() * tmp.element_size()))
             self.inflight_bytes += self.inflight[-1][1]
+            self._fold(ring, ch, self.last)  # carry: the fold thread waits for this copy's event
+
+    def _fold(self, ring: tuple[int, torch.Tensor] | None, ch: Chunk, event: Any) -> None:
+        """The carry layout: fold the chunk landed in ring slot ``ring`` (once ``event`` fired)
+        into the carry at ``ch.off`` (carry.py); nothing on the slots layout."""
+        if self.carry is not None and ring is not None:
+            u, overwrite = self.fold_args
+            self.carry.folds.fold(event, ring[0], ch.off, ch.numel, u, overwrite)
 
     def _fill(self, chunks: list[Chunk]) -> None:
         """A param without a gradient this step: ``-0.0`` into its chunks of the slot (host writes,
@@ -249,6 +268,13 @@ class GradStream:
         missing gradient only)."""
         dst = self.dst
         assert dst is not None
+        if self.carry is not None:  # carry.py: nothing to add, but +0 on an interval's first step
+            u, overwrite = self.fold_args
+            for ch in chunks:
+                if self.wait_read is not None:
+                    self.wait_read(ch.off)
+                self.carry.folds.fold(None, None, ch.off, ch.numel, u, overwrite)
+            return
         if chunks and self.last is not None:
             t0 = time.perf_counter()
             with self.ledger.waiting("host.slot_fill"):
@@ -300,13 +326,18 @@ class GradStream:
 
     def skip(self) -> None:
         """The step was skipped (fp16 overflow): what landed is dropped; the next step rewrites
-        the same slot (its copies queue after these on the copy stream)."""
+        the same slot (its copies queue after these on the copy stream). The carry layout lands
+        nothing before the overflow check (carry.py): a fold cannot be taken back."""
+        assert self.carry is None or not self.landed, "carry layout: no fold before the overflow check"
         self.armed = False
         self._reset_window()
 
     def fence(self) -> Callable[[], None] | None:
         """The wait the CPU worker does before it reads the slots written so far: the last copy's
-        event (None on CPU, where every copy is synchronous)."""
+        event (None on CPU, where every copy is synchronous); the carry layout: the last fold
+        issued (carry.py, which comes after its copy)."""
+        if self.carry is not None:
+            return self.carry.folds.fence()
         last = self.last
         return last.synchronize if last is not None else None
 
@@ -315,6 +346,8 @@ class GradStream:
         if self.last is not None:
             with self.ledger.waiting("host.slot_drain"):
                 self.last.synchronize()
+        if self.carry is not None:
+            self.carry.folds.drain()  # and every fold into the carry (carry.py)
 
     def close(self) -> None:
         for h in self._handles:
@@ -323,3 +356,5 @@ class GradStream:
         while self.inflight:  # copies into the slots must land before they are unpinned
             self.inflight.popleft()[0].synchronize()
         self.inflight_bytes = 0
+        if self.carry is not None:
+            self.carry.folds.close()  # the folds of those copies, then the fold thread stops
