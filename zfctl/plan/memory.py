@@ -91,13 +91,14 @@ from typing import Literal
 
 # The engine's size rules are torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
 from zfctl.offload.sizing import AUTO_DEVICE_SHARE
+from zfctl.plan.items import MemoryItem
+from zfctl.plan.layouts import choose, grow_staging
 from zfctl.plan.lines import (
     ASSUMED_D2H_GBPS,
     CHECKPOINT_CHUNK,
     COLUMN_BYTES,
     CUDA_CONTEXT,
     PROCESS_BASELINE,
-    MemoryItem,
     _fill,
     process_lines,
 )
@@ -142,6 +143,9 @@ class MemoryEstimate:
     node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
     host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
     upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
+    grad_layout: str = "slots"  # zenflow.tuning.grad_layout as resolved (layouts.py)
+    staging_mb: float = 2048.0  # zenflow.tuning.staging_mb as resolved: the selection out buffer's cap, MiB
+    resume_carry: float = 0.0  # slots: a resume inside an interval holds this fp32 carry for that interval (transient)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -164,7 +168,8 @@ class MemoryEstimate:
 def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | None = None) -> MemoryEstimate:
     """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this
     one). ``size``: the model's, when known better than the plan says (a built hub model,
-    zfctl/plan/sizes.py ``size_of_model``); default: from the plan (``model_size``)."""
+    zfctl/plan/sizes.py ``size_of_model``); default: from the plan (``model_size``). The
+    gradient layout's ``auto`` fields are decided here (layouts.py ``choose``)."""
     machine = machine or target_machine(plan.machine)
     d = plan.distributed
     strategy = d.strategy
@@ -178,29 +183,30 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
     size = size if size is not None else model_size(plan)
+    return choose(plan, machine, device_kind,
+                  lambda p: _estimate(p, machine, size, strategy=strategy, device_kind=device_kind))
+
+
+def _estimate(plan: RunPlan, machine: Machine, size: ModelSize | None, *, strategy: Literal["zero2", "fsdp"],
+              device_kind: str) -> MemoryEstimate:
+    """The estimate of a plan whose strategy and gradient layout are decided."""
+    d, z = plan.distributed, plan.zenflow
     items: list[MemoryItem] = []
     notes: list[str] = []
-    accumulate: Literal["host", "device"] = "host"
     world, per_node = d.nproc * d.nodes, d.nproc
-    n_acc = 1
+    room = 0.0
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        # First, so that the auto rules below (the device accumulator, a second host accumulator)
-        # count what the process holds before any buffer of the run.
+        # First, so that the auto rules (layouts.py, the upload buffer) count what the process
+        # holds before any buffer of the run.
         process_lines(items, device_kind)
-        accumulate, n_acc = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
-    device_total = sum(i.bytes for i in items if i.where == "device")
-    host_total = sum(i.bytes for i in items if i.where == "host")
-    node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
-    if strategy == "fsdp" and world > 1 and size is not None:
-        # zfctl/train/recipe.py: the ranks of a node take turns building the whole model in host
-        # RAM and sharding it, before any optimizer state exists; the node's peak is the larger.
-        load = (4 if plan.train.precision == "fp32" else 2) * size.params
-        notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
-                     f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
-        node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
-                        (per_node - 1) * load / fsdp_shards(plan))
+        room = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
+    device_total, host_total, node_host = _totals(plan, items, device_kind, size, notes, strategy)
+    staging_mb = 2048.0 if z.tuning.staging_mb == "auto" else float(z.tuning.staging_mb)
+    if z.tuning.staging_mb == "auto" and size is not None:  # what the host has to spare, after every other line
+        staging_mb = grow_staging(plan, items, room, node_host, machine, per_node)
+        device_total, host_total, node_host = _totals(plan, items, device_kind, size, [], strategy)
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node,
                        baseline=per_node * PROCESS_BASELINE[device_kind])
     if strategy == "fsdp" and d.hsdp and world > 1:
@@ -208,8 +214,33 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
                      f"of a node, each of the {d.nodes} nodes holding a whole copy")
     if d.strategy == "auto" and strategy == "fsdp":
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
+    master = sum(i.bytes for i in items if i.name == "fp32 master")
+    slots = z.tuning.grad_layout == "slots" and z.accumulate == "host"
+    resume = master if slots and z.update_interval != 1 else 0.0  # 4 B per host element (layouts.py resume_note)
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
-                          accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
-                          node_host_total=node_host, upload_buffer=any(i.name == "upload buffer" for i in items))
+                          accumulate="device" if z.accumulate == "device" else "host",
+                          host_accumulators=int(z.tuning.host_accumulators), strategy=strategy, world_size=world,
+                          ranks_per_node=per_node, node_host_total=node_host,
+                          upload_buffer=any(i.name == "upload buffer" for i in items),
+                          grad_layout=z.tuning.grad_layout, staging_mb=staging_mb, resume_carry=resume)
 
+
+def _totals(plan: RunPlan, items: list[MemoryItem], device_kind: str, size: ModelSize | None, notes: list[str],
+            strategy: str) -> tuple[float, float, float]:
+    """(device total, host total per rank, one node's host RAM) of ``items``; fsdp's model load
+    may set the node's peak (a note says so)."""
+    d = plan.distributed
+    per_node = d.nproc
+    device_total = sum(i.bytes for i in items if i.where == "device")
+    host_total = sum(i.bytes for i in items if i.where == "host")
+    node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
+    if strategy == "fsdp" and d.nproc * d.nodes > 1 and size is not None:
+        # zfctl/train/recipe.py: the ranks of a node take turns building the whole model in host
+        # RAM and sharding it, before any optimizer state exists; the node's peak is the larger.
+        load = (4 if plan.train.precision == "fp32" else 2) * size.params
+        notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
+                     f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
+        node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
+                        (per_node - 1) * load / fsdp_shards(plan))
+    return device_total, host_total, node_host
