@@ -101,7 +101,8 @@ def check_layout(plan: RunPlan, est: MemoryEstimate, machine: Machine, *, size: 
         return
     slots = est.item("gradient slots")
     lean = estimate(with_layout(plan, "carry"), machine, size=size)
-    need, usable, ram = gb_apart(est.node_host_total, host_limit(machine), machine.host_ram)
+    need, usable, ram = gb_apart(est.node_host_total, host_limit(machine), machine.host_ram,
+                                 decimals=2 if machine.host_ram < 10 * GB else 1)
     head = (f"zenflow.tuning.grad_layout=slots: this host cannot hold the gradient slots ({_gb(slots)}, "
             f"{bytes_per_element(plan, Layout('host', 'slots', est.host_accumulators))} B per host element per "
             f"interval): the plan needs {need} of host RAM, {usable} of {ram} may be used")
