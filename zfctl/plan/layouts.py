@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from zfctl.offload.sizing import AUTO_DEVICE_SHARE, STAGE_BYTES, slots_per_set
 from zfctl.plan.items import MemoryItem
@@ -50,8 +50,8 @@ STAGING_SHARE = 0.25
 class Layout:
     """One way to hold an interval's host-owned gradient."""
 
-    accumulate: str  # "host" | "device"
-    grad_layout: str  # "slots" | "carry" (the device path's host side is one fp32 sum: "carry")
+    accumulate: Literal["host", "device"]
+    grad_layout: Literal["slots", "carry"]  # the device path's host side is one fp32 sum: "carry"
     sets: int  # slot sets (zenflow.tuning.host_accumulators)
 
     def words(self) -> str:
@@ -91,7 +91,7 @@ def candidates(plan: RunPlan, device_kind: str) -> list[Layout]:
             continue  # no device to sum on, or a host layout was asked for
         if lay.accumulate == "host" and tu.grad_layout not in ("auto", lay.grad_layout):
             continue
-        layout = lay.grad_layout if tu.grad_layout == "auto" else tu.grad_layout
+        layout: Literal["slots", "carry"] = lay.grad_layout if tu.grad_layout == "auto" else tu.grad_layout
         if tu.host_accumulators != "auto":
             sets = int(tu.host_accumulators)  # kept as given (carry and the device path have no sets)
         else:

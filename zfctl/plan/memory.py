@@ -143,7 +143,7 @@ class MemoryEstimate:
     node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
     host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
     upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
-    grad_layout: str = "slots"  # zenflow.tuning.grad_layout as resolved (layouts.py)
+    grad_layout: Literal["slots", "carry"] = "slots"  # zenflow.tuning.grad_layout as resolved (layouts.py)
     staging_mb: float = 2048.0  # zenflow.tuning.staging_mb as resolved: the selection out buffer's cap, MiB
     resume_carry: float = 0.0  # slots: a resume inside an interval holds this fp32 carry for that interval (transient)
 
@@ -223,7 +223,8 @@ def _estimate(plan: RunPlan, machine: Machine, size: ModelSize | None, *, strate
                           host_accumulators=int(z.tuning.host_accumulators), strategy=strategy, world_size=world,
                           ranks_per_node=per_node, node_host_total=node_host,
                           upload_buffer=any(i.name == "upload buffer" for i in items),
-                          grad_layout=z.tuning.grad_layout, staging_mb=staging_mb, resume_carry=resume)
+                          grad_layout="carry" if z.tuning.grad_layout == "carry" else "slots",
+                          staging_mb=staging_mb, resume_carry=resume)
 
 
 def _totals(plan: RunPlan, items: list[MemoryItem], device_kind: str, size: ModelSize | None, notes: list[str],

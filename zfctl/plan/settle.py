@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Literal
 
 from zfctl.errors import UserError
 from zfctl.plan.fit import resolve_activation_checkpointing
@@ -112,7 +113,7 @@ def check_layout(plan: RunPlan, est: MemoryEstimate, machine: Machine, *, size: 
                     f"{_gb(lean.node_host_total)}) fits: --set zenflow.tuning.grad_layout=carry (or auto)")
 
 
-def with_layout(plan: RunPlan, layout: str) -> RunPlan:
+def with_layout(plan: RunPlan, layout: Literal["slots", "carry"]) -> RunPlan:
     """``plan`` with ``zenflow.tuning.grad_layout`` set (its other fields as they are)."""
     return replace(plan, zenflow=replace(plan.zenflow, tuning=replace(plan.zenflow.tuning, grad_layout=layout)))
 
