@@ -67,11 +67,9 @@ def train_steps(model, opt, steps: int) -> None:
         opt.step()
 
 
-def engine_lines(est, *, checkpoint: bool = False) -> float:
-    """The plan's engine lines; ``checkpoint``: with those held only around a checkpoint taken or
-    resumed inside an interval (``checkpoint interval sum``)."""
-    return sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload")
-               and (checkpoint or not i.name.startswith("checkpoint")))
+def engine_lines(est) -> float:
+    """The plan's engine lines (a resume inside an interval adds ``est.resume_carry``, a note)."""
+    return sum(i.bytes for i in est.items if i.code.startswith("zfctl/offload"))
 
 
 def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: int = 3) -> tuple[int, float]:

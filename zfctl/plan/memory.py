@@ -36,18 +36,26 @@ host    fp32 master           4 H      page-locked on CUDA when the install DMAs
                                        host holds it): the CPU AdamW's model-dtype copy of the host
                                        columns, what an install DMAs instead; page-locked on CUDA
         fp32 moments          8 H
-        gradient slots        w H S n  host paths: a slot per step of an interval (S = update_interval,
-                                       auto: auto_max_interval), n = 1 set, 2 with overlap_step when
-                                       tuning.host_accumulators resolves to 2; page-locked on CUDA
-        checkpoint interval sum 4 H    host paths, a checkpoint saved or resumed inside an interval
+        gradient slots        w H S n  grad_layout slots: a slot per step of an interval (S =
+                                       update_interval, auto: auto_max_interval), n = 1 set, 2 with
+                                       overlap_step when tuning.host_accumulators resolves to 2;
+                                       page-locked on CUDA
+        gradient carry        4 H      grad_layout carry: one fp32 sum, each landed chunk folded in
+        landing ring          ring_slots x ring slot (model dtype)  grad_layout carry: where a chunk
+                                       lands before its fold; page-locked on CUDA
         gradient accumulators 4 H      accumulate=device: each interval's fp32 sum lands here
+                                       (no line for a checkpoint inside an interval: the save streams
+                                       its partial sum; a resume under slots holds it as a 4 H carry
+                                       for that interval, ``resume_carry``, a note)
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
-        selection staging     min(256 MiB, ~12 K) + min(2 GiB, 12 K) + 32 Kc  a selection's column
+        selection staging     min(256 MiB, ~12 K) + min(cap, 12 K) + 32 Kc  a selection's column
                                        migration (one process or fsdp; zero2 ranks migrate by
                                        collectives): the in ring, the out buffer that holds the
                                        leaving state until the CPU worker writes it (16 K with
-                                       release_grads' gradient), the ids; page-locked on CUDA
+                                       release_grads' gradient; cap: tuning.staging_mb, auto: a
+                                       quarter of the host's spare, 64 MiB-2 GiB: layouts.py
+                                       grow_staging), the ids; page-locked on CUDA
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
 device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host
@@ -68,15 +76,15 @@ lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-r
   (``MemoryEstimate.strategy``).
 
 Page-locked buffers are pinned at their exact size (zfctl/offload/device/pinned.py), so no line carries
-the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
-``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
-GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
-``host`` (``MemoryEstimate.accumulate``, and a note). ``zenflow.tuning.host_accumulators: auto``
-resolves here the same way (``MemoryEstimate.host_accumulators``): with ``overlap_step`` on a host
-path, 2 slot sets when the host total with the second set stays within what the verdict lets
-the host use, else 1. zfctl/plan/settle.py writes both answers into the plan, once, for the plan's
-machine; the run builds them (zfctl/train/optim.py) and only checks that its machine holds the
-plan (zfctl/plan/holds.py).
+the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate``,
+``zenflow.tuning.grad_layout`` and ``zenflow.tuning.host_accumulators`` resolve here, together
+(zfctl/plan/layouts.py ``choose``): the first of two slot sets, one, the fp32 carry and the
+device accumulator (only within ``AUTO_DEVICE_SHARE`` of the GPU: the activation estimate is
+rough, so the margin is wider than the verdict's) whose whole estimate fits the host and the
+device, with notes; then ``upload_buffer`` and ``staging_mb`` take what is left.
+zfctl/plan/settle.py writes the answers into the plan, once, for the plan's machine; the run
+builds them (zfctl/train/optim.py) and only checks that its machine holds the plan
+(zfctl/plan/holds.py).
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
 (``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
