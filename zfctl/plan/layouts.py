@@ -29,16 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from zfctl.offload.sizing import AUTO_DEVICE_SHARE, STAGE_BYTES, slots_per_set
-from zfctl.plan.items import MemoryItem
+from zfctl.plan.items import MemoryEstimate, MemoryItem
 from zfctl.plan.machine import GB, Machine
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.verdict import host_limit, shortfall
-
-if TYPE_CHECKING:
-    from zfctl.plan.memory import MemoryEstimate
 
 # The out buffer takes this share of what the host has to spare after every other line: it saves
 # a selection's wait, never memory, and the rest of the spare is margin for what the plan

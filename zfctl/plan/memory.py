@@ -94,12 +94,12 @@ On a machine without CUDA the device side lives in host RAM too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Literal
 
 # The engine's size rules are torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
 from zfctl.offload.sizing import AUTO_DEVICE_SHARE
-from zfctl.plan.items import MemoryItem
+from zfctl.plan.items import MemoryEstimate, MemoryItem
 from zfctl.plan.layouts import choose, grow_staging
 from zfctl.plan.lines import (
     ASSUMED_D2H_GBPS,
@@ -120,7 +120,7 @@ from zfctl.plan.sizes import (
     model_size,
     shard_shapes,
 )
-from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, NO_MODEL_FITS, _verdict, host_limit
+from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, _verdict, host_limit
 
 # The lines (lines.py), the sizes (sizes.py) and the verdict (verdict.py) live in their own
 # modules; this one assembles them. GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported:
@@ -129,48 +129,6 @@ from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, NO_MODEL_FITS, _verd
 __all__ = ["ASSUMED_D2H_GBPS", "AUTO_DEVICE_SHARE", "CHECKPOINT_CHUNK", "COLUMN_BYTES", "CUDA_CONTEXT",
            "DEVICE_MARGIN", "GB", "HOST_RESERVE", "PROCESS_BASELINE", "Counts", "Machine", "MemoryEstimate", "MemoryItem", "ModelSize", "estimate",
            "fsdp_shards", "host_limit", "layout_counts", "model_size", "parse_size", "shard_shapes"]
-
-
-@dataclass
-class MemoryEstimate:
-    """The estimate: per-item bytes, totals, the machine, and a verdict with reasons."""
-
-    size: ModelSize | None
-    items: list[MemoryItem]
-    device_total: float
-    host_total: float
-    device_kind: str  # "cuda" | "cpu": where the plan's device side would live
-    machine: Machine
-    fits: bool
-    reasons: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for the machine
-    strategy: Literal["zero2", "fsdp"] = "zero2"  # distributed.strategy as resolved (auto: module docstring)
-    world_size: int = 1
-    ranks_per_node: int = 1
-    node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
-    host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
-    upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
-    grad_layout: Literal["slots", "carry"] = "slots"  # zenflow.tuning.grad_layout as resolved (layouts.py)
-    staging_mb: float = 2048.0  # zenflow.tuning.staging_mb as resolved: the selection out buffer's cap, MiB
-    resume_carry: float = 0.0  # slots: a resume inside an interval holds this fp32 carry for that interval (transient)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        if d["size"] is not None:  # the per-parameter shapes are an input, not a result
-            d["size"].pop("shapes")
-            d["size"].pop("vocab_names")
-        return d
-
-    @property
-    def no_model_fits(self) -> str | None:
-        """The reason no model fits the machine (the process alone is more than its host may
-        use; no change of the plan helps), else None."""
-        return next((r for r in self.reasons if r.startswith(NO_MODEL_FITS)), None)
-
-    def item(self, name: str) -> float:
-        """Bytes of the item called `name` (0 if absent)."""
-        return sum(i.bytes for i in self.items if i.name == name)
 
 
 def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | None = None) -> MemoryEstimate:

@@ -8,7 +8,7 @@ items.py, never from lines.py, which imports ``host_limit`` from here.
 
 from __future__ import annotations
 
-from zfctl.plan.items import MemoryItem
+from zfctl.plan.items import NO_MODEL_FITS, MemoryItem
 from zfctl.plan.machine import GB, Machine
 
 DEVICE_MARGIN = 0.05  # the verdict keeps 5% of the GPU for the allocator's fragmentation
@@ -20,9 +20,6 @@ def host_limit(machine: Machine) -> float:
     return machine.host_ram - min(HOST_RESERVE, 0.25 * machine.host_ram)
 
 
-# How the verdict's first reason opens when the process alone is more than the host may use: no
-# model, and no change of the plan, fits (zfctl/plan/fit.py tries none; `zfctl plan` prints it alone).
-NO_MODEL_FITS = "no model fits"
 
 
 def gb(x: float) -> str:
