@@ -140,10 +140,12 @@ def _notes(plan: RunPlan, lay: Layout, est: MemoryEstimate, tried: list[tuple[La
     if lay.accumulate == "host":
         others = [f"{o.words()} ({bytes_per_element(plan, o)} B, {_gb(_layout_bytes(e))})" for o, e in tried if o != lay]
         why = f"; does not fit: {'; '.join(others)}" if others else ""
-        out.append(f"zenflow.tuning.grad_layout{auto}: {lay.grad_layout}, {bytes_per_element(plan, lay)} B per host "
-                   f"element per interval ({_layout_text(est)}){why}")
+        short = any(r.startswith("host RAM") for r in est.reasons)
+        closest = " (the host holds no layout: the closest)" if short else ""
+        out.append(f"zenflow.tuning.grad_layout{auto}: {lay.grad_layout}{closest}, {bytes_per_element(plan, lay)} B "
+                   f"per host element per interval ({_layout_text(est)}){why}")
     if z.accumulate == "auto" or lay.accumulate == "device":
-        acc = 4.0 * est.item("fp32 master") / 4
+        acc = est.item("fp32 master")  # the device's fp32 sum: 4 B per host element, as the master
         how = " (auto)" if z.accumulate == "auto" else ""
         out.append(f"zenflow.accumulate{how}: {lay.accumulate}; the device accumulator costs {acc / GB:.2f} GB of "
                    f"device memory, {'used' if lay.accumulate == 'device' else 'not used'}")
