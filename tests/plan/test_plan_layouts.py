@@ -101,3 +101,15 @@ def test_fit_moves_a_fixed_layout_first_and_says_what_it_costs() -> None:
     [change] = fit(plan).changes
     assert change.cost == ("gradient layout carry: 4 B per host element per interval on the host (was 16 B): "
                            "speed only")
+
+
+def test_a_host_smaller_than_planned_is_told_the_carry() -> None:
+    """The run's check (holds.py) on a host smaller than the plan's: re-plan, or the carry, which
+    holds 4 B per host element where two sets of 4 bf16 slots hold 16."""
+    from zfctl.plan.holds import _host_fix
+
+    est = seven_b(machine=Machine(512 * GB, True, "gpu", 48 * GB))
+    assert (est.grad_layout, est.host_accumulators) == ("slots", 2)
+    fix = _host_fix(resolve_plan("llama2-7b", "alpaca"), est, 150 * GB, None)
+    assert fix == ("re-plan for it: --host-memory 150.0GB --fit, or --set zenflow.tuning.grad_layout=carry "
+                   f"(about {(16 - 4) * P2 / GB:.1f} GB less)")
