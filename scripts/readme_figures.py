@@ -75,7 +75,7 @@ def unboxed(lines: list[str]) -> list[str]:
     return out
 
 
-PLAN_7B = ("llama2-7b", "--data", "alpaca", "--gpu-memory", "80GB", "--host-memory", "128GB")
+PLAN_7B = ("llama2-7b", "--data", "alpaca", "--gpu-memory", "48GB", "--host-memory", "128GB")
 NO_FIT = ("llama3.2-1b", "--data", "alpaca", "--set", "data.max_length=4096", "--set", "train.micro_batch_size=4",
           "--set", "train.activation_checkpointing=false", "--gpu-memory", "40GB", "--host-memory", "256GB")
 
@@ -115,10 +115,7 @@ def memory_row(gpu: str) -> str:
     """One row of the Memory section's table: the 7B plan on a GPU of ``gpu`` with a 128 GB host."""
     d = plan_json(gpu)
     m, plan = d["memory"], d["plan"]
-    acc, n = m["accumulate"], m["host_accumulators"]
-    how = f"`accumulate` resolves to `{acc}`"
-    if acc == "host":  # per-step gradient slots on the host (zfctl/offload/grads/slots.py), n sets
-        how += f": gradients stream during backward into per-step slots; {n} slot set{'s' if n > 1 else ''}"
+    how = f"`grad_layout` resolves to `{m['grad_layout']}`" if m["accumulate"] == "host" else "`accumulate: device`"
     if plan["train"]["activation_checkpointing"]:
         how += "; activation checkpointing on"
     short = " ".join(m["reasons"])
@@ -133,7 +130,25 @@ def memory_row(gpu: str) -> str:
 
 def block_memory_7b() -> str:
     return ("| Llama-2-7B, bf16, 1 x 512 tokens, `default` preset, 128 GB host | host | device |\n"
-            "| --- | ---: | ---: |\n" + memory_row("80GB") + "\n" + memory_row("24GB") + "\n")
+            "| --- | ---: | ---: |\n" + memory_row("80GB") + "\n" + memory_row("48GB") + "\n" + memory_row("24GB") + "\n")
+
+
+def block_memory_layouts() -> str:
+    """The Memory section's table: host bytes per parameter of Llama-2-7B on 48 GB + 128 GB under
+    each gradient layout (zfctl/cli/doctor.py ``host_bytes_per_param``, zfctl/plan/layouts.py)."""
+    from zfctl.cli.doctor import REFERENCE_MACHINE, host_bytes_per_param
+    from zfctl.plan import resolve_plan
+    from zfctl.plan.layouts import ORDER, bytes_per_element
+
+    plan = resolve_plan("llama2-7b", "alpaca")
+    per = host_bytes_per_param()
+    gpu, host = REFERENCE_MACHINE
+    rows = []
+    for lay in ORDER:
+        where = " (+ 4 B on the GPU)" if lay.accumulate == "device" else ""
+        rows.append(f"| {lay.words()} | {bytes_per_element(plan, lay)} B{where} | {per[lay.words()]:.1f} B |")
+    return (f"| gradient layout (fastest first) | gradient, per host element per interval | host total per parameter, "
+            f"Llama-2-7B on {gpu} + {host} |\n| --- | ---: | ---: |\n" + "\n".join(rows) + "\n")
 
 
 # What each model preset's row of the README's presets table (and the memory line of its file's
@@ -176,8 +191,8 @@ def preset_memory(name: str) -> tuple[str, str, str]:
         on = f"{data}; {d.nodes} nodes x {d.nproc} GPUs of {gpu.removesuffix('GB')} GB, {host.removesuffix('GB')} GB host each, {est.strategy}"
         cells = f"{_gb(est.node_host_total)} per node", f"{_gb(est.device_total)} per GPU"
     else:
-        where = "GPU" if est.accumulate == "device" else "host"
-        on = f"{data}; {gpu.removesuffix('GB')} GB GPU, {host.removesuffix('GB')} GB host, gradient sum on the {where}"
+        where = "the gradient sum on the GPU" if est.accumulate == "device" else f"grad_layout {est.grad_layout}"
+        on = f"{data}; {gpu.removesuffix('GB')} GB GPU, {host.removesuffix('GB')} GB host, {where}"
         cells = _gb(est.host_total), _gb(est.device_total)
     return (on if est.fits else f"{on}: does not fit"), *cells
 
@@ -204,11 +219,11 @@ def smollm2_ram() -> str:
     return _demo().smollm2_memory(CPU_MACHINE).removesuffix(" RAM")
 
 
-def bytes_per_param(where: str) -> str:
-    """Llama-2-7B's host bytes per parameter as `zfctl doctor` prints them, e.g. '16.7 B'."""
+def bytes_per_param(layout: str) -> str:
+    """Llama-2-7B's host bytes per parameter under ``layout`` as `zfctl doctor` prints them, e.g. '16.5 B'."""
     from zfctl.cli.doctor import host_bytes_per_param
 
-    return f"{host_bytes_per_param()[where]:.1f} B"
+    return f"{host_bytes_per_param()[layout]:.1f} B"
 
 
 def llama2_7b_params() -> float:
@@ -280,6 +295,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "plan-7b": block_plan_7b,
     "plan-no-fit": block_no_fit,
     "memory-7b": block_memory_7b,
+    "memory-layouts": block_memory_layouts,
     "presets-models": block_presets_models,
 }
 
@@ -301,10 +317,9 @@ FACTS = [
     Fact(README, r"runs/demo-hf-step(\d+)\b", lambda: str(demo_steps())),
     Fact(ROOT / "presets" / "models" / "tiny-llama.yaml", r"one-epoch demo \((\d+) steps\)", lambda: str(demo_steps())),
     Fact(README, r"needs\s+(\d[\d.]* GB)\s+of\s+RAM\s+on\s+a\s+CPU", smollm2_ram),
-    Fact(README, r"host\s+memory\s+per\s+parameter:\s+(\d[\d.]* B)\s+with\s+the\s+gradient\s+sum\s+on\s+the\s+GPU",
-         lambda: bytes_per_param("device")),
-    Fact(README, r"with\s+the\s+gradient\s+sum\s+on\s+the\s+GPU,\s+(\d[\d.]* B)\s+with\s+it\s+on\s+the\s+host",
-         lambda: bytes_per_param("host")),
+    Fact(README, r"(\d[\d.]* B)\s+with\s+the\s+fp32\s+carry", lambda: bytes_per_param("carry")),
+    Fact(README, r"(\d[\d.]* B)\s+with\s+one\s+set\s+of\s+per-step\s+slots", lambda: bytes_per_param("slots, 1 set")),
+    Fact(README, r"(\d[\d.]* B)\s+with\s+two\s+sets\b", lambda: bytes_per_param("slots, 2 sets")),
     Fact(README, r"16\s+bytes\s+of\s+fp32\s+state\s+per\s+parameter\s+\([^)]*\):\s+(\d+ GB)\s+for\s+Llama-2-7B",
          lambda: f"{16 * llama2_7b_params() / 1e9:.0f} GB"),
     Fact(README, r"holds\s+its\s+(\d[\d.]* GB)\s+of\s+bf16\s+weights", lambda: f"{2 * llama2_7b_params() / 1e9:.1f} GB"),

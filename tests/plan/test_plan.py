@@ -301,18 +301,21 @@ def test_memory_estimate_llama2_7b_numbers() -> None:
     p1 = (2 * 32 + 1) * 4096
     h = p - p1  # every 2-D weight has host columns
     assert small.item("fp32 master") == pytest.approx(4 * h) and small.item("fp32 moments") == pytest.approx(8 * h)
-    # overlap_step on, host path: host_accumulators auto takes one set of 4 bf16 gradient slots,
-    # a second does not fit 24 GB; plus the fp32 sum a checkpoint inside an interval holds
-    assert small.item("gradient slots") == pytest.approx(4 * 2 * h) and small.host_accumulators == 1
-    assert small.item("checkpoint interval sum") == pytest.approx(4 * h)
+    # 24 GB hold no layout: the plan takes the leanest host one, the fp32 carry (layouts.py), and
+    # no line for a checkpoint inside an interval (the save streams its sum)
+    assert small.grad_layout == "carry" and small.item("gradient carry") == pytest.approx(4 * h)
+    assert small.item("gradient slots") == 0 and small.host_accumulators == 1
+    assert small.item("checkpoint interval sum") == 0 and small.resume_carry == 0
     assert small.item("weights") == pytest.approx(2 * p)  # bf16: 13.5 GB
     # master, moments and gradient buffer of the selected columns (k = floor(0.1 cols) per matrix)
     assert small.item("selected optimizer state") == pytest.approx(16 * (0.1 * h + p1), rel=0.01)
     assert not small.fits and "host RAM" in small.reasons[0]
     big = estimate(plan, Machine(host_ram=512 * GB, cuda=True, gpu_name="H100", gpu_mem=80 * GB))
     assert big.fits and big.device_kind == "cuda" and big.reasons == []
-    assert big.accumulate == "device" and big.item("gradient accumulators") == pytest.approx(4 * h)
-    assert big.item("gradient slots") == 0
+    # 512 GB hold two sets of 4 bf16 slots: the fastest layout, the sum stays on the host
+    assert big.accumulate == "host" and big.grad_layout == "slots" and big.host_accumulators == 2
+    assert big.item("gradient slots") == pytest.approx(2 * 4 * 2 * h) and big.item("gradient accumulator") == 0
+    assert big.resume_carry == pytest.approx(4 * h)  # a resume inside an interval: transient, a note
     # topk_ratio 1: the whole optimizer on the device, nothing on the host but the process itself
     off = estimate(
         resolve_plan("llama2-7b", "alpaca", zenflow="off"), Machine(512 * GB, True, "H100", 80 * GB)

@@ -11,14 +11,14 @@ from zfctl.plan.memory import GB, Machine, estimate
 P2 = 6.738e9 - (2 * 32 + 1) * 4096  # llama2-7b's 2-D weights
 
 
-def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
+def test_auto_keeps_the_sum_on_the_host_while_a_host_layout_fits() -> None:
+    """``accumulate: auto`` takes the device path last (zfctl/plan/layouts.py: slots > carry >
+    device): only where the host cannot hold the carry and the device holds the sum."""
     plan = resolve_plan("llama2-7b", "alpaca")
     assert plan.zenflow.accumulate == "auto"
     big = estimate(plan, Machine(512 * GB, True, "B200", 180 * GB))
-    assert big.accumulate == "device"
-    assert big.item("gradient accumulator") == pytest.approx(4 * P2)  # ~27 GB for a 7B
-    assert big.item("gradient accumulators") == pytest.approx(4 * P2) and big.item("gradient slots") == 0  # its host side
-    assert any("zenflow.accumulate (auto): device" in n for n in big.notes)
+    assert big.accumulate == "host" and big.item("gradient accumulator") == 0
+    assert any("zenflow.accumulate (auto): host" in n for n in big.notes)
     small = estimate(plan, Machine(512 * GB, True, "L4", 24 * GB))
     assert small.accumulate == "host" and small.item("gradient accumulator") == 0
     # the host path: 4 bf16 gradient slots per set (update_interval 4), two sets (512 GB hold them);
@@ -32,6 +32,18 @@ def test_auto_picks_the_device_when_the_accumulator_fits() -> None:
                    Machine(512 * GB, True, "L4", 24 * GB))
     assert off.item("gradient slots") == small.item("gradient slots")  # release moves no host memory
     assert off.item("gradients") == pytest.approx(2 * 6.738e9, rel=1e-3)  # every .grad until step()
+    # A host that holds the device path's fp32 sum but not the carry's landing ring besides it:
+    # the device takes the sum where it fits (device_fits), and its host side is that sum.
+    fixed = ["zenflow.tuning.staging_mb=64", "zenflow.tuning.upload_buffer=false"]
+    dev = estimate(resolve_plan("llama2-7b", "alpaca", overrides=[*fixed, "zenflow.accumulate=device"]),
+                   Machine(512 * GB, True, "B200", 180 * GB))
+    tight = Machine(dev.host_total + 15 * GB + 1e6, True, "B200", 180 * GB)
+    last = estimate(resolve_plan("llama2-7b", "alpaca", overrides=fixed), tight)
+    assert last.accumulate == "device" and last.fits and last.item("gradient accumulator") == pytest.approx(4 * P2)
+    assert last.item("gradient accumulators") == pytest.approx(4 * P2) and last.item("gradient carry") == 0
+    assert any("zenflow.accumulate (auto): device" in n for n in last.notes)
+    assert estimate(resolve_plan("llama2-7b", "alpaca", overrides=fixed),
+                    Machine(tight.host_ram, True, "L4", 24 * GB)).accumulate == "host"  # no room on the device
 
 
 def test_an_explicit_choice_is_kept_and_counted() -> None:

@@ -97,7 +97,7 @@ def test_a_plan_for_a_5gb_card_builds_the_host_path_on_a_141gb_one(h200: FakeCud
     assert plan.zenflow.accumulate == "host" and plan.zenflow.tuning.host_accumulators == 2
     assert not unsettled(plan)
     big = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=WIDE))  # this machine: the 141 GB card
-    assert big.zenflow.accumulate == "device"  # what the physical card would have taken
+    assert big.zenflow.accumulate == "host"  # the host layouts come first (layouts.py), whatever the card
     assert check_holds(plan, torch.device("cuda", 0)).accumulate == "host"
     config = built_config(monkeypatch, plan)
     assert config.accumulate == "host" and config.tuning.host_accumulators == 2
@@ -129,7 +129,7 @@ def test_a_gpu_smaller_than_planned_is_one_line_naming_both_sizes(h200: FakeCuda
     """The free memory of the GPU this rank trains on (LOCAL_RANK 1, not GPU 0) is checked, against
     the plan made for the 141 GB card: GPU 1 with 5.5 GB free (a shared card) cannot hold the device
     path (6.1 GB), it holds the host path (3.1 GB)."""
-    plan = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=WIDE))
+    plan = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=[*WIDE, "zenflow.accumulate=device"]))
     assert plan.zenflow.accumulate == "device"
     fake = FakeCuda([H200, H200], [H200 - CUDA_CONTEXT, 5.5 * GB])
     fake.install(monkeypatch)
@@ -166,23 +166,25 @@ def test_a_capped_host_is_refused_through_the_cli_with_one_line(tmp_path: Path, 
 
 
 def test_the_plan_records_its_answers_and_resume_reads_them_back(h200: FakeCuda, tmp_path: Path) -> None:
-    """plan.yaml holds host/device, 1/2 and whether release applies; a plan.yaml of an earlier
-    zfctl that says auto still loads, settles once, and is the same plan as a run folder's
-    plan.yaml that a later resume settled."""
+    """plan.yaml holds host/device, the layout, 1/2, the staging cap and whether release applies;
+    a plan.yaml of an earlier zfctl that says auto still loads, settles once, and is the same
+    plan as a run folder's plan.yaml that a later resume settled."""
     plan = settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=WIDE))
     z = plan.zenflow
-    assert (z.accumulate, z.tuning.host_accumulators, z.tuning.release_grads) == ("device", 1, False)
+    assert (z.accumulate, z.tuning.grad_layout, z.tuning.host_accumulators, z.tuning.release_grads) == (
+        "host", "slots", 2, True)
     assert (plan.train.precision, plan.train.activation_checkpointing) == ("bf16", False)
     dump_plan_yaml(plan, tmp_path / "plan.yaml")
     text = (tmp_path / "plan.yaml").read_text()
-    assert "  accumulate: device\n" in text and "    host_accumulators: 1\n" in text
-    assert "    release_grads: false\n" in text
+    assert "  accumulate: host\n" in text and "    host_accumulators: 2\n" in text
+    assert "    grad_layout: slots\n" in text and "    staging_mb: " in text and "staging_mb: auto" not in text
+    assert "    release_grads: true\n" in text
     assert load_plan_yaml(tmp_path / "plan.yaml") == plan
     old = resolve_plan("tiny-llama", "alpaca-sample", overrides=WIDE)  # what an earlier zfctl saved
     assert unsettled(old) and old.zenflow.accumulate == "auto"
     assert settle(old) == plan
     adopted = adopt_resolved(old, plan)  # the checkpoint's auto, beside the run folder's answers: no edit
-    assert not unsettled(adopted) and adopted.zenflow.accumulate == "device" and settle(adopted) == plan
+    assert not unsettled(adopted) and adopted.zenflow.accumulate == "host" and settle(adopted) == plan
     assert adopt_resolved(plan, old) == plan  # an answer is never replaced by an auto
 
 

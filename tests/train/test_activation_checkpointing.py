@@ -130,9 +130,9 @@ def test_a_plan_that_still_says_auto_is_resolved_where_the_model_is_built(tmp_pa
     monkeypatch.setattr(recipe_module, "load_model", counted)
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         *TINY, f"checkpoint.output_dir={tmp_path}", "train.max_steps=1", "train.activation_checkpointing=false",
-        # fixed: host_accumulators auto would drop to one under the tight host limit below, which is
-        # another way to fit, resolved before checkpointing
-        "zenflow.tuning.host_accumulators=2"])
+        # fixed: host_accumulators and grad_layout auto would drop to one slot set or the carry under
+        # the tight host limit below, other ways to fit, resolved before checkpointing
+        "zenflow.tuning.host_accumulators=2", "zenflow.tuning.grad_layout=slots"])
     need = {}
     for on in (False, True):
         est = estimate(with_sets(plan, {"train.activation_checkpointing": on}), Machine(64e9, False))

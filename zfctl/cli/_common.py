@@ -309,6 +309,7 @@ VerboseOpt = Annotated[
 FitOpt = Annotated[
     bool,
     typer.Option("--fit", help="When the plan does not fit the machine, apply the cheapest changes that make it "
-                 "fit (activation checkpointing, accumulate, micro-batch, topk_ratio down to 0.05, max_length); "
+                 "fit (a leaner gradient layout, activation checkpointing, accumulate, micro-batch, topk_ratio down to "
+                 "0.05, max_length); "
                  "an error when nothing does."),
 ]

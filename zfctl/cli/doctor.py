@@ -183,22 +183,26 @@ def check_numa(machine: Machine | None = None, device: torch.device | None = Non
 
 # The machines of the Memory table (docs/memory.md): Llama-2-7B on an 80 GB GPU, where the
 # interval's gradient sum stays on the GPU, and on a 24 GB GPU, where it stays on the host; 128 GB host.
-REFERENCE_MACHINES = {"device": ("80GB", "128GB"), "host": ("24GB", "128GB")}
+REFERENCE_MACHINE = ("48GB", "128GB")  # (GPU, host): the issue-39 machine Llama-2-7B fits with the carry
 
 
 def host_bytes_per_param() -> dict[str, float]:
-    """Host bytes per parameter of a Llama-2-7B run (bf16, `default`), with the gradient sum on the
-    GPU (``device``) and on the host (``host``), as `zfctl plan` counts them on the reference
-    machines: the figures doctor, the README and docs/memory.md quote (scripts/readme_figures.py)."""
+    """Host bytes per parameter of a Llama-2-7B run (bf16, `default`) on ``REFERENCE_MACHINE``
+    under each gradient layout (zfctl/plan/layouts.py ``ORDER``, keyed by ``Layout.words()``), as
+    `zfctl plan` counts them: the figures doctor, the README and docs/memory.md quote
+    (scripts/readme_figures.py)."""
     from zfctl.plan import resolve_plan
+    from zfctl.plan.layouts import ORDER, applied
     from zfctl.plan.memory import estimate
 
+    gpu, host = REFERENCE_MACHINE
+    # as `zfctl plan llama2-7b --data alpaca --gpu-memory GPU --host-memory HOST` resolves it
+    plan = resolve_plan("llama2-7b", "alpaca", flags={"machine": {"gpu_memory": gpu, "host_memory": host}})
     out: dict[str, float] = {}
-    for where, (gpu, host) in REFERENCE_MACHINES.items():
-        # as `zfctl plan llama2-7b --data alpaca --gpu-memory GPU --host-memory HOST` resolves it
-        est = estimate(resolve_plan("llama2-7b", "alpaca", flags={"machine": {"gpu_memory": gpu, "host_memory": host}}))
-        assert est.size is not None and est.accumulate == where, (where, est.accumulate)
-        out[where] = est.host_total / est.size.params
+    for lay in ORDER:
+        est = estimate(applied(plan, lay))
+        assert est.size is not None
+        out[lay.words()] = est.host_total / est.size.params
     return out
 
 
@@ -210,9 +214,9 @@ def check_memory() -> tuple[str, str]:
             info[key] = int(value.split()[0]) * 1024
     total, avail = info.get("MemTotal", 0), info.get("MemAvailable", 0)
     per = host_bytes_per_param()
-    return "ok", (f"{total / 1e9:.1f} GB RAM, {avail / 1e9:.1f} GB available (host memory per parameter: "
-                  f"{per['device']:.1f} B with the gradient sum on the GPU, {per['host']:.1f} B on the host, "
-                  "Llama-2-7B; `zfctl plan` gives your run's)")
+    return "ok", (f"{total / 1e9:.1f} GB RAM, {avail / 1e9:.1f} GB available (host memory per parameter, "
+                  f"Llama-2-7B: {per['carry']:.1f} B with the fp32 gradient carry, {per['slots, 1 set']:.1f} B "
+                  f"with one set of gradient slots; `zfctl plan` gives your run's)")
 
 
 def check_pinned() -> tuple[str, str]:

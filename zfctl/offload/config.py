@@ -135,6 +135,15 @@ class TuningConfig:
         32.0, "Size of one ring slot in MiB; large tensors move in slot-sized chunks.",
         gt=0, unit="MiB", example=32,
     )
+    staging_mb: Union[float, Literal["auto"]] = _f(  # noqa: UP007 (coerce.py reads typing.Union)
+        "auto",
+        "Selections: MiB of page-locked host memory that hold the leaving columns' state until the "
+        "CPU worker writes it back (the out buffer); the rows of a selection beyond it are written "
+        "on the training thread first (a wait, no other result). At least one 64 MiB piece, at most "
+        "2048. auto = what the host has to spare after the plan's other lines (zfctl/plan/layouts.py), "
+        "decided when the plan is made (plan.yaml holds the number; 2048 without a plan).",
+        gt=0, le=2048, unit="MiB", example=512,
+    )
     inflight_mb: float = _f(
         0.0,
         "Hook path: MiB of gradient temporaries the device may hold while their D2H copy runs; "

@@ -81,8 +81,11 @@ WAIT_KINDS: dict[str, str] = {
     "host.slot_drain": "... every gradient copy into a slot (stream.py drain: checkpoints, loading, closing)",
     "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
     "host.priority": "... the CPU update in flight has updated a selection's entering columns (worker.py prioritize)",
-    "host.migrate_slot": "... a selection's page-locked staging is free: an in-ring slot's last H2D, or (a selection "
-                         "larger than the out buffer) its leaving rows written (migration.py)",
+    "host.migrate_slot": "... a selection's in ring is free: a slot's last H2D (migration.py _in_slot), or the last "
+                         "selection's H2D (Mover.move)",
+    "host.migrate_out": "... a selection's out buffer to drain, where a selection leaves more than "
+                        "zenflow.tuning.staging_mb: the rows in it written into the host (migration.py _make_room: "
+                        "one per drain, and one per piece's D2H it waits for)",
     "host.migrate_land": "... a release step's leaving gradient columns' D2H, before the step's slot takes them "
                          "(selector.py land)",
     # the compute stream waits (on the device) for ...

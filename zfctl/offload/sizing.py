@@ -85,15 +85,20 @@ def carry_host_bytes(host_numel: int, ring_slots: int, slot_bytes: int) -> int:
 # --- migration.py: a selection's column migration ------------------------------------------------
 STAGE_BYTES = 64 * 2**20  # one packed DMA (each way), and one in-ring slot
 IN_SLOTS = 4  # in-ring slots: the host gathers slot i + 1 while the link moves slot i
-OUT_BYTES = 2 * 2**30  # the out buffer's cap: a 1.24B model's leaving state (1.48 GB at most) fits
+# The out buffer's largest cap: a 1.24B model's leaving state (1.48 GB at most) fits. The plan
+# caps it lower where the host has less to spare (zenflow.tuning.staging_mb, zfctl/plan/layouts.py
+# ``staging_cap``); never below one packed piece (STAGE_BYTES), so a piece always has a place.
+OUT_BYTES = 2 * 2**30
 
 
-def staging_bytes(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3) -> int:
+def staging_bytes(selected_elems: int, selected_cols: int, max_rows: int, pairs: int = 3,
+                  cap: int = OUT_BYTES) -> int:
     """Host bytes of a migration.py ``Mover`` for matrices with ``selected_elems`` device elements
     in ``selected_cols`` columns (the tallest ``max_rows``), ``pairs`` state tensors of ``rows``
-    elements per column moved (3: master and moments; 4 with release.py's gradient): the in
-    ring, the out buffer and the ids buffer (zfctl/plan/lines.py's "selection staging")."""
-    ring, out = ring_elems(selected_elems, selected_cols, max_rows, pairs), out_elems(selected_elems, pairs)
+    elements per column moved (3: master and moments; 4 with release.py's gradient), its out
+    buffer capped at ``cap`` bytes: the in ring, the out buffer and the ids buffer
+    (zfctl/plan/lines.py's "selection staging")."""
+    ring, out = ring_elems(selected_elems, selected_cols, max_rows, pairs), out_elems(selected_elems, pairs, cap)
     return 4 * (ring + out) + 8 * 4 * selected_cols
 
 
@@ -106,9 +111,17 @@ def ring_elems(selected_elems: int, selected_cols: int, max_rows: int, pairs: in
     return IN_SLOTS * max(min(STAGE_BYTES // 4, -(-total // IN_SLOTS) + max_rows), max_rows)
 
 
-def out_elems(selected_elems: int, pairs: int = 3) -> int:
-    """The out buffer: every leaving row of one selection (all ``k`` columns leave), capped."""
-    return min(OUT_BYTES // 4, pairs * selected_elems)
+def out_elems(selected_elems: int, pairs: int = 3, cap: int = OUT_BYTES) -> int:
+    """The out buffer: every leaving row of one selection (all ``k`` columns leave), at most
+    ``cap`` bytes (zenflow.tuning.staging_mb) and never less than one packed piece
+    (``STAGE_BYTES``): the rows beyond it wait for the buffer to drain (migration.py ``_make_room``)."""
+    return min(max(cap, STAGE_BYTES) // 4, pairs * selected_elems)
+
+
+def staging_cap(staging_mb: float | str) -> int:
+    """The out buffer's cap in bytes for ``zenflow.tuning.staging_mb``: ``auto`` (a config no plan
+    settled: a library user's) is ``OUT_BYTES``."""
+    return OUT_BYTES if staging_mb == "auto" else int(float(staging_mb) * 2**20)
 
 
 # --- zfctl/train/checksum.py: checkpoint streaming -------------------------------------------------

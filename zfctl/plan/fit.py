@@ -2,15 +2,19 @@
 
 The changes are tried cheapest first, by what they cost the run (``STEPS``):
 
-1. ``train.activation_checkpointing=true``: about one more forward pass per step, no accuracy;
-2. ``zenflow.accumulate``, the other side: the interval's sum moves between device and host
+1. the host gradient layout (zfctl/plan/layouts.py ``ORDER``): two slot sets -> one -> the fp32
+   carry -> the sum on the device, each with its host bytes per element per interval (speed
+   only; the arithmetic is the same). Under ``auto`` the estimate has already taken the first
+   that fits, so this step moves only a layout the plan fixed;
+2. ``train.activation_checkpointing=true``: about one more forward pass per step, no accuracy;
+3. ``zenflow.accumulate``, the other side: the interval's sum moves between device and host
    (speed only; the arithmetic is the same);
-3. a smaller ``train.micro_batch_size`` with more ``train.gradient_accumulation_steps``: the same
+4. a smaller ``train.micro_batch_size`` with more ``train.gradient_accumulation_steps``: the same
    global batch, so the same optimizer steps; slower per token;
-4. ``zenflow.topk_ratio`` down the ladder to ``MIN_TOPK`` (0.05): fewer columns updated every
+5. ``zenflow.topk_ratio`` down the ladder to ``MIN_TOPK`` (0.05): fewer columns updated every
    step, which costs accuracy (docs/accuracy.md: a larger ratio narrows the gap to AdamW, a
    smaller one widens it); never lower, and the advice says so when even that is not enough;
-5. ``data.max_length`` halved down to ``MIN_LENGTH``: it changes what the model learns from, so
+6. ``data.max_length`` halved down to ``MIN_LENGTH``: it changes what the model learns from, so
    it comes last.
 
 They accumulate, greedily: the cheapest step that brings the plan closer to fitting (the sum of
@@ -32,9 +36,11 @@ from typing import Any
 
 from zfctl.errors import ConfigError, UserError
 from zfctl.plan.io import plan_from_dict, plan_to_dict
+from zfctl.plan.layouts import ORDER, Layout, bytes_per_element
 from zfctl.plan.machine import GB, Machine, target_machine
-from zfctl.plan.memory import DEVICE_MARGIN, MemoryEstimate, estimate, host_limit
+from zfctl.plan.memory import MemoryEstimate, estimate
 from zfctl.plan.schema import RunPlan
+from zfctl.plan.verdict import shortfall as machine_shortfall
 
 MIN_TOPK = 0.05  # --fit never goes below it: fewer device columns cost accuracy (docs/accuracy.md)
 TOPK_LADDER = (0.5, 0.3, 0.2, 0.15, 0.1, 0.075, MIN_TOPK)
@@ -79,15 +85,9 @@ def _yaml(value: Any) -> str:
 
 
 def shortfall(est: MemoryEstimate) -> float:
-    """Bytes the machine lacks for ``est``: the device's over its usable share, plus the host's."""
-    m = est.machine
-    short = 0.0
-    if est.device_kind == "cuda" and m.cuda:
-        short += max(0.0, est.device_total - (1 - DEVICE_MARGIN) * m.gpu_mem)
-    host_need = est.host_total + (est.device_total if est.device_kind == "cpu" else 0.0)
-    if m.host_ram:
-        short += max(0.0, host_need - host_limit(m))
-    return short
+    """Bytes the machine lacks for ``est``: the device's over its usable share, plus the host's
+    (one node's, as the verdict counts it: verdict.py ``shortfall``)."""
+    return machine_shortfall(est.device_total, est.node_host_total, est.device_kind, est.machine)
 
 
 def with_sets(plan: RunPlan, sets: dict[str, Any]) -> RunPlan:
@@ -103,6 +103,31 @@ def with_sets(plan: RunPlan, sets: dict[str, Any]) -> RunPlan:
 
 
 # -- the steps, cheapest first: each yields the changes to try, weakest first ---------------------
+
+
+def _layouts(plan: RunPlan, est: MemoryEstimate) -> list[Change]:
+    """The layouts after the estimate's own, leaner first, each as the keys that select it."""
+    if est.item("fp32 master") == 0:  # no host columns: no layout
+        return []
+    now = Layout(est.accumulate, est.grad_layout, est.host_accumulators if est.grad_layout == "slots" else 1)
+    was = bytes_per_element(plan, now)
+    order = list(ORDER)
+    later = order[order.index(now) + 1:] if now in order else order
+    out = []
+    for lay in later:
+        if lay.accumulate == "device" and est.device_kind != "cuda":
+            continue
+        if lay.accumulate == "device":
+            sets: dict[str, Any] = {"zenflow.accumulate": "device"}
+        else:
+            sets = {"zenflow.accumulate": "host"} if plan.zenflow.accumulate == "device" else {}
+            sets["zenflow.tuning.grad_layout"] = lay.grad_layout
+            if lay.grad_layout == "slots":
+                sets["zenflow.tuning.host_accumulators"] = lay.sets
+        where = " on the host" + (" + 4 B on the device" if lay.accumulate == "device" else "")
+        out.append(Change(sets, f"gradient layout {lay.words()}: {bytes_per_element(plan, lay)} B per host element "
+                                f"per interval{where} (was {was} B): speed only"))
+    return out
 
 
 def _checkpointing(plan: RunPlan, est: MemoryEstimate) -> list[Change]:
@@ -140,7 +165,7 @@ def _max_length(plan: RunPlan, est: MemoryEstimate) -> list[Change]:
     return out
 
 
-STEPS = (_checkpointing, _accumulate, _micro_batch, _topk, _max_length)
+STEPS = (_layouts, _checkpointing, _accumulate, _micro_batch, _topk, _max_length)
 
 
 def fit(plan: RunPlan, machine: Machine | None = None) -> FitResult:

@@ -136,8 +136,11 @@ def _host_fix(plan: RunPlan, est: MemoryEstimate, have: float, resume: str | Non
     if resume is not None:
         return f"resume where {_gb(est.node_host_total)} of RAM is available"
     replan = f"re-plan for it: --host-memory {have / GB:.1f}GB --fit"
-    if est.host_accumulators == 2:
-        return f"{replan}, or --set zenflow.tuning.host_accumulators=1 ({_gb(est.item('gradient slots') / 2)} less)"
+    if est.grad_layout == "slots" and est.accumulate == "host" and est.item("gradient slots"):
+        # the carry holds 4 B per host element (the master's 4) and a small ring instead of the slots
+        less = est.item("gradient slots") - est.item("fp32 master")
+        if less > 0:
+            return f"{replan}, or --set zenflow.tuning.grad_layout=carry (about {_gb(less)} less)"
     return replan
 
 

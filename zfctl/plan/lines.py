@@ -1,25 +1,29 @@
 """The plan's memory lines, one per buffer the code allocates (zfctl/plan/memory.py says what each is).
 
-``_fill`` adds every line of a plan in the order ``zfctl plan`` prints them, resolving
-``zenflow.accumulate`` (``_accumulate``) and ``zenflow.tuning.host_accumulators``
-(``_host_accumulators``) on the way, and ``_released_gradients`` bounds the ``gradients`` line
-where ``zenflow.tuning.release_grads`` applies. Split from zfctl/plan/memory.py by concern.
+``_fill`` adds every line of a plan in the order ``zfctl plan`` prints them, for a plan whose
+gradient layout is decided (``accumulate``, ``grad_layout``, ``host_accumulators``: layouts.py
+``choose`` tries each and keeps the first that fits), resolving ``zenflow.tuning.upload_buffer``
+on the way; ``_released_gradients`` bounds the ``gradients`` line where
+``zenflow.tuning.release_grads`` applies. Split from zfctl/plan/memory.py by concern.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 # The engine's size rules, torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
 from zfctl.offload.sizing import (
     CHUNK_BYTES,
-    device_fits,
+    OUT_BYTES,
+    STAGE_BYTES,
     inflight_bytes,
     ring_slot_bytes,
-    slots_per_set,
     staging_bytes,
+    staging_cap,
 )
+from zfctl.plan.items import MemoryItem, host_held
+from zfctl.plan.layouts import layout_lines, staging_note
 from zfctl.plan.machine import GB, Machine
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.sizes import (
@@ -49,15 +53,6 @@ PROCESS_BASELINE = {"cpu": 0.45 * GB, "cuda": 2.0 * GB}
 CUDA_CONTEXT = 0.5 * GB
 
 
-@dataclass
-class MemoryItem:
-    where: str  # "device" | "host"
-    name: str
-    bytes: float
-    note: str = ""
-    code: str = ""  # what allocates it
-
-
 
 def process_lines(items: list[MemoryItem], device_kind: str) -> None:
     """The process's own memory, before any line of the run (``PROCESS_BASELINE``, ``CUDA_CONTEXT``):
@@ -72,8 +67,11 @@ def process_lines(items: list[MemoryItem], device_kind: str) -> None:
 
 
 def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[str], device_kind: str,
-          machine: Machine, *, strategy: str) -> tuple[Literal["host", "device"], int]:
-    """Add the plan's lines; returns the resolved ``accumulate`` and host accumulator count."""
+          machine: Machine, *, strategy: str) -> float:
+    """Add the plan's lines, its gradient layout decided (``accumulate``, ``grad_layout``,
+    ``host_accumulators``: layouts.py ``choose``); resolves ``upload_buffer``. Returns the bytes
+    the selection's out buffer may still grow by under ``staging_mb: auto`` (lines.py places it
+    at one packed piece; layouts.py ``grow_staging`` sizes it once the totals are known)."""
     t, z, d = plan.train, plan.zenflow, plan.data
     tu = z.tuning
     w = 4 if t.precision == "fp32" else 2
@@ -127,28 +125,22 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "the model's forward/backward" + (" (train.activation_checkpointing)" if how != "no recompute" else ""))
     if c.host == 0:  # topk_ratio 1: nothing lives on the host
         _released_gradients(plan, size, items, w, hook=True)
-        return "host", 1
+        return 0.0
 
-    choice = _accumulate(plan, c, items, device_kind, machine)
+    choice = _accumulate(plan, c, items)
     pinned = " (page-locked, exact size)" if cuda and tu.pin_memory else ""
+    want = int(tu.ring_slot_mb * 2**20)
+    slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
     # Page-locked while it is what an install DMAs; the upload buffer (_upload_buffer, below) takes
     # that over for bf16/fp16 where it fits (zfctl/offload/cpu/host.py install_source).
     host("fp32 master", 4 * c.host, "4 B per host-column element" + pinned, "zfctl/offload/cpu/host.py HostState.master")
     host("fp32 moments", 8 * c.host, "exp_avg + exp_avg_sq, 8 B per host-column element",
          "zfctl/offload/cpu/host.py HostState.exp_avg/exp_avg_sq")
-    if choice == "device":
-        host("gradient accumulators", 4 * c.host, "1 x fp32: the device path lands each interval's sum here once" +
-             pinned, "zfctl/offload/grads/slots.py GradSlots (sum_buffer)")
-    else:  # one set here; its count and note are resolved once every line exists (below)
-        per = slots_per_set(z.update_interval, tu.auto_max_interval)
-        host("gradient slots", per * w * c.host, f"{per} x {t.precision} slots (one per step of an interval)" +
-             pinned, "zfctl/offload/grads/slots.py GradSlots")
-        host("checkpoint interval sum", 4 * c.host, "a checkpoint saved or resumed inside an interval: its fp32 sum",
-             "zfctl/offload/grads/slots.py GradSlots.partial_sum, carry")
+    # The layout's lines (layouts.py). No line for a checkpoint inside an interval: the save
+    # streams the partial sum into the file; a resume under slots holds it transiently (a note).
+    layout_lines(plan, c.host, slot, items, pinned)
     host("per-column bookkeeping", COLUMN_BYTES * c.host_cols, "step counter, owner flag, column offset per column",
          "zfctl/offload/cpu/host.py, layout.py")
-    want = int(tu.ring_slot_mb * 2**20)
-    slot = ring_slot_bytes(want, tu.ring_slots, c.max_rows, c.host, w)
     if cuda:
         dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
             "zfctl/offload/device/ring.py Ring.h2d")
@@ -175,27 +167,26 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
             "zfctl/offload/parallel/exchange.py GradExchange.launch")
     host("checkpoint I/O", CHECKPOINT_CHUNK, "while saving or resuming: one streamed chunk",
          "zfctl/train/tensorfile.py")
+    room = 0.0
     if 0 < r < 1 and c.selected and (world == 1 or fsdp):
         # zfctl/offload/columns/selector.py Selector._mover: made at the first selection, kept. A release
         # step's selection moves the gradient work buffer's columns too (release.py regather_pairs).
+        # Its out buffer: as staging_mb says, or under auto one packed piece here, grown into what
+        # the host has to spare once every line is known (layouts.py grow_staging).
         regather = hook and world == 1 and not fsdp and tu.release_grads and z.update_interval != "auto"
-        host("selection staging", staging_bytes(c.selected, c.selected_cols, c.max_rows, 4 if regather else 3),
-             "a selection's column migration: in ring, out buffer (every leaving row, at most 2 GiB), ids" + pinned,
-             "zfctl/offload/columns/migration.py Mover")
-    how = "" if z.accumulate != "auto" else " (auto)"
-    notes.append(f"zenflow.accumulate{how}: {choice}; the device accumulator costs {4 * c.host / GB:.2f} GB "
-                 f"of device memory, {'used' if choice == 'device' else 'not used'}")
-    n_acc = 1
-    if choice == "host":
-        n_acc = _host_accumulators(plan, next(i.bytes for i in items if i.name == "gradient slots"), items, notes,
-                                   device_kind, machine)
+        pairs = 4 if regather else 3
+        cap = STAGE_BYTES if tu.staging_mb == "auto" else staging_cap(tu.staging_mb)
+        nbytes = staging_bytes(c.selected, c.selected_cols, c.max_rows, pairs, cap)
+        if tu.staging_mb == "auto":
+            room = float(staging_bytes(c.selected, c.selected_cols, c.max_rows, pairs, OUT_BYTES) - nbytes)
+        host("selection staging", nbytes, staging_note(cap / 2**20, pinned), "zfctl/offload/columns/migration.py Mover")
     if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned):
         # no upload buffer: the install's device slots take the fp32 master's chunks, 4/w the bytes
         staging = next((i for i in items if i.name == "install staging"), None)
         if staging is not None:
             staging.bytes *= 4 // w
             staging.note = f"{tu.ring_slots} x {staging.bytes / tu.ring_slots / 2**20:.3g} MiB fp32 slots (the master's)"
-    return choice, n_acc
+    return room
 
 
 def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
@@ -205,8 +196,7 @@ def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes:
     not the master, is then page-locked. Returns whether it is on."""
     choice = plan.zenflow.tuning.upload_buffer
     if choice == "auto":
-        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
-        on = not machine.host_ram or held + nbytes <= host_limit(machine)
+        on = not machine.host_ram or host_held(items, device_kind) + nbytes <= host_limit(machine)
         notes.append(f"zenflow.tuning.upload_buffer (auto): {'on' if on else 'off'}; the CPU update's "
                      f"{plan.train.precision} copy of the host columns halves an install's PCIe bytes for "
                      f"{nbytes / GB:.2f} GB of host memory, {'used' if on else 'not used: it does not fit'}")
@@ -218,34 +208,6 @@ def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes:
     items.append(MemoryItem("host", "upload buffer", nbytes, f"the CPU AdamW's {plan.train.precision} copy of "
                             "the host columns, what an install moves" + pinned, "zfctl/offload/cpu/host.py HostState.upload"))
     return True
-
-
-def _host_accumulators(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
-                       machine: Machine) -> int:
-    """Resolve zenflow.tuning.host_accumulators on a host path: the gradient slot sets (auto: 2
-    when the host total with the second set, ``nbytes``, stays within the verdict's limit) and
-    write the count into its line."""
-    z = plan.zenflow
-    line = next(i for i in items if i.name == "gradient slots")
-    per = slots_per_set(z.update_interval, z.tuning.auto_max_interval)
-    pin = " (page-locked, exact size)" if "page-locked" in line.note else ""
-    if not z.overlap_step:
-        line.note = f"1 set of {per} slots: one interval (the step waits for the CPU update)" + pin
-        return 1
-    choice = z.tuning.host_accumulators
-    if choice == "auto":
-        held = sum(i.bytes for i in items if i.where == "host" or device_kind == "cpu")  # as _verdict counts
-        need = held + nbytes
-        n = 2 if not machine.host_ram or need <= host_limit(machine) else 1
-        notes.append(f"zenflow.tuning.host_accumulators (auto): {n}; a second set of gradient slots costs "
-                     f"{nbytes / GB:.2f} GB of host memory, {'used' if n == 2 else 'not used: it does not fit'}")
-    else:
-        n = int(choice)
-    line.bytes = nbytes * n
-    line.note = (f"2 sets of {per} slots: overlap_step: the next interval lands in one while the CPU update reads "
-                 "the other" if n == 2 else f"1 set of {per} slots: overlap_step: the next interval's writes wait "
-                 "for the CPU update to have read each chunk") + pin
-    return n
 
 
 def _released_gradients(plan: RunPlan, size: ModelSize, items: list[MemoryItem], w: int, *, hook: bool) -> bool:
@@ -278,18 +240,11 @@ def _note(items: list[MemoryItem], name: str, note: str) -> None:
     next(i for i in items if i.name == name).note = note
 
 
-def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem], device_kind: str,
-                machine: Machine) -> Literal["host", "device"]:
-    """Resolve zenflow.accumulate (auto: the device when the sum fits) and add its device line."""
-    z = plan.zenflow
-    nbytes = 4.0 * c.host
-    choice = z.accumulate
-    if choice == "auto":
-        device_total = sum(i.bytes for i in items if i.where == "device")
-        fits = device_kind == "cuda" and machine.cuda and device_fits(device_total, nbytes, machine.gpu_mem)
-        choice = "device" if fits else "host"
-    if choice == "device":
-        items.append(MemoryItem("device", "gradient accumulator", nbytes,
-                                "zenflow.accumulate=device: fp32 interval sum, 4 B per host-column element",
-                                "zfctl/offload/grads/device_acc.py DeviceAccumulator.buf"))
-    return "device" if choice == "device" else "host"
+def _accumulate(plan: RunPlan, c: Counts, items: list[MemoryItem]) -> Literal["host", "device"]:
+    """``zenflow.accumulate`` as decided (layouts.py ``choose``), and the device path's line."""
+    if plan.zenflow.accumulate != "device":
+        return "host"
+    items.append(MemoryItem("device", "gradient accumulator", 4.0 * c.host,
+                            "zenflow.accumulate=device: fp32 interval sum, 4 B per host-column element",
+                            "zfctl/offload/grads/device_acc.py DeviceAccumulator.buf"))
+    return "device"

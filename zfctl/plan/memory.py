@@ -36,18 +36,26 @@ host    fp32 master           4 H      page-locked on CUDA when the install DMAs
                                        host holds it): the CPU AdamW's model-dtype copy of the host
                                        columns, what an install DMAs instead; page-locked on CUDA
         fp32 moments          8 H
-        gradient slots        w H S n  host paths: a slot per step of an interval (S = update_interval,
-                                       auto: auto_max_interval), n = 1 set, 2 with overlap_step when
-                                       tuning.host_accumulators resolves to 2; page-locked on CUDA
-        checkpoint interval sum 4 H    host paths, a checkpoint saved or resumed inside an interval
+        gradient slots        w H S n  grad_layout slots: a slot per step of an interval (S =
+                                       update_interval, auto: auto_max_interval), n = 1 set, 2 with
+                                       overlap_step when tuning.host_accumulators resolves to 2;
+                                       page-locked on CUDA
+        gradient carry        4 H      grad_layout carry: one fp32 sum, each landed chunk folded in
+        landing ring          ring_slots x ring slot (model dtype)  grad_layout carry: where a chunk
+                                       lands before its fold; page-locked on CUDA
         gradient accumulators 4 H      accumulate=device: each interval's fp32 sum lands here
+                                       (no line for a checkpoint inside an interval: the save streams
+                                       its partial sum; a resume under slots holds it as a 4 H carry
+                                       for that interval, ``resume_carry``, a note)
         per-column bookkeeping 13 Hc   fp32 counter, owner flag, int64 column offset
         checkpoint I/O        64 MiB   while saving or resuming, streamed through one chunk
-        selection staging     min(256 MiB, ~12 K) + min(2 GiB, 12 K) + 32 Kc  a selection's column
+        selection staging     min(256 MiB, ~12 K) + min(cap, 12 K) + 32 Kc  a selection's column
                                        migration (one process or fsdp; zero2 ranks migrate by
                                        collectives): the in ring, the out buffer that holds the
                                        leaving state until the CPU worker writes it (16 K with
-                                       release_grads' gradient), the ids; page-locked on CUDA
+                                       release_grads' gradient; cap: tuning.staging_mb, auto: a
+                                       quarter of the host's spare, 64 MiB-2 GiB: layouts.py
+                                       grow_staging), the ids; page-locked on CUDA
 
 Data parallel, ``W`` = distributed.nproc x distributed.nodes ranks, ``R`` = nproc per node: the
 device lines are per GPU and the host lines per rank; ``node_host_total`` is ``R`` ranks' host
@@ -68,15 +76,15 @@ lines, what one node's RAM must hold. ``distributed.strategy`` decides the per-r
   (``MemoryEstimate.strategy``).
 
 Page-locked buffers are pinned at their exact size (zfctl/offload/device/pinned.py), so no line carries
-the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate: auto`` resolves here:
-``device`` when the device total with the accumulator stays within ``AUTO_DEVICE_SHARE`` of the
-GPU's memory (the activation estimate is rough, so the margin is wider than the verdict's), else
-``host`` (``MemoryEstimate.accumulate``, and a note). ``zenflow.tuning.host_accumulators: auto``
-resolves here the same way (``MemoryEstimate.host_accumulators``): with ``overlap_step`` on a host
-path, 2 slot sets when the host total with the second set stays within what the verdict lets
-the host use, else 1. zfctl/plan/settle.py writes both answers into the plan, once, for the plan's
-machine; the run builds them (zfctl/train/optim.py) and only checks that its machine holds the
-plan (zfctl/plan/holds.py).
+the CUDA caching allocator's power-of-two rounding. ``zenflow.accumulate``,
+``zenflow.tuning.grad_layout`` and ``zenflow.tuning.host_accumulators`` resolve here, together
+(zfctl/plan/layouts.py ``choose``): the first of two slot sets, one, the fp32 carry and the
+device accumulator (only within ``AUTO_DEVICE_SHARE`` of the GPU: the activation estimate is
+rough, so the margin is wider than the verdict's) whose whole estimate fits the host and the
+device, with notes; then ``upload_buffer`` and ``staging_mb`` take what is left.
+zfctl/plan/settle.py writes the answers into the plan, once, for the plan's machine; the run
+builds them (zfctl/train/optim.py) and only checks that its machine holds the plan
+(zfctl/plan/holds.py).
 
 The machine compared against is this one, or the target sizes of the plan's ``machine`` section
 (``--gpu-memory``, ``--host-memory``; zfctl/plan/machine.py), so a laptop can plan the GPU run.
@@ -86,18 +94,19 @@ On a machine without CUDA the device side lives in host RAM too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Literal
 
 # The engine's size rules are torch-free (zfctl/offload/sizing.py): `zfctl plan` loads no torch.
 from zfctl.offload.sizing import AUTO_DEVICE_SHARE
+from zfctl.plan.items import MemoryEstimate, MemoryItem
+from zfctl.plan.layouts import choose, grow_staging
 from zfctl.plan.lines import (
     ASSUMED_D2H_GBPS,
     CHECKPOINT_CHUNK,
     COLUMN_BYTES,
     CUDA_CONTEXT,
     PROCESS_BASELINE,
-    MemoryItem,
     _fill,
     process_lines,
 )
@@ -111,7 +120,7 @@ from zfctl.plan.sizes import (
     model_size,
     shard_shapes,
 )
-from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, NO_MODEL_FITS, _verdict, host_limit
+from zfctl.plan.verdict import DEVICE_MARGIN, HOST_RESERVE, _verdict, host_limit
 
 # The lines (lines.py), the sizes (sizes.py) and the verdict (verdict.py) live in their own
 # modules; this one assembles them. GB, Machine, parse_size and AUTO_DEVICE_SHARE are re-exported:
@@ -122,49 +131,11 @@ __all__ = ["ASSUMED_D2H_GBPS", "AUTO_DEVICE_SHARE", "CHECKPOINT_CHUNK", "COLUMN_
            "fsdp_shards", "host_limit", "layout_counts", "model_size", "parse_size", "shard_shapes"]
 
 
-@dataclass
-class MemoryEstimate:
-    """The estimate: per-item bytes, totals, the machine, and a verdict with reasons."""
-
-    size: ModelSize | None
-    items: list[MemoryItem]
-    device_total: float
-    host_total: float
-    device_kind: str  # "cuda" | "cpu": where the plan's device side would live
-    machine: Machine
-    fits: bool
-    reasons: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    accumulate: Literal["host", "device"] = "host"  # zenflow.accumulate as resolved for the machine
-    strategy: Literal["zero2", "fsdp"] = "zero2"  # distributed.strategy as resolved (auto: module docstring)
-    world_size: int = 1
-    ranks_per_node: int = 1
-    node_host_total: float = 0.0  # ranks_per_node x the per-rank host lines (and, without CUDA, device lines)
-    host_accumulators: int = 1  # zenflow.tuning.host_accumulators as resolved for the machine
-    upload_buffer: bool = False  # zenflow.tuning.upload_buffer as resolved (always False for fp32)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        if d["size"] is not None:  # the per-parameter shapes are an input, not a result
-            d["size"].pop("shapes")
-            d["size"].pop("vocab_names")
-        return d
-
-    @property
-    def no_model_fits(self) -> str | None:
-        """The reason no model fits the machine (the process alone is more than its host may
-        use; no change of the plan helps), else None."""
-        return next((r for r in self.reasons if r.startswith(NO_MODEL_FITS)), None)
-
-    def item(self, name: str) -> float:
-        """Bytes of the item called `name` (0 if absent)."""
-        return sum(i.bytes for i in self.items if i.name == name)
-
-
 def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | None = None) -> MemoryEstimate:
     """Memory of `plan`, line by line, against `machine` (default: the plan's target, else this
     one). ``size``: the model's, when known better than the plan says (a built hub model,
-    zfctl/plan/sizes.py ``size_of_model``); default: from the plan (``model_size``)."""
+    zfctl/plan/sizes.py ``size_of_model``); default: from the plan (``model_size``). The
+    gradient layout's ``auto`` fields are decided here (layouts.py ``choose``)."""
     machine = machine or target_machine(plan.machine)
     d = plan.distributed
     strategy = d.strategy
@@ -178,29 +149,30 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
         "cuda" if plan.train.device == "cuda" or (plan.train.device == "auto" and machine.cuda) else "cpu"
     )
     size = size if size is not None else model_size(plan)
+    return choose(plan, machine, device_kind,
+                  lambda p: _estimate(p, machine, size, strategy=strategy, device_kind=device_kind))
+
+
+def _estimate(plan: RunPlan, machine: Machine, size: ModelSize | None, *, strategy: Literal["zero2", "fsdp"],
+              device_kind: str) -> MemoryEstimate:
+    """The estimate of a plan whose strategy and gradient layout are decided."""
+    d, z = plan.distributed, plan.zenflow
     items: list[MemoryItem] = []
     notes: list[str] = []
-    accumulate: Literal["host", "device"] = "host"
     world, per_node = d.nproc * d.nodes, d.nproc
-    n_acc = 1
+    room = 0.0
     if size is None:
         notes.append("model size unknown: set model.params_b (and model.arch) for an estimate")
     else:
-        # First, so that the auto rules below (the device accumulator, a second host accumulator)
-        # count what the process holds before any buffer of the run.
+        # First, so that the auto rules (layouts.py, the upload buffer) count what the process
+        # holds before any buffer of the run.
         process_lines(items, device_kind)
-        accumulate, n_acc = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
-    device_total = sum(i.bytes for i in items if i.where == "device")
-    host_total = sum(i.bytes for i in items if i.where == "host")
-    node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
-    if strategy == "fsdp" and world > 1 and size is not None:
-        # zfctl/train/recipe.py: the ranks of a node take turns building the whole model in host
-        # RAM and sharding it, before any optimizer state exists; the node's peak is the larger.
-        load = (4 if plan.train.precision == "fp32" else 2) * size.params
-        notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
-                     f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
-        node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
-                        (per_node - 1) * load / fsdp_shards(plan))
+        room = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
+    device_total, host_total, node_host = _totals(plan, items, device_kind, size, notes, strategy)
+    staging_mb = 2048.0 if z.tuning.staging_mb == "auto" else float(z.tuning.staging_mb)
+    if z.tuning.staging_mb == "auto" and size is not None:  # what the host has to spare, after every other line
+        staging_mb = grow_staging(plan, items, room, node_host, machine, per_node)
+        device_total, host_total, node_host = _totals(plan, items, device_kind, size, [], strategy)
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node,
                        baseline=per_node * PROCESS_BASELINE[device_kind])
     if strategy == "fsdp" and d.hsdp and world > 1:
@@ -208,8 +180,34 @@ def estimate(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize |
                      f"of a node, each of the {d.nodes} nodes holding a whole copy")
     if d.strategy == "auto" and strategy == "fsdp":
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
+    master = sum(i.bytes for i in items if i.name == "fp32 master")
+    slots = z.tuning.grad_layout == "slots" and z.accumulate == "host"
+    resume = master if slots and z.update_interval != 1 else 0.0  # 4 B per host element (layouts.py resume_note)
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
-                          accumulate=accumulate, host_accumulators=n_acc, strategy=strategy, world_size=world, ranks_per_node=per_node,
-                          node_host_total=node_host, upload_buffer=any(i.name == "upload buffer" for i in items))
+                          accumulate="device" if z.accumulate == "device" else "host",
+                          host_accumulators=int(z.tuning.host_accumulators), strategy=strategy, world_size=world,
+                          ranks_per_node=per_node, node_host_total=node_host,
+                          upload_buffer=any(i.name == "upload buffer" for i in items),
+                          grad_layout="carry" if z.tuning.grad_layout == "carry" else "slots",
+                          staging_mb=staging_mb, resume_carry=resume)
 
+
+def _totals(plan: RunPlan, items: list[MemoryItem], device_kind: str, size: ModelSize | None, notes: list[str],
+            strategy: str) -> tuple[float, float, float]:
+    """(device total, host total per rank, one node's host RAM) of ``items``; fsdp's model load
+    may set the node's peak (a note says so)."""
+    d = plan.distributed
+    per_node = d.nproc
+    device_total = sum(i.bytes for i in items if i.where == "device")
+    host_total = sum(i.bytes for i in items if i.where == "host")
+    node_host = per_node * (host_total + (device_total if device_kind == "cpu" else 0.0))
+    if strategy == "fsdp" and d.nproc * d.nodes > 1 and size is not None:
+        # zfctl/train/recipe.py: the ranks of a node take turns building the whole model in host
+        # RAM and sharding it, before any optimizer state exists; the node's peak is the larger.
+        load = (4 if plan.train.precision == "fp32" else 2) * size.params
+        notes.append(f"fsdp model load: the {per_node} ranks of a node build the whole model in host RAM one "
+                     f"at a time ({load / GB:.2f} GB, before the optimizer state exists), then keep their shards")
+        node_host = max(node_host, per_node * PROCESS_BASELINE[device_kind] + load +
+                        (per_node - 1) * load / fsdp_shards(plan))
+    return device_total, host_total, node_host

@@ -5,10 +5,11 @@ written into the plan's own fields (docs/design.md, "Defaults and the numbers be
 | --- | --- | --- |
 | ``train.precision`` | bf16 or fp32 | precision.py (resolve.py applies it when the plan is made) |
 | ``train.activation_checkpointing`` | true or false | fit.py ``resolve_activation_checkpointing`` (resolve.py too) |
-| ``zenflow.accumulate`` | host or device | the estimate: lines.py ``_accumulate`` (``device_fits``) |
-| ``zenflow.tuning.host_accumulators`` | 1 or 2 | the estimate: lines.py ``_host_accumulators`` |
+| ``zenflow.accumulate`` | host or device | the estimate: layouts.py ``choose`` (slots 2 sets > 1 set > carry > device) |
+| ``zenflow.tuning.grad_layout`` | slots or carry | the estimate: layouts.py ``choose`` (carry on the device path) |
+| ``zenflow.tuning.host_accumulators`` | 1 or 2 | the estimate: layouts.py ``choose`` (1 but for 2 slot sets) |
 | ``zenflow.tuning.upload_buffer`` | true or false | the estimate: lines.py ``_upload_buffer`` (false for fp32) |
-| ``zenflow.tuning.grad_layout`` | slots or carry | slots (the carry layout is not built yet) |
+| ``zenflow.tuning.staging_mb`` | MiB | the estimate: layouts.py ``grow_staging`` (2048 where nothing selects) |
 | ``zenflow.tuning.release_grads`` | false where the plan's own settings leave nothing to release | :func:`release_ruled_out` |
 
 ``zfctl plan`` and ``zfctl finetune`` settle the plan after ``--fit`` (which searches with ``auto``
@@ -27,18 +28,25 @@ the model's own shapes (optim.py ``settle_for_model``), before the optimizer exi
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
+from typing import Literal
 
+from zfctl.errors import UserError
 from zfctl.plan.fit import resolve_activation_checkpointing
-from zfctl.plan.machine import Machine, target_machine
+from zfctl.plan.layouts import Layout, bytes_per_element
+from zfctl.plan.machine import GB, Machine, target_machine
 from zfctl.plan.memory import MemoryEstimate, estimate
 from zfctl.plan.precision import resolve_for_this_machine
 from zfctl.plan.schema import RunPlan
 from zfctl.plan.sizes import ModelSize
+from zfctl.plan.verdict import gb_apart, host_limit
 
 # (section, field) of what settle() writes, for a comparison that reads `auto` as "not decided yet".
 SETTLED = (("train", "precision"), ("train", "activation_checkpointing"), ("zenflow", "accumulate"),
            ("zenflow.tuning", "host_accumulators"), ("zenflow.tuning", "upload_buffer"),
-           ("zenflow.tuning", "grad_layout"))
+           ("zenflow.tuning", "grad_layout"), ("zenflow.tuning", "staging_mb"))
+# The layout fields settle() decides from the estimate (layouts.py choose), all or none.
+LAYOUT = ("accumulate", "grad_layout", "host_accumulators", "upload_buffer", "staging_mb")
 
 
 def unsettled(plan: RunPlan) -> bool:
@@ -64,17 +72,15 @@ def settle(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | N
     if t.activation_checkpointing == "auto":
         resolve_activation_checkpointing(plan, machine, notes=notes)
     est: MemoryEstimate | None = None
-    if "auto" in (z.accumulate, z.tuning.host_accumulators, z.tuning.upload_buffer):
+    if "auto" in (z.accumulate, *(getattr(z.tuning, f) for f in LAYOUT[1:])) or z.tuning.grad_layout == "slots":
         est = estimate(plan, machine, size=size)
         if est.size is not None:
+            check_layout(plan, est, machine, size=size)
             if z.accumulate == "auto":
                 z.accumulate = est.accumulate
-            if z.tuning.host_accumulators == "auto":
-                z.tuning.host_accumulators = est.host_accumulators
-            if z.tuning.upload_buffer == "auto":
-                z.tuning.upload_buffer = est.upload_buffer
-    if z.tuning.grad_layout == "auto":
-        z.tuning.grad_layout = "slots"  # the only layout the run builds so far
+            for name in LAYOUT[1:]:
+                if getattr(z.tuning, name) == "auto":
+                    setattr(z.tuning, name, getattr(est, name))
     if z.tuning.release_grads:
         why = release_ruled_out(plan, est if est is not None and est.size is not None else None, size=size,
                                 machine=machine)
@@ -83,6 +89,37 @@ def settle(plan: RunPlan, machine: Machine | None = None, *, size: ModelSize | N
             if notes is not None:
                 notes.append(f"zenflow.tuning.release_grads: false, nothing to release ({why})")
     return plan
+
+
+def check_layout(plan: RunPlan, est: MemoryEstimate, machine: Machine, *, size: ModelSize | None = None) -> None:
+    """``zenflow.tuning.grad_layout: slots`` given on a host that cannot hold the slots: one
+    UserError line (exit 2), before anything is allocated, naming the sizes and the layout that
+    fits (carry); where no layout fits the host, the verdict says so instead. ``auto`` never gets
+    here (it takes carry where slots do not fit: layouts.py)."""
+    z = plan.zenflow
+    if (z.tuning.grad_layout != "slots" or est.accumulate != "host" or est.fits
+            or not any(r.startswith("host RAM") for r in est.reasons)):
+        return
+    slots = est.item("gradient slots")
+    lean = estimate(with_layout(plan, "carry"), machine, size=size)
+    need, usable, ram = gb_apart(est.node_host_total, host_limit(machine), machine.host_ram,
+                                 decimals=2 if machine.host_ram < 10 * GB else 1)
+    head = (f"zenflow.tuning.grad_layout=slots: this host cannot hold the gradient slots ({_gb(slots)}, "
+            f"{bytes_per_element(plan, Layout('host', 'slots', est.host_accumulators))} B per host element per "
+            f"interval): the plan needs {need} of host RAM, {usable} of {ram} may be used")
+    if any(r.startswith("host RAM") for r in lean.reasons):
+        return  # no layout fits this host: the verdict says so, and --fit what else would
+    raise UserError(f"{head}; grad_layout carry (4 B per host element per interval, host "
+                    f"{_gb(lean.node_host_total)}) fits: --set zenflow.tuning.grad_layout=carry (or auto)")
+
+
+def with_layout(plan: RunPlan, layout: Literal["slots", "carry"]) -> RunPlan:
+    """``plan`` with ``zenflow.tuning.grad_layout`` set (its other fields as they are)."""
+    return replace(plan, zenflow=replace(plan.zenflow, tuning=replace(plan.zenflow.tuning, grad_layout=layout)))
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f} GB" if x < 10 * GB else f"{x / GB:.1f} GB"
 
 
 def release_ruled_out(plan: RunPlan, est: MemoryEstimate | None = None, *, size: ModelSize | None = None,

@@ -1,18 +1,15 @@
 """Whether a machine holds a plan's lines: the margins, the host RAM a plan may use, the reasons.
 
 Split from zfctl/plan/memory.py by concern; ``estimate`` there calls ``_verdict`` with its
-totals, and zfctl/plan/fit.py measures a shortfall against the same ``DEVICE_MARGIN`` and
-``host_limit``.
+totals and :func:`shortfall` to rank the host layouts it tries (layouts.py), and
+zfctl/plan/fit.py measures the same shortfall. It imports the lines' ``MemoryItem`` from
+items.py, never from lines.py, which imports ``host_limit`` from here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from zfctl.plan.items import NO_MODEL_FITS, MemoryItem
 from zfctl.plan.machine import GB, Machine
-
-if TYPE_CHECKING:
-    from zfctl.plan.lines import MemoryItem
 
 DEVICE_MARGIN = 0.05  # the verdict keeps 5% of the GPU for the allocator's fragmentation
 HOST_RESERVE = 15 * GB  # left for the OS, the page cache, data and Python (a quarter of a smaller machine)
@@ -23,9 +20,6 @@ def host_limit(machine: Machine) -> float:
     return machine.host_ram - min(HOST_RESERVE, 0.25 * machine.host_ram)
 
 
-# How the verdict's first reason opens when the process alone is more than the host may use: no
-# model, and no change of the plan, fits (zfctl/plan/fit.py tries none; `zfctl plan` prints it alone).
-NO_MODEL_FITS = "no model fits"
 
 
 def gb(x: float) -> str:
@@ -63,6 +57,18 @@ def baseline_short(baseline: float, machine: Machine, per_node: int, *, cuda: bo
     libraries = ", CUDA libraries" if cuda else ""
     return (f"{NO_MODEL_FITS}: {who} {need_s} of host RAM (Python, torch, transformers, the tokenizer and "
             f"data{libraries}, before any model), more than the host offers: {limit_s} may be used of its {ram_s}")
+
+
+def shortfall(device_total: float, node_host: float, device_kind: str, machine: Machine) -> float:
+    """Bytes the machine lacks: the device's over its usable share, plus the host's over
+    :func:`host_limit` (``node_host``: one node's host RAM, with the device side where there is
+    no CUDA)."""
+    short = 0.0
+    if device_kind == "cuda" and machine.cuda:
+        short += max(0.0, device_total - (1 - DEVICE_MARGIN) * machine.gpu_mem)
+    if machine.host_ram:
+        short += max(0.0, node_host - host_limit(machine))
+    return short
 
 
 def _largest(items: list[MemoryItem], where: set[str]) -> str:

@@ -29,12 +29,14 @@ stream that uses them, so a freed one is reused in that stream's order, never wh
 
 Waits: docs/design.md's waits table ("Threads and buffer ownership") lists each one with the
 place it is written (``Mover.move``, ``_prepare``, ``_in_slot``, ``Departure.finish``), and
-ledger.py's kinds count them (``host.migrate_ids``, ``host.migrate_slot``, ``device.migrate``,
+ledger.py's kinds count them (``host.migrate_ids``, ``host.migrate_slot``, ``host.migrate_out``, ``device.migrate``,
 ``worker.migrate``, ``host.migrate_land``).
 
 Memory (the plan's "selection staging" line, sizing.py ``staging_bytes``): the in ring, the out
-buffer (every leaving row of one selection, at most ``OUT_BYTES``: more than that is scattered by the
-main thread during the selection, ``_make_room``, a host wait) and the ids buffer. Without CUDA
+buffer (every leaving row of one selection, at most ``zenflow.tuning.staging_mb``, which the plan
+sizes to what the host has to spare: the rows beyond it wait for the buffer to drain, ``_make_room``:
+the main thread writes the rows already in it into the host, a ``host.migrate_out`` wait, and the
+buffer is reused; the same writes the worker would make, so the same bits) and the ids buffer. Without CUDA
 the same code runs synchronously on host memory (the out "DMA" is the gather itself): that is how
 CI exercises it.
 """
@@ -216,13 +218,16 @@ class Mover:
             return torch.empty(n, dtype=torch.float32, device=self.device)
 
     def _make_room(self, n: int) -> None:
-        """Past the out buffer's cap (``OUT_BYTES``): the rows already in it are written into the
-        host now, on the main thread (their D2H waited for), and the buffer starts again."""
+        """Past the out buffer's cap (``zenflow.tuning.staging_mb``): the rows already in it are
+        written into the host now, on the main thread (their D2H waited for: ``host.migrate_out``),
+        and the buffer starts again. Those rows were device-owned while the update in flight ran,
+        which never touches them, so writing them before it finishes is safe (departure.py)."""
         assert self._out is not None
         if self._out_at + n <= self._out.numel():
             return
+        self.ledger.waited("host.migrate_out")  # one drain: the buffer is full
         for dep in self._deps:
-            dep.finish("host.migrate_slot")  # sync point: only a selection larger than the out buffer gets here
+            dep.finish("host.migrate_out")  # sync point: only a selection larger than the out buffer gets here
         self._out_at = 0
 
     def _out_flush(self, buf: torch.Tensor, fill: int, piece: list[tuple[Pair, torch.Tensor, int, int]]) -> int:

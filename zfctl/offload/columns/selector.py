@@ -42,7 +42,7 @@ from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.parallel.exchange import GradExchange
 from zfctl.offload.parallel.partition import OwnedRows, Partition
 from zfctl.offload.parallel.sharded import ShardedParams
-from zfctl.offload.sizing import out_elems, ring_elems
+from zfctl.offload.sizing import out_elems, ring_elems, staging_cap
 from zfctl.offload.stats import StepStats
 
 
@@ -61,6 +61,7 @@ class Selector:
         self.warmup = config.full_warm_up_rounds if layout.host_slots else 0
         self.period = config.select_period(steps_per_epoch) if self.selectable else None
         self._pin = config.tuning.pin_memory
+        self._out_cap = staging_cap(config.tuning.staging_mb)  # the out buffer's bytes, as the plan settled them
         self.mover: Mover | None = None  # the migration's streams and staging, made at the first selection
         self.departure: Departure | None = None  # the last selection's leaving state (migration.py)
         self.landing = Departure()  # a release step's leaving gradient columns, for ``land``
@@ -69,15 +70,16 @@ class Selector:
     def _mover(self, pairs: int) -> Mover:
         """The migration's streams and page-locked buffers (migration.py ``Mover``): sized for a
         selection that replaces every device column (``pairs`` tensors per column: 3, or 4 with
-        release.py's gradient); page-locked on CUDA with ``pin_memory``. The plan's "selection
-        staging" line (sizing.py ``staging_bytes``)."""
+        release.py's gradient), its out buffer capped by ``zenflow.tuning.staging_mb``; page-locked
+        on CUDA with ``pin_memory``. The plan's "selection staging" line (sizing.py ``staging_bytes``)."""
         if self.mover is None:
             device = self.device.master.device
             elems = sum(s.k * s.rows for s in self.selectable)
             cols = sum(s.k for s in self.selectable)
             tallest = max(s.rows for s in self.selectable)
             self.mover = Mover(device, pin=self._pin and device.type == "cuda",
-                               ring=ring_elems(elems, cols, tallest, pairs), out=out_elems(elems, pairs), ids=4 * cols)
+                               ring=ring_elems(elems, cols, tallest, pairs),
+                               out=out_elems(elems, pairs, self._out_cap), ids=4 * cols)
             self.mover.ledger = self.ledger
         return self.mover
 
