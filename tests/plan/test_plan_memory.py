@@ -218,7 +218,8 @@ def test_host_accumulators_auto_takes_a_second_only_where_it_fits(monkeypatch) -
     base = estimate(one, Machine(1e15, True, "gpu", 48 * GB))
     acc = base.item("gradient slots")
     assert base.host_accumulators == 1 and base.accumulate == "host"
-    edge = base.host_total + acc + 15 * GB  # host_limit: all but 15 GB of a machine over 60 GB
+    # host_limit: all but 15 GB of a machine over 60 GB; auto also keeps room for a resume's carry
+    edge = base.host_total + acc + base.resume_carry + 15 * GB
     fits, short = (estimate(plan, Machine(ram, True, "gpu", 48 * GB)) for ram in (edge, edge - 1e6))
     assert fits.host_accumulators == 2 and fits.item("gradient slots") == 2 * acc
     assert short.host_accumulators == 1 and short.item("gradient slots") == acc

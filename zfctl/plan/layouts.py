@@ -12,7 +12,9 @@ dtype's bytes), fastest first (``ORDER``):
 | carry | 4 + a landing ring | | one fp32 sum, each landed chunk folded in as it arrives |
 | ``accumulate: device`` | 4 | 4 | the interval's sum on the device, copied to the host once |
 
-``choose`` takes the first that fits both the host and the device (the device accumulator only
+``choose`` takes the first that fits both the host and the device, a resume inside an interval
+included (``resume_fits``: under slots it holds a 4 B fp32 carry; an explicit ``grad_layout:
+slots`` gets a note instead) (the device accumulator only
 where the device holds it within ``AUTO_DEVICE_SHARE``, as ``accumulate: auto`` always did);
 what the plan fixes (an explicit ``accumulate``, ``grad_layout`` or ``host_accumulators``)
 narrows the list. Where none fits, the one that comes closest, so the verdict and ``--fit`` start
@@ -117,7 +119,7 @@ def choose(plan: RunPlan, machine: Machine, device_kind: str,
         tried.append((lay, est))
         device_ok = (lay.accumulate == "host" or plan.zenflow.accumulate == "device" or
                      est.device_total <= AUTO_DEVICE_SHARE * machine.gpu_mem)
-        if est.fits and device_ok:
+        if est.fits and device_ok and (plan.zenflow.tuning.grad_layout != "auto" or resume_fits(est)):
             chosen = (lay, est)
             break
     if chosen is None:  # none fits: the one that comes closest (the first of equals)
@@ -138,7 +140,9 @@ def _notes(plan: RunPlan, lay: Layout, est: MemoryEstimate, tried: list[tuple[La
     tu = z.tuning
     auto = " (auto)" if tu.grad_layout == "auto" else ""
     if lay.accumulate == "host":
-        others = [f"{o.words()} ({bytes_per_element(plan, o)} B, {_gb(_layout_bytes(e))})" for o, e in tried if o != lay]
+        others = [f"{o.words()} ({bytes_per_element(plan, o)} B, {_gb(_layout_bytes(e))}"
+                  f"{'' if not e.fits or resume_fits(e) else f'; with a resume carry of {_gb(e.resume_carry)}'})"
+                  for o, e in tried if o != lay]
         why = f"; does not fit: {'; '.join(others)}" if others else ""
         short = any(r.startswith("host RAM") for r in est.reasons)
         closest = " (the host holds no layout: the closest)" if short else ""
@@ -167,6 +171,15 @@ def _layout_text(est: MemoryEstimate) -> str:
     lines = [i for i in est.items if i.name in ("gradient slots", "gradient carry", "landing ring",
                                                 "gradient accumulators")]
     return " + ".join(f"{i.name} {_gb(i.bytes)}" for i in lines)
+
+
+def resume_fits(est: MemoryEstimate) -> bool:
+    """The host also holds a resume's fp32 carry beside the plan (slots only; an unknown host
+    holds it): ``auto`` takes slots only where a resume inside an interval fits too, since a run
+    that fits but cannot resume on its own machine does not fit."""
+    if not est.resume_carry or not est.machine.host_ram:
+        return True
+    return host_limit(est.machine) - est.node_host_total >= est.resume_carry * est.ranks_per_node
 
 
 def resume_note(plan: RunPlan, est: MemoryEstimate) -> str:
@@ -218,7 +231,7 @@ def layout_lines(plan: RunPlan, host_elems: int, slot_bytes: int, items: list[Me
 
 
 def grow_staging(plan: RunPlan, items: list[MemoryItem], room: float, node_host: float, machine: Machine,
-                 per_node: int) -> float:
+                 per_node: int, resume: float = 0.0) -> float:
     """``zenflow.tuning.staging_mb: auto``: the selection's out buffer, placed by lines.py at one
     packed piece, grows by up to ``room`` bytes (to every leaving row, at most 2 GiB) into
     ``STAGING_SHARE`` of what the host has to spare after every other line; returns its cap in
@@ -226,7 +239,8 @@ def grow_staging(plan: RunPlan, items: list[MemoryItem], room: float, node_host:
     line = next((i for i in items if i.name == "selection staging"), None)
     if line is None:
         return 2048.0
-    spare = (host_limit(machine) - node_host) / per_node if machine.host_ram else room
+    # what a resume's carry needs stays free (resume_fits)
+    spare = (host_limit(machine) - node_host) / per_node - resume if machine.host_ram else room
     grow = min(room, max(0.0, STAGING_SHARE * spare))
     cap_mb = float((STAGE_BYTES + int(grow)) // 2**20)
     if grow >= room:  # every leaving row fits: the largest cap (the engine takes the smaller)

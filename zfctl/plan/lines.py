@@ -180,7 +180,10 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
         if tu.staging_mb == "auto":
             room = float(staging_bytes(c.selected, c.selected_cols, c.max_rows, pairs, OUT_BYTES) - nbytes)
         host("selection staging", nbytes, staging_note(cap / 2**20, pinned), "zfctl/offload/columns/migration.py Mover")
-    if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned):
+    # Under slots a resume inside an interval holds a 4 B fp32 carry: the upload buffer and the
+    # staging's growth leave room for it (layouts.py resume_fits).
+    reserve = 4.0 * c.host if tu.grad_layout == "slots" and z.accumulate == "host" and z.update_interval != 1 else 0.0
+    if w < 4 and not _upload_buffer(plan, float(w * c.host), items, notes, device_kind, machine, pinned, reserve):
         # no upload buffer: the install's device slots take the fp32 master's chunks, 4/w the bytes
         staging = next((i for i in items if i.name == "install staging"), None)
         if staging is not None:
@@ -190,13 +193,13 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
 
 
 def _upload_buffer(plan: RunPlan, nbytes: float, items: list[MemoryItem], notes: list[str], device_kind: str,
-                   machine: Machine, pinned: str) -> bool:
+                   machine: Machine, pinned: str, reserve: float = 0.0) -> bool:
     """Resolve zenflow.tuning.upload_buffer for a bf16/fp16 model (auto: on when the host total with
-    it stays within the verdict's limit, after the accumulators took theirs) and add its line; it,
-    not the master, is then page-locked. Returns whether it is on."""
+    it, and ``reserve`` bytes kept free, stays within the verdict's limit, after the accumulators
+    took theirs) and add its line; it, not the master, is then page-locked. Returns whether it is on."""
     choice = plan.zenflow.tuning.upload_buffer
     if choice == "auto":
-        on = not machine.host_ram or host_held(items, device_kind) + nbytes <= host_limit(machine)
+        on = not machine.host_ram or host_held(items, device_kind) + nbytes + reserve <= host_limit(machine)
         notes.append(f"zenflow.tuning.upload_buffer (auto): {'on' if on else 'off'}; the CPU update's "
                      f"{plan.train.precision} copy of the host columns halves an install's PCIe bytes for "
                      f"{nbytes / GB:.2f} GB of host memory, {'used' if on else 'not used: it does not fit'}")

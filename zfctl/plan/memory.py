@@ -169,9 +169,12 @@ def _estimate(plan: RunPlan, machine: Machine, size: ModelSize | None, *, strate
         process_lines(items, device_kind)
         room = _fill(plan, size, items, notes, device_kind, machine, strategy=strategy)
     device_total, host_total, node_host = _totals(plan, items, device_kind, size, notes, strategy)
+    master = sum(i.bytes for i in items if i.name == "fp32 master")
+    slots = z.tuning.grad_layout == "slots" and z.accumulate == "host"
+    resume = master if slots and z.update_interval != 1 else 0.0  # 4 B per host element (layouts.py resume_note)
     staging_mb = 2048.0 if z.tuning.staging_mb == "auto" else float(z.tuning.staging_mb)
     if z.tuning.staging_mb == "auto" and size is not None:  # what the host has to spare, after every other line
-        staging_mb = grow_staging(plan, items, room, node_host, machine, per_node)
+        staging_mb = grow_staging(plan, items, room, node_host, machine, per_node, resume)
         device_total, host_total, node_host = _totals(plan, items, device_kind, size, [], strategy)
     reasons = _verdict(items, device_kind, device_total, node_host, machine, plan.train.device, per_node,
                        baseline=per_node * PROCESS_BASELINE[device_kind])
@@ -180,9 +183,6 @@ def _estimate(plan: RunPlan, machine: Machine, size: ModelSize | None, *, strate
                      f"of a node, each of the {d.nodes} nodes holding a whole copy")
     if d.strategy == "auto" and strategy == "fsdp":
         notes.append("distributed.strategy (auto): fsdp, the whole model per GPU (zero2) does not fit")
-    master = sum(i.bytes for i in items if i.name == "fp32 master")
-    slots = z.tuning.grad_layout == "slots" and z.accumulate == "host"
-    resume = master if slots and z.update_interval != 1 else 0.0  # 4 B per host element (layouts.py resume_note)
     return MemoryEstimate(size, items, device_total, host_total, device_kind, machine,
                           fits=size is not None and not reasons, reasons=reasons, notes=notes,
                           accumulate="device" if z.accumulate == "device" else "host",
