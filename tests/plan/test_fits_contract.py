@@ -44,6 +44,9 @@ def test_the_planned_machines_fit_with_the_defaults(row: str) -> None:
     result = CliRunner().invoke(app, ["plan", *ROWS[row], "--data", "alpaca"])
     first = result.stdout.splitlines()[0] if result.stdout else result.output
     assert result.exit_code == 0 and first.startswith("it fits"), f"{row}: {first}"
+    # and it resumes there: a resume inside an interval under slots holds a 4 B fp32 carry the
+    # host must have to spare (layouts.py resume_fits); the note says when it does not
+    assert "more than the" not in result.stdout, f"{row}: a resume inside an interval does not fit"
 
 
 def test_llama2_7b_on_48gb_and_128gb_holds_at_most_16_5_bytes_per_parameter() -> None:
