@@ -19,9 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _measure(proof, tmp_path: Path) -> tuple[dict, dict, dict]:
-    big = proof.measure(6, 768, 2048, tmp_path)
-    small = proof.measure(1, 768, 2048, tmp_path)
+def _measure(proof, tmp_path: Path, layout: str) -> tuple[dict, dict, dict]:
+    extra = [f"zenflow.tuning.grad_layout={layout}"]
+    big = proof.measure(6, 768, 2048, tmp_path, extra)
+    small = proof.measure(1, 768, 2048, tmp_path, extra)
     return big, small, proof.compare(big, small)
 
 
@@ -32,7 +33,8 @@ def _line(big: dict, small: dict, c: dict, process: str) -> str:
 
 
 @pytest.mark.slow
-def test_peak_rss_difference_matches_the_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["slots", "carry"])
+def test_peak_rss_difference_matches_the_plan(tmp_path: Path, layout: str) -> None:
     """Each process's own VmHWM (scripts/memory_proof.py ``peak_rss``): ``ru_maxrss`` would read
     the pytest process's RSS as the floor of every subprocess, which late in a full suite is more
     than the small run's own peak."""
@@ -40,7 +42,8 @@ def test_peak_rss_difference_matches_the_plan(tmp_path: Path) -> None:
     assert spec is not None and spec.loader is not None
     proof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(proof)
-    big, small, c = _measure(proof, tmp_path)
+    big, small, c = _measure(proof, tmp_path, layout)
+    assert big["plan_items"].get("gradient carry" if layout == "carry" else "gradient slots")  # the layout asked for
     assert c["plan_difference"] > 1e9  # large enough that the baseline's noise (~10 MB) is small
     for process in ("finetune", "resume"):
         assert c[process]["within_tolerance"], _line(big, small, c, process)
