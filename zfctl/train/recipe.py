@@ -394,7 +394,7 @@ class FinetuneRecipe:
                               sampler=self.sampler.position, num_train_samples=len(self.data.train),
                               steps_per_epoch=self.steps_per_epoch, train_digest=self.data.train_digest)
         path = ck.save_checkpoint(
-            self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
+            self.run_dir, step, model=self.model, optimizer_state=self.optimizer.checkpoint_state(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
             barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint,
