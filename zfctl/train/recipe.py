@@ -156,7 +156,8 @@ class FinetuneRecipe:
         if restore is not None:
             # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
             rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
-            restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy)
+            restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy,
+                            note=self._note)
             self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
 

@@ -62,6 +62,12 @@ from zfctl.offload.stats import StepStats
 
 Interval = tuple[tuple[torch.Tensor, ...], tuple[float, ...], torch.Tensor | None]
 
+
+class StateNote(UserWarning):
+    """Something a user resuming a run should know about the loaded state (the run continues):
+    zfctl/train/progress.py prints it as a ``note:`` line."""
+
+
 Install = Callable[[StepStats], None]
 
 
@@ -301,10 +307,10 @@ def _saved_clip_sum(counters: dict[str, Any]) -> float:
     n = int(counters["interval_len"])
     if counters.get("raw_sums") and counters.get("clip_sum") is not None:
         return float(counters["clip_sum"])
-    warnings.warn(f"note: this optimizer state was saved {n} step(s) into an interval by an earlier zfctl, "
+    warnings.warn(f"this optimizer state was saved {n} step(s) into an interval by an earlier zfctl, "
                   "whose interval sum has each step's clip factor in it; the resumed interval counts those "
                   "steps with factor 1 (the interval-mean clip rule, docs/design.md): exact where they did "
-                  "not clip", UserWarning, stacklevel=4)
+                  "not clip", StateNote, stacklevel=4)
     return float(n)
 
 
