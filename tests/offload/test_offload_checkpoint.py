@@ -264,3 +264,38 @@ def test_a_raw_sum_state_loads_exactly_and_a_per_step_one_counts_its_steps_as_un
             carry = opt.host.grads.carry[1]
             assert carry is not None and torch.equal(carry, raw), counters
             assert opt.pipeline.clip_sum == clip_sum, counters
+
+
+def test_a_checkpoint_file_inside_an_interval_streams_its_sum_and_resumes_exactly(tmp_path: Path, monkeypatch) -> None:
+    """The checkpoint writer (zfctl/train/tensorfile.py) writes ``checkpoint_state``'s interval sum
+    a chunk at a time (here 256 B: the sum is formed in ranges, never whole), and the file resumes
+    bit for bit, every step clipping: a SIGTERM save inside an interval needs no buffer of the sum."""
+    from zfctl.offload.grads.slots import GradSlots
+    from zfctl.train import checksum
+    from zfctl.train.tensorfile import load_state, save_state_hashed
+
+    hp, cfg, data = {**HP, "max_grad_norm": 0.05}, CONFIGS["overlap"], batches(STEPS)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **hp) as opt:
+        steps(model, opt, data)
+    expected = snapshot(model)
+    ranges: list[int] = []
+    into = GradSlots.partial_sum_into
+    monkeypatch.setattr(GradSlots, "partial_sum_into",
+                        lambda self, s, out, lo, hi: (ranges.append(hi - lo), into(self, s, out, lo, hi))[1])
+    monkeypatch.setattr(checksum, "CHUNK_BYTES", 256)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **hp) as opt:
+        steps(model, opt, data[:STOP])
+        assert opt.pipeline.interval_len == 2 and opt.pipeline.clip_sum < 2
+        save_state_hashed(opt.checkpoint_state(), tmp_path / "opt.safetensors")
+        numel = opt.layout.host_numel
+        msd = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ranges and max(ranges) < numel and sum(ranges) == numel
+    model = tiny_net(seed=123)
+    model.load_state_dict(msd)
+    with ZenFlowOptimizer(model.named_parameters(), cfg, **hp) as opt:
+        opt.load_state_dict(load_state(tmp_path / "opt.safetensors"))
+        steps(model, opt, data[STOP:])
+    got = snapshot(model)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
