@@ -251,7 +251,7 @@ class Pipeline:
             fresh = self.interval_len == 0
             if live_acc is not None:
                 sd["acc"] = self.host.canonicalize(live_acc, fresh=fresh)
-            elif fresh or not self.grads.has_sum(self.cur):
+            elif fresh:
                 sd["acc"] = torch.zeros(1).expand(self.grads.numel)  # nothing is live: zeros, no memory
             else:
                 acc = PartialSum(self._fill_range(self.cur), 0, (self.grads.numel,))
