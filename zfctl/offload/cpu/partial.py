@@ -52,10 +52,6 @@ class PartialSum:
     def nbytes(self) -> int:
         return 4 * self.numel()
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
     def __getitem__(self, rows: slice) -> PartialSum:
         """Rows ``[start, stop)`` of the first dimension (contiguous rows only)."""
         start, stop, step = rows.indices(self.shape[0])
