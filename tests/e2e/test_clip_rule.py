@@ -1,10 +1,12 @@
 """One clip rule on every path and strategy (gloo on CPU).
 
-Every step's host-owned gradient lands in its own slot and the CPU update applies that step's
-own clip factor (zfctl/offload/grads/slots.py), as the device columns, FSDP2 shards and the device path
-always did; before the slots, zero2's default release path clipped an interval's host sum by the
-interval's mean factor instead, and fsdp then differed from zero2 and from one process by 2.6e-3
-relative at step 11, the first step after the first install. Here, with release_grads on (the
+The interval-mean rule (docs/design.md, "Algorithm", step 1): the device columns take each step's
+own clip factor, and every path's host-owned interval sum is raw, its CPU update scaled by the
+interval's mean factor (zfctl/offload/cpu/pipeline.py ``clip_sum``), whether the gradients land in
+slots from the hooks, the release path or step(), or reach the rank as FSDP2 shards; before the
+slots, zero2's default release path alone took the interval mean, and fsdp then differed from
+zero2 and from one process by 2.6e-3 relative at step 11, the first step after the first install.
+Here, with release_grads on (the
 default) and max_grad_norm 1.0 clipping every step of this random init (both asserted), four ranks
 under zero2, four under fsdp and one process with four accumulation steps see the same global
 batches and must agree within 1e-5 relative, every step.

@@ -5,7 +5,7 @@ test continues from: a run's cost is its processes' start-up, not its 6 tiny ste
 
 Both strategies run with their defaults: fsdp has no release path (the gradients arrive by
 FSDP2's reduce-scatter, zfctl/offload/parallel/sharded.py) and zero2 releases them in their hooks, and both
-clip every step by its own factor (one rule on every path: docs/design.md, "Algorithm"), so on
+take the one clip rule (the interval-mean rule on every path: docs/design.md, "Algorithm"), so on
 this tiny model, where every step clips, they agree to rounding.
 """
 

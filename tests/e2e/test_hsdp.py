@@ -16,8 +16,8 @@ from test_multinode import NODES, PER_NODE, two_nodes
 
 # TINY's 6 steps, a checkpoint every 3: step 3 is one step into an update interval
 # (update_interval 2), its CPU update in flight; re-selection at step 5 comes after the resume.
-# fsdp has no release path, the one-process reference releases its gradients: every path clips
-# each step by its own factor (tests/e2e/test_clip_rule.py), so they agree to rounding.
+# fsdp has no release path, the one-process reference releases its gradients: every path takes
+# the one clip rule (tests/e2e/test_clip_rule.py), so they agree to rounding.
 HSDP = [*TINY, "train.micro_batch_size=1", "distributed.strategy=fsdp",
         f"distributed.nproc={PER_NODE}", f"distributed.nodes={NODES}", "distributed.hsdp=true"]
 

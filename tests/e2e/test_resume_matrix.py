@@ -45,10 +45,11 @@ RUN = [*TINY, f"train.max_steps={STEPS}", "checkpoint.every=1", f"checkpoint.kee
        "zenflow.update_interval=3", "zenflow.select_interval=6", "zenflow.overlap_step=true"]
 POINTS = ("warm-up", "mid-interval", "boundary")
 # An fsdp checkpoint continued on one process runs the zero2 hook path with release_grads (the
-# saved true, ignored under fsdp): its gradients land in per-step slots and every path clips each
-# step by its own factor (zfctl/offload/grads/slots.py), so it continues fsdp's run within 1e-5, from the
-# warm-up and mid-interval too (before the slots: a landing ring that needed the clip factor
-# before backward, and an interval-mean clip 5.8e-4 off at step 13).
+# saved true, ignored under fsdp): its gradients land in per-step slots and every path takes the
+# one clip rule (the interval-mean rule: zfctl/offload/cpu/pipeline.py), so it continues fsdp's run
+# within 1e-5, from the warm-up and mid-interval too (before the slots: a landing ring that needed
+# the clip factor before backward, and zero2's release path alone on an interval-mean clip, 5.8e-4
+# off fsdp's per-step one at step 13).
 CASES = [pytest.param(s, n, p) for s in ("fsdp", "zero2") for n in (4, 2, 1) for p in POINTS]
 
 

@@ -128,7 +128,7 @@ def test_one_column_chunks_under_slow_copies(slow_copies, dtype) -> None:
 
 @DTYPES
 def test_step_path_tiny_chunks_under_slow_copies(slow_copies, dtype) -> None:
-    """step() path with tiny chunks, with clipping, so the step's scalars (norm, coefficient)
+    """step() path with tiny chunks, with clipping, so the step's scalars (norm, clip factor)
     differ from step to step. Covers: the CPU worker waits for the last copy into its slots
     (stream.py ``fence``); the scalar fetch's event (ring.py ``fetch``): without it the host reads
     the fetch buffer before the copy landed, i.e. a reused block with an earlier step's

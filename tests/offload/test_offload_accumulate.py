@@ -29,8 +29,10 @@ def run(accumulate: str, *, overlap: bool = True, clip=None, dtype=torch.float32
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_device_and_host_accumulation_give_the_same_parameters(overlap, clip, dtype) -> None:
+    """fp16: the device sum takes each step's unscale u (a device scalar), the host slots record
+    it, and both take the interval's mean clip factor at the boundary (the interval-mean rule)."""
     host, hs = run("host", overlap=overlap, clip=clip, dtype=dtype)
     dev, ds = run("device", overlap=overlap, clip=clip, dtype=dtype)
     # Same sum order; the only difference is fma vs multiply-then-add rounding in the adds.

@@ -38,6 +38,8 @@ def zenflow(cfg: ZenFlowConfig, steps: int = STEPS, clip: float | None = None, s
 @pytest.mark.parametrize("cfg", [ALL_DEVICE, ZERO_OFFLOAD], ids=["r=1", "r=0,U=1"])
 @pytest.mark.parametrize("clip", [None, 0.25], ids=["noclip", "clip"])
 def test_limits_reproduce_torch_adamw(cfg: ZenFlowConfig, clip: float | None) -> None:
+    """topk_ratio 1 (no host columns) and plain ZeRO-Offload (intervals of one step, where the
+    interval-mean clip factor is the step's own) are torch's AdamW, clipping included."""
     ref = reference(clip=clip)
     got, stats = zenflow(cfg, clip=clip)
     assert max_rel_err(got, ref) <= 1e-5
@@ -53,7 +55,7 @@ def test_zero_offload_moves_every_matrix_through_the_cpu() -> None:
     matrix_bytes = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
     for s in stats:
         assert s.boundary and s.installed and s.selected_fraction == 0.0
-        assert s.d2h_bytes == matrix_bytes + 8  # every gradient column + the norm/coef scalars
+        assert s.d2h_bytes == matrix_bytes + 8  # every gradient column + the norm and clip factor scalars
         assert s.h2d_bytes == matrix_bytes  # every updated column back
     _, stats = zenflow(ALL_DEVICE, steps=2)
     assert all(s.d2h_bytes == 0 and s.h2d_bytes == 0 and s.selected_fraction == 1.0 for s in stats)

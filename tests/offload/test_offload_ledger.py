@@ -39,7 +39,7 @@ from zfctl.offload.ledger import BYTE_KINDS, WAIT_KINDS, Ledger, Tab
 from zfctl.offload.stats import StepStats
 
 W, U, SELECT, STEPS = 2, 3, 6, 10
-SCALARS = 8  # the norm and the coefficient, one fp32 each (no auto interval: no masses)
+SCALARS = 8  # the norm and the clip factor, one fp32 each (no auto interval: no masses)
 # Per step: what it does beyond landing its gradient ("submit": ends an interval and hands it to
 # the CPU worker; "install": an update's columns go into the params; "select": a selection), and
 # whether it starts an interval (its gradient writes the sum instead of adding to it).

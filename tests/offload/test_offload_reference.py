@@ -28,7 +28,8 @@ def adamw(p, g, m, v, count, lr=LR, wd=WD):
 
 
 def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
-              rows: frozenset[str] = frozenset(), lag: int = 0, clip: float | None = None) -> dict[str, torch.Tensor]:
+              rows: frozenset[str] = frozenset(), lag: int = 0, clip: float | None = None,
+              per_step_clip: bool = False) -> dict[str, torch.Tensor]:
     """``host_scale``: zenflow.deferred_lr_scale's factor s, stated literally: the CPU step uses
     lr * s and keeps U steps of decoupled weight decay (lr * s * wd' = U * lr * wd).
     ``host_repeat`` (deferred_lr_scale: repeat): the CPU takes U AdamW steps, all with the
@@ -36,15 +37,17 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
     rows), stated as the same rules on the transposed weight and gradient. ``lag``
     (zenflow.tuning.install_lag): with overlap, the update lands at the end of the lag-th step after its
     boundary instead of at the next boundary. ``clip``: max_grad_norm, the factor
-    ``c_t = min(1, clip / (||g_t|| + 1e-6))`` over the whole gradient; every column takes
-    ``c_t g_t``, the deferred ones summed per step."""
+    ``c_t = min(1, clip / (||g_t|| + 1e-6))`` over the whole gradient: the dense params and the
+    device columns take ``c_t g_t`` each step; the deferred columns the interval-mean rule, the
+    mean of their raw gradients times the mean of the interval's ``c_t`` (``per_step_clip``: the
+    rule before it, the mean of ``c_t g_t``)."""
     model = tiny_net()
     leaves = dict(model.named_parameters())
     params = {n: (p.t() if n in rows else p) for n, p in leaves.items()}  # views of the weights
     st = {n: {"p": p.detach().clone(), "m": torch.zeros_like(p), "v": torch.zeros_like(p),
               "acc": torch.zeros_like(p), "dev_n": torch.zeros(p.shape[-1]), "host_n": torch.zeros(p.shape[-1])}
           for n, p in params.items()}
-    device_cols, pending, submitted = {}, None, -1
+    device_cols, pending, submitted, factors = {}, None, -1, []
     for t, (x, y) in enumerate(batches(STEPS)):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -52,10 +55,11 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
         if clip is not None:
             norm = torch.cat([q.grad.flatten() for q in leaves.values()]).norm().item()
             c = min(1.0, clip / (norm + 1e-6))
+        factors.append(c)
         with torch.no_grad():
             for n, p in params.items():
-                s, g = st[n], (leaves[n].grad.t() if n in rows else leaves[n].grad)
-                g = g * c
+                s, raw = st[n], (leaves[n].grad.t() if n in rows else leaves[n].grad)
+                g = raw * c
                 if p.dim() == 1:  # dense: every step on the device
                     s["dev_n"] += 1
                     adamw(s["p"], g, s["m"], s["v"], s["dev_n"])
@@ -72,7 +76,7 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
                 adamw(pc, g[:, cols], mc, vc, s["dev_n"][cols])
                 s["p"][:, cols], s["m"][:, cols], s["v"][:, cols] = pc, mc, vc
                 p[:, cols] = pc
-                s["acc"][:, ~sel] += g[:, ~sel]
+                s["acc"][:, ~sel] += (g if per_step_clip else raw)[:, ~sel]
             if overlap and lag and pending is not None and t == submitted + lag:
                 for n, values in pending.items():
                     params[n][:, ~device_cols[n]] = values
@@ -84,6 +88,8 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
                 for n, values in pending.items():
                     params[n][:, ~device_cols[n]] = values
             pending = {}
+            mean_clip = 1.0 if per_step_clip else sum(factors) / U
+            factors = []
             for n, p in params.items():
                 if p.dim() == 1:
                     continue
@@ -94,7 +100,7 @@ def reference(overlap: bool, host_scale: float = 1.0, host_repeat: bool = False,
                 host_wd = WD if host_scale == 1.0 else WD * U / host_scale
                 for _ in range(U if host_repeat else 1):
                     s["host_n"][host] += 1
-                    mean = s["acc"][:, cols] / U
+                    mean = s["acc"][:, cols] / U * mean_clip
                     adamw(pc, mean, mc, vc, s["host_n"][cols], lr=host_lr, wd=host_wd)
                 s["p"][:, cols], s["m"][:, cols], s["v"][:, cols] = pc, mc, vc
                 s["acc"].zero_()
@@ -147,11 +153,13 @@ def test_optimizer_matches_the_literal_algorithm(overlap: bool, scale: str, voca
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step-path"])
-def test_every_path_clips_each_step_by_its_own_factor(hooks: bool) -> None:
+def test_every_path_takes_the_interval_mean_clip_rule(hooks: bool) -> None:
     """A clip that triggers at every step (norms 0.38-0.85, clip 0.05), so the factors differ
     within each interval: with and without zenflow.tuning.release_grads, hooks or step() path,
-    each step's deferred columns take that step's own factor, as the device columns do (the slot
-    of a step carries its coefficient, slots.py). Release changes no bits."""
+    the device columns and dense params take each step's own factor and the deferred columns the
+    interval's mean factor on their mean raw gradient (docs/design.md, "Algorithm", step 5).
+    Release changes no bits; the per-step rule the engine had before is 1e-2 away, so the
+    comparison tells the two rules apart."""
     clip, got = 0.05, {}
     for release in (True, False):
         model = tiny_net()
@@ -171,3 +179,4 @@ def test_every_path_clips_each_step_by_its_own_factor(hooks: bool) -> None:
     assert all(torch.equal(got[True][n], got[False][n]) for n in exact)
     assert max_rel_err(got[True], exact) <= 1e-3  # the tolerance above, same reasons
     assert max_rel_err(reference(True), exact) > 1e-2  # the clip really changes the result
+    assert max_rel_err(reference(True, clip=clip, per_step_clip=True), exact) > 1e-2  # and the rule does

@@ -2,8 +2,8 @@
 own hook and its ``.grad`` is freed there.
 
 Release on and off give bit-identical losses in every case: release changes no arithmetic (each
-step's host columns land in its own slot, raw, and the CPU update applies that step's own clip
-factor, slots.py). No case here only reorders a sum: the hooks take each norm with the kernel
+step's host columns land in its own slot, raw, with the step's unscale, and the CPU update
+applies the interval's mean clip factor, slots.py, cpu/pipeline.py). No case here only reorders a sum: the hooks take each norm with the kernel
 step() uses and the global norm stacks them in parameter order. The clip rule itself is tested
 against the pure-torch reference in tests/offload/test_offload_reference.py, the slots against
 the per-step accumulation they replaced in tests/offload/test_offload_slots.py.
@@ -165,7 +165,7 @@ def test_fp16_overflow_is_bit_identical_with_and_without_release(poison: str) ->
 def test_fp16_overflow_inside_an_interval_keeps_the_steps_before_it() -> None:
     """What the overflow step's hooks landed is not recorded: after the next step the interval
     holds the steps before the overflow and that step, whose slot is exactly its raw gradient,
-    with 1 / the loss scale as its coefficient."""
+    with 1 / the loss scale (its unscale) as its coefficient."""
     _, _, after = fp16_run(True, "mid")
     assert after["interval_len"] >= 2 and after["used"] == after["interval_len"]
     names = dict(zip(range(len(after["layout"].slots)), (s.name for s in after["layout"].slots)))

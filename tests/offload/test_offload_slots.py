@@ -1,14 +1,17 @@
-"""The host paths' per-step gradient slots (zfctl/offload/grads/slots.py) against today's arithmetic.
+"""The host paths' per-step gradient slots (zfctl/offload/grads/slots.py) against the arithmetic they
+stand for.
 
 Before the slots, the host summed each step's gradient columns into an fp32 accumulator as they
-arrived, ``acc = fma(coef_t, g_t, acc)`` (the interval's first step into +0), and the CPU update
-ran AdamW on ``acc / n``; ``release_grads: false`` did so with each step's own coefficient (clip
-factor / fp16 loss scale). The reference below is that arithmetic, written out: a hook registered
-before the optimizer's copies every final gradient, a wrapper keeps each step's coefficient, and
-the reference run's CPU worker replaces the engine's interval (its slots) by an fp32 sum of those
-copies built with the native ``accumulate``, then calls ``adamw_step`` on it. Everything else (the
-device update, selection, overlap, installs) is the engine's own in both runs, so the comparison
-is bit for bit: a wrong gradient, coefficient, order or skipped step in a slot shows.
+arrived, ``acc = fma(u_t, g_t, acc)`` (the interval's first step into +0; ``u_t`` the fp16
+unscale, or 1), and the CPU update ran AdamW on ``acc * (sum_t k_t / n) / n`` (the interval-mean
+clip rule, ``k_t`` each step's clip factor: docs/design.md, "Algorithm", step 5). The reference
+below is that arithmetic, written out: a hook registered before the optimizer's copies every
+final gradient, a wrapper keeps each step's unscale and clip factor, and the reference run's CPU
+worker replaces the engine's interval (its slots and its ``grad_scale``) by an fp32 sum of those
+copies built with the native ``accumulate`` and the factor computed here, then calls
+``adamw_step`` on it. Everything else (the device update, selection, overlap, installs) is the
+engine's own in both runs, so the comparison is bit for bit: a wrong gradient, unscale, clip
+factor, order or skipped step in a slot shows.
 
 The model has a parameter that gets no gradient at some steps and, at others, one from the first
 micro-batch only (its hook does not fire in the final backward), so the cases cover the slot's
@@ -45,25 +48,28 @@ class Today:
     def __init__(self, model: torch.nn.Module) -> None:
         self.latest: dict[str, torch.Tensor] = {}  # this step's final gradients, by name
         self.current: dict[str, torch.Tensor] = {}  # those of the step step() is running
-        self.steps: list[tuple[dict[str, torch.Tensor], float]] = []  # the interval's earlier steps
-        self.coef: torch.Tensor | None = None  # the coefficient of the step step() is running
-        self.sums: dict[int, torch.Tensor] = {}  # id(CpuUpdate) -> its fp32 interval sum
+        self.steps: list[tuple[dict[str, torch.Tensor], float, float]] = []  # the interval's earlier steps
+        self.unscale, self.clip = 1.0, None  # u and k of the step step() is running (k: a device tensor)
+        self.sums: dict[int, tuple[torch.Tensor, float]] = {}  # id(CpuUpdate) -> (its fp32 sum, grad_scale)
         self.submitted = 0
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(lambda q, name=name: self.latest.__setitem__(name, q.grad.clone()))
 
-    def this_step(self) -> tuple[dict[str, torch.Tensor], float]:
-        return self.current, 1.0 if self.coef is None else float(self.coef.item())
+    def this_step(self) -> tuple[dict[str, torch.Tensor], float, float]:
+        return self.current, self.unscale, 1.0 if self.clip is None else float(self.clip.item())
 
-    def interval_sum(self, opt: ZenFlowOptimizer) -> torch.Tensor:
-        """``acc`` as the old host path built it: per step, per host matrix, ``fma(coef, g, acc)``
-        (the first step overwrites: into +0), a matrix without a gradient adds nothing."""
+    def interval_sum(self, opt: ZenFlowOptimizer) -> tuple[torch.Tensor, float]:
+        """``acc`` as the old host path built it: per step, per host matrix, ``fma(u, g, acc)``
+        (the first step overwrites: into +0), a matrix without a gradient adds nothing; and the
+        update's ``grad_scale``, ``(sum_t k_t / n) / n``."""
         steps, self.steps = [*self.steps, self.this_step()], []
+        n = len(steps)
+        grad_scale = sum(k for _, _, k in steps) / n / n
         acc = torch.full((opt.layout.host_numel,), float("nan"))
         for slot in opt.layout.host_slots:
             flat = acc[slot.host_off : slot.host_off + slot.host_numel]
             first = True
-            for grads, coef in steps:
+            for grads, coef, _ in steps:
                 g = grads.get(opt.names[slot.index])
                 if g is None:  # no gradient: the first step wrote zeros, later ones nothing
                     if first:
@@ -73,7 +79,7 @@ class Today:
                 cols = as_matrix(g, slot)[:, slot.host_c0 : slot.host_c1].t().contiguous()
                 _native.accumulate(flat, cols.reshape(-1), scale=coef, overwrite=first)
                 first = False
-        return acc
+        return acc, grad_scale
 
 
 @contextmanager
@@ -84,12 +90,12 @@ def today(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> Iterator[T
     opts: list[ZenFlowOptimizer] = []
 
     def record_coef(self, *a, **k):
-        norm, coef = coefficient(self, *a, **k)
-        ref.coef = coef
-        return norm, coef
+        norm, coef, clip = coefficient(self, *a, **k)
+        ref.unscale, ref.clip = self.unscale, clip
+        return norm, coef, clip
 
     def stepped(self, closure=None):
-        ref.coef, ref.current = None, dict(ref.latest)
+        ref.unscale, ref.clip, ref.current = 1.0, None, dict(ref.latest)
         opts[:] = [self]
         stats = step(self, closure)
         ref.latest.clear()
@@ -104,9 +110,10 @@ def today(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> Iterator[T
 
     def adamw(self, update: CpuUpdate, step_: int, runs: torch.Tensor) -> None:
         h = self._host
-        _native.adamw_step(h.master, ref.sums[id(update)], h.exp_avg, h.exp_avg_sq, step=step_, lr=update.lr,
+        acc, grad_scale = ref.sums[id(update)]
+        _native.adamw_step(h.master, acc, h.exp_avg, h.exp_avg_sq, step=step_, lr=update.lr,
                            beta1=update.beta1, beta2=update.beta2, eps=update.eps,
-                           weight_decay=update.weight_decay, grad_scale=update.grad_scale, runs=runs,
+                           weight_decay=update.weight_decay, grad_scale=grad_scale, runs=runs,
                            repeat=update.repeat, out=h.upload)  # bf16/fp16: the install source, as the worker
 
     with monkeypatch.context() as m:

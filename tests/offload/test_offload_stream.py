@@ -74,8 +74,8 @@ def test_auto_interval_and_stream_grads_off() -> None:
 @pytest.mark.parametrize("release", [True, False], ids=["release", "keep-grads"])
 def test_step_leaves_no_gradient_work_for_itself(clip, release) -> None:
     """The CPU-testable property: with the hook path, step() copies no gradient chunk itself;
-    every chunk left during backward, clipped or not (the coefficient goes with the slot, not
-    with the copy). A selection step without release re-plans the chunks: step() lands it."""
+    every chunk left during backward, clipped or not (the unscale goes with the slot and the clip
+    factor with the interval, not with the copy). A selection step without release re-plans the chunks: step() lands it."""
     cfg = zen(overlap_step=True, release_grads=release, **BASE)
     _, ref = train(cfg, hooks=False, clip=clip)
     _, stats = train(cfg, hooks=True, clip=clip)

@@ -129,3 +129,28 @@ def test_a_resume_launcher_resolves_once_and_hands_its_ranks_the_folder(tmp_path
                   argv=["resume", str(tmp_path), "--latest-good", "--nproc", "2"], show_plan=print)
     assert len(calls) == 1
     assert launched == [(2, {RESUME_FROM_ENV: str(tmp_path / "checkpoints" / "step-000004")})]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_note_about_the_loaded_optimizer_state_is_one_note_line_on_rank_0(monkeypatch, rank: int) -> None:
+    """What the engine says about a loaded state (``StateNote``: e.g. a state of the per-step clip
+    rule, zfctl/offload/cpu/pipeline.py) reaches the console as one ``note:`` line, on rank 0 only;
+    any other warning of the load is shown as Python shows it."""
+    import warnings
+
+    from zfctl.offload.cpu.pipeline import StateNote
+    from zfctl.train import progress
+
+    def load(*a, **k):
+        warnings.warn("the saved steps count as unclipped", StateNote, stacklevel=2)
+        warnings.warn("something else", RuntimeWarning, stacklevel=2)
+
+    monkeypatch.setattr(progress, "load_optimizer_state", load)
+    monkeypatch.setattr(progress, "restore_scheduler", lambda *a: None)
+    restore = progress.Restore(checkpoint=None, sampler=None, scheduler={}, rng=None)  # type: ignore[arg-type]
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        restore.install(None, None, rank=rank, world_size=2, note=notes.append)  # type: ignore[arg-type]
+    assert notes == (["the saved steps count as unclipped"] if rank == 0 else [])
+    assert [str(w.message) for w in shown] == ["something else"]

@@ -38,7 +38,7 @@ BYTE_KINDS: dict[str, str] = {
     # PCIe, device to host
     "d2h.grad": "gradient columns of one step (hook path, step() path): whole column ranges, model dtype",
     "d2h.sum": "the device path's fp32 interval sum, once per interval",
-    "d2h.scalars": "the step's norm, coefficient and (auto interval) masses",
+    "d2h.scalars": "the step's norm, clip factor and (auto interval) masses",
     "d2h.migrate": "a selection's leaving columns: state rows, and on the release path their gradient; "
                    "the new column ids with the old counters (one small D2H)",
     # PCIe, host to device

@@ -236,7 +236,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             sq = self.sharded.sum_of_squares(grads, self.device)
         released = self.release if self.release is not None and self.release.armed else None
         norms = released.norms if released is not None else None
-        norm, coef = self.scale.coefficient(grads, sq, norms)  # 1. clip factor / loss scale, on the device
+        norm, coef, clip = self.scale.coefficient(grads, sq, norms)  # 1. clip factor, loss scale: on the device
         if self.scale.overflowed(norm):  # fp16: skip the whole step (a host sync, fp16 only)
             self.gradient_path.skip(stats)  # its slot is not recorded: the next step rewrites it
             self._disarm()
@@ -246,13 +246,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             return stats
         if self.selector.due(t):  # 2. selection: choose, the entering part of the update in flight, migrate
             totals = self._reselect(grads, stats, released)
-        scalars = phases.start_scalars(self, norm, coef, grads, warm, totals) if self.host is not None else None
+        scalars = phases.start_scalars(self, norm, clip, grads, warm, totals) if self.host is not None else None
         clock = DeviceClock(self.device)  # 3. device AdamW (+ the device path's sum)
         self.device_state.load_grads(self.params, coef, self.selector.selected,
                                      loaded=released.loaded if released is not None else frozenset())
         self.device_state.step(**hp, selected=self.selector.selected)
         self.device_state.write_params(self.params, self.selector.selected)
-        self.gradient_path.add_device(grads, coef, first=self.pipeline.first_of_interval, stats=stats)
+        # The device path's interval sum takes the unscale only: the clip factors come at the
+        # boundary, as their interval mean (the interval-mean rule, phases.py ``boundary``).
+        self.gradient_path.add_device(grads, self._unscale_tensor(), first=self.pipeline.first_of_interval,
+                                      stats=stats)
         clock.stop(stats)
         self.selector.land()  # release: a selection's leaving gradient columns into the step's slot
         tail, host_norm = time.perf_counter(), None
@@ -265,6 +268,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self._check_hooks(stats)
         self._disarm()
         return stats
+
+    def _unscale_tensor(self) -> torch.Tensor | None:
+        """``u`` as a 0-dim device tensor for the device path's sum (fp16), None where it is 1.0
+        (the sum then adds the gradient as it is: ``fma(g, 1, a)``). A fill kernel, no sync."""
+        u = self.scale.unscale
+        return None if u == 1.0 else torch.full((), u, dtype=torch.float32, device=self.device)
 
     def _disarm(self) -> None:
         if self.release is not None:
@@ -368,8 +377,17 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pieces keyed by parameter name and column range, loadable on any world size (pieces.py).
         Under FSDP2 (``shard_group``) the state of this rank's rows, marked with its place in the
         group: it loads into the same rank of the same world size only."""
+        return self._state(stream=False)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``state_dict()`` for a checkpoint written at once (zfctl/train/tensorfile.py): the host
+        paths' unfinished interval sum is formed chunk by chunk as the writer reads it, so the
+        save holds no buffer of it (state.py, cpu/partial.py). Valid until the next ``step()``."""
+        return self._state(stream=True)
+
+    def _state(self, *, stream: bool) -> dict[str, Any]:
         self.installer.wait_all()  # a checkpoint reads the params next
-        sd = state.save(self)
+        sd = state.save(self, stream=stream)
         if self.sharded is not None:
             sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
         return sd

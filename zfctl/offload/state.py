@@ -13,15 +13,20 @@ What is saved, beyond torch.optim's param_groups (lr & co., scheduler-visible):
 * ``selection`` and ``device`` (``DeviceAdam``): sorted column ids per matrix; fp32 master,
   moments and per-column step counters (flat, as laid out);
 * ``host`` (``HostState`` + ``Pipeline``): fp32 master, moments and per-column counters
-  (column-major) and the unfinished interval's fp32 gradient sum (``acc``: formed from its slots
-  with the CPU update's rounding, slots.py), as pieces (pieces.py);
+  (column-major) and the unfinished interval's raw fp32 gradient sum (``acc``: ``sum_t u_t g_t``,
+  formed from its slots with the CPU update's rounding, slots.py; its clip factors' sum is
+  ``counters.clip_sum``, marked ``raw_sums``: pipeline.py), as pieces (pieces.py);
 * ``policy`` (``IntervalPolicy``) and ``scaler`` (``DynamicLossScaler``).
 
 An update in flight is waited for first (a stall, at checkpoint time only); its result is then
 "pending": the saved model params do not contain it yet, and the next boundary after loading
 installs it exactly as the uninterrupted run would, from the master. Like ``torch.optim``, the
 tensors are the live state, not copies (a checkpoint streams them to disk,
-zfctl/train/tensorfile.py); take copies to keep a snapshot while training goes on. The layout depends on the parameter list, on ``topk_ratio`` and
+zfctl/train/tensorfile.py); take copies to keep a snapshot while training goes on. The host
+paths' ``acc`` exists nowhere as a buffer (the slots hold the interval's steps): ``save`` forms
+it into a new one (4 B per host element while the caller holds it), ``save(stream=True)`` (a
+checkpoint written at once, ``ZenFlowOptimizer.checkpoint_state``) gives it as ``PartialSum``
+pieces that form each chunk as the writer reads it (cpu/partial.py): no buffer of it at all. The layout depends on the parameter list, on ``topk_ratio`` and
 on which matrices are split by row (``by_row``, from ``zenflow.vocab_select``; absent in older
 states: none): loading into an optimizer that differs in any of them raises ValueError.
 
@@ -119,12 +124,13 @@ def unpack_state(sd: dict[str, Any]) -> dict[str, Any]:
             "scaler": sd["scaler"], "param_groups": sd["param_groups"]}
 
 
-def save(opt: Any) -> dict[str, Any]:
+def save(opt: Any, *, stream: bool = False) -> dict[str, Any]:
     """``opt.state_dict()``: the copies into the slots and an in-flight update waited for first,
-    the unfinished interval's sum formed and made canonical (``Pipeline.state_dict``), then
-    assembled."""
+    the unfinished interval's sum formed (``stream``: as it is read) and made canonical
+    (``Pipeline.state_dict``), then assembled."""
     opt.drain()
-    pipeline = opt.pipeline.state_dict(live_acc=opt.gradient_path.live_acc if opt.host is not None else None)
+    live = opt.gradient_path.live_acc if opt.host is not None else None
+    pipeline = opt.pipeline.state_dict(live_acc=live, stream=stream)
     host = None
     if opt.host is not None:
         host = split_host(opt.layout, {**opt.host.state_dict(), "acc": pipeline.pop("acc")})

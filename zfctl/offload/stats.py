@@ -25,7 +25,7 @@ class StepStats:
     waiting for a copy (an install's H2D, the device path's copy out), read with events. While the host waits there, the device runs out of queued work, so
     this is the time the device timeline waits on the host or on PCIe (an upper bound: the device
     may still be finishing the update it was given). ``offload_ms`` is the gradient part of it.
-    The wait for the step's few scalars (norm, coefficient) is not stall: the device update is
+    The wait for the step's few scalars (norm, clip factor) is not stall: the device update is
     queued behind their D2H, so the device stays busy while the host waits for them.
 
     Two numbers need the device's clock: ``device_opt_ms`` and (topk 1) ``grad_norm``. On CUDA

@@ -133,7 +133,7 @@ def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[s
     the JSON of names, dtypes, shapes and byte ranges, padded so that tensor data starts 8-aligned."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for name, t in tensors:
+    for name, t in tensors:  # torch tensors, or ones formed as they are written (``write_tensor``)
         n = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -142,11 +142,16 @@ def safetensors_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[s
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_tensor(w: HashingWriter | BinaryIO, t: torch.Tensor) -> None:
+def write_tensor(w: HashingWriter | BinaryIO, t: Any) -> None:
     """Write ``t``'s bytes in row-major order: from its memory for a contiguous host tensor, else
     through one reused ``CHUNK_BYTES`` host buffer (a device tensor: one synchronous D2H per chunk;
-    a strided tensor: whole leading-dimension blocks, so no full contiguous copy is ever made)."""
+    a strided tensor: whole leading-dimension blocks, so no full contiguous copy is ever made; a
+    tensor formed as it is read, zfctl/offload/cpu/partial.py ``PartialSum``: its own chunks)."""
     if t.numel() == 0:
+        return
+    if not isinstance(t, torch.Tensor):
+        for part in t.chunks(CHUNK_BYTES):
+            w.write(part.reshape(-1).view(torch.uint8).numpy().data)
         return
     if t.device.type == "cpu" and t.is_contiguous():
         flat = t.reshape(-1).view(torch.uint8)

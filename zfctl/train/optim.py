@@ -58,6 +58,11 @@ class TrainingOptimizer(Protocol):
         """Everything needed to continue bit-identically (this rank's share of the host state)."""
         ...
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``state_dict()`` to be written at once: the unfinished interval's gradient sum is formed
+        chunk by chunk as the checkpoint writer reads it (no buffer of it in memory)."""
+        ...
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state_dict; its host pieces may come from any world size (they must cover
         ``host_ranges()``)."""

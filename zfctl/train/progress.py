@@ -9,6 +9,7 @@ reads them back, so save and load cannot drift apart.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from zfctl import __version__
 from zfctl.errors import UserError
+from zfctl.offload.cpu.pipeline import StateNote
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import SamplerPosition
 from zfctl.train.schedule import restore_scheduler
@@ -80,13 +82,21 @@ class Restore:
     rng: dict[str, Any] | None  # None: the checkpoint has no RNG file for this rank
 
     def install(self, optimizer: TrainingOptimizer, scheduler: LambdaLR, *, rank: int, world_size: int,
-                strategy: str = "zero2") -> None:
+                strategy: str = "zero2", note: Callable[[str], None] | None = None) -> None:
         """Put the optimizer, scheduler and RNG state into the freshly built parts, RNG last:
-        nothing may draw from it after the restore."""
+        nothing may draw from it after the restore. ``note``: prints what the optimizer says
+        about the loaded state (``StateNote``, once, rank 0)."""
         # This rank's columns (zero2) or rows (fsdp), from whichever saved ranks' files hold them
         # (re-cut when the world size or strategy changed); a state that does not fit this plan
         # is a one-line UserError.
-        load_optimizer_state(optimizer, self.checkpoint, rank, world_size, strategy=strategy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", StateNote)
+            load_optimizer_state(optimizer, self.checkpoint, rank, world_size, strategy=strategy)
+        for w in caught:
+            if not issubclass(w.category, StateNote) or note is None:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            elif rank == 0:
+                note(str(w.message))
         restore_scheduler(scheduler, self.scheduler)
         if self.rng is not None:
             ck.restore_rng(self.rng)

@@ -156,7 +156,8 @@ class FinetuneRecipe:
         if restore is not None:
             # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
             rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
-            restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy)
+            restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy,
+                            note=self._note)
             self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
 
@@ -394,7 +395,7 @@ class FinetuneRecipe:
                               sampler=self.sampler.position, num_train_samples=len(self.data.train),
                               steps_per_epoch=self.steps_per_epoch, train_digest=self.data.train_digest)
         path = ck.save_checkpoint(
-            self.run_dir, step, model=self.model, optimizer_state=self.optimizer.state_dict(),
+            self.run_dir, step, model=self.model, optimizer_state=self.optimizer.checkpoint_state(),
             trainer_state=state, write_plan=lambda f: dump_plan_yaml(self.plan, f),
             keep_last=self.plan.checkpoint.keep_last, rank=self.env.rank, world_size=self.env.world_size,
             barrier=self._barrier, estimate=self._checkpoint_bytes, previous=self.last_checkpoint,

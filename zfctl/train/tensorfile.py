@@ -8,7 +8,9 @@ Here:
 * **Saving** writes the state's live tensors as they are (the optimizer's ``state_dict`` returns
   its buffers, not copies, after the pipeline settled): a host tensor's bytes go to the file
   straight from its memory, a device tensor's through one staging chunk of ``CHUNK_BYTES`` at a
-  time. Extra memory: one chunk.
+  time, and a tensor that exists nowhere as a buffer (the unfinished interval's gradient sum,
+  ``checkpoint_state``: zfctl/offload/cpu/partial.py) is formed one chunk at a time as it is
+  written. Extra memory: one chunk.
 * **Resuming** reads the file's header only, and gives every large tensor as a :class:`FileTensor`
   (a range of the file); ``FileTensor.copy_to(dst)`` reads it straight into the engine's own
   buffer (``readinto``: the page cache, not a mapping, so it never counts twice in the process's
@@ -45,7 +47,7 @@ def save_state_hashed(state: Any, path: Path) -> str:
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def encode(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) or hasattr(x, "chunks"):  # a tensor, or one formed as it is read
             name = f"t{len(tensors)}"
             tensors.append((name, x))
             return {"__tensor__": name}

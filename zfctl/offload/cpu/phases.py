@@ -1,5 +1,5 @@
 """The host side's phases of one optimizer step, in step() order (optimizer.py): the step's
-gradient into its slot and its coefficient recorded (``host_update``), the interval's end handed
+gradient into its slot and its unscale and clip factor recorded (``host_update``), the interval's end handed
 to the CPU worker (``boundary``), and the finished update installed into the params (``install``,
 called by the pipeline when its schedule says), and before them the D2H of the few scalars the
 host reads (``start_scalars``). Functions of the facade: they read its parts
@@ -22,13 +22,15 @@ if TYPE_CHECKING:
     from zfctl.offload.optimizer import ZenFlowOptimizer
 
 
-def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, coef: torch.Tensor | None, grads: list[torch.Tensor | None],
-                   warm: bool, totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
-    """Start the D2H of [norm, coef, (auto) selected and total L1 mass per matrix], ordered
-    before the device update, so the host waits for these few numbers only."""
+def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, clip: torch.Tensor | None,
+                  grads: list[torch.Tensor | None], warm: bool,
+                  totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
+    """Start the D2H of [norm, clip factor k, (auto) selected and total L1 mass per matrix],
+    ordered before the device update, so the host waits for these few numbers only. ``k``
+    itself, not the coefficient ``k u``: the interval-mean rule sums the ``k`` (host_update)."""
     assert opt.transfers is not None
     one = torch.ones((), device=opt.device)
-    parts = [norm if norm is not None else one * 0, coef if coef is not None else one]
+    parts = [norm if norm is not None else one * 0, clip if clip is not None else one]
     if opt.policy.auto and opt.selector.selected and not warm:
         masses = opt.selector.masses(grads, totals)
         parts += opt.sharded.sum_list(masses) if opt.sharded is not None else masses  # whole matrices
@@ -37,19 +39,21 @@ def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, coef: torch.
 
 def host_update(opt: ZenFlowOptimizer, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
                  hp: dict[str, float], stats: StepStats) -> tuple[float, float]:
-    """4. the other columns' gradient into the step's slot, with its coefficient; 5. a lagged
-    install; 6. the boundary. Returns the gradient norm read with the scalars, and when the
-    host work began."""
-    values = scalars().tolist()  # sync point: waits for the norm/coef/masses only
+    """4. the other columns' gradient into the step's slot, with its unscale, and the step's clip
+    factor into the interval's; 5. a lagged install; 6. the boundary. Returns the gradient norm
+    read with the scalars, and when the host work began."""
+    values = scalars().tolist()  # sync point: waits for the norm/clip/masses only
     # Not stall: the device update is queued behind the scalars, the device keeps busy.
     # Everything from here on is host work the device does not overlap with: stall.
-    host_norm, host_coef, masses = values[0], values[1], values[2:]
+    host_norm, host_clip, masses = values[0], values[1], values[2:]
+    unscale = opt.scale.unscale
     tail = c = time.perf_counter()
-    # The step's slot holds its raw gradient; its coefficient (clip factor / loss scale) goes
-    # with it, so the worker applies each step's own (slots.py). The device path adds on the
-    # device, coefficient included (add_device); it has no slots.
+    # The interval-mean rule (docs/design.md, "Algorithm", step 5): the step's slot holds its raw
+    # gradient and counts with its unscale u (slots.py); its clip factor k, read itself (not
+    # coef / u: coef is rounded), joins the interval's sum of factors, whose mean the boundary
+    # applies. The device path adds u * g on the device (add_device); it has no slots.
     opt.gradient_path.add_host(opt.pipeline.slot(), stats)
-    opt.pipeline.record(host_coef)
+    opt.pipeline.record(unscale, host_clip)
     stats.offload_ms = (time.perf_counter() - c) * 1e3
     if opt.pipeline.install_due():  # zenflow.install_lag: the last boundary's update lands now
         opt.pipeline.collect(stats)
@@ -57,7 +61,8 @@ def host_update(opt: ZenFlowOptimizer, scalars: Callable[[], torch.Tensor], grad
         boundary(opt, stats, warm, hp)
     elif opt.policy.auto and opt.selector.selected:
         k, cols = opt.selector.shapes()
-        opt.policy.observe([m * host_coef for m in masses[0::2]], [m * host_coef for m in masses[1::2]], k, cols)
+        coef = unscale * host_clip  # the masses of the gradient the device columns take (k u)
+        opt.policy.observe([m * coef for m in masses[0::2]], [m * coef for m in masses[1::2]], k, cols)
     return host_norm, tail
 
 
@@ -66,16 +71,17 @@ def boundary(opt: ZenFlowOptimizer, stats: StepStats, warm: bool, hp: dict[str, 
     The update waits for what the gradient path says (its ``finish``, called once the previous
     update is collected) and for the install's DMA."""
     assert opt.host is not None and opt.transfers is not None  # only the host path has intervals
-    n = opt.pipeline.end_interval()
+    n, clip_mean = opt.pipeline.end_interval()
     background = opt.config.overlap_step and not warm
     # One slot set that the next interval writes while this update reads it: the update goes
     # piece by piece in the path's write order, and the writes follow (acc_gate.py).
     order = opt.gradient_path.write_order() if background and opt.host.grads.sets == 1 else None
-    grad = opt.pipeline.take()  # the interval's slots, coefficients and carry (slots.py)
+    grad = opt.pipeline.take()  # the interval's slots, their unscales and carry (slots.py)
     # The deferred columns stood still for n steps: zenflow.deferred_lr_scale scales this one
-    # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is).
+    # step for them, or ('repeat') takes n steps (correction.py; 'off' takes one, as is). Their
+    # gradient is the interval's mean times its mean clip factor (``clip_mean``; worker.py).
     update = cpu_update(opt.config.deferred_lr_scale, n, grad, opt.host.update_groups, hp,
-                        pieces=tuple(order) if order is not None else None)
+                        pieces=tuple(order) if order is not None else None, clip_mean=clip_mean)
     # Its bytes (each slot read, master and moments, the upload copy) are counted by the worker.
     opt.pipeline.submit(update, stats, background=background, prepare=lambda: opt.gradient_path.finish(stats))
 

@@ -2,7 +2,7 @@
 the one-update-in-flight rule.
 
 Per optimizer step the optimizer asks four things of it: which slot this step's gradient lands in
-(``slot``), to record that step's coefficient (``record``), whether this step ends an interval
+(``slot``), to record that step's unscale and clip factor (``record``), whether this step ends an interval
 (``close_step``), and, at a boundary, to hand the interval to the CPU worker (``take``, then
 ``submit``). Everything that decides *when* a result lands is here and depends on step counts
 only, never on thread timing:
@@ -27,19 +27,25 @@ wait for the jobs a selection deferred to the worker (``defer``: the leaving col
 scattered into the host buffers), so no install, checkpoint, load or next update reads those
 rows before they are written.
 
-Checkpoints keep the saved format: the unfinished interval's fp32 sum (``acc``), computed from the
-slots with the worker's rounding (``GradSlots.partial_sum``); a resume continues from it as the
-set's carry. A state saved before the slots, under ``release_grads``, held a raw sum whose clip
-factors were to be applied at the boundary as their mean (``clip_sum``, ``raw_sums``): it is
-scaled once on load by the mean of the saved steps' factors, ``clip_sum / interval_len``, which is
-exact when those factors were equal (no clipping: all 1) and otherwise the old rule's mean for
-the saved steps only; the steps after the resume take their own factors.
+The clip rule is the interval mean (docs/design.md, "Algorithm", step 5): the host-owned columns'
+sum is raw, ``S = sum_t u_t g_t`` (slots.py, or the device path's device sum), and the pipeline
+keeps the interval's clip factors, ``clip_sum = sum_t k_t``; the boundary hands the CPU update
+``clip_sum / n`` (``end_interval``), which it applies as ``grad_scale = (clip_sum / n) / n``.
+
+Checkpoints inside an interval store the raw sum so far (``acc``: formed from the slots with the
+worker's rounding, chunk by chunk as it is written, partial.py), ``clip_sum`` and the interval
+length, and mark the sum raw (``raw_sums``): the format of the states written before the slots
+under ``release_grads``, which therefore load exactly. A resume continues the sum as the set's
+carry and the clip sum as it was, bit for bit. A state without ``raw_sums`` (written by the
+per-step rule, whose ``acc`` has each step's ``k_t u_t`` applied) loads as a raw sum whose saved
+steps count ``k = 1`` each: exact when they did not clip; a warning says so once.
 
 Without host columns (topk_ratio 1) only the step counter is used.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -48,12 +54,19 @@ import torch
 
 from zfctl.offload.cpu.auto_interval import IntervalPolicy
 from zfctl.offload.cpu.host import HostState, fill
+from zfctl.offload.cpu.partial import FillRange, PartialSum, zero_dead
 from zfctl.offload.cpu.worker import CpuUpdate, CpuWorker, PieceWaits
 from zfctl.offload.grads.slots import GradSlots
 from zfctl.offload.ledger import NOWHERE, Ledger, counted_wait
 from zfctl.offload.stats import StepStats
 
 Interval = tuple[tuple[torch.Tensor, ...], tuple[float, ...], torch.Tensor | None]
+
+
+class StateNote(UserWarning):
+    """Something a user resuming a run should know about the loaded state (the run continues):
+    zfctl/train/progress.py prints it as a ``note:`` line."""
+
 
 Install = Callable[[StepStats], None]
 
@@ -78,6 +91,7 @@ class Pipeline:
             self.worker.threads = update_threads  # its share of the cores (threads.py); 0 = all
         self.t = 0  # optimizer steps taken (skipped fp16 steps excluded)
         self.interval_len = 0  # steps in the current interval (a resumed carry's included)
+        self.clip_sum = 0.0  # the interval's clip factors summed, in step order (Python float: double)
         self.last_interval = 0 if policy.auto else policy.fixed
         self.cur = 0  # the slot set this interval writes
         self.pending_install = False  # a finished CPU update waits to be copied into the model
@@ -89,10 +103,12 @@ class Pipeline:
             return None
         return self.grads.next(self.cur)
 
-    def record(self, coef: float) -> None:
-        """This step's gradient (in ``slot()``) counts with coefficient ``coef`` (host paths)."""
+    def record(self, unscale: float, clip: float) -> None:
+        """This step's gradient (in ``slot()``; the device path: in its device sum) counts with its
+        unscale ``u`` in the raw sum, and its clip factor ``k`` joins the interval's (host paths)."""
         if self.grads is not None and self.grads.per_set:
-            self.grads.record(self.cur, coef)
+            self.grads.record(self.cur, unscale)
+        self.clip_sum += clip
 
     @property
     def busy(self) -> bool:
@@ -122,15 +138,17 @@ class Pipeline:
         (``lag`` steps after the boundary that submitted it)."""
         return self.lag > 0 and self.age == self.lag and (self.busy or self.pending_install)
 
-    def end_interval(self) -> int:
-        """Close the interval's counters; returns its length (the mean's divisor)."""
-        n = self.interval_len
-        self.interval_len, self.last_interval = 0, n
+    def end_interval(self) -> tuple[int, float]:
+        """Close the interval's counters; returns its length ``n`` (the mean's divisor) and the
+        mean of its clip factors, ``clip_sum / n`` (exactly 1.0 without clipping: a sum of n ones
+        is n; exactly ``k`` for an interval of one step)."""
+        n, clip = self.interval_len, self.clip_sum
+        self.interval_len, self.last_interval, self.clip_sum = 0, n, 0.0
         self.policy.reset()
-        return n
+        return n, clip / n if n else 1.0
 
     def take(self) -> Interval:
-        """The ending interval's (slots, coefficients, carry) for its CPU update (slots.py)."""
+        """The ending interval's (slots, unscales, carry) for its CPU update (slots.py)."""
         assert self.grads is not None, "only the host path (host columns) has boundaries"
         return self.grads.take(self.cur)
 
@@ -209,12 +227,14 @@ class Pipeline:
             self.worker.close()
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self, live_acc: torch.Tensor | None = None) -> dict[str, Any]:
-        """Counters, the policy and the unfinished interval's fp32 sum, canonical
-        (``HostState.canonicalize``): on the host paths a new buffer formed from the slots
-        (``GradSlots.partial_sum``, 4 B per host element while the caller holds it; an interval
-        without a step gives zeros that take no memory, an expanded scalar); on the device path
-        ``live_acc``, its device buffer, made canonical in place. A checkpoint streams them.
+    def state_dict(self, live_acc: torch.Tensor | None = None, *, stream: bool = False) -> dict[str, Any]:
+        """Counters (``clip_sum`` and ``raw_sums`` among them), the policy and the unfinished
+        interval's raw fp32 sum, canonical: on the device path ``live_acc``, its device buffer,
+        made canonical in place (``HostState.canonicalize``); on the host paths formed from the
+        slots (``GradSlots.partial_sum_into``): with ``stream``, a ``PartialSum`` whose chunks
+        are formed as the checkpoint writes them (no buffer of the sum; partial.py), else a new
+        buffer (4 B per host element while the caller holds it). An interval without a step gives
+        zeros that take no memory (an expanded scalar).
 
         An in-flight update is waited for first (a stall at checkpoint time only). Its result is
         then pending: the master holds it, and the install after a resume reads it from there.
@@ -222,27 +242,42 @@ class Pipeline:
         self.settle()
         sd: dict[str, Any] = {
             "counters": {"t": self.t, "interval_len": self.interval_len, "last_interval": self.last_interval,
-                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age},
+                         "cur": self.cur, "pending_install": self.pending_install, "age": self.age,
+                         "clip_sum": self.clip_sum, "raw_sums": True},
             "policy": self.policy.state_dict(),
         }
         if self.host is not None:
             assert self.grads is not None
             fresh = self.interval_len == 0
-            acc = live_acc if live_acc is not None else None if fresh else self.grads.partial_sum(self.cur)
-            if acc is None:
-                acc = torch.zeros(1).expand(self.grads.numel)  # nothing is live: zeros, no memory
+            if live_acc is not None:
+                sd["acc"] = self.host.canonicalize(live_acc, fresh=fresh)
+            elif fresh:
+                sd["acc"] = torch.zeros(1).expand(self.grads.numel)  # nothing is live: zeros, no memory
             else:
-                acc = self.host.canonicalize(acc, fresh=fresh)
-            sd["acc"] = acc
+                acc = PartialSum(self._fill_range(self.cur), 0, (self.grads.numel,))
+                sd["acc"] = acc if stream else acc.load()
         return sd
 
+    def _fill_range(self, s: int) -> FillRange:
+        """Elements [lo, hi) of set ``s``'s partial sum, canonical (partial.py)."""
+        host, grads = self.host, self.grads
+        assert host is not None and grads is not None
+
+        def fill(out: torch.Tensor, lo: int, hi: int) -> None:
+            grads.partial_sum_into(s, out, lo, hi)
+            zero_dead(host.layout, host.device_owned, out, lo, hi)
+
+        return fill
+
     def load_state_dict(self, sd: dict[str, Any], live_acc: torch.Tensor | None = None) -> None:
-        """Restore counters, policy and the unfinished interval's sum: into ``live_acc`` (the
-        device path's device buffer), or as the current set's carry (host paths; ``sd["acc"]`` is
-        the fp32 buffer the loader filled, None for an interval without a step). A saved ``upload``
-        (states written before the install read the master) is ignored: it held the master's
-        values rounded to the model dtype, which the load computes again from the master, to the
-        same bits (state.py, ``HostState.refresh_upload``)."""
+        """Restore counters, policy, the unfinished interval's raw sum and its clip sum: the sum
+        into ``live_acc`` (the device path's device buffer), or as the current set's carry (host
+        paths; ``sd["acc"]`` is the fp32 buffer the loader filled, None for an interval without a
+        step). A state without ``raw_sums`` (the per-step rule's) counts its saved steps' clip
+        factors as 1 (module docstring), with a warning. A saved ``upload`` (states written
+        before the install read the master) is ignored: it held the master's values rounded to
+        the model dtype, which the load computes again from the master, to the same bits
+        (state.py, ``HostState.refresh_upload``)."""
         if self.worker is not None:
             if self.worker.busy:  # self.busy, spelled out for the type checker
                 self.worker.wait()  # discard: everything it wrote is overwritten below
@@ -251,6 +286,7 @@ class Pipeline:
         self.t, self.interval_len, self.last_interval = c["t"], c["interval_len"], c["last_interval"]
         self.pending_install = c["pending_install"]
         self.age = c.get("age", 0)  # absent before install_lag existed, where nothing reads it
+        self.clip_sum = _saved_clip_sum(c) if self.interval_len else 0.0
         self.policy.load_state_dict(sd["policy"])
         if self.host is None:
             return
@@ -260,14 +296,22 @@ class Pipeline:
         if live_acc is not None and acc is not None:
             fill(live_acc, acc)
             acc = live_acc
-        if acc is not None and self.interval_len and c.get("raw_sums") and c.get("clip_sum") is not None:
-            # A state saved before the slots, with release_grads: the sum is raw and its clip factors
-            # were to come at the boundary as the interval's mean. Applied once here, as the mean
-            # of the saved steps' factors (exact when they were equal; module docstring).
-            clip = float(c["clip_sum"]) / self.interval_len
-            if clip != 1.0:
-                acc.mul_(clip)
         self.grads.resume(self.cur, acc if live_acc is None and self.interval_len else None)
+
+
+def _saved_clip_sum(counters: dict[str, Any]) -> float:
+    """The clip sum of a saved unfinished interval: as saved when its sum is raw (``raw_sums``:
+    this format, and the states written before the slots under ``release_grads``); else the
+    per-step rule's state, whose sum has each step's clip factor applied already: its steps
+    count 1 each, exact when they did not clip (warned once)."""
+    n = int(counters["interval_len"])
+    if counters.get("raw_sums") and counters.get("clip_sum") is not None:
+        return float(counters["clip_sum"])
+    warnings.warn(f"this optimizer state was saved {n} step(s) into an interval by an earlier zfctl, "
+                  "whose interval sum has each step's clip factor in it; the resumed interval counts those "
+                  "steps with factor 1 (the interval-mean clip rule, docs/design.md): exact where they did "
+                  "not clip", StateNote, stacklevel=4)
+    return float(n)
 
 
 def _install_wait(host: HostState) -> Callable[[], Any] | None:

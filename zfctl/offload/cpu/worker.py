@@ -1,7 +1,7 @@
 """The CPU worker thread: runs the native AdamW over the host-owned columns at each boundary.
 
 One thread, one update at a time. ``submit`` hands it the interval's gradient (its per-step slots
-with their coefficients, and a carry: slots.py), the hyper-parameters of this boundary and the
+with their unscales, a carry: slots.py, and the interval's ``grad_scale``), the hyper-parameters of this boundary and the
 waits it must do first (the last copy into the interval's slots, the install DMA still reading
 the master); from then until ``wait`` returns, the worker owns the host master, moments and that
 interval's slots (see the table in ``host``). One native call per step-counter group and piece
@@ -51,13 +51,15 @@ Piece = tuple[int, int, Callable[[], Any] | None]
 @dataclass(frozen=True)
 class CpuUpdate:
     """Everything one CPU AdamW update needs, passed by value at submission. The interval's
-    gradient is ``sum_j coefs[j] * slots[j]`` on top of ``carry``, formed with the rounding of a
-    per-step fp32 accumulation (slots.py, native ``adamw_sum``)."""
+    sum is ``S = sum_j coefs[j] * slots[j]`` on top of ``carry``, formed with the rounding of a
+    per-step fp32 accumulation (slots.py, native ``adamw_sum``), and AdamW takes ``S * grad_scale``."""
 
     slots: tuple[torch.Tensor, ...]  # the interval's per-step gradient slots (model dtype), in step order
-    coefs: tuple[float, ...]  # each slot's coefficient: its step's clip factor / fp16 loss scale
+    coefs: tuple[float, ...]  # each slot's coefficient: its step's unscale u (1 / fp16 loss scale, or 1)
     carry: torch.Tensor | None  # fp32 partial sum the chain starts from (a resumed interval, the device path's sum)
-    grad_scale: float  # 1 / steps in the interval: the kernel uses the interval-mean gradient
+    # (sum of the interval's clip factors / n) / n: the interval-mean gradient times the mean clip
+    # factor (docs/design.md, "Algorithm", step 5); 1 / n without clipping.
+    grad_scale: float
     groups: list[tuple[int, torch.Tensor]]  # (1-based step, runs) per step-counter group
     lr: float
     beta1: float
@@ -106,9 +108,10 @@ class _Request:
 
 def cpu_update(mode: DeferredLrScale, n: int, grad: tuple[tuple[torch.Tensor, ...], tuple[float, ...],
                torch.Tensor | None], groups: Callable[[int], list], hp: dict[str, float],
-               pieces: tuple[tuple[int, int], ...] | None = None) -> CpuUpdate:
-    """The update of an interval of ``n`` steps: its gradient (``grad``: slots, coefficients,
-    carry, from ``Pipeline.take``) as the interval mean (``grad_scale = 1/n``), the boundary's
+               pieces: tuple[tuple[int, int], ...] | None = None, clip_mean: float = 1.0) -> CpuUpdate:
+    """The update of an interval of ``n`` steps: its gradient (``grad``: slots, unscales, carry,
+    from ``Pipeline.take``) as the interval mean times the mean of its steps' clip factors
+    (``clip_mean``, Python float: ``grad_scale = clip_mean / n``, rounded to fp32 once), the boundary's
     hyper-parameters with ``zenflow.deferred_lr_scale``'s correction for the ``n`` steps the
     deferred columns stood still (correction.py: a scaled lr, or ``repeat``: n steps), and the
     step-counter groups (``groups(steps)``: HostState.update_groups, which advances them);
@@ -116,7 +119,7 @@ def cpu_update(mode: DeferredLrScale, n: int, grad: tuple[tuple[torch.Tensor, ..
     lr, wd = corrected_hyperparams(mode, n, hp["lr"], hp["weight_decay"])
     reps = inner_steps(mode, n)
     slots, coefs, carry = grad
-    return CpuUpdate(slots, coefs, carry, 1.0 / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd,
+    return CpuUpdate(slots, coefs, carry, clip_mean / n, groups(reps), lr, hp["beta1"], hp["beta2"], hp["eps"], wd,
                      reps, pieces)
 
 

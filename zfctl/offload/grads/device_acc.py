@@ -2,8 +2,11 @@
 
 Per step, the host-owned column ranges of every matrix are added into a flat fp32 device buffer
 laid out exactly like the host state (column-major, ``layout``), one transpose-and-add per
-matrix on the compute stream, no host sync: the gradient coefficient stays a device tensor. The
-first step of an interval *writes* (``acc = coef * g``), so the buffer is never zeroed. Once per
+matrix on the compute stream, no host sync. The sum is raw, as on the host paths (the
+interval-mean rule, docs/design.md "Algorithm" step 5): each step adds ``u * g`` (``u``: the
+fp16 unscale, a power of two known before the backward, or 1), and the clip factors reach the
+CPU update at the boundary as their interval mean (its ``grad_scale``, cpu/phases.py). The
+first step of an interval *writes* (``acc = u * g``), so the buffer is never zeroed. Once per
 interval the sum of the host-owned columns crosses PCIe (fp32, 4 B per element, on a copy stream
 into the page-locked host sum, slots.py, ``copy_out``): one copy per span of host-owned columns
 (each chunk of ``Transfers.chunks`` cut where device-owned columns leave a gap of at least
@@ -89,7 +92,10 @@ class DeviceAccumulator:
         self.device = device
 
     def add(self, grads: list[torch.Tensor | None], coef: torch.Tensor | None, *, first: bool) -> None:
-        """``buf (=|+=) coef * grad`` over every host slot's owned columns (compute stream, no sync)."""
+        """``buf (=|+=) coef * grad`` over every host slot's owned columns (compute stream, no sync).
+        ``coef``: the step's unscale ``u`` as a 0-dim device tensor (fp16), or None for 1: the raw
+        sum of the interval-mean rule, whose clip factors come at the boundary. ``u`` is a power of
+        two, so ``u * g`` is exact and the adds below round as the host's fma chain does."""
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         self.stall_pairs = []
         for slot in self.layout.host_slots:

@@ -8,8 +8,9 @@ post-accumulate-grad hook of each parameter
 1. (host columns) hands the gradient to the hook path (stream.py ``GradStream.on_grad``): data
    parallel, the exchange over the ranks first, completed one hook later; then the host columns
    are copied into the step's gradient slot (slots.py), raw, in the model dtype, as on every host
-   path: the step's coefficient (clip factor / fp16 loss scale), known only after the last hook,
-   is recorded with the slot by step() and applied by the CPU update to this step alone;
+   path: step() records the slot with the step's unscale (1 / fp16 loss scale, or 1) and the
+   step's clip factor, known only after the last hook, into the interval's clip sum, whose mean
+   the CPU update applies to the interval's sum (the interval-mean rule, cpu/pipeline.py);
 2. gathers the columns the device owns (and whole 1-D params) into the device state's fp32
    gradient work buffer, raw (``DeviceAdam.load_one``; step() multiplies the buffer by the
    step's coefficient, the same two operations as without release, so the same bits);
@@ -18,7 +19,8 @@ post-accumulate-grad hook of each parameter
    non-finiteness is the fp16 overflow flag, read with the step's scalars;
 4. frees the ``.grad``.
 
-So release changes no arithmetic: every path clips each step by its own factor. A parameter whose
+So release changes no arithmetic: every path takes one clip rule (the device-owned columns each
+step's own factor, the host-owned ones the interval's mean factor). A parameter whose
 hook does not fire (no gradient in that backward) keeps whatever ``.grad`` it has (an earlier
 micro-batch's, or None), and step() takes it as before. The hooks are on the matrices only: a 1-D
 param's (norm weight, bias) gradient is a few KB, and a hook for it costs more time than it frees
@@ -133,7 +135,7 @@ def regather_pairs(device_state: DeviceAdam, loaded: set[int],
     buffer; entering columns come back from the step's slot (``grad_slot``, slots.py: the hooks
     landed them there raw, in the model dtype; widened to fp32 exactly on their way in); leaving
     columns go into it (narrowed to the model dtype: exact, the work buffer widened them from it),
-    where the CPU update finds them with the step's coefficient, through ``to``
+    where the CPU update finds them with the step's unscale, through ``to``
     (``Selector.land``: the main thread writes them before the interval is handed to the worker;
     a selection step is always an interval's first step: the step before it ends an interval)."""
     def pairs(m: Moves, to: Departure) -> list[Pair]:

@@ -3,10 +3,12 @@
 Every step of an interval, the host-owned gradient columns land by DMA in their own slot, in the
 model dtype and laid out in the host column space (a chunk at its ``ch.off``, as the master):
 slot ``j`` of the current *set* holds step ``j`` of the interval. Nothing runs on the host per
-step; ``step()`` only records the step's coefficient (its clip factor / fp16 loss scale, a host
-float read with the step's scalars). At the boundary the CPU worker forms the interval's sum
-inside its AdamW pass (native ``adamw_sum``: ``a = fma(g_j, c_j, a)`` per slot in step order,
-from +0 or from a *carry*), which has the bits of the per-step accumulation it replaces.
+step; ``step()`` only records the step's coefficient, its unscale ``u_j`` (1 / the fp16 loss
+scale, 1.0 otherwise: a host float known before the backward). At the boundary the CPU worker
+forms the interval's raw sum ``S`` inside its AdamW pass (native ``adamw_sum``:
+``a = fma(g_j, u_j, a)`` per slot in step order, from +0 or from a *carry*), which has the bits of
+a per-step fp32 accumulation, and applies the interval's mean clip factor to it as a whole (the
+interval-mean rule: the clip factors are the pipeline's, ``Pipeline.clip_sum``, not the slots').
 
 Two sets with ``overlap_step`` (``zenflow.tuning.host_accumulators: 2``): the next interval
 writes the other set while the worker reads this one; one set (``1``, hosts short of RAM): each
@@ -15,11 +17,13 @@ as many slots as the longest interval: ``update_interval``, or ``tuning.auto_max
 ``auto``. Host memory: ``slots x sets x itemsize`` per host element (U=4, bf16, two sets: 16 B).
 
 The *carry* of a set is an fp32 partial sum the chain starts from instead of +0: a checkpoint
-resumed inside an interval (its saved ``acc``, the fp32 sum of the steps before the save) or, on
-the device path (no slots), the interval's whole sum copied out of the device. A resumed carry is
-allocated for that interval only (4 B per host element) and dropped when its update is handed to
-the worker. ``partial_sum`` gives what a checkpoint stores mid-interval: the same fma chain into
-a new fp32 buffer, so a resume continues from the bits the uninterrupted run has in registers.
+resumed inside an interval (its saved ``acc``, the raw fp32 sum of the steps before the save) or,
+on the device path (no slots), the interval's whole sum copied out of the device. A resumed carry
+is allocated for that interval only (4 B per host element) and dropped when its update is handed
+to the worker. ``partial_sum_into`` gives what a checkpoint stores mid-interval, one element
+range at a time: the same fma chain into the caller's fp32 buffer (a chunk of a checkpoint's
+stream, cpu/partial.py), so a resume continues from the bits the uninterrupted run has in
+registers, and the save holds no 4 B per host element.
 
 Owners (docs/design.md, "Threads and buffer ownership"): a set's slots are written by the copy
 stream (hooks and step(), stream.py) and read by the CPU worker of that interval; ``coefs`` and
@@ -72,7 +76,7 @@ class GradSlots:
         return self.slot(s, j)
 
     def record(self, s: int, coef: float) -> None:
-        """The step that landed in ``next(s)`` counts, with coefficient ``coef``."""
+        """The step that landed in ``next(s)`` counts, with coefficient ``coef`` (its unscale u)."""
         self.coefs[s].append(float(coef))
 
     def take(self, s: int) -> tuple[tuple[torch.Tensor, ...], tuple[float, ...], torch.Tensor | None]:
@@ -86,18 +90,24 @@ class GradSlots:
             self.carry[s] = None
         return slots, coefs, carry
 
-    def partial_sum(self, s: int) -> torch.Tensor | None:
-        """The fp32 sum of set ``s``'s interval so far, with the worker's rounding (a new buffer:
-        a checkpoint's ``acc``), or None when the interval has no step yet."""
+    def has_sum(self, s: int) -> bool:
+        """Set ``s``'s interval has a partial sum (a recorded step, or a carry)."""
+        return bool(self.coefs[s]) or self.carry[s] is not None
+
+    def partial_sum_into(self, s: int, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements ``[lo, hi)`` of set ``s``'s partial sum so far into ``out`` (fp32, contiguous,
+        ``hi - lo`` elements, host), with the worker's rounding: the carry's values, or +0, then
+        ``fma(g_j, u_j, a)`` per recorded slot in step order (native ``accumulate``, the same fma
+        as ``adamw_sum``). Reads the slots and the carry: the caller makes sure no copy into them
+        and no update reading them is in flight (a checkpoint: ``drain``, ``Pipeline.settle``)."""
         from zfctl import _native
 
+        assert self.has_sum(s), "an interval without a step has no partial sum"
         coefs, carry = self.coefs[s], self.carry[s]
-        if not coefs and carry is None:
-            return None
-        out = carry.clone() if carry is not None else torch.empty(self.numel, dtype=torch.float32)
-        for j, c in enumerate(coefs):  # native accumulate: the same fma per slot as adamw_sum
-            _native.accumulate(out, self.slot(s, j), scale=c, overwrite=carry is None and j == 0)
-        return out
+        if carry is not None:
+            out.copy_(carry[lo:hi])
+        for j, c in enumerate(coefs):
+            _native.accumulate(out, self.slot(s, j)[lo:hi], scale=c, overwrite=carry is None and j == 0)
 
     def resume(self, s: int, carry: torch.Tensor | None) -> None:
         """Set ``s`` continues an interval from ``carry`` (fp32, or None: a fresh interval); the
