@@ -2,14 +2,13 @@
 
 ``slots`` keeps each step's gradient in its own slot and sums them inside the CPU AdamW;
 ``carry`` folds each landed chunk into one fp32 sum as it arrives (``fma(g, u, a)``, the first step
-of an interval into +0). Where the slots' per-step coefficient is ``u`` (no clipping), the two must
-agree bit for bit: losses, weights, the optimizer state, a checkpoint's interval sum and a resume
+of an interval into +0). Both take ``u`` per step and the interval's mean clip factor at the
+boundary (docs/design.md, "Algorithm"), so the two agree bit for bit, clipping on or off: losses, weights, the optimizer state, a checkpoint's interval sum and a resume
 from inside an interval. The model has a head that gets no gradient at some steps (also at an
 interval's first step: the carry's ``+0``) and, at others, one from the first micro-batch only
 (step() lands it); the schedule has selections (with ``release_grads`` the selection moves the
 step's gradient columns in and out of the carry) and installs; overlap on (one carry, the next
-interval's writes follow the worker, acc_gate.py) and off. Clipping on needs the interval-mean
-rule (docs/design.md, "Algorithm"; the i39rule branch): strict xfail until it is merged.
+interval's writes follow the worker, acc_gate.py) and off.
 """
 
 from __future__ import annotations
@@ -183,8 +182,8 @@ def test_a_slow_cpu_update_is_waited_for_before_the_carry_is_overwritten(path: s
 
 
 def test_the_carry_is_the_partial_sum_a_streamed_save_reads() -> None:
-    """``partial_sum_into`` (the streamed save's chunk, the interface of the interval-mean rule's
-    slots) copies elements [lo, hi) of the carry: the same bits as the slots' ``partial_sum``."""
+    """``partial_sum_into`` (the streamed save's chunk) copies elements [lo, hi) of the carry: the
+    same bits as the slots' chain forms over the same range, whatever the cut."""
     sums = {}
     for layout in ("slots", "carry"):
         model = tiny_net()
@@ -196,23 +195,21 @@ def test_the_carry_is_the_partial_sum_a_streamed_save_reads() -> None:
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
             opt.drain()
-            acc = opt.host.grads.partial_sum(0)
-            assert acc is not None
-            sums[layout] = acc
-            if layout == "carry":
-                n = opt.layout.host_numel
-                parts = [torch.empty(hi - lo) for lo, hi in ((0, n // 3), (n // 3, n))]
-                opt.host.grads.partial_sum_into(0, parts[0], 0, n // 3)
-                opt.host.grads.partial_sum_into(0, parts[1], n // 3, n)
-                assert torch.equal(torch.cat(parts), sums["carry"])
-            opt.host.canonicalize(acc, fresh=False)  # device-owned rows hold leftovers: nothing reads them
+            n = opt.layout.host_numel
+            whole = torch.empty(n)
+            opt.host.grads.partial_sum_into(0, whole, 0, n)
+            parts = [torch.empty(hi - lo) for lo, hi in ((0, n // 3), (n // 3, n))]
+            opt.host.grads.partial_sum_into(0, parts[0], 0, n // 3)
+            opt.host.grads.partial_sum_into(0, parts[1], n // 3, n)
+            assert torch.equal(torch.cat(parts), whole)  # a chunk's sum is the whole one's range
+            opt.host.canonicalize(whole, fresh=False)  # device-owned rows hold leftovers: nothing reads them
+            sums[layout] = whole
     assert torch.equal(sums["carry"], sums["slots"]) and bool(sums["carry"].abs().sum())
 
 
-@pytest.mark.xfail(strict=True, reason="needs the interval-mean rule (i39rule)")
 def test_carry_is_bit_identical_to_slots_with_clipping() -> None:
-    """Today the slots take each step's clip factor at the boundary, the carry only ``u`` on
-    arrival; under the interval-mean rule both take ``u`` per step and the same factor at the end."""
+    """Under the interval-mean rule both layouts take ``u`` per step (the carry on arrival, the
+    slots in adamw_sum's chain) and the same mean clip factor at the boundary."""
     hooks, cfg = PATHS["release"]
     same_run(train("carry", cfg, hooks=hooks, clip=0.05), train("slots", cfg, hooks=hooks, clip=0.05))
 

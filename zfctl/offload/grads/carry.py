@@ -41,7 +41,7 @@ Threads, buffers and waits (docs/design.md, "Threads and buffer ownership"):
 | buffer | written by | read by | free / ordered by |
 | --- | --- | --- | --- |
 | a ring slot (page-locked, model dtype) | copy stream (a chunk's D2H, stream.py) | the fold thread, after the copy's event (``event.synchronize()``: ``fold.copy``) | the fold, then the slot is free; the issuing thread (a hook, step()) waits for a free slot (``host.ring_full``: it can stop the GPU, it is on the hook's thread) |
-| the carry (page-locked, fp32) | the fold thread (folds, a missing gradient's ``+0`` on an interval's first step); a release selection's leaving columns (main thread, after ``drain``) | the CPU worker at the boundary, after ``fence`` (every fold issued so far done: ``worker.grads``); a checkpoint (``partial_sum``, after ``drain``: ``host.fold_drain``) | with ``overlap_step`` the next interval's writes of a piece are issued only once the update in flight has read it (acc_gate.py, one set: the issuing thread waits, ``host.slot_gate``), so the fold after them comes later still |
+| the carry (page-locked, fp32) | the fold thread (folds, a missing gradient's ``+0`` on an interval's first step); a release selection's leaving columns (main thread, after ``drain``) | the CPU worker at the boundary, after ``fence`` (every fold issued so far done: ``worker.grads``); a checkpoint (``partial_sum_into``, after ``drain``: ``host.fold_drain``) | with ``overlap_step`` the next interval's writes of a piece are issued only once the update in flight has read it (acc_gate.py, one set: the issuing thread waits, ``host.slot_gate``), so the fold after them comes later still |
 
 Without CUDA there is no copy stream and no fold thread: each chunk is copied into its ring slot
 and folded at once, on the issuing thread (how CI tests the logic).
@@ -116,16 +116,6 @@ class GradCarry(GradSlots):
         self.coefs[s] = []
         self.started = False
         return (), (), self.carry[0]
-
-    def partial_sum(self, s: int) -> torch.Tensor | None:
-        """The fp32 sum of the interval so far (a checkpoint's ``acc``): a copy of the carry, after
-        every fold issued so far; None when the interval has no step yet."""
-        if not self.started:
-            return None
-        self.folds.drain()
-        carry = self.carry[0]
-        assert carry is not None
-        return carry.clone()
 
     def partial_sum_into(self, s: int, out: torch.Tensor, lo: int, hi: int) -> None:
         """fp32 elements ``[lo, hi)`` of the interval's partial sum into ``out`` (a streamed save's
