@@ -46,8 +46,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from zfctl.offload.parallel.pieces import check_covers, gather_host, split_host
 
 STATE_FORMAT = "zfctl.zenflow/2"
@@ -165,12 +163,13 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
     live = opt.gradient_path.live_acc if opt.host is not None else None
     if opt.host is not None:
         opt.host.wait_install()
-        # The unfinished sum goes where the pipeline reads it: the device path's device buffer, or
-        # a new fp32 buffer the current slot set continues from (its carry, 4 B per host element
-        # until that interval's update; none for an interval without a step).
+        # The unfinished sum goes where the pipeline reads it: the device path's device buffer,
+        # the carry layout's carry itself, or a new fp32 buffer the current slot set continues
+        # from (its carry, 4 B per host element until that interval's update); none for an
+        # interval without a step (slots.py / carry.py ``resume_buffer``).
         acc = live
         if acc is None and pipeline["counters"]["interval_len"]:
-            acc = torch.empty(opt.layout.host_numel, dtype=torch.float32)
+            acc = opt.host.grads.resume_buffer()
         gather_host(opt.layout, pieces, into={**opt.host.state_dict(), "acc": acc})
         opt.host.refresh_upload()  # a pending install reads the loaded master's rounding (host.py)
         pipeline["acc"] = acc

@@ -125,6 +125,14 @@ class GradCarry(GradSlots):
         assert carry is not None and self.started
         out.copy_(carry[lo:hi])
 
+    def resume_buffer(self) -> torch.Tensor:
+        """The carry itself, every fold issued so far done: a checkpoint's sum is loaded straight
+        into it (no second 4 B per host element at a resume); ``resume`` then keeps it as it is."""
+        self.folds.drain()
+        carry = self.carry[0]
+        assert carry is not None
+        return carry
+
     def resume(self, s: int, carry: torch.Tensor | None) -> None:
         """Continue an interval from ``carry`` (fp32, copied into the carry), or start afresh (None)."""
         self.folds.drain()  # no fold of the discarded interval may land after this

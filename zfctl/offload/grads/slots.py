@@ -109,6 +109,11 @@ class GradSlots:
         for j, c in enumerate(coefs):
             _native.accumulate(out, self.slot(s, j)[lo:hi], scale=c, overwrite=carry is None and j == 0)
 
+    def resume_buffer(self) -> torch.Tensor:
+        """Where a checkpoint's unfinished sum is loaded (then handed to ``resume``): a new fp32
+        buffer, the resumed interval's carry, 4 B per host element until its update."""
+        return torch.empty(self.numel, dtype=torch.float32)
+
     def resume(self, s: int, carry: torch.Tensor | None) -> None:
         """Set ``s`` continues an interval from ``carry`` (fp32, or None: a fresh interval); the
         other sets hold nothing."""
