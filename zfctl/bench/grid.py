@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal, cast
 
 from zfctl.errors import UserError
 from zfctl.offload.config import Interval, ZenFlowConfig
@@ -31,7 +32,7 @@ class BenchConfig:
     overlap: bool
     pin: bool
     recompute: bool = False  # train.activation_checkpointing on the preset model (--activation-checkpointing)
-    layout: str | None = None  # zenflow.tuning.grad_layout (--grad-layout); None: the base configuration's
+    layout: Literal["slots", "carry"] | None = None  # zenflow.tuning.grad_layout (--grad-layout); None: the base configuration's
 
     @property
     def label(self) -> str:
@@ -141,19 +142,16 @@ def warmup_steps(interval: Interval, warmup: int) -> int:
     return math.ceil(warmup / interval) * interval
 
 
-LAYOUTS = ("slots", "carry")
-
-
-def parse_layouts(text: str | None) -> list[str | None]:
+def parse_layouts(text: str | None) -> list[Literal["slots", "carry"] | None]:
     """`--grad-layout slots,carry` -> ['slots', 'carry']; None (not given) -> [None]: the base
     configuration's layout, unlabelled."""
     if text is None:
         return [None]
-    out = []
+    out: list[Literal["slots", "carry"] | None] = []
     for s in _items("--grad-layout", text):
-        if s not in LAYOUTS:
+        if s not in ("slots", "carry"):
             raise UserError(f"--grad-layout {s!r}: use slots, carry or slots,carry")
-        out.append(s)
+        out.append(cast(Literal["slots", "carry"], s))
     return list(dict.fromkeys(out))
 
 
@@ -173,7 +171,8 @@ def parse_baselines(text: str) -> tuple[str, ...]:
 
 def build_grid(
     topks: list[float], intervals: list[Interval], overlaps: list[bool], pins: list[bool], *, with_off: bool,
-    with_zero_offload: bool = True, recomputes: list[bool] | None = None, layouts: list[str | None] | None = None,
+    with_zero_offload: bool = True, recomputes: list[bool] | None = None,
+    layouts: list[Literal["slots", "carry"] | None] | None = None,
 ) -> list[BenchConfig]:
     """Per recompute setting: baselines first (zero-offload per pin setting, then off), then the
     grid; no duplicates."""

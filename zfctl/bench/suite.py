@@ -63,7 +63,7 @@ class BenchOptions:
     accumulate: str = "auto"  # zenflow.accumulate for every ZenFlow configuration
     baselines: tuple[str, ...] = ("off", "zero-offload")  # which of the two baselines to run
     recomputes: list[bool] = field(default_factory=lambda: [False])  # activation checkpointing (--model only)
-    layouts: list[str | None] = field(default_factory=lambda: [None])  # zenflow.tuning.grad_layout (--grad-layout)
+    layouts: list[Literal["slots", "carry"] | None] = field(default_factory=lambda: [None])  # zenflow.tuning.grad_layout (--grad-layout)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,10 +19,40 @@ from zfctl.offload.device.pcie import count_waits
 from zfctl.offload.stats import StepStats
 
 if TYPE_CHECKING:
-    from zfctl.offload.optimizer import ZenFlowOptimizer
+    from zfctl.offload.columns.selector import Selector
+    from zfctl.offload.config import ZenFlowConfig
+    from zfctl.offload.cpu.auto_interval import IntervalPolicy
+    from zfctl.offload.cpu.host import HostState
+    from zfctl.offload.cpu.pipeline import Pipeline
+    from zfctl.offload.device.device_adam import DeviceAdam
+    from zfctl.offload.device.install import Installer
+    from zfctl.offload.grads.device_to_host import GradientPath, Transfers
+    from zfctl.offload.grads.scaler import GradientScale
+    from zfctl.offload.parallel.exchange import GradExchange
+    from zfctl.offload.parallel.sharded import ShardedParams
 
 
-def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, clip: torch.Tensor | None,
+class Facade(Protocol):
+    """The parts of the optimizer (optimizer.py ``ZenFlowOptimizer``) these phases read: named
+    here, so this module needs nothing of the facade's own module (no import cycle)."""
+
+    config: ZenFlowConfig
+    device: torch.device
+    params: list[torch.Tensor]
+    scale: GradientScale
+    policy: IntervalPolicy
+    selector: Selector
+    device_state: DeviceAdam
+    exchange: GradExchange | None
+    sharded: ShardedParams | None
+    host: HostState | None
+    transfers: Transfers | None
+    gradient_path: GradientPath
+    pipeline: Pipeline
+    installer: Installer
+
+
+def start_scalars(opt: Facade, norm: torch.Tensor | None, clip: torch.Tensor | None,
                   grads: list[torch.Tensor | None], warm: bool,
                   totals: list[torch.Tensor] | None) -> Callable[[], torch.Tensor]:
     """Start the D2H of [norm, clip factor k, (auto) selected and total L1 mass per matrix],
@@ -37,7 +67,7 @@ def start_scalars(opt: ZenFlowOptimizer, norm: torch.Tensor | None, clip: torch.
     return opt.transfers.d2h.fetch(torch.stack(parts))
 
 
-def host_update(opt: ZenFlowOptimizer, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
+def host_update(opt: Facade, scalars: Callable[[], torch.Tensor], grads: list[torch.Tensor | None], warm: bool,
                  hp: dict[str, float], stats: StepStats) -> tuple[float, float]:
     """4. the other columns' gradient into the step's slot, with its unscale, and the step's clip
     factor into the interval's; 5. a lagged install; 6. the boundary. Returns the gradient norm
@@ -66,7 +96,7 @@ def host_update(opt: ZenFlowOptimizer, scalars: Callable[[], torch.Tensor], grad
     return host_norm, tail
 
 
-def boundary(opt: ZenFlowOptimizer, stats: StepStats, warm: bool, hp: dict[str, float]) -> None:
+def boundary(opt: Facade, stats: StepStats, warm: bool, hp: dict[str, float]) -> None:
     """End the interval: submit its CPU update (and, synchronous modes, wait and install it).
     The update waits for what the gradient path says (its ``finish``, called once the previous
     update is collected) and for the install's DMA."""
@@ -86,7 +116,7 @@ def boundary(opt: ZenFlowOptimizer, stats: StepStats, warm: bool, hp: dict[str, 
     opt.pipeline.submit(update, stats, background=background, prepare=lambda: opt.gradient_path.finish(stats))
 
 
-def install(opt: ZenFlowOptimizer, stats: StepStats) -> None:
+def install(opt: Facade, stats: StepStats) -> None:
     """The host's finished update into the model params (the pipeline decides when), on the
     install stream (install.py); each param's device-owned columns are put back after its chunks."""
     assert opt.host is not None and opt.transfers is not None  # only the host path installs
