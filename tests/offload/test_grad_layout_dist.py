@@ -4,8 +4,9 @@ zero2: each rank owns half of the host columns and folds only its own (the hooks
 gradient after its exchange, stream.py): its weights, its checkpoint inside an interval (the
 interval sum of its columns) and a resume from that checkpoint must be the slots layout's, bit
 for bit. fsdp: each rank folds the host columns of its FSDP2 shards (FSDP2's hooks land them,
-sharded.py): a narrowed tiny Llama's losses and local shards, bit for bit. Clipping off
-(tests/offload/test_grad_layout.py says why). One spawn runs every case.
+sharded.py): a narrowed tiny Llama's losses and local shards, bit for bit. Each with clipping
+off and with a clip norm small enough that every step clips (the interval-mean rule: the same
+factor at the boundary on both layouts). One spawn runs every case.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(24, 8))
 
 
-def _train(layout: str, rank: int, start: dict | None = None) -> dict:
+CLIP = 0.05  # below every step's gradient norm here: each step clips
+
+
+def _train(layout: str, rank: int, start: dict | None = None, clip: float | None = None) -> dict:
     """This rank's half of each batch, the hook path; the state after ``SAVE`` steps (unless
     resumed from ``start``) and the weights at the end."""
     g = torch.Generator().manual_seed(1)
@@ -44,7 +48,7 @@ def _train(layout: str, rank: int, start: dict | None = None) -> dict:
     if start is not None:
         model.load_state_dict(start["model"])
     cfg = zen(**CASE, grad_layout=layout)
-    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01,
+    with ZenFlowOptimizer(model.named_parameters(), cfg, lr=2e-2, weight_decay=0.01, max_grad_norm=clip,
                           process_group=dist.group.WORLD) as opt:
         assert isinstance(opt.host.grads, GradCarry) == (layout == "carry")
         if start is not None:
@@ -65,7 +69,7 @@ def _train(layout: str, rank: int, start: dict | None = None) -> dict:
     return out
 
 
-def _fsdp(layout: str) -> dict:
+def _fsdp(layout: str, clip: float | None = None) -> dict:
     """A tiny Llama narrowed to hidden 64 (tests/offload/test_fsdp.py's), FSDP2-sharded over the
     two ranks, 10 steps of this rank's half of each batch on the hook path: losses and shards."""
     from zfctl.offload import vocab_matrices
@@ -83,7 +87,7 @@ def _fsdp(layout: str) -> dict:
     ids = torch.randint(0, 512, (10, 2, 32), generator=torch.Generator().manual_seed(3 + dist.get_rank()))
     losses = []
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=5e-3, vocab_params=vocab_matrices(model),
-                          shard_group=mesh.get_group("shard")) as opt:
+                          max_grad_norm=clip, shard_group=mesh.get_group("shard")) as opt:
         assert isinstance(opt.host.grads, GradCarry) == (layout == "carry")
         for t in range(10):
             opt.zero_grad(set_to_none=True)
@@ -100,10 +104,12 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        slots, carry = _train("slots", rank), _train("carry", rank)
-        resumed = _train("carry", rank, start=carry["saved"])
-        res = {"slots": slots, "carry": carry, "resumed": resumed,
-               "fsdp": {layout: _fsdp(layout) for layout in ("slots", "carry")}}
+        res = {}
+        for clip in (None, CLIP):
+            slots, carry = _train("slots", rank, clip=clip), _train("carry", rank, clip=clip)
+            resumed = _train("carry", rank, start=carry["saved"], clip=clip)
+            res[clip] = {"slots": slots, "carry": carry, "resumed": resumed,
+                         "fsdp": {layout: _fsdp(layout, clip) for layout in ("slots", "carry")}}
         torch.save(res, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -112,8 +118,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 @pytest.mark.slow
 def test_two_ranks_fold_their_columns_into_the_carry_with_the_slots_bits(tmp_path: Path) -> None:
     spawn_ranks(_worker, 2, (2, rendezvous(tmp_path), str(tmp_path)), timeout=240, what="2-rank carry vs slots")
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, clip in ((r, c) for r in range(2) for c in (None, CLIP)):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)[clip]
         slots, carry, resumed = res["slots"], res["carry"], res["resumed"]
         for name, want in slots["weights"].items():
             assert torch.equal(carry["weights"][name], want), (rank, name)
@@ -125,3 +131,7 @@ def test_two_ranks_fold_their_columns_into_the_carry_with_the_slots_bits(tmp_pat
         assert fsdp["slots"]["losses"][0] != fsdp["slots"]["losses"][-1]
         for name, want in fsdp["slots"]["shards"].items():
             assert torch.equal(fsdp["carry"]["shards"][name], want), (rank, name)
+    for rank in range(2):  # the clip norm changes the run: clipping is active, not a no-op
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert any(not torch.equal(w, res[CLIP]["slots"]["weights"][n]) for n, w in res[None]["slots"]["weights"].items())
+        assert res[None]["fsdp"]["slots"]["losses"] != res[CLIP]["fsdp"]["slots"]["losses"]
