@@ -76,7 +76,12 @@ def engine_lines(est) -> float:
 
 def engine_bytes(plan_overrides: list[str], model_overrides: list[str], steps: int = 3,
                  announce: bool = True) -> tuple[int, float]:
-    """(bytes the optimizer holds after ``steps`` steps, the plan's engine lines) on CPU."""
+    """(bytes the optimizer holds after ``steps`` steps, the plan's engine lines) on CPU.
+    ``announce`` False (the step() path): with ``release_grads`` off, as nothing is released
+    without an announced backward; the plan, made for zfctl's loop, would count a release
+    selection's fourth staging pair otherwise (lines.py ``regather``)."""
+    if not announce:
+        plan_overrides = [*plan_overrides, "zenflow.tuning.release_grads=false"]
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=model_overrides + plan_overrides +
                         ["train.device=cpu", "zenflow.full_warm_up_rounds=0", "train.precision=fp32"])
     model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0)
