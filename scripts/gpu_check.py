@@ -79,7 +79,7 @@ NCCL_STEPS = 40
 # The NCCL runs, named: on CUDA `accumulate: auto` picks `device` for tiny-llama, so a run left to
 # auto would never exchange inside the gradient hooks nor DMA from page-locked host memory.
 NCCL_VARIANTS = {
-    "host": ["zenflow.accumulate=host", "zenflow.tuning.stream_grads=true", "zenflow.tuning.pin_memory=true"],
+    "host": ["zenflow.accumulate=host", "zenflow.tuning.pin_memory=true"],
     "device": ["zenflow.accumulate=device", "zenflow.tuning.pin_memory=true"],
 }
 

@@ -544,7 +544,7 @@ def test_nccl_part_runs_the_host_hook_path_page_locked_and_the_device_path(tmp_p
     ctx = gpu_check.Context(py="python3", env={}, raw=tmp_path / "raw", gpus=2, timeout=480)
     res = gpu_check.run_part(ctx, "nccl")
     sets = [{cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"} for cmd in runs]
-    assert {"zenflow.accumulate=host", "zenflow.tuning.stream_grads=true", "zenflow.tuning.pin_memory=true",
+    assert {"zenflow.accumulate=host", "zenflow.tuning.pin_memory=true",
             "distributed.backend=nccl"} <= sets[0]
     assert {"zenflow.accumulate=device", "distributed.backend=nccl"} <= sets[1] and len(runs) == 2
     v = res["section"]["variants"]

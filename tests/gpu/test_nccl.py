@@ -23,7 +23,7 @@ from proc_helpers import rendezvous, spawn_ranks
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py); with one GPU, skipped below
 
 WORLD = 2
-PATHS = {"host": {"accumulate": "host", "stream_grads": True, "pin_memory": True},
+PATHS = {"host": {"accumulate": "host", "pin_memory": True},
          "device": {"accumulate": "device", "pin_memory": True}}
 
 

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 # fc2 and head stand in for the vocabulary matrices: split by row where a config says vocab_select: rows.
 HP = {"lr": 1e-2, "weight_decay": 0.01, "vocab_params": ["fc2.weight", "head.weight"]}
 ZEN = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 12}
-PATHS = {"host-hooks": {"accumulate": "host", "stream_grads": True},
-         "host-step": {"accumulate": "host", "stream_grads": False},
+PATHS = {"host-hooks": {"accumulate": "host"},  # the loop announces the final backward (hooks=True)
+         "host-step": {"accumulate": "host"},  # it announces none: step() lands every chunk
          "device": {"accumulate": "device"}}
 
 
@@ -262,9 +262,9 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
     from zfctl.train.optim import build_optimizer
 
     acc = "device" if path == "device" else "host"
-    stream = path != "host-step"
+    announce = path != "host-step"  # else step() lands the gradients
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
-        "train.device=cuda", "train.precision=bf16", f"zenflow.accumulate={acc}", f"zenflow.stream_grads={stream}",
+        "train.device=cuda", "train.precision=bf16", f"zenflow.accumulate={acc}",
         "zenflow.full_warm_up_rounds=0", "zenflow.select_interval=4",
         "zenflow.update_interval=2"])
     import gc
@@ -277,7 +277,8 @@ def test_cuda_memory_is_what_the_plan_says(path: str) -> None:
         ids = torch.randint(0, 4096, (2, 32), device="cuda")
         for _ in range(5):  # past a boundary: the install's device slots exist
             opt.zero_grad(set_to_none=True)
-            opt.prepare_backward(final=True)
+            if announce:
+                opt.prepare_backward(final=True)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
         opt.zero_grad(set_to_none=True)

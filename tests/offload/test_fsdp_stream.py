@@ -5,8 +5,8 @@ layers' backward still runs. CPU, gloo, 2 ranks, test_fsdp.py's small tiny Llama
 64) in fp32, two micro-batches per rank and step (the second one's hooks see FSDP2's accumulated
 ``.grad``), test_fsdp.py's 16 steps:
 
-* every loss and every weight bit for bit what the in-step path (``stream_grads: false``, the
-  gradients read in step()) gives, for the default preset with test_fsdp.py's 4-step warm-up
+* every loss and every weight bit for bit what the in-step path (a loop that announces no final
+  backward, ``prepare_backward(final=False)`` on every micro-batch: the gradients read in step()) gives, for the default preset with test_fsdp.py's 4-step warm-up
   (selections at 4 and 12) and for ``topk_ratio`` 0 with ``update_interval`` 1 (every column on
   the host, a boundary every step);
 * each announced step's host chunks all left in the hooks (``early_chunks``), none in step();
@@ -29,7 +29,7 @@ from test_fsdp import BATCH, LR, STEPS, WARM, _batches, _loss, _model
 
 from zfctl.offload import ZenFlowOptimizer, vocab_matrices
 from zfctl.offload.config import TuningConfig, ZenFlowConfig
-from zfctl.offload.grads.device_to_host import DuringBackward, InStep
+from zfctl.offload.grads.device_to_host import DuringBackward
 from zfctl.train.fsdp import data_parallel_mesh, decoder_layers, parallelize
 
 pytestmark = pytest.mark.slow  # 2 spawned ranks, 4 runs of 16 steps of a small model
@@ -40,8 +40,8 @@ MICRO = 2  # micro-batches per rank and step
 
 def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False, device: str = "cpu",
            precision: str = "fp32") -> dict:
-    """One rank's run: its losses, its final local weights, the warnings it gave, and (``stream``)
-    what the hooks did. ``unhook``: the DTensors' hooks removed, as on a torch whose FSDP2 does
+    """One rank's run: its losses, its final local weights, the warnings it gave, and (``stream``:
+    the loop announces each step's final backward, else none) what the hooks did. ``unhook``: the DTensors' hooks removed, as on a torch whose FSDP2 does
     not call them. ``device`` cuda: also which stream each hook ran on."""
     model = _model(precision, device)
     world = dist.get_world_size()
@@ -50,10 +50,10 @@ def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False, de
     # accumulate: host named, since auto picks the device accumulator on CUDA for a tiny model,
     # which has no gradient hooks to test (on an H200 the CUDA case failed just so).
     config = ZenFlowConfig(**{"full_warm_up_rounds": WARM, **CASES[case]}, cpu_threads=1, accumulate="host",
-                           tuning=TuningConfig(pin_memory=device == "cuda", stream_grads=stream))
+                           tuning=TuningConfig(pin_memory=device == "cuda"))
     opt = ZenFlowOptimizer(model.named_parameters(), config, lr=LR, weight_decay=0.01, max_grad_norm=1.0,
                            vocab_params=vocab_matrices(model), shard_group=mesh.get_group("shard"))
-    assert isinstance(opt.gradient_path, DuringBackward if stream else InStep)
+    assert isinstance(opt.gradient_path, DuringBackward)
     log: list[tuple] = []  # ("hook", name) / ("layer", i): layer i's backward begins / ("end",)
     streams: set[int] = set()  # cuda: the streams the hooks ran on
     if stream:
@@ -80,7 +80,7 @@ def _train(case: str, stream: bool, steps: int = STEPS, unhook: bool = False, de
             total = torch.zeros(())
             for m in range(MICRO):
                 lo = (rank * MICRO + m) * per
-                opt.prepare_backward(final=m == MICRO - 1)
+                opt.prepare_backward(final=stream and m == MICRO - 1)
                 loss = _loss(model, data[t, lo : lo + per])
                 log.clear()
                 (loss / MICRO).backward()

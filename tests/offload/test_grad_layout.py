@@ -215,12 +215,12 @@ def test_carry_is_bit_identical_to_slots_with_clipping() -> None:
 
 
 def llama_run(layout: str, hooks: bool, overlap: bool, precision: str) -> tuple[list[torch.Tensor], list[float]]:
-    """12 steps of tiny-llama on CPU, clipping off: a selection at 2 and 8, intervals of 3."""
+    """12 steps of tiny-llama on CPU, clipping off: a selection at 2 and 8, intervals of 3;
+    ``hooks``: the loop announces each final backward (the hook path), else step() lands."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cpu", f"train.precision={precision}", f"zenflow.overlap_step={str(overlap).lower()}",
         "zenflow.full_warm_up_rounds=2", "zenflow.update_interval=3", "zenflow.select_interval=6",
-        "train.max_grad_norm=null", f"zenflow.tuning.stream_grads={str(hooks).lower()}",
-        f"zenflow.tuning.grad_layout={layout}"])
+        "train.max_grad_norm=null", f"zenflow.tuning.grad_layout={layout}"])
     model = load_model(plan.model, precision=precision, device=torch.device("cpu"), seed=0)
     gen = torch.Generator().manual_seed(0)
     losses = []

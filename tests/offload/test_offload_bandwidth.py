@@ -31,7 +31,7 @@ def test_inflight_bytes_clamp() -> None:
 
 
 def test_inflight_budget_follows_the_setting_and_defaults_on_cpu() -> None:
-    base = {"topk_ratio": 0.1, "update_interval": 2, "stream_grads": True}
+    base = {"topk_ratio": 0.1, "update_interval": 2}
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), zen(**base), lr=1e-2) as opt:
         grad_bytes = opt.layout.host_numel * opt.transfers.itemsize

@@ -177,7 +177,7 @@ def test_the_hooks_keep_at_most_two_exchanges_pending() -> None:
             return 0
 
     model = tiny_net()
-    cfg = zen(topk_ratio=0.1, accumulate="host", stream_grads=True)
+    cfg = zen(topk_ratio=0.1, accumulate="host")
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2) as opt:
         stream = opt.gradient_path.stream
         order = [s.index for s in opt.layout.host_slots][::-1]

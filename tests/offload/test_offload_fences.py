@@ -71,7 +71,7 @@ def test_an_install_from_pageable_memory_has_no_fence(monkeypatch) -> None:
 def test_the_worker_waits_for_the_install_fence_before_it_writes_the_master(monkeypatch) -> None:
     """The fence an install leaves (HostState.install_fence) is the first thing the next CPU
     update waits for (pipeline.py ``_install_wait``), and it is handed over once."""
-    cfg = zen(**BASE, accumulate="host", stream_grads=False, overlap_step=True, full_warm_up_rounds=0)
+    cfg = zen(**BASE, accumulate="host", overlap_step=True, full_warm_up_rounds=0)
     model = tiny_net()
     events: list[str] = []
 
@@ -119,7 +119,7 @@ def test_load_state_dict_waits_for_the_update_in_flight(monkeypatch) -> None:
     for it before it fills master, moments and accumulator; else the update writes over the
     loaded state. The update is held back (a slow reader) until the load has returned or 1 s
     passed, so a load that does not wait is overwritten every time."""
-    cfg = zen(**BASE, accumulate="host", stream_grads=False, overlap_step=True, full_warm_up_rounds=0)
+    cfg = zen(**BASE, accumulate="host", overlap_step=True, full_warm_up_rounds=0)
     model = tiny_net()
     data = batches(8)
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
@@ -216,7 +216,7 @@ def test_the_cpu_update_waits_for_the_last_copy_into_its_slots(monkeypatch) -> N
     own thread, for the event recorded after the interval's last copy, which follows every copy
     of that interval on the stream. Run through the shim: the copy stream's log shows the order,
     the worker's waits which event it took."""
-    cfg = zen(**BASE, accumulate="host", stream_grads=True, overlap_step=True, full_warm_up_rounds=0,
+    cfg = zen(**BASE, accumulate="host", overlap_step=True, full_warm_up_rounds=0,
               release_grads=False)
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
@@ -281,7 +281,7 @@ def test_host_waits_of_the_transfer_calls_are_the_listed_ones(monkeypatch) -> No
     assert shim.host_syncs == []  # started, not waited for
     assert result().tolist() == [1.0, 2.0] and len(shim.host_syncs) == 1
     pinned.release(src)
-    cfg = zen(**BASE, accumulate="host", stream_grads=False, full_warm_up_rounds=0)
+    cfg = zen(**BASE, accumulate="host", full_warm_up_rounds=0)
     model = tiny_net()
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         stream = as_cuda(opt.gradient_path.stream, "copy_stream")

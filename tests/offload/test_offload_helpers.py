@@ -28,7 +28,7 @@ TUNING_KEYS = {f.name for f in fields(TuningConfig)}
 
 def zen(**kw: Any) -> ZenFlowConfig:
     """``ZenFlowConfig`` on the paper's settings with ``kw`` over them; the tuning keys
-    (install_lag, ring_slots, stream_grads, ...) may be given flat, as the tests always did."""
+    (install_lag, ring_slots, release_grads, ...) may be given flat, as the tests always did."""
     tuning = {k: kw.pop(k) for k in list(kw) if k in TUNING_KEYS}
     return ZenFlowConfig(**{**PAPER, **kw}, tuning=TuningConfig(**tuning))
 

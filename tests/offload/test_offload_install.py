@@ -32,8 +32,9 @@ BASE = {"topk_ratio": 0.25, "update_interval": 3, "select_interval": 4, "full_wa
         "overlap_step": True}
 
 
-def _train(dtype: torch.dtype, accumulators: int, steps: int = 14, **extra):
-    """Params after every step, the steps' stats, and whether the engine had an upload buffer."""
+def _train(dtype: torch.dtype, accumulators: int, steps: int = 14, *, announce: bool = False, **extra):
+    """Params after every step, the steps' stats, and whether the engine had an upload buffer.
+    ``announce``: the loop announces each final backward (the hook path), else step() lands."""
     cfg = zen(**BASE, host_accumulators=accumulators, **extra)
     model = tiny_net(dtype=dtype)
     out, stats = [], []
@@ -41,7 +42,7 @@ def _train(dtype: torch.dtype, accumulators: int, steps: int = 14, **extra):
         upload = opt.host.upload is not None
         for x, y in batches(steps, dtype=dtype):
             opt.zero_grad(set_to_none=True)
-            if extra.get("stream_grads"):
+            if announce:
                 opt.prepare_backward(final=True)
             loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
             opt.scale_loss(loss).backward()
@@ -58,7 +59,7 @@ def test_the_upload_buffer_installs_the_bits_of_the_fp32_master(dtype, accumulat
     """The params after every step, the upload buffer's install against the fp32 master's (the
     device rounding while scattering, as before the upload buffer): the same bits, at half the
     install bytes, and the CPU update's host bytes 2 B per element more (it writes the upload)."""
-    extra = {"stream_grads": path == "hooks", "accumulate": "host"}
+    extra = {"announce": path == "hooks", "accumulate": "host"}
     got, got_stats, upload = _train(dtype, accumulators, upload_buffer=True, **extra)
     want, want_stats, master = _train(dtype, accumulators, upload_buffer=False, **extra)
     assert upload and not master  # the reference installs from the fp32 master
@@ -192,7 +193,7 @@ def _shim_run(monkeypatch, *, hooks: bool, steps: int = 12, plant=None, net=_tin
     vocab = extra.pop("vocab_params", ())
     # One selection (t = 1, no install pending then): a later one would collect the update in
     # flight and wait for that whole install before its migration (optimizer.py ``_reselect``).
-    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", stream_grads=False, **extra, **tuning)
+    cfg = zen(**{**BASE, "select_interval": 100}, accumulate="host", **extra, **tuning)
     with ZenFlowOptimizer(model.named_parameters(), cfg, vocab_params=vocab, **HP) as opt:
         as_cuda(opt.transfers.h2d, "stream")
         installer = as_cuda(opt.installer, "stream")
@@ -292,7 +293,7 @@ def test_the_next_update_waits_for_the_dma_that_reads_the_upload_buffer(monkeypa
     taken by value (migration.py ``Departure``), and the fence stays for the next update."""
     shim = fake_cuda(monkeypatch)
     model = tiny_net(dtype=torch.bfloat16)
-    cfg = zen(**BASE, accumulate="host", stream_grads=False)
+    cfg = zen(**BASE, accumulate="host")
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         ring = as_cuda(opt.transfers.h2d, "stream")
         installer = as_cuda(opt.installer, "stream")
@@ -341,7 +342,7 @@ def test_a_second_install_before_the_forward_keeps_the_first_ones_waits(monkeypa
     an earlier install left waiting)."""
     shim = fake_cuda(monkeypatch)
     model = tiny_net(dtype=torch.bfloat16)
-    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE, accumulate="host", stream_grads=False), **HP) as opt:
+    with ZenFlowOptimizer(model.named_parameters(), zen(**BASE, accumulate="host"), **HP) as opt:
         ring, installer = as_cuda(opt.transfers.h2d, "stream"), as_cuda(opt.installer, "stream")
         assert opt.attach_install_waits(model) == 3
         owned = {}

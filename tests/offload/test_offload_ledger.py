@@ -56,9 +56,9 @@ SCHEDULE: list[tuple[frozenset[str], bool]] = [
     (frozenset(), False),  # 9 ordinary
 ]
 PATHS = {  # zenflow keys of each gradient path, and whether the loop announces its backwards
-    "step": ({"accumulate": "host", "stream_grads": False}, False),
-    "hook": ({"accumulate": "host", "stream_grads": True, "release_grads": True}, True),
-    "hook-keep": ({"accumulate": "host", "stream_grads": True, "release_grads": False}, True),
+    "step": ({"accumulate": "host"}, False),  # unannounced: step() lands every matrix
+    "hook": ({"accumulate": "host", "release_grads": True}, True),
+    "hook-keep": ({"accumulate": "host", "release_grads": False}, True),
     "device": ({"accumulate": "device"}, True),
 }
 

@@ -30,11 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def llama_run(accumulators: int, hooks: bool, interval: int, lag: int) -> tuple[list[torch.Tensor], list[float]]:
-    """30 steps of tiny-llama, fp32 on CPU, overlap on, clipping at the plan's max_grad_norm."""
+    """30 steps of tiny-llama, fp32 on CPU, overlap on, clipping at the plan's max_grad_norm;
+    ``hooks``: the loop announces each final backward (the hook path), else step() lands."""
     plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=[
         "train.device=cpu", "train.precision=fp32", "zenflow.overlap_step=true", "zenflow.full_warm_up_rounds=2",
         f"zenflow.update_interval={interval}", "zenflow.select_interval=8", f"zenflow.tuning.install_lag={lag}",
-        f"zenflow.tuning.stream_grads={str(hooks).lower()}", f"zenflow.tuning.host_accumulators={accumulators}"])
+        f"zenflow.tuning.host_accumulators={accumulators}"])
     model = load_model(plan.model, precision="fp32", device=torch.device("cpu"), seed=0)
     gen = torch.Generator().manual_seed(0)
     losses = []
@@ -67,7 +68,7 @@ def tiny_run(accumulators: int, hooks: bool, clip: float | None, interval: int, 
              steps: int = STEPS):
     """``pause``: seconds the CPU worker sleeps before each piece (a slow update)."""
     model = tiny_net()
-    cfg = zen(topk_ratio=0.25, update_interval=interval, overlap_step=True, stream_grads=hooks,
+    cfg = zen(topk_ratio=0.25, update_interval=interval, overlap_step=True,
               host_accumulators=accumulators)
     losses, waits = [], 0
     with ZenFlowOptimizer(model.named_parameters(), cfg, lr=1e-2, max_grad_norm=clip) as opt:

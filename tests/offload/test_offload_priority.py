@@ -44,7 +44,7 @@ def test_run_set_operations_match_element_sets() -> None:
 def _host(seed: int = 0):
     """A real host state (tiny model) with random master, moments and an interval of two steps'
     gradient slots (slots.py), and a plain update of it."""
-    cfg = zen(topk_ratio=0.25, accumulate="host", stream_grads=False, overlap_step=True)
+    cfg = zen(topk_ratio=0.25, accumulate="host", overlap_step=True)
     opt = ZenFlowOptimizer(tiny_net().named_parameters(), cfg, lr=HP["lr"])
     host = opt.host
     g = torch.Generator().manual_seed(seed)

@@ -23,8 +23,8 @@ from zfctl.offload.columns import migration
 from zfctl.offload.cpu import runs
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
-PATHS = {"host-step": {"accumulate": "host", "stream_grads": False},
-         "host-hooks": {"accumulate": "host", "stream_grads": True},
+PATHS = {"host-step": {"accumulate": "host"},  # the loop announces no backward: step() lands
+         "host-hooks": {"accumulate": "host"},
          "device": {"accumulate": "device"}}
 SELECT = 6  # selections at 0, 6, 12; the boundary at 5 submits the update the selection at 6 meets
 

@@ -59,15 +59,14 @@ def test_hook_path_is_bit_identical_to_step_path(overlap, clip, dtype, release) 
 
 
 @pytest.mark.slow
-def test_auto_interval_and_stream_grads_off() -> None:
+def test_auto_interval_announced_or_not_gives_the_same_bits() -> None:
+    """``update_interval: auto``: the hook path (announced backwards) lands early and gives the
+    step() path's bits (a loop that announces none: no chunk leaves early)."""
     cfg = zen(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5)
-    ref, _ = train(cfg, hooks=False, clip=1.0)
+    ref, ref_stats = train(cfg, hooks=False, clip=1.0)
     got, stats = train(cfg, hooks=True, clip=1.0)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
-    off, stats_off = train(zen(topk_ratio=0.2, update_interval="auto", auto_ratio=0.5,
-                                         stream_grads=False), hooks=True, clip=1.0)
-    assert all(torch.equal(ref[n], off[n]) for n in ref)
-    assert all(s.early_chunks == 0 for s in stats_off) and any(s.early_chunks for s in stats)
+    assert all(s.early_chunks == 0 for s in ref_stats) and any(s.early_chunks for s in stats)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["coef-known", "clip"])

@@ -16,10 +16,10 @@ def test_the_update_takes_every_thread() -> None:
     assert [split_threads(n) for n in (16, 2, 1, 0)] == [16, 2, 1, 1]
 
 
-@pytest.mark.parametrize(("stream", "accumulate", "overlap"),
+@pytest.mark.parametrize(("announce", "accumulate", "overlap"),
                          [(False, "host", True), (True, "host", True), (True, "host", False), (False, "device", True)],
                          ids=["step-path", "hook-path", "sequential", "device-path"])
-def test_only_the_update_calls_native_code_and_it_takes_every_thread(monkeypatch, stream: bool, accumulate: str,
+def test_only_the_update_calls_native_code_and_it_takes_every_thread(monkeypatch, announce: bool, accumulate: str,
                                                                       overlap: bool) -> None:
     """Every native call of a run is the CPU update's ``adamw_sum``, on pool 0 with all
     ``cpu_threads``: no accumulate runs per step on any path, with or without overlap."""
@@ -37,7 +37,7 @@ def test_only_the_update_calls_native_code_and_it_takes_every_thread(monkeypatch
     monkeypatch.setattr(N, "accumulate", spy_acc)
     monkeypatch.setattr(N, "adamw_sum", spy_adam)
     before = N.get_num_threads()
-    cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3, stream_grads=stream,
+    cfg = zen(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=0, cpu_threads=3,
               accumulate=accumulate, overlap_step=overlap)
     model = tiny_net()
     try:
@@ -45,7 +45,7 @@ def test_only_the_update_calls_native_code_and_it_takes_every_thread(monkeypatch
             assert opt.threads == 3 and opt.accumulate == accumulate
             for x, y in batches(5):
                 opt.zero_grad(set_to_none=True)
-                if stream:
+                if announce:  # else step() lands the gradients (the step() path)
                     opt.prepare_backward(final=True)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()

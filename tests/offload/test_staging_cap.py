@@ -23,7 +23,7 @@ def _run(staging_mb: float | str) -> tuple[dict[str, torch.Tensor], int, int]:
     """(the params after STEPS steps, the drains counted, the out buffer's bytes)."""
     model = tiny_net()
     cfg = zen(topk_ratio=0.25, update_interval=2, select_interval=SELECT, overlap_step=True, full_warm_up_rounds=0,
-              accumulate="host", stream_grads=False, staging_mb=staging_mb)
+              accumulate="host", staging_mb=staging_mb)
     drains = 0
     with ZenFlowOptimizer(model.named_parameters(), cfg, **HP) as opt:
         for x, y in batches(STEPS):

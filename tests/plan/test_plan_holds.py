@@ -191,14 +191,15 @@ def test_the_plan_records_its_answers_and_resume_reads_them_back(h200: FakeCuda,
 
 def test_release_is_recorded_off_only_where_the_plans_own_settings_rule_it_out() -> None:
     """release_grads frees gradients in the hook path's hooks: off in the plan under accumulate:
-    device, stream_grads: false or update_interval: auto; kept where the world size decides
-    (fsdp), since a resume may change it."""
+    device or update_interval: auto; kept where the world size decides (fsdp), since a resume
+    may change it. An old ``--set zenflow.tuning.stream_grads=false`` is dropped (legacy.py): it
+    no longer turns release off."""
     def rel(*sets: str) -> bool:
         return settle(resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu", *sets])
                       ).zenflow.tuning.release_grads
 
     assert rel() and rel("zenflow.topk_ratio=1.0", "zenflow.accumulate=device")
-    assert not rel("zenflow.accumulate=device") and not rel("zenflow.tuning.stream_grads=false")
+    assert not rel("zenflow.accumulate=device") and rel("zenflow.tuning.stream_grads=false")
     assert not rel("zenflow.update_interval=auto")
     assert rel("distributed.nproc=2", "distributed.strategy=fsdp")
     notes: list[str] = []

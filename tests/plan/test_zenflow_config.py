@@ -225,6 +225,8 @@ def test_an_old_saved_plan_loads_as_today_with_a_note_per_key(tmp_path: Path) ->
     # keys added since were never flat; retired keys (accumulate_threads) are dropped, one note each
     assert len(notes) == len(set(TUNING) & set(OLD_DEFAULT)) + 1 + len(set(RETIRED) & set(OLD_DEFAULT))
     assert any(n.startswith("plan.yaml: old key zenflow.tuning.accumulate_threads dropped") for n in notes)
+    assert any(n.startswith("plan.yaml: old key zenflow.tuning.stream_grads dropped: the gradients always leave")
+               for n in notes)
     assert "plan.yaml: old key zenflow.install_lag read as zenflow.tuning.install_lag" in notes
     assert ("plan.yaml: old keys zenflow.select_strategy=step, select_interval=8 read as "
             "zenflow.select_interval=8") in notes
@@ -278,6 +280,12 @@ def test_old_keys_on_the_command_line_print_a_note() -> None:
     assert json.loads(res.stdout)["plan"]["zenflow"]["tuning"]["install_lag"] == 1
     res = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", "zenflow.install_lag=1")
     assert "note: --set: old key zenflow.install_lag read as zenflow.tuning.install_lag" in res.stderr
+    # a retired key: accepted, dropped, and one note says what replaces it
+    res = zf("plan", "tiny-llama", "--data", "alpaca-sample", "--set", "zenflow.tuning.stream_grads=false")
+    assert res.exit_code == 0, res.output
+    assert ("note: --set: old key zenflow.tuning.stream_grads dropped: the gradients always leave during the "
+            "announced last backward (the hook path); a library loop that does not call "
+            "prepare_backward(final=True) gets step() copying them") in res.stderr
 
 
 def test_old_keys_in_bench_set() -> None:

@@ -89,11 +89,6 @@ class TuningConfig:
         "install moves the fp32 master and the GPU rounds it (the same bits). auto = on when the "
         "plan's host total with it fits the machine. fp32 models have none.",
     )
-    stream_grads: bool = _f(
-        True,
-        "Copy the non-selected gradient columns to the host during the last backward of a step "
-        "(gradient hooks; the training loop announces that backward) instead of inside step().",
-    )
     release_grads: bool = _f(
         True,
         "Hook path: free each gradient inside its hook on the last backward (its selected columns "

@@ -139,8 +139,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.last_stats: StepStats | None = None
 
     def _build_release(self, release: bool) -> GradRelease | None:
-        """The release hooks (release.py) where they apply: the hook path (``accumulate: host``,
-        ``stream_grads``), or no host columns at all in one process; None elsewhere. On the
+        """The release hooks (release.py) where they apply: the hook path (``accumulate: host``),
+        or no host columns at all in one process; None elsewhere. On the
         matrices only: a 1-D param's gradient is tiny, and a hook for it would cost more time
         than the bytes it frees (its .grad waits for step(), as before)."""
         path = self.gradient_path
@@ -170,7 +170,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._hook_warned = True
         import warnings
 
-        warnings.warn("zenflow.tuning.stream_grads under FSDP2: no gradient reached the host during backward "
+        warnings.warn("the hook path under FSDP2: no gradient reached the host during backward "
                       f"(torch {torch.__version__} did not run the sharded parameters' post-accumulate-grad "
                       "hooks); step() moves them instead", RuntimeWarning, stacklevel=3)
 

@@ -12,6 +12,8 @@ Checkpoints of those versions hold such a `plan.yaml`, and people keep `--config
     select_strategy: auto,  interval N    -> select_interval: 'N epochs' ('auto' for 1)
     tuning.accumulate_threads             -> dropped (nothing accumulates on the host per step
                                              since the gradient slots; the CPU update takes the threads)
+    tuning.stream_grads                   -> dropped (the hook path is always built; a step whose
+                                             final backward is not announced lands in step())
 
 A `select_strategy` without a `select_interval` beside it re-reads the interval the layers below
 gave (``below``), as the old merged plan did; a lone integer `select_interval` is today's (steps).
@@ -31,7 +33,10 @@ TUNING_KEYS = tuple(f.name for f in fields(TuningConfig))
 STRATEGIES = ("auto", "step", "epoch")
 # Tuning keys that no longer exist, and why (their values change nothing today).
 RETIRED = {"accumulate_threads": "the host no longer accumulates gradients per step (zfctl/offload/grads/slots.py); "
-           "the CPU update takes every cpu_threads thread"}
+           "the CPU update takes every cpu_threads thread",
+           "stream_grads": "the gradients always leave during the announced last backward (the hook path); "
+           "a library loop that does not call prepare_backward(final=True) gets step() copying them "
+           "(docs/design.md, the gradient paths)"}
 
 
 def _count(interval: Any) -> Any:

@@ -144,7 +144,7 @@ def _fill(plan: RunPlan, size: ModelSize, items: list[MemoryItem], notes: list[s
     if cuda:
         dev("install staging", tu.ring_slots * slot, f"{tu.ring_slots} x {slot / 2**20:.3g} MiB {t.precision} slots",
             "zfctl/offload/device/ring.py Ring.h2d")
-    hook = tu.stream_grads and choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/parallel/sharded.py hook_grads)
+    hook = choice == "host"  # fsdp too: FSDP2's hooks (zfctl/offload/parallel/sharded.py hook_grads)
     if hook:
         # The device temporaries' bound, as DuringBackward sets it (zfctl/offload/grads/device_to_host.py).
         budget = int(tu.inflight_mb * 2**20) if tu.inflight_mb else inflight_bytes(ASSUMED_D2H_GBPS)

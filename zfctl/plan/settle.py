@@ -127,14 +127,14 @@ def release_ruled_out(plan: RunPlan, est: MemoryEstimate | None = None, *, size:
     """Why ``zenflow.tuning.release_grads`` cannot apply to ``plan`` whatever machine and world size
     run it ("" when it may). It frees each gradient in a hook of the hook path (zfctl/offload/
     optimizer.py ``_build_release``): under ``update_interval: auto`` the interval rule reads every
-    ``.grad`` in ``step()``, and with host columns summed on the device (``accumulate: device``) or
-    in ``step()`` (``stream_grads: false``) there is no hook path. The world-size reasons (FSDP2
-    shards, no host columns on several ranks) are left out: a resume may change the world size,
-    and the plan's estimate counts them as they come (lines.py ``_released_gradients``)."""
+    ``.grad`` in ``step()``, and with host columns summed on the device (``accumulate: device``)
+    there is no hook path. The world-size reasons (FSDP2 shards, no host columns on several ranks)
+    are left out: a resume may change the world size, and the plan's estimate counts them as they
+    come (lines.py ``_released_gradients``)."""
     z = plan.zenflow
     if z.update_interval == "auto":
         return "update_interval: auto reads every .grad in step()"
-    if z.accumulate != "device" and z.tuning.stream_grads:  # the hook path (or auto: not decided yet)
+    if z.accumulate != "device":  # the hook path (or auto: not decided yet)
         return ""
     if float(z.topk_ratio) >= 1:
         return ""  # no host columns: the release hooks free every matrix's .grad (one process)
@@ -142,8 +142,7 @@ def release_ruled_out(plan: RunPlan, est: MemoryEstimate | None = None, *, size:
         est = estimate(plan, machine, size=size)
     if est.size is None or est.item("fp32 master") == 0:  # unknown, or no host columns after all
         return ""
-    return ("accumulate: device sums the host columns on the device" if z.accumulate == "device" else
-            "stream_grads: false copies the gradients in step()")
+    return "accumulate: device sums the host columns on the device"
 
 
 def adopt_resolved(saved: RunPlan, current: RunPlan) -> RunPlan:

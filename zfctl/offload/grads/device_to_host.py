@@ -8,10 +8,11 @@ update reads the interval on the host. Two kinds of path do it (docs/design.md, 
 * the host paths land each step's gradient columns in their own slot (slots.py), in the model
   dtype, through one copy stream (stream.py ``GradStream``), and nothing runs on the host per
   step: the worker sums the slots inside its AdamW pass. They differ only in who issues the copy:
-  :class:`DuringBackward` (``stream_grads``, ``accumulate: host``): gradient hooks, during the
-  last backward (release.py frees each ``.grad`` there with ``release_grads``); what no hook
-  landed (no announced backward, a selection step, a matrix whose hook did not fire) step()
-  lands itself, as :class:`InStep` (``stream_grads: false``) does for every matrix. Under
+  :class:`DuringBackward` (``accumulate: host``): gradient hooks, during the announced last
+  backward (release.py frees each ``.grad`` there with ``release_grads``); what no hook landed
+  step() lands itself (its base :class:`InStep`): a step whose final backward was not announced
+  (``prepare_backward``), a selection step, loss scaling under the carry layout (``lands_early``
+  False), a matrix whose hook did not fire. Under
   ``zenflow.tuning.grad_layout: carry`` the same stream lands each chunk in a small landing ring
   instead and folds it into one fp32 sum per host element (carry.py ``GradCarry``: 4 B per
   element instead of the slots' ``U x itemsize`` per set), with the same bits;
@@ -159,8 +160,10 @@ class NoHostColumns:
 
 
 class InStep(NoHostColumns):
-    """``step()`` lands the gradient columns in the step's slot itself (stream.py ``finish``): a
-    transpose and a D2H per chunk, inside step() (stall). ``hooks``: the subclass's."""
+    """The step() path: ``step()`` lands the gradient columns in the step's slot itself (stream.py
+    ``finish``): a transpose and a D2H per chunk, inside step() (stall). The base of
+    :class:`DuringBackward`, which takes this path on every step its hooks do not land (that
+    class's docstring says which); ``hooks``: the subclass's."""
 
     def __init__(self, transfers: Transfers, params: list[torch.Tensor], *, device: torch.device,
                  config: ZenFlowConfig, exchange: Any = None, hooks: bool = False) -> None:
@@ -190,7 +193,7 @@ class InStep(NoHostColumns):
     def add_host(self, slot: torch.Tensor | None, stats: StepStats) -> None:
         assert slot is not None  # the host paths always have the step's slot (Pipeline.slot)
         t = self.transfers
-        if not self.stream.armed:  # no announced backward, a selection step, or stream_grads off
+        if not self.stream.armed:  # no announced final backward, a selection step, or carry + loss scaling
             self.stream.open(t.chunks, slot, self._waiter())
         self.stream.finish(stats, t.itemsize)  # bytes: counted where they move (stream.py; ledger.py)
 
@@ -212,9 +215,11 @@ class InStep(NoHostColumns):
 
 class DuringBackward(InStep):
     """The last backward's gradient hooks land the columns in the step's slot (stream.py):
-    ``step()`` copies only what no hook landed. Unannounced backwards and selection steps (but
-    those of ``release_grads`` in one process, release.py) are landed by step(), as in
-    :class:`InStep`. ``hooks=False``: release.py or FSDP2's hooks call ``GradStream.on_grad``."""
+    ``step()`` copies only what no hook landed. A step whose final backward was not announced
+    (``ZenFlowOptimizer.prepare_backward``: a library loop that never calls it), a selection step
+    (but those of ``release_grads`` in one process, release.py) and loss scaling under the carry
+    layout (the overflow check comes first, carry.py) are landed by step(), as in :class:`InStep`.
+    ``hooks=False``: release.py or FSDP2's hooks call ``GradStream.on_grad``."""
 
     def __init__(self, transfers: Transfers, params: list[torch.Tensor], *, device: torch.device,
                  config: ZenFlowConfig, exchange: Any, hooks: bool = True) -> None:
@@ -342,10 +347,8 @@ def build_host_side(layout: Layout, params: list[torch.Tensor], device: torch.de
     if on_device:
         assert grads.carry[0] is not None  # sum_buffer
         path = SummedOnDevice(transfers, device, grads.carry[0])
-    elif config.tuning.stream_grads:
-        path = DuringBackward(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
     else:
-        path = InStep(transfers, params, device=device, config=config)
+        path = DuringBackward(transfers, params, device=device, config=config, exchange=exchange, hooks=hooks)
     folds = grads.folds if isinstance(grads, GradCarry) else None
     for part in (transfers.d2h, transfers.h2d, host, host.gate, getattr(path, "stream", None),
                  getattr(path, "sum", None), folds):

@@ -23,7 +23,8 @@ matrix's ``.grad`` (its post-accumulate-grad hook), the hook
 
 That is all: no coefficient is needed (step() records it with the slot once it has it) and no host
 thread adds anything. ``finish`` (inside step()) lands what no hook landed: every matrix on the
-step() path (no announced backward, a selection step, ``stream_grads: false``), else a matrix
+step() path (no announced final backward, a selection step, loss scaling under the carry layout),
+else a matrix
 whose hook did not fire in the final backward (its gradient came from an earlier micro-batch).
 A matrix without any gradient writes ``-0.0`` into its chunks: ``fma(-0, c, a) == a`` for every
 ``a``, so its step adds nothing, as the per-step accumulation skipped it.
