@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,12 +63,24 @@ def rendezvous(folder: Path) -> str:
     return f"file://{Path(folder).resolve() / 'rendezvous'}"
 
 
+def _leave_after(rank: int, worker: Callable[..., None], *args: object) -> None:
+    """``worker(rank, *args)``, then leave at once: torch 2.13 aborts at interpreter exit after
+    ``destroy_process_group`` in about one spawned rank in three under load ("terminate called
+    without an active exception", SIGABRT), after the results are on disk. A worker that raises
+    propagates as before (spawn reports its traceback)."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(worker: Callable[..., None], nprocs: int, args: tuple, *, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for all of them; past
-    ``timeout`` seconds kill them and fail the test with ``what`` (a hang is mismatched collectives)."""
+    ``timeout`` seconds kill them and fail the test with ``what`` (a hang is mismatched collectives).
+    Each rank leaves with ``os._exit`` once its worker returned (``_leave_after``)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    ctx = mp.spawn(_leave_after, args=(worker, *args), nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
