@@ -65,17 +65,16 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _layout(model: str, topk: float, rows_div: int = 1) -> Layout:
-    """The preset's layout (zfctl/offload/layout.py ``plan_layout``) from its shapes, on the meta
-    device; ``rows_div`` divides every column's length (the move's scaled state)."""
+def _layout(model: Any, topk: float, rows_div: int = 1) -> Layout:
+    """The layout (zfctl/offload/layout.py ``plan_layout``) of a preset's ModelConfig, from its
+    shapes, on the meta device; ``rows_div`` divides every column's length (the move's scaled state)."""
     from zfctl.bench.model import arch_model_config
-    from zfctl.cli.bench import _model_config
     from zfctl.plan.schema import RunPlan
     from zfctl.plan.sizes import model_size
 
     # The bench's --model shapes: a hub preset as a Llama of its arch's sizes (bench/model.py).
-    size = model_size(RunPlan(model=arch_model_config(_model_config(model), seq_len=2048)))
-    assert size is not None and size.shapes, f"{model}: no shapes"
+    size = model_size(RunPlan(model=arch_model_config(model, seq_len=2048)))
+    assert size is not None and size.shapes, f"{model.name}: no shapes"
     named = []
     for name, shape in size.shapes:
         if len(shape) == 2 and rows_div > 1:  # a column is shape[0] long, a by-row one shape[1]
@@ -86,7 +85,8 @@ def _layout(model: str, topk: float, rows_div: int = 1) -> Layout:
 
 
 def _columns(slot: ParamSlot, stay: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted old and new column sets of ``slot.k`` each, ``round(stay * k)`` of them in both."""
+    """Sorted old and new column sets of ``slot.k`` each, ``round(stay * k)`` of them in both (a
+    matrix with ``k`` above half its columns keeps them all: no room for that many to enter)."""
     perm = torch.randperm(slot.cols, generator=gen)
     k, kept = slot.k, max(0, min(slot.k, round(stay * slot.k)))
     old = perm[:k]
@@ -101,7 +101,7 @@ def _timed(phases: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _priority_ms(layout: Layout, moves: list[Moves], runs: torch.Tensor, old_owned: torch.Tensor) -> float:
+def _priority_ms(layout: Layout, runs: torch.Tensor, old_owned: torch.Tensor) -> float:
     """``CpuWorker._serve`` for a request of ``runs`` against an update of the columns that were
     host-owned (``PIECES`` equal pieces), its AdamW and piece waits removed. Counter groups as
     ``HostState.update_groups`` forms them: two, the columns that never left the host and a random
@@ -142,9 +142,9 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run_selection(model: str = "llama3.2-1b", stay: float = 0.1, *, topk: float = 0.1, seed: int = 0,
+def run_selection(model: Any, stay: float = 0.1, *, topk: float = 0.1, seed: int = 0,
                   repeats: int = 3) -> dict:
-    """A synthetic selection at ``model``'s shapes with ``stay`` of each matrix's columns staying,
+    """A synthetic selection at the shapes of ``model`` (a preset's ModelConfig) with ``stay`` of each matrix's columns staying,
     ``repeats`` times: each time the fastest of the repeats (the box is shared), counts the first's."""
     with _one_thread():
         runs = [_run(model, stay, topk, seed) for _ in range(repeats)]
@@ -155,7 +155,7 @@ def run_selection(model: str = "llama3.2-1b", stay: float = 0.1, *, topk: float 
     return out
 
 
-def _run(model: str, stay: float, topk: float, seed: int) -> dict:
+def _run(model: Any, stay: float, topk: float, seed: int) -> dict:
     phases: dict[str, float] = {}
     layout = _layout(model, topk)
     cols, sel = _plan(layout, stay, seed)
@@ -164,7 +164,7 @@ def _run(model: str, stay: float, topk: float, seed: int) -> dict:
     runs = _timed(phases, "entering_runs",
                   lambda: Selector._entering_runs(SimpleNamespace(moves=moves), host))  # type: ignore[arg-type]
     old_owned = _owned(layout, sel, [o for o, _ in cols])
-    priority = _priority_ms(layout, moves, runs, old_owned)
+    priority = _priority_ms(layout, runs, old_owned)
     move = _move(model, stay, topk, seed)
     phases["mover_move"] = move["ms"]
     phases["in_gathers"] = _gathers_ms(moves)
@@ -179,7 +179,7 @@ def _run(model: str, stay: float, topk: float, seed: int) -> dict:
     _timed(phases, "plan_chunks", lambda: plan_chunks(layout, hs.device_owned, SLOT_BYTES, 2))
     main = sum(phases.values())
     return {
-        "model": model, "stay": stay, "topk_ratio": topk, "matrices": len(sel), "host_cols": layout.host_cols,
+        "model": model.name, "stay": stay, "topk_ratio": topk, "matrices": len(sel), "host_cols": layout.host_cols,
         "selected_cols": sum(s.k for s in sel),
         "entering_cols": sum(int(m.enter_cols.numel()) for m in moves),
         "leaving_cols": sum(int(m.leave_cols.numel()) for m in moves),
@@ -211,7 +211,7 @@ def _gathers_ms(moves: list[Moves]) -> float:
     return ms
 
 
-def _move(model: str, stay: float, topk: float, seed: int) -> dict:
+def _move(model: Any, stay: float, topk: float, seed: int) -> dict:
     """``Mover.move`` of the selection on state with rows / ``ROW_SCALE`` (module docstring)."""
     layout = _layout(model, topk, ROW_SCALE)
     cols, sel = _plan(layout, stay, seed)

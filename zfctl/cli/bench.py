@@ -150,7 +150,7 @@ def _bench_selection(selection: bool, model: str, stay: float | None, topk: str,
     topks = parse_topks(topk)
     if len(topks) != 1 or not 0 < topks[0] < 1:
         raise UserError(f"--topk {topk}: --selection takes one ratio in (0, 1), e.g. 0.1")
-    _model_config(model)  # an unknown preset: one error line
+    model_cfg = _model_config(model)  # an unknown preset: one error line
     _check_out("--json", json_out, force)
     import json
 
@@ -158,7 +158,7 @@ def _bench_selection(selection: bool, model: str, stay: float | None, topk: str,
     from zfctl.bench.selection import run_selection
     from zfctl.cli._common import console
 
-    r = run_selection(model, stay, topk=topks[0])
+    r = run_selection(model_cfg, stay, topk=topks[0])
     console.print(f"selection at {model}'s shapes: {r['matrices']} matrices, {r['selected_cols']:,} of "
                   f"{r['host_cols']:,} columns selected, {stay:.0%} staying ({r['entering_cols']:,} entering), "
                   "one torch thread, CPU")
@@ -358,6 +358,8 @@ def bench(
 
     # Everything the user typed is checked here, before a model is built or a file is touched.
     if selection or stay is not None:
+        if csv_out is not None or plot is not None:
+            raise UserError("--csv/--plot draw a training grid; --selection writes --json only")
         _bench_selection(selection, model or "llama3.2-1b", stay, topk, json_out, force)
         return
     topks, intervals = parse_topks(topk), parse_intervals(interval)
