@@ -38,6 +38,7 @@ def test_fields_and_sane_values(runs):
     assert r["main_thread_ms"] == pytest.approx(sum(r["phases"].values()))
     assert r["priority_runs_ms"] > 0
     assert r["device_ops"] > 0 and r["main_thread_gathers"] > 0  # today's code: both, on the main thread
+    assert r["main_thread_gather_share"] == pytest.approx(1.0)  # every entering row, by the main thread
     # 10% staying: about 90% of the selected columns enter, as many leave; their state crosses both ways.
     k = r["selected_cols"]
     assert r["entering_cols"] == r["leaving_cols"] and 0.85 * k <= r["entering_cols"] <= 0.95 * k
