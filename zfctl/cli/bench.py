@@ -137,6 +137,43 @@ def _check_grid(points: list[BenchConfig], base: ZenFlowConfig) -> None:
             raise UserError(f"the grid point '{point.label}': {e}") from None
 
 
+def _bench_selection(selection: bool, model: str, stay: float | None, topk: str, json_out: Path | None,
+                    force: bool) -> None:
+    """``--selection``: one synthetic selection's costs (zfctl/bench/selection.py), printed and as JSON."""
+    from zfctl.bench.grid import parse_topks
+
+    if not selection:
+        raise UserError("--stay applies to --selection; add --selection, or drop --stay")
+    stay = 0.1 if stay is None else stay
+    if not 0 < stay <= 1:  # also refuses nan
+        raise UserError(f"--stay {stay}: must be in (0, 1], the share of device columns that stay, e.g. 0.1")
+    topks = parse_topks(topk)
+    if len(topks) != 1 or not 0 < topks[0] < 1:
+        raise UserError(f"--topk {topk}: --selection takes one ratio in (0, 1), e.g. 0.1")
+    model_cfg = _model_config(model)  # an unknown preset: one error line
+    _check_out("--json", json_out, force)
+    import json
+
+    from zfctl.bench.report import write_atomic
+    from zfctl.bench.selection import run_selection
+    from zfctl.cli._common import console
+
+    r = run_selection(model_cfg, stay, topk=topks[0])
+    console.print(f"selection at {model}'s shapes: {r['matrices']} matrices, {r['selected_cols']:,} of "
+                  f"{r['host_cols']:,} columns selected, {stay:.0%} staying ({r['entering_cols']:,} entering), "
+                  "one torch thread, CPU")
+    for name, ms in r["phases"].items():
+        console.print(f"  {name:<18} {ms:9.1f} ms")
+    b = r["bytes"]
+    console.print(f"  main thread {r['main_thread_ms']:.1f} ms (priority wait excluded); priority runs "
+                  f"{r['priority_runs_ms']:.1f} ms (AdamW excluded); {r['device_ops']} device ops; "
+                  f"{r['main_thread_gathers']} main-thread gathers; D2H {b['d2h'] / 1e9:.2f} GB, "
+                  f"H2D {b['h2d'] / 1e9:.2f} GB, host {b['host'] / 1e9:.2f} GB (the move's, at full row widths)")
+    if json_out is not None:
+        write_atomic(json_out, json.dumps(r, indent=1) + "\n")
+        console.print(f"wrote {json_out}")
+
+
 def bench(
     model: Annotated[
         str | None,
@@ -283,6 +320,21 @@ def bench(
         bool,
         typer.Option("--force", help="Overwrite existing --json/--csv/--plot files.", rich_help_panel=OUT),
     ] = False,
+    selection: Annotated[
+        bool,
+        typer.Option(
+            "--selection",
+            help="Instead of training: time one selection's main-thread work on CPU at --model's real "
+            "shapes (default llama3.2-1b), per phase, with its device ops, host gathers and bytes "
+            "(zfctl/bench/selection.py). Takes --stay, --topk (one value) and --json.",
+            rich_help_panel=RUN,
+        ),
+    ] = False,
+    stay: Annotated[
+        float | None,
+        typer.Option(help="--selection: share of each matrix's device columns that stay, in (0, 1] "
+                     "(default 0.1: nine in ten replaced).", rich_help_panel=RUN),
+    ] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure ZenFlow against plain CPU offload (zero-offload) and no offload (off), per phase.
@@ -305,6 +357,11 @@ def bench(
     from zfctl.bench.model import DTYPES
 
     # Everything the user typed is checked here, before a model is built or a file is touched.
+    if selection or stay is not None:
+        if csv_out is not None or plot is not None:
+            raise UserError("--csv/--plot draw a training grid; --selection writes --json only")
+        _bench_selection(selection, model or "llama3.2-1b", stay, topk, json_out, force)
+        return
     topks, intervals = parse_topks(topk), parse_intervals(interval)
     overlaps, pins = parse_switch("overlap", overlap, no_overlap), parse_switch("pin", pin, no_pin)
     recomputes = [False] if activation_checkpointing is None else _recomputes(activation_checkpointing)
