@@ -388,3 +388,19 @@ def test_activation_checkpointing_on_and_off_side_by_side(tmp_path, monkeypatch)
             float(base["overall_mean_ms"]) / float(row["overall_mean_ms"]), rel=1e-3)
     # The two recompute configurations, 1 warm-up + 2 timed steps each: the MLP forward twice per step.
     assert len(runs) == 2 * 3 * 2
+
+
+def test_a_preset_model_says_its_regime_and_each_selection_its_share_of_columns_that_stay(tmp_path):
+    """--model trains on random token ids (the header says so); every timed selection step records
+    ``select_stay`` (docs/design.md, Algorithm step 2), the others None."""
+    out = tmp_path / "stay.json"
+    res = invoke("--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--dtype", "fp32", "--topk", "0.1",
+                 "--interval", "4", "--warmup", "4", "--iterations", "2", "--device", "cpu", "--baselines", "none",
+                 "--set", "zenflow.select_interval=4", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert "uniformly random token ids" in " ".join(res.output.split())
+    (row,) = json.loads(out.read_text())["results"]
+    recs = row["records"]
+    assert [r["selection"] for r in recs] == [True, False, False, False] * 2  # the first selection: in the warm-up
+    assert all((r["select_stay"] is not None) == r["selection"] for r in recs)
+    assert all(0 <= r["select_stay"] <= 1 for r in recs if r["selection"])

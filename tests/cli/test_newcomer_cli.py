@@ -48,13 +48,14 @@ def test_piped_output_is_not_wrapped_at_80_columns() -> None:
 def test_the_step_line_legend_names_every_field() -> None:
     rec = {"step": 40, "loss": 3.41, "loss_steps": 10, "lr": 2e-4, "tokens_per_s": 5300, "step_ms": 182,
            "compute_ms": 150, "device_opt_ms": 20, "stall_ms": 12, "gpu_busy": 0.93, "cpu_step_ms": 30,
-           "selected_fraction": 0.1, "grad_norm": 2.5, "host_peak_gib": 1.2, "device_peak_gib": 3.0}
+           "selected_fraction": 0.1, "select_stay": 0.6, "grad_norm": 2.5, "host_peak_gib": 1.2,
+           "device_peak_gib": 3.0}
     line = format_train_line(rec, 200)
     fields = ["loss", "(avg N)", "lr", "tok/s", "ms", "fwd/bwd", "opt", "stall", "busy", "cpu-adam", "sel",
-              "gnorm", "host/dev"]
+              "stay", "gnorm", "host/dev"]
     for name in fields[:1] + fields[2:-1]:
         assert name in line  # the legend explains what the line shows
-    for name in ("loss", "lr", "tok/s", "busy", "cpu-adam", "sel", "gnorm", "host/dev"):
+    for name in ("loss", "lr", "tok/s", "busy", "cpu-adam", "sel", "stay", "gnorm", "host/dev"):
         assert f"{name} = " in STEP_LINE_LEGEND, name  # each one defined
     helptext = runner.invoke(app, ["finetune", "--help"], env={"COLUMNS": "400"}).output
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -10,6 +10,7 @@ import torch
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
+from zfctl.offload.columns.selection import stay_share
 from zfctl.offload.columns.selector import Selector
 from zfctl.offload.layout import column_runs, num_selected
 
@@ -53,6 +54,35 @@ def test_planted_large_gradient_columns_are_selected() -> None:
         assert stats.selected_fraction == 4 / 32
         owned = opt.host.device_owned.nonzero().flatten().tolist()
         assert owned == FIRST  # the host skips exactly those columns
+
+
+def test_stay_share_counts_every_column_of_every_matrix_once() -> None:
+    """Staying / previously selected columns over all matrices: a matrix with more selected
+    columns weighs more, and the same column id in two matrices is two columns."""
+    def ids(*c: int) -> torch.Tensor:
+        return torch.tensor(c, dtype=torch.int64)
+
+    olds = [ids(1, 5, 9, 13), ids(0, 1, 2, 3, 4, 5, 6, 7), ids(2)]
+    news = [ids(2, 5, 20, 30), ids(0, 1, 2, 3, 4, 5, 6, 8), ids(3)]  # 1 + 7 + 0 of 4 + 8 + 1 stay
+    assert stay_share(olds, news, [32, 10, 4]) == 8 / 13
+    # Column 5 stays in the first matrix only: offset, the second's 5 is not the first's.
+    assert stay_share([ids(5), ids(1)], [ids(5), ids(5)], [8, 8]) == 1 / 2
+    assert stay_share([None, None], news[:2], [32, 10]) is None  # the first selection: nothing to stay
+
+
+def test_a_selection_records_the_share_of_device_columns_that_stay() -> None:
+    """``StepStats.select_stay``: None before a second selection, then the share of the last
+    selection's device columns chosen again (FIRST -> SECOND keeps column 5 of 4: 0.25)."""
+    layer = linear()
+    cfg = zen(topk_ratio=0.125, update_interval=2, overlap_step=True, select_interval=4)
+    with ZenFlowOptimizer(layer.named_parameters(), cfg, lr=1e-2) as opt:
+        stays = []
+        for step in range(9):
+            planted_grads(layer, FIRST if step < 4 else SECOND, step)
+            stats = opt.step()
+            stays.append((stats.selection, stats.select_stay))
+    assert stays[0] == (True, None) and stays[4] == (True, 0.25) and stays[8] == (True, 1.0)
+    assert all(s == (False, None) for i, s in enumerate(stays) if i % 4)
 
 
 def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> None:

@@ -42,7 +42,7 @@ class AdamWBehindInterface(torch.optim.AdamW):
         super().step()
         return SimpleNamespace(device_opt_ms=0.0, stall_ms=0.0, cpu_step_ms=0.0, boundary=False,
                                selection=False, warmup=False, skipped=False, selected_fraction=1.0,
-                               grad_norm=None, loss_scale=None, update_interval=1, d2h_bytes=0,
+                               select_stay=None, grad_norm=None, loss_scale=None, update_interval=1, d2h_bytes=0,
                                h2d_bytes=0)
 
     def flush(self):
@@ -180,6 +180,23 @@ def test_console_line_is_dense_and_exact():
     assert format_train_line(rec, 200) == (
         "step  40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20"
         " + stall 12 | cpu-adam 41 ms | sel 0.10 | gnorm 1.23 | dev 0.8G host 1.2G")
+
+
+def test_the_line_after_a_selection_says_how_many_device_columns_stayed():
+    """``select_stay`` of a selection step shows as ``stay`` on the next console line only."""
+    from rich.console import Console
+
+    from zfctl.train.display import RichDisplay
+
+    base = {"step": 1, "loss": 1.0, "lr": 2e-4, "tokens_per_s": 5321.0, "step_ms": 182.4, "compute_ms": 150.2,
+            "device_opt_ms": 20.1, "stall_ms": 12.0, "selected_fraction": 0.1, "host_peak_gib": 1.24}
+    assert format_train_line({**base, "select_stay": 0.4321}, 200).endswith("| sel 0.10 stay 0.43 | host 1.2G")
+    console = Console(record=True, width=400)
+    display = RichDisplay(console, legend=False)
+    for step, stay, line in [(1, None, False), (2, 0.55, False), (3, None, True), (4, None, True)]:
+        display.step({**base, "step": step, **({"select_stay": stay} if stay is not None else {})}, line=line)
+    printed = [ln for ln in console.export_text().splitlines() if ln.startswith("step")]
+    assert ["stay 0.55" in ln for ln in printed] == [True, False]
 
 
 def test_resume_truncates_metrics_after_checkpoint(tmp_path):

@@ -153,7 +153,8 @@ class PresetFactory:
         self.vocab = int(hf_config.vocab_size)
         self.device, self.seed, self.seq_len, self.batch = device, seed, seq_len, batch
         how = "" if model_cfg.source == "config" else ", Llama-shaped from the preset's arch"
-        self.description = f"{model_cfg.name} (random init{how}), {dtype}, batch {batch} x seq {seq_len}"
+        self.description = (f"{model_cfg.name} (random init{how}, uniformly random token ids), {dtype}, "
+                            f"batch {batch} x seq {seq_len}")
 
     def __call__(self, steps: int) -> BenchModel:
         module = copy.deepcopy(self.template).to(self.device)

@@ -43,6 +43,7 @@ class StepRecord:
     host_bytes: int = 0  # StepStats.host_bytes: host memory read + written for this step (all kinds)
     comm_bytes: int = 0  # StepStats.comm_bytes: data-parallel bytes sent (0: the bench is one process)
     selection: bool = False  # StepStats.selection: the step re-chose the device's columns
+    select_stay: float | None = None  # StepStats.select_stay: the share of device columns that stayed
     # The step's ledger (StepStats.bytes / waits / wait_ms, offload/ledger.py): bytes by kind, waits
     # by kind and how long they took. The bound (bound.py) is computed from these.
     bytes: dict[str, int] = field(default_factory=dict)
@@ -144,6 +145,7 @@ def run_trial(
                 host_bytes=int(st.host_bytes),
                 comm_bytes=int(st.comm_bytes),
                 selection=bool(st.selection),
+                select_stay=st.select_stay,
                 bytes=dict(st.bytes),
                 waits=dict(st.waits),
                 wait_ms=dict(st.wait_ms),

@@ -73,7 +73,9 @@ def finetune(
     backward) + opt (device optimizer) + stall (host waits inside the step: gradient copies, the
     CPU update, installs), busy = the device's share; cpu-adam = ms of the CPU AdamW update that
     finished this step; sel = share of weights updated on the device every step (0.00 during
-    zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); gnorm = gradient L2 norm before clipping;
+    zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); stay = share of the device's
+    columns kept at the last selection (shown once after each, from the second on); gnorm = gradient
+    L2 norm before clipping;
     host/dev = peak memory, GiB.
 
     Ctrl-C or SIGTERM finishes the step (or the checkpoint being written), saves a checkpoint and

@@ -48,6 +48,9 @@ class StepStats:
     # and state exchange at a selection, install broadcasts; ring-model counts (partition.py).
     comm_bytes: int = 0
     selected_fraction: float = 0.0  # share of matrix elements in device-owned columns
+    # A selection after the first: the share of the device's columns (selectable matrices, each
+    # column once) that stayed on the device (columns/selection.py ``stay_share``); else None.
+    select_stay: float | None = None
     grad_norm: float | None = None  # global L2 norm of the (unscaled) gradients, if computed
     loss_scale: float | None = None  # fp16 dynamic loss scale used for this step
     update_interval: int = 0  # length of the latest finished interval (U unless cut short before a

@@ -3,12 +3,14 @@
 Only rank 0 draws (the others get :class:`NullDisplay`). The line is a view of the same record
 that goes to ``metrics.jsonl``, formatted by :func:`format_train_line`, e.g.::
 
-    step   40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 (busy 93%) | sel 0.10 | host 1.2G
+    step   40/200 | loss 3.4121 (avg 10) | lr 2.00e-04 | 5.3k tok/s | 182 ms = fwd/bwd 150 + opt 20 + stall 12 (busy 93%) | sel 0.10 stay 0.55 | host 1.2G
 
 ``step ms`` is the wall time of the whole optimizer step; ``fwd/bwd`` is device compute
 (forward + backward of all micro-batches), ``opt`` the device-side optimizer work, ``stall`` every
 host wait inside ``step()`` (gradient D2H and accumulation, the CPU worker, installs); what remains
 is data loading and host overhead. ``busy`` = (fwd/bwd + opt) / step ms: the device's share.
+``stay``: on the first line after a selection (not the run's first), the share of the device's
+columns that stayed on the device (``select_stay`` in the record of the selection step).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ STEP_LINE_LEGEND = (
     "tokens per second | ms = the whole step: fwd/bwd (device forward + backward) + opt (device "
     "optimizer) + stall (host waits inside the step: gradient copies, the CPU update, installs); busy = "
     "the device's share | cpu-adam = ms of the CPU AdamW update that finished this step | sel = share of "
-    "weights updated on the device every step (0.00 during zenflow.full_warm_up_rounds: synchronous full CPU-offload steps) | "
+    "weights updated on the device every step (0.00 during zenflow.full_warm_up_rounds: synchronous full CPU-offload steps); "
+    "stay = share of the device's columns kept at the last selection (shown once after each, from the second on) | "
     "gnorm = gradient L2 norm before clipping | host/dev = peak memory, GiB")
 
 from rich.console import Console
@@ -72,7 +75,10 @@ def format_train_line(rec: dict[str, Any], total_steps: int) -> str:
     if rec.get("cpu_step_ms"):
         parts.append(f"cpu-adam {rec['cpu_step_ms']:.0f} ms")
     if rec.get("selected_fraction") is not None:
-        parts.append(f"sel {rec['selected_fraction']:.2f}")
+        sel = f"sel {rec['selected_fraction']:.2f}"
+        if rec.get("select_stay") is not None:
+            sel += f" stay {rec['select_stay']:.2f}"
+        parts.append(sel)
     if rec.get("grad_norm") is not None:
         parts.append(f"gnorm {rec['grad_norm']:.3g}")
     if rec.get("loss_scale") is not None:
@@ -102,6 +108,7 @@ class RichDisplay:
         self._task: TaskID | None = None
         self._total = 0
         self._window: list[float] = []  # losses since the last line: the line shows their mean
+        self._stay: float | None = None  # the last selection's share of device columns kept, since the last line
 
     def start(self, total_steps: int, start_step: int) -> None:
         self._total = total_steps
@@ -117,11 +124,14 @@ class RichDisplay:
 
     def step(self, rec: dict[str, Any], *, line: bool) -> None:
         self._window.append(rec["loss"])
+        if rec.get("select_stay") is not None:
+            self._stay = rec["select_stay"]
         if line:
             window = self._window
-            self.print(format_train_line({**rec, "loss": sum(window) / len(window), "loss_steps": len(window)},
-                                         self._total))
+            self.print(format_train_line({**rec, "loss": sum(window) / len(window), "loss_steps": len(window),
+                                          "select_stay": self._stay}, self._total))
             window.clear()
+            self._stay = None
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=rec["step"], loss=f"loss {rec['loss']:.4f}")
 

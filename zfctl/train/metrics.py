@@ -209,6 +209,8 @@ def train_record(step: int, s: StepResult, *, tokens_seen: int, compute_ms: floa
            "update_interval": stats.update_interval, "d2h_bytes": stats.d2h_bytes,
            "h2d_bytes": stats.h2d_bytes, "epoch": epoch,
            **memory_stats(device)}
+    if stats.select_stay is not None:  # a selection after the first: the share of device columns kept
+        rec["select_stay"] = stats.select_stay
     if world_size > 1:  # bytes rank 0 sent to the group (StepStats.comm_bytes)
         rec["comm_bytes"] = stats.comm_bytes
     return rec

@@ -33,7 +33,15 @@ import torch
 
 from zfctl.offload.columns.departure import Departure, Pair
 from zfctl.offload.columns.migration import Mover
-from zfctl.offload.columns.selection import HostRows, Moves, column_l1, migrate, plan_moves, top_columns
+from zfctl.offload.columns.selection import (
+    HostRows,
+    Moves,
+    column_l1,
+    migrate,
+    plan_moves,
+    stay_share,
+    top_columns,
+)
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.cpu.host import HostState
 from zfctl.offload.device.device_adam import DeviceAdam
@@ -135,6 +143,10 @@ class Selector:
         new_h = [c.long() for c in fetched[: sum(ks)].split(ks)]
         old_steps = [c.float() for c in fetched[sum(ks) :].split(ks)]
         self.moves = [plan_moves(s, dev.index_cpu[s.index], n) for s, n in zip(self.selectable, new_h)]
+        # ZenFlow's premise, measured: how many device columns stay (None at the first selection).
+        # Every rank chose from the same all-reduced scores (``shared``): one share for the group.
+        stats.select_stay = stay_share([dev.index_cpu[s.index] for s in self.selectable], new_h,
+                                       [s.cols for s in self.selectable])
         # The update in flight updates the entering columns first: a host wait for that part only.
         pipeline.prioritize(self._entering_runs(host))
         if self.part is None:
