@@ -19,6 +19,47 @@ import torch
 
 from zfctl.offload.ledger import NOWHERE, Ledger
 
+# The bounded scratch of a gather or scatter that also changes dtype (no torch op does both: index_select
+# and index_copy_ require one dtype): a block of rows at a time goes through a scratch this small, which
+# stays in the cache, so the rows cross memory once instead of twice through a full-size temporary.
+CAST_BYTES = 1 << 19
+
+
+def _block(width: int, itemsize: int) -> int:
+    return max(1, CAST_BYTES // (width * itemsize))
+
+
+def gather_cast(src: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = src[cols[i]]`` converted to ``out``'s dtype (a release step's gradient slot widened
+    into the in ring, exact): one op when the dtypes match, else a block of rows at a time through
+    a ``CAST_BYTES`` scratch owned by this call."""
+    if src.dtype == out.dtype:
+        torch.index_select(src, 0, cols, out=out)
+        return
+    n, width = out.shape
+    step = _block(width, src.element_size())
+    scratch = torch.empty(min(n, step), width, dtype=src.dtype, device=src.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        torch.index_select(src, 0, cols[a:b], out=scratch[: b - a])
+        out[a:b].copy_(scratch[: b - a])
+
+
+def scatter_cast(dst: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst[cols[i]] = rows[i]`` converted to ``dst``'s dtype (leaving fp32 rows narrowed into a
+    release step's model-dtype gradient slot, exact): as ``gather_cast``, one op or a block at a time
+    through a ``CAST_BYTES`` scratch owned by this call."""
+    if rows.dtype == dst.dtype:
+        dst.index_copy_(0, cols, rows)
+        return
+    n, width = rows.shape
+    step = _block(width, dst.element_size())
+    scratch = torch.empty(min(n, step), width, dtype=dst.dtype, device=dst.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        scratch[: b - a].copy_(rows[a:b])
+        dst.index_copy_(0, cols[a:b], scratch[: b - a])
+
 
 class Departure:
     """Leaving rows that have left the device (or are on their way) and wait in the out buffer to
@@ -65,12 +106,12 @@ class Departure:
                     rows.mul_(scale)  # exact: a power of two
                     self.ledger.moved("host.stage", 2 * nbytes)  # read and written in place
                 # A release step's gradient slot is in the model dtype (slots.py): narrowed here,
-                # exactly (the device widened these values from it).
-                host.index_copy_(0, cols, rows if rows.dtype == host.dtype else rows.to(host.dtype))
+                # exactly (the device widened these values from it), with no full-size temporary.
+                scatter_cast(host, cols, rows)
                 self.ledger.moved("host.stage", nbytes)  # the out buffer read ...
                 self.ledger.moved("host.migrate", rows.numel() * host.element_size())  # ... into the host rows
                 if mirror is not None:  # the leaving columns' model-dtype copy (selector.py ``_migrate``)
-                    mirror.index_copy_(0, cols, rows.to(mirror.dtype))
+                    scatter_cast(mirror, cols, rows)
                     self.ledger.moved("host.migrate", rows.numel() * mirror.element_size())
 
 

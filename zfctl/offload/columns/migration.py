@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from zfctl.offload import sizing
-from zfctl.offload.columns.departure import Departure, Pair
+from zfctl.offload.columns.departure import Departure, Pair, gather_cast
 from zfctl.offload.columns.selection import Moves
 from zfctl.offload.device import pinned
 from zfctl.offload.device.pcie import copy_async
@@ -270,10 +270,9 @@ class Mover:
                         continue
                     view = slot[fill : fill + take * w].view(take, w)
                     cols = m.enter_cols[a : a + take]
-                    if pair.host.dtype == view.dtype:
-                        torch.index_select(pair.host, 0, cols, out=view)  # host gather, into the ring
-                    else:  # a release step's gradient slot, model dtype (slots.py): widened, exactly
-                        view.copy_(pair.host.index_select(0, cols))
+                    # Host gather into the ring; a release step's gradient slot (model dtype, slots.py)
+                    # is widened on the way, exactly, with no full-size temporary (departure.py).
+                    gather_cast(pair.host, cols, view)
                     self.ledger.moved("host.migrate", pair.host.element_size() * view.numel())  # host rows read ...
                     self.ledger.moved("host.stage", 8 * view.numel())  # ... into the ring, which the DMA reads
                     if pair.scale != 1.0:
