@@ -9,6 +9,7 @@ event just before that matrix's runs, in copy order (``fences``), so it overlaps
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -18,6 +19,7 @@ from test_offload_helpers import tiny_net, zen
 
 from zfctl.offload import ZenFlowOptimizer
 from zfctl.offload.cpu import runs
+from zfctl.offload.cpu import worker as worker_mod
 from zfctl.offload.cpu.runs import runs_and, runs_minus
 from zfctl.offload.cpu.worker import CpuWorker, cpu_update
 from zfctl.offload.layout import column_runs
@@ -156,5 +158,44 @@ def test_per_piece_waits_come_in_copy_order_before_each_piece(monkeypatch) -> No
         assert log.index(("wait", i)) < first  # waited before its runs ...
         if i + 1 < len(slots):
             assert ("wait", i + 1) not in log[:first]  # ... and before the next matrix had landed
+    worker.close()
+    opt.close()
+
+
+def test_cut_runs_gives_each_pieces_clip_at_once() -> None:
+    """``cut_runs`` cuts several run lists to pieces in any order in one pass: each part equals
+    that piece's ``clip_runs``, elements outside every piece dropped."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lists = [column_runs(torch.rand(40, generator=g) < p, torch.arange(0, 41 * 3, 3)) for p in (0.3, 0.7)]
+        edges = sorted(set(torch.randint(1, 120, (6,), generator=g).tolist()) | {0, 120})
+        pieces = [(a, b - a) for a, b in itertools.pairwise(edges)]
+        pieces = [pieces[k] for k in torch.randperm(len(pieces), generator=g).tolist()][1:]  # shuffled, one left out
+        out = runs.cut_runs(lists, pieces)
+        for (off, n), parts in zip(pieces, out):
+            for r, part in zip(lists, parts):
+                assert torch.equal(part, worker_mod.clip_runs(r, (r[:, 0] + r[:, 1]).contiguous(), off, off + n))
+
+
+def test_a_priority_request_cuts_its_runs_once(monkeypatch) -> None:
+    """Serving a request cuts its runs to all the pieces left in one ``cut_runs`` (no cut, and no
+    set algebra, per piece and counter group: that cost ~100 ms at 1B parameters), and the
+    remaining update then reads the lists built once, which no longer hold the request's elements."""
+    monkeypatch.setattr(runs, "PIECE_ELEMS", 700)
+    opt, host, update = _host()
+    worker = CpuWorker(host, torch.device("cpu"))
+    pieces = worker._pieces(update)
+    assert len(pieces) > 6
+    request = _entering(host, torch.Generator().manual_seed(1))
+    calls = []
+    for name in ("clip_runs", "cut_runs"):
+        real = getattr(worker_mod, name)
+        monkeypatch.setattr(worker_mod, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(worker, "_adamw", lambda *a: None)
+    worker._request = worker_mod._Request(request)
+    left = [(step, r, (r[:, 0] + r[:, 1]).contiguous()) for step, r in update.groups]
+    worker._serve(update, pieces, 2, left, set())
+    assert calls == ["cut_runs"] and worker.priority_cuts == 1
+    assert all(not runs_and(r, request).shape[0] for _, r, _ in left)
     worker.close()
     opt.close()

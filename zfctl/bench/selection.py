@@ -113,11 +113,10 @@ def _priority_ms(layout: Layout, runs: torch.Tensor, old_owned: torch.Tensor) ->
     n, per = layout.host_numel, -(-layout.host_numel // PIECES)
     pieces = [(o, min(per, n - o), None) for o in range(0, n, per)]
     worker = SimpleNamespace(_cv=threading.Condition(), _request=_Request(runs), _wait_piece=lambda *a: None,
-                             _adamw=lambda *a: None)
-    update = SimpleNamespace(groups=groups)
-    ends = [(r[:, 0] + r[:, 1]).contiguous() for _, r in groups]
+                             _adamw=lambda *a: None, priority_cuts=0)
+    left = [(step, r, (r[:, 0] + r[:, 1]).contiguous()) for step, r in groups]
     t0 = time.perf_counter()
-    CpuWorker._serve(worker, update, pieces, 0, ends, set(), [])  # type: ignore[arg-type]
+    CpuWorker._serve(worker, SimpleNamespace(), pieces, 0, left, set())  # type: ignore[arg-type]
     return (time.perf_counter() - t0) * 1e3
 
 

@@ -33,14 +33,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zfctl.offload.cpu.correction import DeferredLrScale, corrected_hyperparams, inner_steps
 from zfctl.offload.cpu.host import HostState
-from zfctl.offload.cpu.runs import plan_pieces, runs_and, runs_minus
+from zfctl.offload.cpu.runs import cut_runs, plan_pieces, runs_and_minus
 from zfctl.offload.device.pcie import bind_device
 from zfctl.offload.ledger import NOWHERE, Ledger, count_adamw_sum
 
@@ -94,16 +94,6 @@ class _Request:
 
     runs: torch.Tensor
     done: bool = False
-    ends: torch.Tensor = field(init=False)  # each run's end, for ``within``'s binary search
-
-    def __post_init__(self) -> None:
-        self.ends = (self.runs[:, 0] + self.runs[:, 1]).contiguous()
-
-    def within(self, lo: int, hi: int) -> torch.Tensor:
-        """The requested runs inside elements [lo, hi): a few, found by binary search. The run
-        set operations then sort a piece's runs only, not the whole request (~10^5 runs at 1B
-        parameters) once per piece and counter group, which cost more than the AdamW itself."""
-        return clip_runs(self.runs, self.ends, lo, hi)
 
 
 def cpu_update(mode: DeferredLrScale, n: int, grad: tuple[tuple[torch.Tensor, ...], tuple[float, ...],
@@ -167,6 +157,7 @@ class CpuWorker:
         self._request: _Request | None = None
         self._deferred: list[Future] = []
         self.priority_waits, self.priority_ms = 0, 0.0  # prioritize calls that waited, and how long
+        self.priority_cuts = 0  # run cuts to pieces done for priority requests: one per request served
 
     @property
     def busy(self) -> bool:
@@ -177,19 +168,17 @@ class CpuWorker:
         """Apply one update on the calling thread, piece by piece; returns its duration in ms."""
         t0 = time.perf_counter()
         pieces = self._pieces(update)
-        ends = [runs[:, 0] + runs[:, 1] for _, runs in update.groups]
+        # What is left to update, per counter group: a served request's elements leave it (_serve).
+        left = [(step, runs, (runs[:, 0] + runs[:, 1]).contiguous()) for step, runs in update.groups]
         waited: set[int] = set()
-        skips: list[_Request] = []  # requests served already: their elements are updated
         try:
             for i, (off, n, _) in enumerate(pieces):
                 if self.before_piece is not None:
                     self.before_piece(i)
-                self._serve(update, pieces, i, ends, waited, skips)
+                self._serve(update, pieces, i, left, waited)
                 self._wait_piece(pieces, i, waited)
-                for (step, runs), end in zip(update.groups, ends):
+                for step, runs, end in left:
                     part = clip_runs(runs, end, off, off + n)
-                    for skip in skips:
-                        part = runs_minus(part, skip.within(off, off + n))
                     if part.shape[0]:
                         self._adamw(update, step, part)
                 if update.pieces is not None:
@@ -221,28 +210,30 @@ class CpuWorker:
             wait()  # worker thread: that piece of the sum has landed (device path: its copy event)
             waited.add(j)
 
-    def _serve(self, update: CpuUpdate, pieces: list[Piece], i: int, ends: list[torch.Tensor],
-               waited: set[int], skips: list[_Request]) -> None:
+    def _serve(self, update: CpuUpdate, pieces: list[Piece], i: int,
+               left: list[tuple[int, torch.Tensor, torch.Tensor]], waited: set[int]) -> None:
         """A pending priority request: update its elements in pieces ``i..`` now (pieces before
-        ``i`` are done), record them as done for the rest, and wake the requester."""
+        ``i`` are done), take them out of ``left`` (each group's (step, runs, ends) still to
+        update: ``run`` owns it, this replaces its entries), and wake the requester. Each group's
+        entering and remaining lists are built once over the whole request (one vectorised sweep:
+        runs.py ``runs_and_minus``), and the entering lists cut to all pieces ``i..`` in one ``cut_runs``: no set
+        algebra per piece (~10^5 runs to ~10^2 pieces at 1B parameters)."""
         with self._cv:
             req = self._request
         if req is None:
             return
-        for j in range(i, len(pieces)):
-            off, n, _ = pieces[j]
-            wanted = req.within(off, off + n)
-            if wanted.shape[0] == 0:
-                continue
-            parts = [(step, runs_and(clip_runs(runs, end, off, off + n), wanted))
-                     for (step, runs), end in zip(update.groups, ends)]
-            for step, part in parts:
-                for skip in skips:
-                    part = runs_minus(part, skip.within(off, off + n))
+        entering = []
+        for g, (step, runs, _) in enumerate(left):
+            part, rest = runs_and_minus(runs, req.runs)
+            entering.append(part)
+            left[g] = (step, rest, (rest[:, 0] + rest[:, 1]).contiguous())
+        cut = cut_runs(entering, [(off, n) for off, n, _ in pieces[i:]])
+        self.priority_cuts += 1
+        for j, parts in enumerate(cut, start=i):
+            for (step, _, _), part in zip(left, parts):
                 if part.shape[0]:
                     self._wait_piece(pieces, j, waited)
                     self._adamw(update, step, part)
-        skips.append(req)
         with self._cv:
             req.done, self._request = True, None
             self._cv.notify_all()
