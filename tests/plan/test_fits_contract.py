@@ -1,4 +1,4 @@
-"""The machines the plan says fit are the product's contract (issue 39's acceptance rows).
+"""The machines the plan says fit are the product's contract (docs/memory.md; README, "Memory").
 
 Each row is `zfctl plan MODEL --data alpaca --gpu-memory G --host-memory H` with the defaults
 only, run in-process through the Typer app (no torch, no network: `plan` sizes a hub model from

@@ -39,7 +39,7 @@ from zfctl.offload.ledger import Ledger
 from zfctl.offload.sizing import out_elems, ring_elems
 
 ROW_SCALE = 32  # Mover.move's state: rows / 32 (llama3.2-1b: ~0.5 GB of state instead of 15 GB)
-PIECES = 128  # the update's pieces, as the issue's H200 run had them
+PIECES = 128  # the update's pieces at the 1.24B shapes (docs/benchmarks.md, the selection benchmark)
 GATHER_BYTES = 256 * 2**20  # the gathers' replay source (``_gathers_ms``)
 SLOT_BYTES = 64 * 2**20  # the D2H slot plan_chunks splits matrices by (bf16 gradient)
 
@@ -168,8 +168,8 @@ def _run(model: Any, stay: float, topk: float, seed: int) -> dict:
     priority = _priority_ms(layout, runs, old_owned)
     move = _move(model, stay, topk, seed)
     phases["mover_move"] = move["ms"]
-    # Only the share of the entering rows the main thread gathers itself counts (item 4 of issue 40
-    # moves them to the worker): the replay's time times that share.
+    # Only the share of the entering rows the main thread gathers itself counts (a worker that
+    # gathered them would take them off the main thread): the replay's time times that share.
     phases["in_gathers"] = _gathers_ms(moves) * move["gathered_share"]
     hs: Any = SimpleNamespace(device_owned=old_owned.clone())  # what set_device_owned reads of a HostState
     hs._owned = lambda s: HostState._owned(hs, s)
