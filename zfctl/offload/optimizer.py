@@ -47,7 +47,7 @@ from zfctl.offload.grads.device_to_host import (
     Transfers,
     build_host_side,
 )
-from zfctl.offload.grads.release import GradRelease, regather_pairs
+from zfctl.offload.grads.release import GradRelease, build_release, regather_pairs
 from zfctl.offload.grads.scaler import DynamicLossScaler, GradientScale
 from zfctl.offload.layout import named_params, plan_layout
 from zfctl.offload.ledger import Ledger
@@ -127,7 +127,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 # FSDP2 calls the DTensors' hooks once it has reduced each layer (sharded.py).
                 self.sharded.hook_grads([s.index for s in self.layout.host_slots], self._shard_reduced)
         self._hook_warned = False  # _check_hooks
-        self.release = self._build_release(release)
+        self.release = build_release(self, release)
         self.pipeline = Pipeline(self.host, self.policy, overlap=config.overlap_step,
                                  install=lambda stats: phases.install(self, stats), lag=config.tuning.install_lag,
                                  device=self.device, update_threads=self.threads or 0)
@@ -137,20 +137,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 part.ledger = self.ledger
         self._closed = False
         self.last_stats: StepStats | None = None
-
-    def _build_release(self, release: bool) -> GradRelease | None:
-        """The release hooks (release.py) where they apply: the hook path (``accumulate: host``),
-        or no host columns at all in one process; None elsewhere. On the
-        matrices only: a 1-D param's gradient is tiny, and a hook for it would cost more time
-        than the bytes it frees (its .grad waits for step(), as before)."""
-        path = self.gradient_path
-        if not release or not (isinstance(path, DuringBackward) or (self.host is None and self.exchange is None)):
-            return None
-        stream = path.stream if isinstance(path, DuringBackward) else None
-        hooked = ([s.index for s in self.layout.host_slots] if self.exchange is not None
-                  else [s.index for s in self.layout.slots if not s.dense])
-        return GradRelease(self.params, self.layout, self.device_state, stream=stream, hooked=hooked,
-                           norm=self.scale.needs_norm and self.exchange is None)
 
     def _shard_reduced(self, index: int) -> None:
         """FSDP2 has reduced param ``index``'s gradient shard (sharded.py ``hook_grads``): on the
@@ -387,24 +373,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _state(self, *, stream: bool) -> dict[str, Any]:
         self.installer.wait_all()  # a checkpoint reads the params next
-        sd = state.save(self, stream=stream)
-        if self.sharded is not None:
-            sd["fsdp_shard"] = [self.sharded.rank, self.sharded.world_size]
-        return sd
+        return state.save(self, stream=stream)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` of an optimizer over the same parameters and topk_ratio; data
         parallel: its host pieces, from any world size, must cover this rank's columns. FSDP2: a
-        state of the same rank and world size (``state_dict``)."""
-        here = [self.sharded.rank, self.sharded.world_size] if self.sharded is not None else None
-        saved = state_dict.get("fsdp_shard")
-        if saved is not None:
-            saved = [int(x) for x in saved]
-        if saved != here:
-            raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
-                             f"{here}: sharded row states load into the same rank and world size only")
+        state of the same rank and world size (``state_dict``; state.py ``load``)."""
         self.installer.wait_all()  # the load writes the device master an install's restore reads
-        state.load(self, {k: v for k, v in state_dict.items() if k != "fsdp_shard"})
+        state.load(self, state_dict)
 
     def host_ranges(self) -> list[tuple[str, int, int]]:
         """(name, c0, c1) of the host column ranges this optimizer holds: what a resharding resume

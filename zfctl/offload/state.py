@@ -132,19 +132,31 @@ def save(opt: Any, *, stream: bool = False) -> dict[str, Any]:
     host = None
     if opt.host is not None:
         host = split_host(opt.layout, {**opt.host.state_dict(), "acc": pipeline.pop("acc")})
-    return pack_state(
+    sd = pack_state(
         names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
         config=dataclasses.asdict(opt.config),
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         partition=opt.partition_info(), selected=opt.selector.selected, pipeline=pipeline,
         device=opt.device_state.state_dict(), host=host,
         scaler=opt.scaler.state_dict() if opt.scaler is not None else None)
+    if opt.sharded is not None:  # FSDP2: this rank's rows, marked with its place in the group
+        sd["fsdp_shard"] = [opt.sharded.rank, opt.sharded.world_size]
+    return sd
 
 
 def load(opt: Any, state_dict: dict[str, Any]) -> None:
     """``opt.load_state_dict()``: check, wait for a CPU update in flight (a live optimizer rolled
     back: it writes the host state), then copy into the live buffers piece by piece (values may
-    be tensors or lazy file tensors: no gathered copy of the state)."""
+    be tensors or lazy file tensors: no gathered copy of the state). An FSDP2 state loads into the
+    same rank and world size only."""
+    here = [opt.sharded.rank, opt.sharded.world_size] if opt.sharded is not None else None
+    saved = state_dict.get("fsdp_shard")
+    if saved is not None:
+        saved = [int(x) for x in saved]
+    if saved != here:
+        raise ValueError(f"optimizer state of FSDP2 shard (rank, world size) {saved} cannot load into "
+                         f"{here}: sharded row states load into the same rank and world size only")
+    state_dict = {k: v for k, v in state_dict.items() if k != "fsdp_shard"}
     check_state(state_dict, names=opt.names, shapes=[list(p.shape) for p in opt.params], by_row=by_row(opt.layout),
                 topk_ratio=opt.config.topk_ratio, partition=opt.partition_info())
     parts = unpack_state(state_dict)

@@ -51,6 +51,7 @@ import torch
 from zfctl.offload.columns.departure import Departure, Pair
 from zfctl.offload.columns.selection import Moves, column_l1
 from zfctl.offload.device.device_adam import DeviceAdam
+from zfctl.offload.grads.device_to_host import DuringBackward
 from zfctl.offload.grads.scaler import param_norm
 from zfctl.offload.layout import Layout, as_matrix
 
@@ -144,3 +145,18 @@ def regather_pairs(device_state: DeviceAdam, loaded: set[int],
         return [Pair(device_state.segment(device_state.grad, m.slot), m.slot.host_view(grad_slot), to)]
 
     return pairs
+
+
+def build_release(opt: Any, release: bool) -> GradRelease | None:
+    """The release hooks of optimizer ``opt`` where they apply: the hook path (``accumulate:
+    host``), or no host columns at all in one process; None elsewhere. On the matrices only: a
+    1-D param's gradient is tiny, and a hook for it would cost more time than the bytes it frees
+    (its .grad waits for step(), as before)."""
+    path = opt.gradient_path
+    if not release or not (isinstance(path, DuringBackward) or (opt.host is None and opt.exchange is None)):
+        return None
+    stream = path.stream if isinstance(path, DuringBackward) else None
+    hooked = ([s.index for s in opt.layout.host_slots] if opt.exchange is not None
+              else [s.index for s in opt.layout.slots if not s.dense])
+    return GradRelease(opt.params, opt.layout, opt.device_state, stream=stream, hooked=hooked,
+                       norm=opt.scale.needs_norm and opt.exchange is None)
