@@ -92,6 +92,11 @@ def format_train_line(rec: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def note_line(line: str) -> None:
+    """One ``note:`` line on stderr (yellow): what the run decided or adjusted on its own."""
+    Console(stderr=True).print(f"note: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+
+
 def format_eval_line(step: int, eval_loss: float, total_steps: int) -> str:
     width = len(str(total_steps))
     return f"step {step:>{width}}/{total_steps} | eval loss {eval_loss:.4f}"

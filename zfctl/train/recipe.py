@@ -34,7 +34,7 @@ from zfctl.plan.validate import check_max_length, check_packing
 from zfctl.quiet import is_verbose
 from zfctl.train import checkpoint as ck
 from zfctl.train.data.sampler import ResumableSampler
-from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line
+from zfctl.train.display import Display, NullDisplay, RichDisplay, format_eval_line, note_line
 from zfctl.train.dist import DistEnv, process_setup, train_device
 from zfctl.train.fsdp import resolve_strategy
 from zfctl.train.lock import FolderLock
@@ -116,7 +116,7 @@ class FinetuneRecipe:
         self.progress, self._restore = read_trainer_state(
             ckpt, rank=self.env.rank, num_train_samples=len(self.data.train),
             train_digest=lambda: self.data.train_digest, allow_changes=self.allow_changes,
-            note=self._note if self.env.rank == 0 else lambda line: None)
+            note=note_line if self.env.rank == 0 else lambda line: None)
         self.resumed_from, self.last_checkpoint, self.saved_step = ckpt, ckpt.path, ckpt.step
         self.saved_from = ckpt.step  # metrics.jsonl keeps the records up to here (_open_run_files)
 
@@ -157,7 +157,7 @@ class FinetuneRecipe:
             # fsdp: the rows of this rank's place in the shard group (HSDP: within its node)
             rank, world = self.shard if self.shard is not None else (env.rank, env.world_size)
             restore.install(self.optimizer, self.scheduler, rank=rank, world_size=world, strategy=self.strategy,
-                            note=self._note)
+                            note=note_line)
             self._restore = None  # installed: its sampler, scheduler and RNG state are not needed any more
         self._claim_run_folder()
 
@@ -240,12 +240,8 @@ class FinetuneRecipe:
     def _open_run_files(self) -> None:
         """Rank 0: ``plan.yaml`` (atomic) and ``metrics.jsonl`` with its sinks (:meth:`_claim_run_folder`)."""
         dump_plan_yaml(self.plan, self.run_dir / ck.PLAN_FILE)
-        self.metrics = open_metrics(self.plan, self.run_dir, resume_step=self.saved_from, note=self._note)
+        self.metrics = open_metrics(self.plan, self.run_dir, resume_step=self.saved_from, note=note_line)
         self._cleanup.callback(self.metrics.close)
-
-    @staticmethod
-    def _note(line: str) -> None:
-        Console(stderr=True).print(f"note: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:
@@ -298,7 +294,7 @@ class FinetuneRecipe:
                     self.save_checkpoint(step)
                 # A stop that came during this evaluation or save (after the step's vote) ends the
                 # run here too: the save just written is the stop checkpoint, or one is written now.
-                if s.stopping or ((saving or when.should_eval(step)) and self._stop_voted(stop)):
+                if s.stopping or ((saving or when.should_eval(step)) and stop.voted(self.device, self.env.world_size)):
                     if not saving:
                         self.save_checkpoint(step)
                     self._stop(stop, step)
@@ -309,19 +305,13 @@ class FinetuneRecipe:
             #    evaluation.
             if self.saved_step != p.step:
                 self.save_checkpoint(p.step)
-                if self._stop_voted(stop):
+                if stop.voted(self.device, self.env.world_size):
                     self._stop(stop, p.step)
         self.optimizer.flush()
         eval_loss = self._evaluate(p.step)
         self.display.close()
         return RunResult(output_dir=self.run_dir, steps=p.step, final_train_loss=p.last_loss,
                          final_eval_loss=eval_loss, last_checkpoint=self.last_checkpoint)
-
-    def _stop_voted(self, stop: StopSignals) -> bool:
-        """Whether any rank holds a stop request; every rank calls it at the same point (with
-        several processes one tiny all-reduce, so all stop at the same step or none does)."""
-        (votes,) = all_reduce_sum([float(stop.requested)], self.device, self.env.world_size)
-        return votes > 0
 
     def _stop(self, stop: StopSignals, step: int) -> NoReturn:
         """End the run after ``step``, whose checkpoint is saved, with the signal's exit code."""

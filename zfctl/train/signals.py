@@ -96,6 +96,14 @@ class StopSignals:
         self._abort_message = abort_message
         self._hold_on_error = hold_on_error
 
+    def voted(self, device: Any, world_size: int) -> bool:
+        """Whether any rank holds a stop request; every rank calls it at the same point (with
+        several processes one tiny all-reduce, so all stop at the same step or none does)."""
+        from zfctl.train.loss import all_reduce_sum
+
+        (votes,) = all_reduce_sum([float(self.requested)], device, world_size)
+        return votes > 0
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         global _received
         if self.signum is None:
