@@ -170,8 +170,8 @@ def expected_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int
 def selection_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, int]:
     """The waits of a selection step: no drain, so no ``host.cpu_update``, no install and no
     install wait; the training thread waits once for the new column ids (``host.migrate_ids``),
-    for the entering part of the update in flight (``host.priority``: step 8 only, the first
-    selection meets none), and on the release path for the copies into the step's slot
+    for the entering part of the update in flight and the worker's fill of the in ring after it
+    (``host.priority``; the first selection meets no update: ``host.migrate_fill``), and on the release path for the copies into the step's slot
     (``host.slot_drain``: the moves read it) and the leaving gradient's one out piece
     (``host.migrate_land``). The compute stream waits for the migration (``device.migrate``); the
     worker, behind the update, for the out piece holding the state and, after an install, that
@@ -182,8 +182,9 @@ def selection_waits(step: int, f: Facts, chunks: int, mats: int) -> dict[str, in
         w["host.hook_budget"] = chunks  # the gradient's chunks into the step's slot, as every step
     elif first:
         w["device.sum_copy"] = mats
-    if step > W:
-        w["host.priority"] = 1  # step 7's update is in flight
+    # The worker's fill of the in ring (migration.py): inside the update in flight's priority
+    # wait at step 8, a wait of its own at the first selection, which meets no update.
+    w["host.priority" if step > W else "host.migrate_fill"] = 1
     # the state's leaving rows go out in one piece (tiny-llama: far below 64 MiB); the first
     # selection has none. The worker waits for an install's DMA first if no submit consumed it.
     if step > W:

@@ -192,7 +192,7 @@ def test_a_selection_waits_once_on_the_training_thread_and_moves_by_dma(monkeypa
     """Through the CUDA shim (tests/offload/cuda_shim.py; the migration on its CUDA branch): the
     selection step's training thread makes one host wait, for the new column ids; every copy
     that touches page-locked memory is a non_blocking DMA on one of the migration's two streams;
-    the in stream waits for the out stream to have gathered each matrix's leaving rows before
+    the in stream waits for the out stream to have gathered each block's leaving rows before
     it writes there; the compute stream waits (device-side) for the migration; and the worker,
     not the training thread, waits for the leaving rows' D2H events before it writes them."""
     from cuda_shim import FakeEvent, as_cuda, fake_cuda
@@ -224,8 +224,9 @@ def test_a_selection_waits_once_on_the_training_thread_and_moves_by_dma(monkeypa
         copied = [e for i, (op, e) in enumerate(log) if op == "record" and log[i - 1][0] == "copy"]
         reads = [e for i, (op, e) in enumerate(log) if op == "record" and log[i - 1][0] != "copy"]
         waited = [e for op, e in mover.in_stream.log[in_log:] if op == "wait_event"]
-        # The in stream waits, per matrix with leaving rows, for the event after its last gather.
-        leaving = sum(m.leave_cols.numel() > 0 for m in opt.selector.moves)
+        # The in stream waits, per device block with leaving rows (one column length each), for
+        # the event after the block's last gather.
+        leaving = len({m.slot.rows for m in opt.selector.moves if m.leave_cols.numel()})
         assert leaving > 1 and reads[-1] in waited and len({id(e) for e in waited if e in reads}) == leaving
         done = [e for op, e in mover.in_stream.log if op == "record"][-1]
         assert ("wait_event", done) in shim.compute.log  # the device AdamW waits on the device

@@ -162,8 +162,10 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
 
     from zfctl.offload import sizing
     from zfctl.offload.columns import migration
-    from zfctl.offload.columns.selection import ColumnState, migrate, plan_moves
+    from zfctl.offload.columns.selection import ColumnState, migrate, plan_selection
     from zfctl.offload.device import pinned
+    from zfctl.offload.layout import plan_layout
+    from zfctl.offload.ledger import Ledger
 
     shim = fake_cuda(monkeypatch)
     rows, cols, k = 8, 40, 10
@@ -176,18 +178,24 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     assert ref_bytes == (7 * (3 * rows + 1) * 4,) * 2
 
     monkeypatch.setattr(sizing, "STAGE_BYTES", rows_per_piece * rows * 4)
-    slot = SimpleNamespace(index=0)
+    layout = plan_layout([("w", torch.empty(rows, cols, device="meta"))], k / cols)
+    block = plan_selection(layout, list(layout.slots), [old], [new]).blocks[0]
     mover = migration.Mover(torch.device("cpu"), pin=True, ring=sizing.ring_elems(k * rows, k, rows),
                             out=sizing.out_elems(k * rows), ids=4 * k)
     as_cuda(mover, "in_stream", "out_stream")
-    mover.pin = True
+    mover.pin, mover.ledger = True, Ledger()
     dev, host = [t.clone() for t in dev0], [t.clone() for t in host0]
     dep = migration.Departure()
-    pairs = [migration.Pair(d.view(k, -1), h.view(cols, -1), dep) for d, h in zip(dev, host)]
-    d2h, h2d = mover.move([(plan_moves(slot, old, new), pairs)])
+    groups = [migration.Group(d.view(k, -1), block, (migration.Pair(h.view(cols, -1), dep),)) for d, h in zip(dev, host)]
+    fill = mover.move(groups)
+    assert fill is not None
+    fill()  # the worker's part (migration.py): the entering rows, through the in ring
+    mover.join()
     dep.finish()
     for a, b in zip(dev + host, ref_dev + ref_host):
         assert torch.equal(a, b)
+    tab = mover.ledger.close()
+    d2h, h2d = tab.total("d2h."), tab.total("h2d.")
     ids = 8 * (7 + 7)  # the device rows of the leaving and entering columns (the staying keep theirs)
     assert d2h == ref_bytes[0] and h2d == ref_bytes[1] + ids
     dma = [c for c in shim.copies if pinned.holds(c[1]) or pinned.holds(c[2])]
@@ -195,4 +203,4 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     assert all(non_blocking and stream in (mover.in_stream, mover.out_stream) for stream, _, _, non_blocking, _ in dma)
     pieces = sum(stream is mover.in_stream and src.dtype == torch.float32 for stream, _, src, _, _ in dma)
     assert pieces >= ref_bytes[1] // (4 * sizing.ring_elems(k * rows, k, rows) // sizing.IN_SLOTS)
-    assert mover.host_waits == max(0, pieces - sizing.IN_SLOTS)  # in-ring slots reused, DMA-paced
+    assert mover.slot_waits == max(0, pieces - sizing.IN_SLOTS)  # in-ring slots reused, DMA-paced

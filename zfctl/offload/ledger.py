@@ -81,8 +81,9 @@ WAIT_KINDS: dict[str, str] = {
     "host.slot_drain": "... every gradient copy into a slot (stream.py drain: checkpoints, loading, closing)",
     "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
     "host.priority": "... the CPU update in flight has updated a selection's entering columns (worker.py prioritize)",
-    "host.migrate_slot": "... a selection's in ring is free: a slot's last H2D (migration.py _in_slot), or the last "
-                         "selection's H2D (Mover.move)",
+    "host.migrate_slot": "... a selection's in ring is free: the last selection's H2D (migration.py Mover.move)",
+    "host.migrate_fill": "... the CPU worker's fill of a selection's in ring, where no update is in flight "
+                         "(pipeline.py wait_entering; with one in flight it is part of host.priority)",
     "host.migrate_out": "... a selection's out buffer to drain, where a selection leaves more than "
                         "zenflow.tuning.staging_mb: the rows in it written into the host (migration.py _make_room: "
                         "one per drain, and one per piece's D2H it waits for)",
@@ -97,6 +98,8 @@ WAIT_KINDS: dict[str, str] = {
     # the CPU worker waits, before its update, for ...
     "worker.grads": "... the interval's gradient sum to be complete (the path's fence)",
     "worker.install": "... the install DMA still reading the master",
+    # the CPU worker, filling a selection's in ring (migration.py fill), waits for ...
+    "worker.migrate_slot": "... an in-ring slot's last H2D, where a selection brings in more than the ring holds",
     # the CPU worker waits, behind the update, before writing a selection's leaving rows, for ...
     "worker.migrate": "... the last install's DMA and each out piece's D2H (migration.py Departure)",
 }

@@ -333,13 +333,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.gradient_path.drain()  # sync point: the hooks' copies into the slot the moves read
             slot = self.pipeline.slot()
             assert slot is not None  # a host path: a released selection is the interval's first step
-            extra = regather_pairs(self.device_state, released.loaded, slot)
+            extra = regather_pairs(released.loaded, slot)
         totals = self.selector.select(grads, self.host, stats, pipeline=self.pipeline,
                                       scores=released.scores if released else None, extra=extra)
-        self.transfers.replan()
+        self.transfers.replan()  # while the worker fills the in ring
         if released is not None:
             assert isinstance(self.gradient_path, DuringBackward)  # the only host path with release
             self.gradient_path.stream.replan(self.transfers.chunks)
+        self.selector.arrive()  # the entering state: its fill waited for, the compute stream after it
         stats.selection = True
         stats.stall_ms += (time.perf_counter() - c) * 1e3  # the ids, the entering part, the enqueueing
         return totals

@@ -117,11 +117,11 @@ class Departure:
 
 @dataclass(frozen=True)
 class Pair:
-    """One state tensor of one matrix: device rows ``[k, width]``, host rows ``[cols, width]``;
-    its leaving rows go to ``to``. ``scale`` (release.py's gradient: the fp16 loss scale's
-    inverse, a power of two, exact): the host holds ``scale`` times the device's values."""
+    """The host side of one state tensor of one matrix (its device side is its block's rows:
+    migration.py ``Group``): host rows ``[cols, width]`` by column id; its leaving rows go to
+    ``to``. ``scale`` (release.py's gradient: the fp16 loss scale's inverse, a power of two,
+    exact): the host holds ``scale`` times the device's values."""
 
-    dev: torch.Tensor
     host: torch.Tensor
     to: Departure
     scale: float = 1.0

@@ -1,56 +1,71 @@
 """A selection's state migration as asynchronous DMA (one process, and each FSDP2 rank's rows).
 
-When a selection changes a matrix's device columns (``Moves``, computed on the host from the old
-and new column ids), each of its state tensors (``Pair``: device rows ``[k, width]``, host rows
-``[cols, width]`` by column id) changes like this, with nothing on the training thread waiting
-for the device:
+The unit is a ``Group``: one state tensor (master, a moment, the step counters, release.py's
+gradient) of one device block (layout.py ``DeviceBlock``: the device columns of one length, every
+matrix of that length side by side). Its ids come in block rows from the plan (selection.py
+``BlockMoves``), so each device operation covers every matrix of the block at once: per group
+and direction one gather or scatter per staged piece, never one per matrix (a 1.24B Llama has
+three selectable blocks; tests/offload/test_migration_counts.py holds the counts). The host side
+stays per matrix (its rows are addressed by column id inside each matrix's host view).
 
-* **leaving** columns (old device rows ``leave_pos``, host rows ``leave_cols``): the *out* stream
-  gathers their device rows into a device temporary, packed across matrices and tensors, and
-  DMAs each packed piece (at most ``STAGE_BYTES``) into the page-locked *out buffer*. The host
-  rows are written later (``Departure.finish``): for the optimizer state by the CPU worker, behind
-  the update in flight (``Pipeline.defer``: the update never touches these rows, the device owned
-  them when it was submitted), before anything reads them: the next update (the worker's own
-  FIFO), an install, ``state_dict``, a load, ``close`` (``Pipeline.settle`` waits for the job);
-  for a release step's gradient (release.py ``regather_pairs``) by the main thread before the
-  step's host update reads the sum (``Selector.land``; its rows go into the first pieces, so
-  that wait is for them only). It waits for each piece's D2H event, and for the last install's
-  DMA, which may still read the master (its rows of device-owned columns ride along in a chunk);
-* **staying** columns move inside the device block (in stream: gather, then ``index_copy_``);
-* **entering** columns (host rows ``enter_cols``, new device rows ``enter_dst``): the main thread
-  gathers their host rows into the next slot of the page-locked *in ring* (``IN_SLOTS`` x
-  ``STAGE_BYTES``; torch's ``index_select``, parallel over rows), the in stream DMAs the slot into
-  a device temporary and ``index_copy_``s each part into place; the compute stream waits (on the
-  device) for the in stream's last event before the step's device AdamW.
+* **leaving** columns (block rows ``leave_pos``): the main thread has the *out* stream gather
+  them into a device temporary, packed across groups, and DMA each packed piece (at most
+  ``STAGE_BYTES``) into the page-locked *out buffer*. The host rows are written later
+  (``Departure.finish``): for the optimizer state by the CPU worker, behind the update in flight
+  (``Pipeline.defer``: the update never touches these rows, the device owned them when it was
+  submitted), before anything reads them: the next update (the worker's own FIFO), an install,
+  ``state_dict``, a load, ``close`` (``Pipeline.settle`` waits for the job); for a release
+  step's gradient (release.py ``regather_pairs``) by the main thread before the step's host
+  update reads the sum (``Selector.land``; its groups go first, so that wait is for them only).
+  It waits for each piece's D2H event, and for the last install's DMA, which may still read the
+  master (its rows of device-owned columns ride along in a chunk);
+* **staying** columns move inside the block (in stream: gather, then ``index_copy_``), in
+  segments cut at matrix boundaries (a matrix's gather ends before its rows are rewritten);
+* **entering** columns (block rows ``enter_dst``): ``move`` returns the *fill*, a job for the CPU
+  worker (selector.py hands it to the update in flight, which runs it right after it updated
+  those columns: worker.py ``hand``): it gathers their host rows into the next slot of the
+  page-locked *in ring* (``IN_SLOTS`` x ``STAGE_BYTES``), has the in stream DMA the slot into a
+  device temporary and ``index_copy_`` each group's part into place, and records the in
+  stream's last event; the main thread gathers nothing. After the fill, ``join`` has the
+  compute stream wait (on the device) for that event before the step's device AdamW.
 
-The column ids the device needs (``leave_pos``, the staying moves, ``enter_dst``) go up in one
+Owners: the main thread owns the out buffer's filling, the ids buffer and both streams until
+``move`` returns; from then until the fill ends the worker owns the in ring and the in stream
+(the main thread waits for the fill before it touches either: ``join``, the next ``move``).
+
+The ids the device needs (every group's leaving, staying and entering block rows) go up in one
 H2D from a small page-locked buffer. Device temporaries come from the caching allocator on the
 stream that uses them, so a freed one is reused in that stream's order, never while a copy reads it.
 
 Waits: docs/design.md's waits table ("Threads and buffer ownership") lists each one with the
-place it is written (``Mover.move``, ``_prepare``, ``_in_slot``, ``Departure.finish``), and
-ledger.py's kinds count them (``host.migrate_ids``, ``host.migrate_slot``, ``host.migrate_out``, ``device.migrate``,
-``worker.migrate``, ``host.migrate_land``).
+place it is written (``Mover.move``, ``_in_slot``, ``Departure.finish``, ``join``), and ledger.py's
+kinds count them (``host.migrate_ids``, ``host.migrate_slot``, ``worker.migrate_slot``,
+``host.migrate_out``, ``device.migrate``, ``worker.migrate``, ``host.migrate_land``).
 
 Memory (the plan's "selection staging" line, sizing.py ``staging_bytes``): the in ring, the out
 buffer (every leaving row of one selection, at most ``zenflow.tuning.staging_mb``, which the plan
 sizes to what the host has to spare: the rows beyond it wait for the buffer to drain, ``_make_room``:
 the main thread writes the rows already in it into the host, a ``host.migrate_out`` wait, and the
-buffer is reused; the same writes the worker would make, so the same bits) and the ids buffer. Without CUDA
-the same code runs synchronously on host memory (the out "DMA" is the gather itself): that is how
-CI exercises it.
+buffer is reused; the same writes the worker would make, so the same bits) and the ids buffer.
+Device temporaries: one packed piece each way, and a staying segment (at most ``STAGE_BYTES`` or
+one matrix's device rows). Without CUDA the same code runs synchronously on host memory (the out
+"DMA" is the gather itself): that is how CI exercises it.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zfctl.offload import sizing
 from zfctl.offload.columns.departure import Departure, Pair, gather_cast
-from zfctl.offload.columns.selection import Moves
+from zfctl.offload.columns.selection import BlockMoves
 from zfctl.offload.device import pinned
 from zfctl.offload.device.pcie import copy_async
 from zfctl.offload.ledger import NOWHERE, Ledger
@@ -59,6 +74,54 @@ from zfctl.offload.ledger import NOWHERE, Ledger
 # ring_elems, out_elems, staging_bytes), read through the module at call time: a test may shrink
 # sizing.STAGE_BYTES.
 IN_SLOTS = sizing.IN_SLOTS
+IDS = ("leave_pos", "stay_src", "stay_dst", "enter_dst")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One state tensor of one device block: ``dev`` its block rows ``[block.ncols, width]``,
+    ``pairs`` the host side of each matrix of ``plan.moves`` (departure.py ``Pair``: host rows,
+    where leaving rows go, scale, mirror), None for a matrix this tensor does not move
+    (release.py's gradient of a matrix no hook took)."""
+
+    dev: torch.Tensor
+    plan: BlockMoves
+    pairs: tuple[Pair | None, ...]
+
+    @property
+    def width(self) -> int:
+        return self.dev.shape[1]
+
+
+@dataclass
+class _Ids:
+    """A group's ids (host tensors, block rows; ``dev`` their device copies after the upload) and,
+    per member matrix (index into ``plan.moves``), where its share starts in each."""
+
+    host: dict[str, torch.Tensor]
+    members: list[int]
+    leave0: list[int]  # cumulative: member j's leaving rows are [leave0[j], leave0[j + 1])
+    stay0: list[int]
+    enter0: list[int]
+    dev: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _ids(plan: BlockMoves, members: list[int]) -> _Ids:
+    """The ids of ``members`` of ``plan``: the block's own arrays when every matrix moves (no op),
+    else the members' slices, concatenated (release.py's gradient of some matrices only)."""
+    counts = {"leave": plan.leave_n, "stay": plan.stay_n, "enter": plan.enter_n}
+    starts = {k: [0, *itertools.accumulate(v)] for k, v in counts.items()}
+    cum = {k: [0, *itertools.accumulate(v[i] for i in members)] for k, v in counts.items()}
+    if len(members) == len(plan.moves):
+        host = {n: getattr(plan, n) for n in IDS}
+    else:
+        def part(name: str, kind: str) -> torch.Tensor:
+            src = getattr(plan, name)
+            return torch.cat([src[starts[kind][i] : starts[kind][i + 1]] for i in members] or [src[:0]])
+
+        host = {"leave_pos": part("leave_pos", "leave"), "stay_src": part("stay_src", "stay"),
+                "stay_dst": part("stay_dst", "stay"), "enter_dst": part("enter_dst", "enter")}
+    return _Ids(host, members, cum["leave"], cum["stay"], cum["enter"])
 
 
 class Mover:
@@ -81,11 +144,11 @@ class Mover:
         self._next_slot = 0
         self._out: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
-        self._ids_event: Any = None
+        self._ids_event: Any = None  # the ids' H2D: the out stream's gathers wait for it
         self._done: Any = None  # the in stream's last event of the last selection: after all its H2D
         self._out_at = 0  # elements of the out buffer this selection has filled
         self._deps: list[Departure] = []  # the departures that hold rows of the out buffer
-        self.host_waits = 0  # main-thread waits for an in-ring slot or the ids buffer (tests count them)
+        self.slot_waits = 0  # the fill's waits for an in-ring slot (tests count them)
 
     def release(self) -> None:
         """Wait for the last DMAs that read the page-locked buffers, then unpin them (close())."""
@@ -108,11 +171,12 @@ class Mover:
             event.synchronize()  # sync point (selection steps): the new column ids and counters
         return host
 
-    def move(self, jobs: list[tuple[Moves, list[Pair]]], first: Departure | None = None) -> tuple[int, int]:
-        """Enqueue every move of one selection (each pair's leaving rows to its ``to``, those of
-        ``first`` in the first pieces); returns (D2H bytes, H2D bytes) enqueued. The out buffer
-        is reused: the previous selection's departures must be finished (a boundary collected
-        them since)."""
+    def move(self, groups: list[Group], first: Departure | None = None) -> Callable[[], int] | None:
+        """Enqueue the leaving and staying moves of one selection (each group's leaving rows to its
+        pairs' ``to``, the groups of ``first`` in the first pieces) and return the fill, the
+        entering part, for the CPU worker (module docstring; it returns the H2D bytes), or None
+        when nothing enters. The out buffer is reused: the previous selection's departures must
+        be finished (a boundary collected them since)."""
         assert not any(d.pending for d in self._deps), "the last selection's leaving rows are still in the out buffer"
         self._out_at, self._deps = 0, []
         if self._ring is None:
@@ -120,37 +184,53 @@ class Mover:
             self._ring = pinned.empty(n_ring, torch.float32, pin=self.pin, device=self.device)
             self._out = pinned.empty(n_out, torch.float32, pin=self.pin, device=self.device)
             self._ids = pinned.empty(n_ids, torch.int64, pin=self.pin, device=self.device)
-        jobs = [(m, pairs) for m, pairs in jobs if m.changed]
-        if not jobs:
-            return 0, 0
         if self._done is not None and not self._done.query():  # fired a select interval ago: no wait
             with self.ledger.waiting("host.migrate_slot"):
                 self._done.synchronize()  # the last selection's H2D still reads the ring
-            self.host_waits += 1
-        self._ring_events, self._ids_event = [None] * IN_SLOTS, None
+        self._ring_events = [None] * IN_SLOTS
+        live = [g for g in groups if any(g.plan.enter_n) or any(g.plan.stay_n) or any(g.plan.leave_n)]
+        if not live:
+            return None
+        ids = self._upload(live)
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             self.in_stream.wait_stream(compute)  # the last device AdamW wrote the rows these read
             self.out_stream.wait_stream(compute)
-        ids, h2d = self._upload(jobs)
+            self.out_stream.wait_event(self._ids_event)
         read: dict[int, Any] = {}
-        d2h = self._out_all(jobs, ids, read, first)
-        h2d += self._in_all(jobs, ids, read)
+        self.ledger.moved("d2h.migrate", self._out_all(live, ids, read, first))
+        self._stay_all(live, ids, read)
+        if not any(ids[id(g)].enter0[-1] for g in live):
+            self._record_done()
+            return None
+        return self.ledger.charged(lambda: self._fill(live, ids))  # its bytes: this selection's step
+
+    def join(self) -> None:
+        """Main thread, after the fill ran (or when there was none): the compute stream waits on
+        the device for the migration's last in-stream event, before the step's device AdamW."""
+        if self.cuda and self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)  # device-side wait
+            self.ledger.waited("device.migrate")
+
+    def _record_done(self) -> None:
         if self.cuda:
-            assert compute is not None
             self._done = torch.cuda.Event()
             self._done.record(self.in_stream)
-            compute.wait_event(self._done)  # device-side: this step's device AdamW after the migration
-            self.ledger.waited("device.migrate")
-        self.ledger.moved("d2h.migrate", d2h)
-        self.ledger.moved("h2d.migrate", h2d)
-        return d2h, h2d
 
-    # -- the column ids ------------------------------------------------------------------------
-    def _upload(self, jobs: list[tuple[Moves, list[Pair]]]) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """Every job's device-side ids in one H2D (in stream); the out stream waits for it."""
-        names = ("leave_pos", "stay_src", "stay_dst", "enter_dst")
-        flat = torch.cat([getattr(m, n) for m, _ in jobs for n in names])
+    # -- the ids -------------------------------------------------------------------------------
+    def _upload(self, groups: list[Group]) -> dict[int, _Ids]:
+        """Every group's block-row ids, one set per distinct (plan, members), in one H2D (in stream)."""
+        by_key: dict[tuple[int, tuple[int, ...]], _Ids] = {}
+        out: dict[int, _Ids] = {}
+        for g in groups:
+            members = [i for i, p in enumerate(g.pairs) if p is not None]
+            key = (id(g.plan), tuple(members))
+            if key not in by_key:
+                by_key[key] = _ids(g.plan, members)
+            out[id(g)] = by_key[key]
+        sets = list(by_key.values())
+        flat = torch.cat([s.host[n] for s in sets for n in IDS])
+        self._ids_event = None
         if self.cuda:
             assert self._ids is not None
             src = self._ids[: flat.numel()]
@@ -160,50 +240,46 @@ class Mover:
                 dev = torch.empty(flat.numel(), dtype=torch.int64, device=self.device)
             self._ids_event = copy_async(self.in_stream, dev, src, after=None)  # PCIe H2D: the ids
             dev.record_stream(self.out_stream)
-            self.out_stream.wait_event(self._ids_event)
         else:
             dev = flat
-        out, o = [], 0
-        for m, _ in jobs:
-            views = {}
-            for n in names:
-                views[n] = dev[o : o + getattr(m, n).numel()]
-                o += views[n].numel()
-            out.append(views)
-        return out, 8 * flat.numel()
+        o = 0
+        for s in sets:
+            for n in IDS:
+                s.dev[n] = dev[o : o + s.host[n].numel()]
+                o += s.host[n].numel()
+        self.ledger.moved("h2d.migrate", 8 * flat.numel())
+        return out
 
     # -- leaving: device -> out buffer -------------------------------------------------------
-    def _out_all(self, jobs: list[tuple[Moves, list[Pair]]], ids: list[dict[str, torch.Tensor]],
-                 read: dict[int, Any], first: Departure | None) -> int:
-        """Gather, pack and DMA every leaving row; the rows of ``first``'s pairs in the first
-        pieces (the ones a waiter needs soonest: a release step's gradient, ``Selector.land``)."""
-        order = [(j, p) for j, (m, pairs) in enumerate(jobs) for p in pairs if p.leaves and m.leave_cols.numel()]
-        order.sort(key=lambda jp: jp[1].to is not first)  # stable: matrix order within each part
-        left = sum(jobs[j][0].leave_cols.numel() * p.dev.shape[1] for j, p in order)
-        if left == 0:
-            return 0
-        moved = 0
-        piece: list[tuple[Pair, torch.Tensor, int, int]] = []
-        buf, fill = self._out_piece(left), 0
-        for j, pair in order:
-            m, pos = jobs[j][0], ids[j]["leave_pos"]
-            n, w, a = m.leave_cols.numel(), pair.dev.shape[1], 0
+    def _out_all(self, groups: list[Group], ids: dict[int, _Ids], read: dict[int, Any],
+                 first: Departure | None) -> int:
+        """Gather, pack and DMA every leaving row: one gather per group and piece; the groups whose
+        leaving rows go to ``first`` in the first pieces (a release step's gradient, ``Selector.land``)."""
+        order = [g for g in groups if ids[id(g)].leave0[-1] and any(p is not None and p.leaves for p in g.pairs)]
+        order.sort(key=lambda g: next(p for p in g.pairs if p is not None).to is not first)  # stable
+        left = sum(ids[id(g)].leave0[-1] * g.width for g in order)
+        moved, fill = 0, 0
+        piece: list[tuple[Group, int, int, int]] = []  # (group, first leaving row, rows, offset in the piece)
+        buf = self._out_piece(left) if left else None
+        for g in order:
+            pos, n, w, a = ids[id(g)].dev["leave_pos"], ids[id(g)].leave0[-1], g.width, 0
             while a < n:
+                assert buf is not None
                 take = min(n - a, (buf.numel() - fill) // w)
                 if take == 0:
                     assert fill, "a piece holds at least one row"
-                    moved += self._out_flush(buf, fill, piece)
+                    moved += self._out_flush(buf, fill, piece, ids)
                     left -= fill
                     piece, buf, fill = [], self._out_piece(left), 0
                     continue
-                with self._on(self.out_stream):  # a device gather of the leaving rows
-                    torch.index_select(pair.dev, 0, pos[a : a + take], out=buf[fill : fill + take * w].view(take, w))
-                piece.append((pair, m.leave_cols[a : a + take], fill, take))
+                with self._on(self.out_stream):  # a device gather of the leaving rows of every matrix of the group
+                    torch.index_select(g.dev, 0, pos[a : a + take], out=buf[fill : fill + take * w].view(take, w))
+                piece.append((g, a, take, fill))
                 fill, a = fill + take * w, a + take
-            if self.cuda:  # the matrix's rows read so far; its last such event is the one the in stream waits for
-                read[m.slot.index] = torch.cuda.Event()
-                read[m.slot.index].record(self.out_stream)
-        return moved + self._out_flush(buf, fill, piece)
+            if self.cuda:  # the block's rows read so far; its last such event is the one the in stream waits for
+                read[g.plan.block.col0] = torch.cuda.Event()
+                read[g.plan.block.col0].record(self.out_stream)
+        return moved + (self._out_flush(buf, fill, piece, ids) if buf is not None else 0)
 
     def _out_piece(self, left: int) -> torch.Tensor:
         """Where the next packed piece is gathered: a device temporary (CUDA) or, off CUDA, its
@@ -230,7 +306,9 @@ class Mover:
             dep.finish("host.migrate_out")  # sync point: only a selection larger than the out buffer gets here
         self._out_at = 0
 
-    def _out_flush(self, buf: torch.Tensor, fill: int, piece: list[tuple[Pair, torch.Tensor, int, int]]) -> int:
+    def _out_flush(self, buf: torch.Tensor, fill: int, piece: list[tuple[Group, int, int, int]],
+                   ids: dict[int, _Ids]) -> int:
+        """One packed piece's D2H; each matrix's share of it handed to its pair's departure."""
         if fill == 0:
             return 0
         assert self._out is not None
@@ -238,72 +316,103 @@ class Mover:
         event = None
         if self.cuda:  # PCIe D2H of one packed piece into page-locked memory
             event = copy_async(self.out_stream, dst, buf[:fill], after=None)
-        for pair, cols, off, take in piece:
-            if all(pair.to is not d for d in self._deps):
-                self._deps.append(pair.to)
-            w = pair.dev.shape[1]
-            pair.to.add(pair.host, cols, dst[off : off + take * w].view(take, w), event, pair.scale, pair.mirror)
+        for g, a, take, off in piece:
+            gi, w = ids[id(g)], g.width
+            j = bisect.bisect_right(gi.leave0, a) - 1  # the member holding leaving row a
+            while j < len(gi.members) and gi.leave0[j] < a + take:
+                lo, hi = max(a, gi.leave0[j]), min(a + take, gi.leave0[j + 1])
+                pair, m = g.pairs[gi.members[j]], g.plan.moves[gi.members[j]]
+                assert pair is not None
+                if hi > lo and pair.leaves:
+                    if all(pair.to is not d for d in self._deps):
+                        self._deps.append(pair.to)
+                    rows = dst[off + (lo - a) * w : off + (hi - a) * w].view(hi - lo, w)
+                    cols = m.leave_cols[lo - gi.leave0[j] : hi - gi.leave0[j]]
+                    pair.to.add(pair.host, cols, rows, event, pair.scale, pair.mirror)
+                j += 1
         self._out_at += fill
         self.ledger.moved("host.stage", 4 * fill)  # the DMA writes the out buffer (Departure reads it)
         return 4 * fill
 
-    # -- entering: host -> in ring -> device ---------------------------------------------------
-    def _in_all(self, jobs: list[tuple[Moves, list[Pair]]], ids: list[dict[str, torch.Tensor]],
-                read: dict[int, Any]) -> int:
-        left = sum(m.enter_cols.numel() * p.dev.shape[1] for m, pairs in jobs for p in pairs)
-        prepared: set[int] = set()
+    # -- staying: inside the block -------------------------------------------------------------
+    def _stay_all(self, groups: list[Group], ids: dict[int, _Ids], read: dict[int, Any]) -> None:
+        """Before any write into a block's rows: the in stream waits until its leaving rows were
+        read (out stream); then the staying columns change rows, a segment of whole matrices at a
+        time (a matrix's rows are all gathered before any is rewritten)."""
+        for event in read.values():
+            self.in_stream.wait_event(event)  # device-side: the block's leaving rows are gathered
+        most = max(1, sizing.STAGE_BYTES // 4)
+        for g in groups:
+            gi = ids[id(g)]
+            bounds, a = gi.stay0, 0
+            while a < len(gi.members):
+                b = a + 1  # whole matrices, at least one, within ``most`` elements
+                while b < len(gi.members) and (bounds[b + 1] - bounds[a]) * g.width <= most:
+                    b += 1
+                lo, hi = bounds[a], bounds[b]
+                if hi > lo:
+                    with self._on(self.in_stream):
+                        staying = g.dev.index_select(0, gi.dev["stay_src"][lo:hi])  # before the rows are rewritten
+                        g.dev.index_copy_(0, gi.dev["stay_dst"][lo:hi], staying)
+                a = b
+
+    # -- entering: host -> in ring -> device (the CPU worker) ----------------------------------
+    def _fill(self, groups: list[Group], ids: dict[int, _Ids]) -> int:
+        """The worker: every entering row into the ring, slot by slot, each slot's H2D and one
+        scatter per group part of it; then the in stream's last event (``join`` waits for it)."""
+        left = sum(ids[id(g)].enter0[-1] * g.width for g in groups)
         moved, fill = 0, 0
-        piece: list[tuple[int, Pair, int, int, int]] = []
-        slot = self._in_slot(left) if left else None
-        for j, (m, pairs) in enumerate(jobs):
-            n = m.enter_cols.numel()
-            for pair in pairs if n else ():
-                w, a = pair.dev.shape[1], 0
+        piece: list[tuple[Group, int, int, int]] = []  # (group, first entering row, rows, offset in the slot)
+        slot = self._in_slot(left)
+        for g in groups:
+            gi, w = ids[id(g)], g.width
+            for j, i in enumerate(gi.members):
+                pair, cols = g.pairs[i], g.plan.moves[i].enter_cols
+                assert pair is not None
+                n, a = cols.numel(), 0
                 while a < n:
-                    assert slot is not None
                     take = min(n - a, (slot.numel() - fill) // w)
                     if take == 0:
                         assert fill, "a slot holds at least one row"
-                        moved += self._in_flush(slot, fill, piece, jobs, ids, read, prepared)
+                        moved += self._in_flush(slot, fill, piece, ids)
                         left -= fill
                         piece, slot, fill = [], self._in_slot(left), 0
                         continue
                     view = slot[fill : fill + take * w].view(take, w)
-                    cols = m.enter_cols[a : a + take]
                     # Host gather into the ring; a release step's gradient slot (model dtype, slots.py)
                     # is widened on the way, exactly, with no full-size temporary (departure.py).
-                    gather_cast(pair.host, cols, view)
+                    gather_cast(pair.host, cols[a : a + take], view)
                     self.ledger.moved("host.migrate", pair.host.element_size() * view.numel())  # host rows read ...
                     self.ledger.moved("host.stage", 8 * view.numel())  # ... into the ring, which the DMA reads
                     if pair.scale != 1.0:
                         view.div_(pair.scale)  # exact: a power of two
                         self.ledger.moved("host.stage", 8 * view.numel())  # read and written in place
-                    piece.append((j, pair, a, take, fill))
+                    row = gi.enter0[j] + a
+                    if piece and piece[-1][0] is g and piece[-1][1] + piece[-1][2] == row:
+                        piece[-1] = (g, piece[-1][1], piece[-1][2] + take, piece[-1][3])  # one scatter
+                    else:
+                        piece.append((g, row, take, fill))
                     fill, a = fill + take * w, a + take
-        if slot is not None:
-            moved += self._in_flush(slot, fill, piece, jobs, ids, read, prepared)
-        for j in range(len(jobs)):  # matrices whose columns only changed rows
-            self._prepare(j, jobs, ids, read, prepared)
-        if self.cuda and read:
-            self.in_stream.wait_event(list(read.values())[-1])  # every leaving row gathered
+        moved += self._in_flush(slot, fill, piece, ids)
+        self._record_done()
+        self.ledger.moved("h2d.migrate", moved)
         return moved
 
     def _in_slot(self, left: int) -> torch.Tensor:
-        """The next in-ring slot, once the DMA that last read it is done (a host wait only when a
-        selection brings in more than the ring holds, paced by the link)."""
+        """The next in-ring slot, once the DMA that last read it is done (a wait of the worker only
+        when a selection brings in more than the ring holds, paced by the link)."""
         assert self._ring is not None
         i = self._next_slot
         self._next_slot = (i + 1) % IN_SLOTS
         if self._ring_events[i] is not None:
-            with self.ledger.waiting("host.migrate_slot"):
-                self._ring_events[i].synchronize()  # sync point: slot i's previous H2D
+            with self.ledger.waiting("worker.migrate_slot"):
+                self._ring_events[i].synchronize()  # sync point (worker): slot i's previous H2D
             self._ring_events[i] = None
-            self.host_waits += 1
+            self.slot_waits += 1
         return self._ring[i * self._slot_elems : i * self._slot_elems + min(self._slot_elems, left)]
 
-    def _in_flush(self, slot: torch.Tensor, fill: int, piece: list[tuple[int, Pair, int, int, int]],
-                  jobs: list[tuple[Moves, list[Pair]]], ids: list[dict[str, torch.Tensor]], read: dict[int, Any],
-                  prepared: set[int]) -> int:
+    def _in_flush(self, slot: torch.Tensor, fill: int, piece: list[tuple[Group, int, int, int]],
+                  ids: dict[int, _Ids]) -> int:
         if fill == 0:
             return 0
         src = slot[:fill]
@@ -313,28 +422,11 @@ class Mover:
             # PCIe H2D of one packed piece from page-locked memory; the slot is free after it.
             event = copy_async(self.in_stream, src, slot[:fill], after=None)
             self._ring_events[(self._next_slot - 1) % IN_SLOTS] = event
-        for j, pair, a, take, off in piece:
-            self._prepare(j, jobs, ids, read, prepared)
-            w = pair.dev.shape[1]
+        for g, row, take, off in piece:
+            w = g.width
             with self._on(self.in_stream):  # off CUDA: reads the slot before it is refilled
-                pair.dev.index_copy_(0, ids[j]["enter_dst"][a : a + take], src[off : off + take * w].view(take, w))
+                g.dev.index_copy_(0, ids[id(g)].dev["enter_dst"][row : row + take], src[off : off + take * w].view(take, w))
         return 4 * fill
-
-    def _prepare(self, j: int, jobs: list[tuple[Moves, list[Pair]]], ids: list[dict[str, torch.Tensor]],
-                 read: dict[int, Any], prepared: set[int]) -> None:
-        """Before the first write into matrix ``j``'s device rows: the in stream waits until its
-        leaving rows were read (out stream), then its staying columns change rows."""
-        if j in prepared:
-            return
-        prepared.add(j)
-        m, pairs = jobs[j]
-        if self.cuda and m.slot.index in read:
-            self.in_stream.wait_event(read[m.slot.index])  # device-side: the leaving rows are gathered
-        if m.stay_src.numel():
-            with self._on(self.in_stream):
-                for pair in pairs:
-                    staying = pair.dev.index_select(0, ids[j]["stay_src"])  # before the rows are rewritten
-                    pair.dev.index_copy_(0, ids[j]["stay_dst"], staying)
 
     def _on(self, stream: Any) -> Any:
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()

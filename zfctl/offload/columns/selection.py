@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from zfctl.offload.layout import ParamSlot
+from zfctl.offload.layout import DeviceBlock, Layout, ParamSlot, column_runs
 
 
 class ColumnState(NamedTuple):
@@ -103,6 +103,56 @@ def plan_moves(slot: ParamSlot, old: torch.Tensor | None, new: torch.Tensor) -> 
     moved = src != dst  # a column that keeps its row needs no copy
     return Moves(slot, torch.nonzero(leaving).flatten(), old[leaving], src[moved], dst[moved],
                  torch.nonzero(~stays).flatten(), new[~stays])
+
+
+@dataclass(frozen=True)
+class BlockMoves:
+    """One device block's moves (layout.py DeviceBlock): its selectable matrices' Moves, in
+    device-column order, concatenated; positions are block rows (device column - block.col0)."""
+
+    block: DeviceBlock
+    moves: tuple[Moves, ...]
+    leave_pos: torch.Tensor
+    stay_src: torch.Tensor
+    stay_dst: torch.Tensor
+    enter_dst: torch.Tensor
+    leave_n: tuple[int, ...]
+    stay_n: tuple[int, ...]
+    enter_n: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SelectionPlan:
+    moves: list[Moves]
+    blocks: list[BlockMoves]
+    entering_runs: torch.Tensor
+    owned: torch.Tensor
+
+
+def plan_selection(layout: Layout, slots: Sequence[ParamSlot], olds: Sequence[torch.Tensor | None],
+                   news: Sequence[torch.Tensor]) -> SelectionPlan:
+    """TEMPORARY per-matrix reference (replaced by the bulk version)."""
+    moves = [plan_moves(s, o, n) for s, o, n in zip(slots, olds, news)]
+    blocks = []
+    for b in layout.blocks:
+        ms = sorted((m for m in moves if b.col0 <= m.slot.dev_col0 < b.col0 + b.ncols and m.slot.rows == b.length),
+                    key=lambda m: m.slot.dev_col0)
+        if not ms:
+            continue
+        off = [m.slot.dev_col0 - b.col0 for m in ms]
+        cat = lambda n: torch.cat([getattr(m, n) + o for m, o in zip(ms, off)])
+        blocks.append(BlockMoves(b, tuple(ms), cat("leave_pos"), cat("stay_src"), cat("stay_dst"), cat("enter_dst"),
+                                 tuple(m.leave_pos.numel() for m in ms), tuple(m.stay_src.numel() for m in ms),
+                                 tuple(m.enter_dst.numel() for m in ms)))
+    mask = torch.zeros(layout.host_cols, dtype=torch.bool)
+    owned = torch.zeros(layout.host_cols, dtype=torch.bool)
+    for m, n in zip(moves, news):
+        s = m.slot
+        c = m.enter_cols[(m.enter_cols >= s.host_c0) & (m.enter_cols < s.host_c1)]
+        mask[s.host_col0 + c - s.host_c0] = True
+        c = n[(n >= s.host_c0) & (n < s.host_c1)]
+        owned[s.host_col0 + c - s.host_c0] = True
+    return SelectionPlan(moves, blocks, column_runs(mask, layout.host_col_offsets), torch.nonzero(owned).flatten())
 
 
 def migrate(dev: ColumnState, host: Sequence[HostRows], old: torch.Tensor | None,

@@ -32,20 +32,21 @@ from typing import Any
 import torch
 
 from zfctl.offload.columns.departure import Departure, Pair
-from zfctl.offload.columns.migration import Mover
+from zfctl.offload.columns.migration import Group, Mover
 from zfctl.offload.columns.selection import (
     HostRows,
     Moves,
+    SelectionPlan,
     column_l1,
     migrate,
-    plan_moves,
+    plan_selection,
     stay_share,
     top_columns,
 )
 from zfctl.offload.config import ZenFlowConfig
 from zfctl.offload.cpu.host import HostState
 from zfctl.offload.device.device_adam import DeviceAdam
-from zfctl.offload.layout import Layout, as_matrix, column_runs
+from zfctl.offload.layout import DeviceBlock, Layout, as_matrix
 from zfctl.offload.ledger import NOWHERE, Ledger
 from zfctl.offload.parallel.exchange import GradExchange
 from zfctl.offload.parallel.partition import OwnedRows, Partition
@@ -74,6 +75,7 @@ class Selector:
         self.departure: Departure | None = None  # the last selection's leaving state (migration.py)
         self.landing = Departure()  # a release step's leaving gradient columns, for ``land``
         self.moves: list[Moves] = []  # the last selection's moves, per selectable matrix
+        self._arrival: tuple[Any, Any, Any] | None = None  # (pipeline, request, fill) until ``arrive``
 
     def _mover(self, pairs: int) -> Mover:
         """The migration's streams and page-locked buffers (migration.py ``Mover``): sized for a
@@ -104,7 +106,7 @@ class Selector:
 
     def select(self, grads: list[torch.Tensor | None], host: HostState, stats: StepStats, *, pipeline: Any,
                scores: dict[int, torch.Tensor] | None = None,
-               extra: Callable[[Moves, Departure], list[Pair]] | None = None) -> list[torch.Tensor] | None:
+               extra: Callable[[Moves, Departure], Pair | None] | None = None) -> list[torch.Tensor] | None:
         """Top-k columns per matrix from this step's gradient; state follows the columns.
         ``scores``: per param index, the column L1 a gradient hook took before it freed that
         ``.grad`` (release.py; the same ``column_l1``, so the same ranking). ``pipeline``: its
@@ -136,26 +138,34 @@ class Selector:
             news.append(top_columns(score, slot.k))
         mover = self._mover(3 + (extra is not None))
         self.landing = Departure(ledger=self.ledger, kind="host.migrate_land")
-        # One D2H of every new column id and the old device counters (fp64: exact for both), one
-        # host wait: nothing can be planned before the ids exist.
-        ks = [s.k for s in self.selectable]
-        fetched = mover.fetch(torch.cat([*news, *(dev.column_state(s).steps for s in self.selectable)]).double())
+        # One D2H of every new column id and the old counters of the selectable blocks' device
+        # columns (fp64: exact for both), one host wait: nothing can be planned before the ids exist.
+        ks, blocks = [s.k for s in self.selectable], [b for b in self.layout.blocks if not b.fixed]
+        fetched = mover.fetch(torch.cat([*news, *(dev.steps[b.col0 : b.col0 + b.ncols] for b in blocks)]).double())
         new_h = [c.long() for c in fetched[: sum(ks)].split(ks)]
-        old_steps = [c.float() for c in fetched[sum(ks) :].split(ks)]
-        self.moves = [plan_moves(s, dev.index_cpu[s.index], n) for s, n in zip(self.selectable, new_h)]
+        plan = plan_selection(self.layout, self.selectable, [dev.index_cpu[s.index] for s in self.selectable], new_h)
+        self.moves = plan.moves
         # ZenFlow's premise, measured: how many device columns stay (None at the first selection).
         # Every rank chose from the same all-reduced scores (``shared``): one share for the group.
         stats.select_stay = stay_share([dev.index_cpu[s.index] for s in self.selectable], new_h,
                                        [s.cols for s in self.selectable])
-        # The update in flight updates the entering columns first: a host wait for that part only.
-        pipeline.prioritize(self._entering_runs(host))
         if self.part is None:
-            self._migrate(host, pipeline, old_steps, extra)
+            # The update in flight updates the entering columns first, then runs the migration's
+            # fill (their rows into the in ring); meanwhile this thread enqueues the leaving and
+            # staying moves. ``arrive`` waits for the fill.
+            req, fill = pipeline.request(plan.entering_runs), None
+            try:
+                fill, dep = self._migrate(host, plan, fetched[sum(ks) :].float(), extra)
+            finally:
+                pipeline.hand(req, fill)  # always: the worker waits for it once it has updated them
+            pipeline.defer(dep.finish)  # worker thread, after the update in flight (pipeline.py settle)
+            self._arrival = (pipeline, req, fill)
         else:  # data parallel: the owners' rows by collectives (partition.py), blocking
+            pipeline.prioritize(plan.entering_runs)
             self._migrate_owned(host, stats, old, news)
         for slot, new, cols in zip(self.selectable, news, new_h):
             index[slot.index], dev.index_cpu[slot.index] = new, cols
-            host.set_device_owned(slot, cols)
+        host.set_owned(plan.owned)
         self.selected = True
         if self.exchange is not None:
             self.exchange.replan()  # here, inside step(): not in the next backward's first hook
@@ -164,39 +174,54 @@ class Selector:
         stats.comm_bytes += self.exchange.share_entering(old)
         return [s.sum() for s in shared]
 
-    def _entering_runs(self, host: HostState) -> torch.Tensor:
-        """The flat host elements of every entering column this rank holds (a run list)."""
-        mask = torch.zeros(host.layout.host_cols, dtype=torch.bool)
-        for m in self.moves:
-            s = m.slot
-            c = m.enter_cols[(m.enter_cols >= s.host_c0) & (m.enter_cols < s.host_c1)]
-            mask[s.host_col0 + c - s.host_c0] = True
-        return column_runs(mask, host.layout.host_col_offsets)
-
-    def _migrate(self, host: HostState, pipeline: Any, old_steps: list[torch.Tensor],
-                 extra: Callable[[Moves, Departure], list[Pair]] | None) -> None:
-        """One process or an FSDP2 rank: asynchronous DMA (migration.py). The leaving counters are
-        written here (the main thread owns ``steps``), from the counters fetched with the ids; the
-        leaving master and moments by the worker, behind the update in flight, and with them the
-        leaving columns' upload entries (``mirror``): the update in flight never wrote those (the
-        device owned them), and its install, at the next boundary, DMAs them now that the host
-        owns them: they must hold the master's rounding, which the params hold already."""
+    def _migrate(self, host: HostState, plan: SelectionPlan, old_steps: torch.Tensor,
+                 extra: Callable[[Moves, Departure], Pair | None] | None) -> tuple[Callable[[], int] | None, Departure]:
+        """One process or an FSDP2 rank: asynchronous DMA, a group per state tensor and device
+        block (migration.py); returns the fill and the leaving state's departure. The leaving counters are written here (the main
+        thread owns ``steps``), from the counters fetched with the ids (``old_steps``: the
+        selectable blocks' device columns, in order); the leaving master and moments by the
+        worker, behind the update in flight, and with them the leaving columns' upload entries
+        (``mirror``): the update in flight never wrote those (the device owned them), and its
+        install, at the next boundary, DMAs them now that the host owns them: they must hold the
+        master's rounding, which the params hold already."""
         assert self.mover is not None
         if self.departure is not None:
             self.departure.finish()  # the last selection's: written long ago (a boundary collected it)
         self.departure = dep = Departure(fence=_fence(host), ledger=self.ledger, kind="worker.migrate")
-        jobs = []
-        for m, steps in zip(self.moves, old_steps):
-            d, h = self.device.column_state(m.slot), host.column_state(m.slot)
-            h.steps.index_copy_(0, m.leave_cols, steps.index_select(0, m.leave_pos))
-            self.ledger.moved("host.migrate", 4 * m.leave_cols.numel())  # the leaving counters written
-            mirror = m.slot.host_view(host.upload) if host.upload is not None else None
-            pairs = [Pair(d.master, h.master, dep, mirror=mirror), Pair(d.exp_avg, h.exp_avg, dep),
-                     Pair(d.exp_avg_sq, h.exp_avg_sq, dep),
-                     Pair(d.steps.view(-1, 1), h.steps.view(-1, 1), dep, leaves=False)]  # written above
-            jobs.append((m, pairs + (extra(m, self.landing) if extra is not None else [])))
-        self.mover.move(jobs, first=self.landing)  # the gradient's pieces first: ``land`` waits for them
-        pipeline.defer(dep.finish)  # worker thread, after the update in flight (pipeline.py settle)
+        d, groups, at = self.device, [], 0
+        for b in plan.blocks:
+            blk, ms = b.block, b.moves
+            if any(b.leave_n):  # the leaving counters: a handful of ops per block, none per matrix
+                base = torch.tensor([m.slot.host_col0 - m.slot.host_c0 for m in ms]).repeat_interleave(torch.tensor(b.leave_n))
+                cols = torch.cat([m.leave_cols for m in ms]) + base
+                host.steps.index_copy_(0, cols, old_steps[at : at + blk.ncols].index_select(0, b.leave_pos))
+                self.ledger.moved("host.migrate", 4 * cols.numel())  # the leaving counters written
+            at += blk.ncols
+            hs = [host.column_state(m.slot) for m in ms]
+            mirrors = [m.slot.host_view(host.upload) if host.upload is not None else None for m in ms]
+            groups += [Group(_rows(d.master, blk), b, tuple(Pair(h.master, dep, mirror=u) for h, u in zip(hs, mirrors))),
+                       Group(_rows(d.exp_avg, blk), b, tuple(Pair(h.exp_avg, dep) for h in hs)),
+                       Group(_rows(d.exp_avg_sq, blk), b, tuple(Pair(h.exp_avg_sq, dep) for h in hs)),
+                       Group(d.steps[blk.col0 : blk.col0 + blk.ncols].view(-1, 1), b,
+                             tuple(Pair(h.steps.view(-1, 1), dep, leaves=False) for h in hs))]  # written above
+            if extra is not None:
+                pairs = tuple(extra(m, self.landing) for m in ms)
+                if any(p is not None for p in pairs):
+                    assert d.grad is not None
+                    groups.append(Group(_rows(d.grad, blk), b, pairs))
+        return self.mover.move(groups, first=self.landing), dep  # the gradient's pieces first: ``land`` waits for them
+
+    def arrive(self) -> None:
+        """After the caller re-planned the chunks: wait for the entering columns' update and the
+        fill (pipeline.py ``wait_entering``: a host wait), then the compute stream waits for the
+        migration (``Mover.join``: on the device) before the step's device AdamW. Nothing on a
+        data-parallel selection (it migrated blocking) or when none happened."""
+        if self._arrival is None:
+            return
+        (pipeline, req, fill), self._arrival = self._arrival, None
+        pipeline.wait_entering(req, fill)
+        assert self.mover is not None
+        self.mover.join()
 
     def land(self) -> None:
         """After the step's device update is enqueued: a release step's leaving gradient columns
@@ -263,6 +288,11 @@ class Selector:
     def shapes(self) -> tuple[list[int], list[int]]:
         """(k, cols) per selectable matrix, for the auto interval's rule."""
         return [s.k for s in self.selectable], [s.cols for s in self.selectable]
+
+
+def _rows(buf: torch.Tensor, block: DeviceBlock) -> torch.Tensor:
+    """A device block's rows ``[ncols, length]`` of a flat device state buffer."""
+    return buf[block.off : block.off + block.ncols * block.length].view(block.ncols, block.length)
 
 
 def _fence(host: HostState) -> Any:

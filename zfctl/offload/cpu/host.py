@@ -199,6 +199,11 @@ class HostState:
         index = index[(index >= slot.host_c0) & (index < slot.host_c1)]  # data parallel: own range only
         owned[index - slot.host_c0] = True
 
+    def set_owned(self, owned: torch.Tensor) -> None:
+        """TEMPORARY: every matrix at once."""
+        self.device_owned.zero_()
+        self.device_owned[owned] = True
+
     def _owned(self, slot: ParamSlot) -> torch.Tensor:
         return self.device_owned[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
 

@@ -216,6 +216,29 @@ class Pipeline:
         with self.ledger.waiting("host.priority"):
             return self.worker.prioritize(runs)
 
+    def request(self, runs: torch.Tensor) -> Any:
+        """A selection, before it enqueues its moves: the update in flight is asked to update
+        these elements first (worker.py ``request``; no wait). ``hand`` must follow."""
+        return self.worker.request(runs) if self.worker is not None else None
+
+    def hand(self, req: Any, fill: Callable[[], Any] | None) -> None:
+        """The migration's fill (migration.py), for the worker to run right after ``req``'s
+        elements are updated, or now on the worker thread when no update is in flight."""
+        if self.worker is not None:
+            self.worker.hand(req, fill)
+
+    def wait_entering(self, req: Any, fill: Callable[[], Any] | None) -> float:
+        """Wait until the entering columns are updated and ``fill`` has run (ms). One
+        ``host.priority`` wait whenever an update is in flight by the step count (``busy``), as
+        ``prioritize``; else one ``host.migrate_fill`` wait when there is a fill."""
+        if self.worker is None:
+            return 0.0
+        kind = "host.priority" if self.worker.busy else "host.migrate_fill" if fill is not None else None
+        if kind is None:
+            return self.worker.wait_request(req, fill)
+        with self.ledger.waiting(kind):
+            return self.worker.wait_request(req, fill)
+
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` on the worker thread behind the update in flight (``settle`` waits for it)."""
         assert self.worker is not None, "only the host path (host columns) has a worker"

@@ -90,10 +90,14 @@ class PieceWaits:
 
 @dataclass
 class _Request:
-    """A selection's ask (``CpuWorker.prioritize``): update these elements first."""
+    """A selection's ask (``CpuWorker.request``): update these elements first, then run ``then``
+    (the migration's fill, migration.py), which the requester hands over later (``hand``)."""
 
     runs: torch.Tensor
     done: bool = False
+    handed: bool = True  # ``then`` is set (None: nothing to run); ``request`` posts one that waits for ``hand``
+    then: Callable[[], Any] | None = None
+    error: BaseException | None = None  # what ``then`` raised, for the requester
 
 
 def cpu_update(mode: DeferredLrScale, n: int, grad: tuple[tuple[torch.Tensor, ...], tuple[float, ...],
@@ -156,6 +160,7 @@ class CpuWorker:
         self._active = False  # an update is submitted and has not finished its last piece
         self._request: _Request | None = None
         self._deferred: list[Future] = []
+        self._job: Future | None = None  # a job ``hand`` queued without a request (``wait_request`` waits)
         self.priority_waits, self.priority_ms = 0, 0.0  # prioritize calls that waited, and how long
         self.priority_cuts = 0  # run cuts to pieces done for priority requests: one per request served
 
@@ -235,6 +240,15 @@ class CpuWorker:
                     self._wait_piece(pieces, j, waited)
                     self._adamw(update, step, part)
         with self._cv:
+            while not req.handed:
+                self._cv.wait()  # the requester is enqueueing the leaving moves: ms at most
+            then = req.then
+        try:
+            if then is not None:
+                then()  # the entering rows, just updated, into the in ring (migration.py fill)
+        except Exception as e:  # the requester re-raises it: the update itself goes on
+            req.error = e
+        with self._cv:
             req.done, self._request = True, None
             self._cv.notify_all()
 
@@ -288,16 +302,54 @@ class CpuWorker:
         before anything else it has left, and return once they are (ms waited; 0 when no update
         is in flight or it has finished). The worker then leaves them out of its other pieces, so
         every element is still updated exactly once: the same bits as without the request."""
+        req = self.request(runs)
+        self.hand(req, None)
+        return self.wait_request(req, None)
+
+    def request(self, runs: torch.Tensor) -> _Request | None:
+        """Main thread: post a priority request for ``runs`` without waiting (None when no update
+        is in flight or nothing is asked). Every request must be handed its job (``hand``): the
+        worker waits for it after updating ``runs``."""
         with self._cv:
             if not self._active or runs.shape[0] == 0:
-                return 0.0
-            req = self._request = _Request(runs)
-            t0 = time.perf_counter()
-            while not req.done and self._active:
-                self._cv.wait()  # sync point (selection steps): the worker's entering part
+                return None
+            req = self._request = _Request(runs, handed=False)
+            return req
+
+    def hand(self, req: _Request | None, then: Callable[[], Any] | None) -> None:
+        """Main thread: the job to run right after ``req``'s elements are updated (None: nothing).
+        Without a request it goes to the worker thread now, behind whatever it has queued."""
+        if req is not None:
+            with self._cv:
+                req.then, req.handed = then, True
+                self._cv.notify_all()
+        elif then is not None:
+            assert self._pool is not None, "ZenFlowOptimizer is closed"
+            self._job = self._pool.submit(then)
+
+    def wait_request(self, req: _Request | None, then: Callable[[], Any] | None) -> float:
+        """Main thread: wait until ``req`` is served and ``then`` has run (re-raises its error); ms
+        waited. An update that finished before it reached the request updated those elements in
+        its own pieces; ``then`` then runs on the worker thread now."""
+        job, self._job = self._job, None
+        if req is None and job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if req is not None:
+            with self._cv:
+                while not req.done and self._active:
+                    self._cv.wait()  # sync point (selection steps): the worker's entering part
+            if req.error is not None:
+                raise req.error
+            if not req.done and then is not None:
+                assert self._pool is not None, "ZenFlowOptimizer is closed"
+                self._pool.submit(then).result()  # sync point: the fill, after the finished update
+        if job is not None:
+            job.result()  # sync point: the fill, on the worker thread
         ms = (time.perf_counter() - t0) * 1e3
-        self.priority_waits += 1
-        self.priority_ms += ms
+        if req is not None:
+            self.priority_waits += 1
+            self.priority_ms += ms
         return ms
 
     @property

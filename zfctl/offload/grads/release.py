@@ -128,8 +128,7 @@ class GradRelease:
         self._handles = []
 
 
-def regather_pairs(device_state: DeviceAdam, loaded: set[int],
-                   grad_slot: torch.Tensor) -> Callable[[Moves, Departure], list[Pair]]:
+def regather_pairs(loaded: set[int], grad_slot: torch.Tensor) -> Callable[[Moves, Departure], Pair | None]:
     """A selection on a release step: the work buffer's raw gradient follows the columns too
     (selector.py ``select``'s ``extra``, moved with the state by migration.py), for the params in
     ``loaded`` (the hooks gathered them by the old selection). Staying columns move inside the
@@ -139,10 +138,10 @@ def regather_pairs(device_state: DeviceAdam, loaded: set[int],
     where the CPU update finds them with the step's unscale, through ``to``
     (``Selector.land``: the main thread writes them before the interval is handed to the worker;
     a selection step is always an interval's first step: the step before it ends an interval)."""
-    def pairs(m: Moves, to: Departure) -> list[Pair]:
+    def pairs(m: Moves, to: Departure) -> Pair | None:
         if m.slot.index not in loaded:  # no hook took it: step() gathers it by the new selection
-            return []
-        return [Pair(device_state.segment(device_state.grad, m.slot), m.slot.host_view(grad_slot), to)]
+            return None
+        return Pair(m.slot.host_view(grad_slot), to)  # the device side: DeviceAdam.grad's block rows
 
     return pairs
 
