@@ -1,7 +1,9 @@
 """A selection planned in bulk (columns/selection.py ``plan_selection``, cpu/host.py
 ``HostState.set_owned``) gives exactly what the per-matrix code gives (``plan_moves``, a mask per
 matrix and ``column_runs``, ``HostState.set_device_owned``), bit for bit, for whole and partitioned
-(data-parallel) host ranges, in a number of torch ops that does not grow with the matrices.
+(data-parallel) host ranges, in a number of torch ops that does not grow with the matrices; and
+the chunks planned from one run list (device/chunks.py ``plan_chunks``) are those planned chunk
+by chunk.
 
 Layouts are planned on meta tensors (no state), small: each test takes well under a second.
 """
@@ -17,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfctl.offload.columns.selection import Moves, SelectionPlan, plan_moves, plan_selection
 from zfctl.offload.cpu.host import HostState
+from zfctl.offload.device.chunks import Chunk, plan_chunks
 from zfctl.offload.layout import Layout, ParamSlot, column_runs, plan_layout
 from zfctl.offload.parallel.partition import partition_layout
 
@@ -189,3 +192,52 @@ def test_plan_selection_runs_a_fixed_number_of_ops() -> None:
             counts.append((len(slots), ops.n))
     assert [m for m, _ in counts] == [9, 9, 63, 63]
     assert len({n for _, n in counts}) == 1 and counts[0][1] <= 100, counts
+
+
+def _chunks_one_by_one(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, itemsize: int) -> list[Chunk]:
+    """The reference: ``plan_chunks`` as it was, chunk by chunk (``all``, ``any`` and
+    ``column_runs`` of each chunk's columns)."""
+    chunks = []
+    for slot in layout.host_slots:
+        per = max(1, slot_bytes // (slot.rows * itemsize))
+        for c0 in range(slot.host_c0, slot.host_c1, per):
+            c1 = min(c0 + per, slot.host_c1)
+            g0 = slot.host_col0 + c0 - slot.host_c0
+            g1 = g0 + c1 - c0
+            owned = device_owned[g0:g1]
+            if bool(owned.all()):
+                continue
+            off = int(layout.host_col_offsets[g0])
+            runs = None
+            if bool(owned.any()):
+                runs = column_runs(~owned, layout.host_col_offsets[g0 : g1 + 1] - off)
+            chunks.append(Chunk(slot, c0, c1, off, runs))
+    return chunks
+
+
+def _masks(layout: Layout) -> list[torch.Tensor]:
+    """All host-owned, all device-owned, random ones, one matrix wholly device-owned."""
+    g = torch.Generator().manual_seed(4)
+    n = layout.host_cols
+    one = torch.rand(n, generator=g) < 0.3
+    s = layout.host_slots[1]
+    one[s.host_col0 : s.host_col0 + s.host_c1 - s.host_c0] = True
+    return [torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool), one,
+            *(torch.rand(n, generator=g) < p for p in (0.1, 0.5, 0.9))]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_plan_chunks_equals_the_chunk_by_chunk_plan(world: int) -> None:
+    """Slots of one column per chunk up to a whole matrix per chunk; runs that cross chunk and
+    matrix edges are cut there; partitioned ranges too."""
+    full = _layout(2, 0.1)
+    for rank in range(world):
+        layout = partition_layout(full, None, rank, world)[0] if world > 1 else full
+        for mask in _masks(layout):
+            for slot_bytes in (1, 40, 200, 1000, 2**20):
+                got = plan_chunks(layout, mask, slot_bytes, 2)
+                want = _chunks_one_by_one(layout, mask, slot_bytes, 2)
+                assert [(c.slot, c.c0, c.c1, c.off) for c in got] == [(c.slot, c.c0, c.c1, c.off) for c in want]
+                for a, b in zip(got, want):
+                    assert (a.runs is None) == (b.runs is None)
+                    assert a.runs is None or (b.runs is not None and torch.equal(a.runs, b.runs))
