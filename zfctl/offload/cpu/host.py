@@ -200,9 +200,12 @@ class HostState:
         owned[index - slot.host_c0] = True
 
     def set_owned(self, owned: torch.Tensor) -> None:
-        """TEMPORARY: every matrix at once."""
+        """Mark the device-owned columns of every matrix at once: ``owned``, sorted flat host column
+        ids (columns/selection.py ``SelectionPlan.owned``, already inside this rank's ranges).
+        Every other column becomes host-owned: the matrices that select nothing own none anyway.
+        Two ops over the host columns (a zero, one index fill), none per matrix."""
         self.device_owned.zero_()
-        self.device_owned[owned] = True
+        self.device_owned.index_fill_(0, owned.to("cpu"), True)
 
     def _owned(self, slot: ParamSlot) -> torch.Tensor:
         return self.device_owned[slot.host_col0 : slot.host_col0 + slot.host_c1 - slot.host_c0]
