@@ -3,8 +3,6 @@ exactly (master, both moments and its step counter) when the selection changes."
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from test_offload_helpers import zen
@@ -92,16 +90,19 @@ def test_migration_moves_master_moments_and_counters_exactly(monkeypatch) -> Non
     layer = linear()
     cfg = zen(topk_ratio=0.125, update_interval=2, overlap_step=True, select_interval=4)
     captured: dict[str, object] = {}
-    original = Selector.select
+    original, arrive = Selector.select, Selector.arrive
     holder: list[ZenFlowOptimizer] = []
 
     def select_and_capture(self, grads, host, stats, **kw):
         captured["before"] = _state(holder[0])
-        out = original(self, grads, host, stats, **kw)
+        return original(self, grads, host, stats, **kw)
+
+    def arrive_and_capture(self):
+        arrive(self)
         captured["after"] = _state(holder[0])  # right after migration, before this step's device update
-        return out
 
     monkeypatch.setattr(Selector, "select", select_and_capture)
+    monkeypatch.setattr(Selector, "arrive", arrive_and_capture)
     with ZenFlowOptimizer(layer.named_parameters(), cfg, lr=1e-2, weight_decay=0.1) as opt:
         holder.append(opt)
         for step in range(4):

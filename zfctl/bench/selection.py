@@ -1,18 +1,23 @@
 """``zfctl bench --selection``: one selection's main-thread work, on CPU, at a preset's real shapes.
 
-Drives the real selection code (zfctl/offload/columns/selection.py ``plan_moves``, selector.py
-``Selector._entering_runs``, cpu/worker.py ``CpuWorker._serve``, columns/migration.py
-``Mover.move``, cpu/host.py ``HostState.set_device_owned``, device/chunks.py ``plan_chunks``),
-each wrapped, never copied, with synthetic old and new column sets of which a chosen share stays.
-One torch thread. Phases that read no state run at the preset's real shapes with no state
-allocated; ``Mover.move`` needs host and device state, so it runs at the real column sets with
-every matrix's rows divided by ``ROW_SCALE`` (the 1.24B model's 15 GB of state would not fit
-beside the suite): its ms and bytes are scaled back up by that factor, its op counts are not.
+Drives the real selection code (zfctl/offload/columns/selection.py ``plan_selection`` and
+``stay_share``, selector.py ``Selector._migrate``, which builds the groups and calls
+columns/migration.py ``Mover.move``, the fill that ``Mover.move`` returns, cpu/worker.py
+``CpuWorker._serve``, cpu/host.py ``HostState.set_owned``, device/chunks.py ``plan_chunks``),
+each wrapped, never copied, with synthetic old and new column sets of which a chosen share
+stays. One torch thread. Phases that read no state run at the preset's real shapes with no state
+allocated; the move needs host and device state, so it runs at the real column sets with every
+matrix's rows divided by ``ROW_SCALE`` (the 1.24B model's 15 GB of state would not fit beside the
+suite), and the staging sizes divided by the same factor, so that it cuts the same pieces: its
+bytes are scaled back up by that factor; its op counts and its ms are not (the ms are the main
+thread's enqueueing; on CPU the scaled "device" copies run inside them, on a GPU they would not).
 
-Counts: ``device_ops`` are the aten ops the main thread issues on the device state during the
-move (on CPU the device state is CPU memory: an op counts when it reads or writes those
-tensors); ``main_thread_gathers`` the ``index_select`` calls on host state by the main thread.
-The priority request's run work is ``_serve`` with its AdamW replaced by nothing (AdamW excluded).
+Counts: ``device_ops`` are the aten ops issued on the device state during the move, by the main
+thread and by the worker's fill (on CPU the device state is CPU memory: an op counts when it
+reads or writes those tensors); ``main_thread_gathers`` the ``index_select`` calls on host state
+by the main thread. The priority request's run work is ``_serve`` with its AdamW replaced by
+nothing (AdamW excluded). ``fill_ms`` is the worker's fill (its host gathers replayed at the real
+row widths, ``_gathers_ms``): inside the priority wait, not the main thread's.
 """
 
 from __future__ import annotations
@@ -27,16 +32,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zfctl.offload.columns.departure import Departure, Pair
+from zfctl.offload import sizing
+from zfctl.offload.columns.departure import Departure
 from zfctl.offload.columns.migration import Mover
-from zfctl.offload.columns.selection import Moves, plan_moves
+from zfctl.offload.columns.selection import Moves, plan_selection, stay_share
 from zfctl.offload.columns.selector import Selector
 from zfctl.offload.cpu.host import HostState
 from zfctl.offload.cpu.worker import CpuWorker, _Request
 from zfctl.offload.device.chunks import plan_chunks
 from zfctl.offload.layout import Layout, ParamSlot, plan_layout
 from zfctl.offload.ledger import Ledger
-from zfctl.offload.sizing import out_elems, ring_elems
+from zfctl.offload.sizing import OUT_BYTES, out_elems, ring_elems
 
 ROW_SCALE = 32  # Mover.move's state: rows / 32 (llama3.2-1b: ~0.5 GB of state instead of 15 GB)
 PIECES = 128  # the update's pieces at the 1.24B shapes (docs/benchmarks.md, the selection benchmark)
@@ -45,17 +51,21 @@ SLOT_BYTES = 64 * 2**20  # the D2H slot plan_chunks splits matrices by (bf16 gra
 
 
 class _Count(TorchDispatchMode):
-    """Aten ops touching ``device`` storages, and ``index_select`` reading ``host`` storages."""
+    """Aten ops touching ``device`` storages (views apart: they launch nothing), and
+    ``index_select`` reading ``host`` storages."""
 
     def __init__(self, device: set[int], host: set[int]) -> None:
         super().__init__()
         self.device, self.host = device, host
-        self.device_ops = self.gathers = self.gathered = 0  # gathered: elements the gathers read
+        self.device_ops = self.views = self.gathers = self.gathered = 0  # gathered: elements the gathers read
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         ptrs = {_ptr(a) for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
         if ptrs & self.device:
-            self.device_ops += 1
+            if func.is_view:
+                self.views += 1
+            else:
+                self.device_ops += 1
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket is torch.ops.aten.index_select and ptrs & self.host:
             self.gathers += 1
@@ -103,11 +113,11 @@ def _timed(phases: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _priority_ms(layout: Layout, runs: torch.Tensor, old_owned: torch.Tensor) -> float:
+def _priority(layout: Layout, runs: torch.Tensor, old_owned: torch.Tensor) -> tuple[float, int]:
     """``CpuWorker._serve`` for a request of ``runs`` against an update of the columns that were
-    host-owned (``PIECES`` equal pieces), its AdamW and piece waits removed. Counter groups as
-    ``HostState.update_groups`` forms them: two, the columns that never left the host and a random
-    tenth of them that came back from the device with their own count."""
+    host-owned (``PIECES`` equal pieces), its AdamW and piece waits removed: (ms, run cuts).
+    Counter groups as ``HostState.update_groups`` forms them: two, the columns that never left the
+    host and a random tenth of them that came back from the device with their own count."""
     steps = (torch.rand(layout.host_cols, generator=torch.Generator().manual_seed(1)) < 0.1).float()
     groups = HostState.update_groups(SimpleNamespace(device_owned=old_owned, steps=steps, layout=layout))  # type: ignore[arg-type]
     n, per = layout.host_numel, -(-layout.host_numel // PIECES)
@@ -117,7 +127,7 @@ def _priority_ms(layout: Layout, runs: torch.Tensor, old_owned: torch.Tensor) ->
     left = [(step, r, (r[:, 0] + r[:, 1]).contiguous()) for step, r in groups]
     t0 = time.perf_counter()
     CpuWorker._serve(worker, SimpleNamespace(), pieces, 0, left, set())  # type: ignore[arg-type]
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, worker.priority_cuts
 
 
 def _plan(layout: Layout, stay: float, seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[ParamSlot]]:
@@ -151,7 +161,8 @@ def run_selection(model: Any, stay: float = 0.1, *, topk: float = 0.1, seed: int
         runs = [_run(model, stay, topk, seed) for _ in range(repeats)]
     out = runs[0]
     out["phases"] = {k: min(r["phases"][k] for r in runs) for k in out["phases"]}
-    out["priority_runs_ms"] = min(r["priority_runs_ms"] for r in runs)
+    for key in ("priority_runs_ms", "fill_ms"):
+        out[key] = min(r[key] for r in runs)
     out["main_thread_ms"] = sum(out["phases"].values())
     return out
 
@@ -160,41 +171,31 @@ def _run(model: Any, stay: float, topk: float, seed: int) -> dict:
     phases: dict[str, float] = {}
     layout = _layout(model, topk)
     cols, sel = _plan(layout, stay, seed)
-    moves = _timed(phases, "plan_moves", lambda: [plan_moves(s, o, n) for s, (o, n) in zip(sel, cols)])
-    host = SimpleNamespace(layout=layout)
-    runs = _timed(phases, "entering_runs",
-                  lambda: Selector._entering_runs(SimpleNamespace(moves=moves), host))  # type: ignore[arg-type]
-    old_owned = _owned(layout, sel, [o for o, _ in cols])
-    priority = _priority_ms(layout, runs, old_owned)
+    olds, news = [o for o, _ in cols], [n for _, n in cols]
+    plan = _timed(phases, "plan_selection", lambda: plan_selection(layout, sel, olds, news))
+    _timed(phases, "stay_share", lambda: stay_share(olds, news, [s.cols for s in sel]))
+    old_owned = _owned(layout, sel, olds)
+    priority, cuts = _priority(layout, plan.entering_runs, old_owned)
     move = _move(model, stay, topk, seed)
-    phases["mover_move"] = move["ms"]
-    # Only the share of the entering rows the main thread gathers itself counts (a worker that
-    # gathered them would take them off the main thread): the replay's time times that share.
-    phases["in_gathers"] = _gathers_ms(moves) * move["gathered_share"]
-    hs: Any = SimpleNamespace(device_owned=old_owned.clone())  # what set_device_owned reads of a HostState
-    hs._owned = lambda s: HostState._owned(hs, s)
-
-    def own() -> None:
-        for s, (_, n) in zip(sel, cols):
-            HostState.set_device_owned(hs, s, n)
-
-    _timed(phases, "set_device_owned", own)
+    phases["migrate"] = move["ms"]
+    hs: Any = SimpleNamespace(device_owned=old_owned.clone())  # what set_owned reads of a HostState
+    _timed(phases, "set_owned", lambda: HostState.set_owned(hs, plan.owned))
     _timed(phases, "plan_chunks", lambda: plan_chunks(layout, hs.device_owned, SLOT_BYTES, 2))
     main = sum(phases.values())
     return {
         "model": model.name, "stay": stay, "topk_ratio": topk, "matrices": len(sel), "host_cols": layout.host_cols,
         "selected_cols": sum(s.k for s in sel),
-        "entering_cols": sum(int(m.enter_cols.numel()) for m in moves),
-        "leaving_cols": sum(int(m.leave_cols.numel()) for m in moves),
-        "entering_runs": int(runs.shape[0]),
-        "main_thread_ms": main, "priority_runs_ms": priority,
-        "device_ops": move["device_ops"], "main_thread_gathers": move["gathers"],
-        "main_thread_gather_share": move["gathered_share"],
+        "entering_cols": sum(int(m.enter_cols.numel()) for m in plan.moves),
+        "leaving_cols": sum(int(m.leave_cols.numel()) for m in plan.moves),
+        "entering_runs": int(plan.entering_runs.shape[0]), "device_blocks": len(plan.blocks),
+        "main_thread_ms": main, "priority_runs_ms": priority, "priority_cuts": cuts,
+        "fill_ms": _gathers_ms(plan.moves),
+        "device_ops": move["main_ops"] + move["fill_ops"], "device_ops_main": move["main_ops"],
+        "device_ops_fill": move["fill_ops"], "device_views": move["views"], "main_thread_gathers": move["main_gathers"],
+        "fill_gathers": move["fill_gathers"], "main_thread_gather_share": move["gathered_share"],
         "bytes": {"d2h": move["d2h"], "h2d": move["h2d"], "host": move["host"]},
         "row_scale": ROW_SCALE, "phases": phases,
     }
-
-
 def _gathers_ms(moves: list[Moves]) -> float:
     """The in ring's host gathers (migration.py ``_in_all``: ``index_select`` of the entering
     columns' rows into the ring) at the real row widths, replayed as one gather per matrix and
@@ -216,47 +217,55 @@ def _gathers_ms(moves: list[Moves]) -> float:
 
 
 def _move(model: Any, stay: float, topk: float, seed: int) -> dict:
-    """``Mover.move`` of the selection on state with rows / ``ROW_SCALE`` (module docstring)."""
+    """``Selector._migrate`` of the selection (main thread), then its fill (a thread of its own,
+    as the worker runs it), on state with rows and staging sizes / ``ROW_SCALE`` (module docstring)."""
     layout = _layout(model, topk, ROW_SCALE)
     cols, sel = _plan(layout, stay, seed)
-    moves = [plan_moves(s, o, n) for s, (o, n) in zip(sel, cols)]
-    elems = sum(s.k * s.rows for s in sel)
-    mover = Mover(torch.device("cpu"), pin=False, ring=ring_elems(elems, sum(s.k for s in sel),
-                  max(s.rows for s in sel), 3), out=out_elems(elems, 3), ids=4 * sum(s.k for s in sel))
-    mover.ledger = ledger = Ledger()
-    dep = Departure(ledger=ledger)
-    jobs, dev_ptrs, host_ptrs = [], set(), set()
-    for m in moves:
-        s = m.slot
-        dev = [torch.ones(s.k, s.rows) for _ in range(3)]  # ones, not zeros: pages touched before the clock
-        hst = [torch.ones(s.cols, s.rows) for _ in range(3)]
-        dev_ptrs |= {_ptr(t) for t in dev}
-        host_ptrs |= {_ptr(t) for t in hst}
-        jobs.append((m, [Pair(d, h, dep) for d, h in zip(dev, hst)]))
-    gathered, real = [0.0], torch.index_select
-
-    def gather(*a: Any, **k: Any) -> Any:  # the scaled gathers' time, taken out (``_gathers_ms`` times them)
-        t0 = time.perf_counter()
-        out = real(*a, **k)
-        gathered[0] += (time.perf_counter() - t0) * 1e3
-        return out
-
-    torch.index_select = gather
+    plan = plan_selection(layout, sel, [o for o, _ in cols], [n for _, n in cols])
+    elems, ncols = sum(s.k * s.rows for s in sel), sum(s.k for s in sel)
+    stage, sizing.STAGE_BYTES = sizing.STAGE_BYTES, sizing.STAGE_BYTES // ROW_SCALE
     try:
+        mover = Mover(torch.device("cpu"), pin=False, ring=ring_elems(elems, ncols, max(s.rows for s in sel), 3),
+                      out=out_elems(elems, 3, OUT_BYTES // ROW_SCALE), ids=4 * ncols)
+        mover.ledger = ledger = Ledger()
+        n, f32 = layout.dev_numel, torch.float32
+        # ones, not zeros: pages touched before the clock
+        dev = SimpleNamespace(master=torch.ones(n), exp_avg=torch.ones(n), exp_avg_sq=torch.ones(n),
+                              steps=torch.ones(layout.dev_cols), grad=None)
+        host: Any = SimpleNamespace(master=torch.ones(layout.host_numel, dtype=f32), exp_avg=torch.ones(layout.host_numel),
+                                    exp_avg_sq=torch.ones(layout.host_numel), steps=torch.ones(layout.host_cols),
+                                    upload=None, install_fence=None)
+        host.column_state = lambda s: HostState.column_state(host, s)
+        selector: Any = SimpleNamespace(mover=mover, departure=None, ledger=ledger, device=dev, landing=Departure())
+        old_steps = torch.ones(sum(b.ncols for b in layout.blocks if not b.fixed))
+        dev_ptrs = {_ptr(t) for t in (dev.master, dev.exp_avg, dev.exp_avg_sq, dev.steps)}
+        host_ptrs = {_ptr(t) for t in (host.master, host.exp_avg, host.exp_avg_sq, host.steps)}
+
+        def migrate() -> tuple[Any, Departure]:
+            return Selector._migrate(selector, host, plan, old_steps, None)
+
+        def counted(fn: Callable[[], Any]) -> tuple[Any, _Count]:
+            with _Count(dev_ptrs, host_ptrs) as count:
+                return fn(), count
+
         t0 = time.perf_counter()
-        d2h, h2d = mover.move(jobs)  # timed without the counting mode (its Python costs per op)
-        ms = (time.perf_counter() - t0) * 1e3 - gathered[0]
+        fill, dep = migrate()  # timed without the counting mode (its Python costs per op)
+        ms = (time.perf_counter() - t0) * 1e3
+        fill()
+        dep.finish()
+        tab = ledger.close()
+        (fill, dep), main = counted(migrate)  # the same move again, counted: the same ops
+        box: list[_Count] = []
+        worker = threading.Thread(target=lambda: box.append(counted(fill)[1]))  # the worker's own dispatch modes
+        worker.start()
+        worker.join()
+        dep.finish()
     finally:
-        torch.index_select = real
-    dep.finish()
-    tab = ledger.close()
-    # The ids' H2D (migration.py ``_upload``: 8 B per id) does not scale with the rows; the state does.
-    ids = 8 * sum(sum(int(t.numel()) for t in (m.leave_pos, m.stay_src, m.stay_dst, m.enter_dst))
-                  for m in moves if m.changed)
-    count = _Count(dev_ptrs, host_ptrs)
-    with count:  # the same move again, counted: the same ops (the same ids, the same buffers)
-        mover.move(jobs)
-    dep.finish()
-    entering = 3 * sum(int(m.enter_cols.numel()) * m.slot.rows for m in moves)
-    return {"ms": ms, "gathered_share": count.gathered / entering if entering else 0.0, "device_ops": count.device_ops, "gathers": count.gathers,
-            "d2h": d2h * ROW_SCALE, "h2d": ids + (h2d - ids) * ROW_SCALE, "host": tab.total("host.") * ROW_SCALE}
+        sizing.STAGE_BYTES = stage
+    entering = 3 * sum(int(m.enter_cols.numel()) * m.slot.rows for m in plan.moves)
+    ids = 8 * sum(int(t.numel()) for b in plan.blocks for t in (b.leave_pos, b.stay_src, b.stay_dst, b.enter_dst))
+    h2d = tab.total("h2d.")
+    return {"ms": ms, "gathered_share": main.gathered / entering if entering else 0.0,
+            "views": main.views + box[0].views, "main_ops": main.device_ops, "main_gathers": main.gathers, "fill_ops": box[0].device_ops,
+            "fill_gathers": box[0].gathers, "d2h": tab.total("d2h.") * ROW_SCALE,
+            "h2d": ids + (h2d - ids) * ROW_SCALE, "host": tab.total("host.") * ROW_SCALE}

@@ -62,9 +62,12 @@ def _bench_selection(selection: bool, model: str, stay: float | None, topk: str,
         console.print(f"  {name:<18} {ms:9.1f} ms")
     b = r["bytes"]
     console.print(f"  main thread {r['main_thread_ms']:.1f} ms (priority wait excluded); priority runs "
-                  f"{r['priority_runs_ms']:.1f} ms (AdamW excluded); {r['device_ops']} device ops; "
-                  f"{r['main_thread_gathers']} main-thread gathers; D2H {b['d2h'] / 1e9:.2f} GB, "
-                  f"H2D {b['h2d'] / 1e9:.2f} GB, host {b['host'] / 1e9:.2f} GB (the move's, at full row widths)")
+                  f"{r['priority_runs_ms']:.1f} ms (AdamW excluded), {r['priority_cuts']} run cut; worker fill "
+                  f"{r['fill_ms']:.1f} ms ({r['fill_gathers']} host gathers, inside the priority wait)")
+    console.print(f"  {r['device_ops']} device ops ({r['device_ops_main']} main thread, {r['device_ops_fill']} fill) "
+                  f"over {r['device_blocks']} device blocks; {r['main_thread_gathers']} main-thread gathers; "
+                  f"D2H {b['d2h'] / 1e9:.2f} GB, H2D {b['h2d'] / 1e9:.2f} GB, host {b['host'] / 1e9:.2f} GB "
+                  "(the move's, at full row widths)")
     if json_out is not None:
         write_atomic(json_out, json.dumps(r, indent=1) + "\n")
         console.print(f"wrote {json_out}")

@@ -246,7 +246,7 @@ class CpuWorker:
         try:
             if then is not None:
                 then()  # the entering rows, just updated, into the in ring (migration.py fill)
-        except Exception as e:  # the requester re-raises it: the update itself goes on
+        except Exception as e:  # noqa: BLE001 -- re-raised by the requester (wait_request); the update goes on
             req.error = e
         with self._cv:
             req.done, self._request = True, None
