@@ -203,14 +203,15 @@ def test_install_under_slow_copies(slow_copies, dtype, path, pin) -> None:
 def test_selections_under_slow_copies_or_a_late_worker(slow_copies, monkeypatch, dtype, path, late) -> None:
     """Re-selections every 4 steps, each meeting the CPU update submitted one step earlier
     (selector.py, migration.py). Slow copies cover: the selection's host wait for the column
-    ids' D2H (``Mover.fetch``); the in stream's wait, before writing a matrix's device rows, for
-    the out stream to have gathered its leaving rows (``_prepare``: the out stream is held back
-    by its slowed D2Hs); the compute stream's wait for the in stream's last H2D before the
-    device AdamW (``done``); the worker's wait for each leaving piece's D2H before it writes the
+    ids' D2H (``Mover.fetch``); the in stream's wait, before writing a block's device rows, for
+    the out stream to have gathered its leaving rows (``_stay_all``: the out stream is held back
+    by its slowed D2Hs); the worker's fill waiting for an in-ring slot's last H2D before it
+    gathers into it (``_in_slot``); the compute stream's wait for the in stream's last H2D before
+    the device AdamW (``join``); the worker's wait for each leaving piece's D2H before it writes the
     host rows (``Departure.finish``), and for the install's DMA; on the device path the worker's
     per-matrix copy-out waits (``fences``). A late worker (each update sleeps before it
     starts, each leaving-state write sleeps) covers: the selection waits for the entering part
-    (``prioritize``), the install and the next update wait for the leaving rows (``settle``).
+    and the fill after it (worker.py ``wait_request``), the install and the next update wait for the leaving rows (``settle``).
     A 1-row staging makes every selection reuse in-ring slots (``_in_slot``). With slow copies
     the install stream is slowed and the layers wait for their own install (install.py): the
     migration's streams come after the compute stream, which comes after the install's restore
