@@ -1,7 +1,7 @@
 """A selection step does not stop for the CPU pipeline (selector.py, migration.py).
 
 The update submitted at the boundary one step before a selection may still run at the selection.
-The step waits for the entering columns' part of it only (``CpuWorker.prioritize``), never for
+The step waits for the entering columns' part of it only (worker.py ``request``, ``wait_request``), never for
 the whole update, installs nothing early, and the leaving columns' state is written by the
 worker behind the update, before anything reads it. Each test holds the worker back so that a
 planted drain, early install or whole-update wait shows: as a wait counted, as an update that

@@ -196,8 +196,10 @@ def _run(model: Any, stay: float, topk: float, seed: int) -> dict:
         "bytes": {"d2h": move["d2h"], "h2d": move["h2d"], "host": move["host"]},
         "row_scale": ROW_SCALE, "phases": phases,
     }
+
+
 def _gathers_ms(moves: list[Moves]) -> float:
-    """The in ring's host gathers (migration.py ``_in_all``: ``index_select`` of the entering
+    """The in ring's host gathers (migration.py ``Mover._fill``, the worker: ``index_select`` of the entering
     columns' rows into the ring) at the real row widths, replayed as one gather per matrix and
     state tensor out of one ``GATHER_BYTES`` host buffer (ids modulo its columns: random rows of
     memory far beyond the caches, as the real state is) into one reused ring-sized buffer."""

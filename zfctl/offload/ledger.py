@@ -80,7 +80,8 @@ WAIT_KINDS: dict[str, str] = {
     "host.slot_fill": "... the last copy into the slot, before a missing gradient's -0.0 fill (stream.py _fill)",
     "host.slot_drain": "... every gradient copy into a slot (stream.py drain: checkpoints, loading, closing)",
     "host.migrate_ids": "... a selection's new column ids and old counters: one D2H (migration.py Mover.fetch)",
-    "host.priority": "... the CPU update in flight has updated a selection's entering columns (worker.py prioritize)",
+    "host.priority": "... the CPU update in flight has updated a selection's entering columns and run the fill "
+                     "after them (worker.py wait_request; zero2: prioritize, no fill)",
     "host.migrate_slot": "... a selection's in ring is free: the last selection's H2D (migration.py Mover.move)",
     "host.migrate_fill": "... the CPU worker's fill of a selection's in ring, where no update is in flight "
                          "(pipeline.py wait_entering; with one in flight it is part of host.priority)",

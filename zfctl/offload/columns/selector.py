@@ -9,13 +9,15 @@ and leaving columns migrates between the host and the device.
 The step does not drain the CPU pipeline. The update submitted at the boundary one step earlier
 may still run: it owns the host rows of the columns that were host-owned when it was submitted,
 and never touches the rows of the device-owned ones. So the selection (1) brings the new column
-ids to the host (one D2H, one host wait), (2) asks the worker to update the entering columns
-first (``prioritize``: a host wait for that part only) and (3) migrates: the leaving columns'
-rows were device-owned during that update, so their host rows can be written while it runs; the
-entering ones are read once the worker has updated them and left them out of the rest
-(migration.py: asynchronous DMA, the leaving rows written by the worker behind the update). The
-rest of the update installs on the ordinary schedule (pipeline.py). The caller re-plans the
-column chunks after it (device-owned columns changed).
+ids to the host (one D2H, one host wait), (2) plans every matrix at once (selection.py
+``plan_selection``), (3) asks the worker to update the entering columns first, without waiting
+(``Pipeline.request``), (4) enqueues the leaving and staying moves (migration.py: asynchronous
+DMA; the leaving columns' rows were device-owned during that update, so the worker writes them
+behind it) and hands the worker the fill, which gathers the entering rows into the in ring once
+they are updated (``Pipeline.hand``). The caller re-plans the column chunks (device-owned
+columns changed) while the worker fills, then ``arrive`` waits for the fill (one host wait) and
+has the compute stream wait for the migration. The rest of the update installs on the ordinary
+schedule (pipeline.py).
 
 Data parallel: the scores come from every owner (one all-reduce, exchange.py), the state of an
 entering column from its owner (partition.py ``OwnedRows``, blocking collectives, each rank's

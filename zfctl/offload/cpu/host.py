@@ -7,7 +7,7 @@ Buffers (flat, one column space for all matrices, see ``layout``), and who owns 
 | master (fp32; page-locked on CUDA when it is the install source) | this rank's matrix columns | main thread (migration, state_dict); the install's DMA reads it until ``install_fence`` when it is the source | CPU worker (reads and writes, after ``install_fence``) |
 | upload (model dtype, bf16/fp16 with ``upload_buffer``; page-locked on CUDA) | as master | the install's H2D DMA reads it until ``install_fence`` | CPU worker (writes, after ``install_fence``) |
 | exp_avg, exp_avg_sq (fp32) | as master | main thread | CPU worker |
-| steps (fp32 per column) | one per column | main thread | main thread (the worker gets counts by value) |
+| steps (fp32 per column) | one per column | main thread; at a selection, the worker's fill reads the entering columns' counters between ``hand`` and ``arrive`` (the main thread writes none then: the leaving ones before ``hand``) | main thread (the worker gets counts by value) |
 | gradient slots (``grads``, slots.py; model dtype, page-locked on CUDA) | slots per set x sets x as master | the copy stream writes step j's slot of the current set | CPU worker reads the set of the interval it was handed; with one set, the next interval's writes follow the worker's watermark (``gate``, acc_gate.py) |
 | the device path's interval sum (``grads.carry[0]``, fp32, page-locked) | as master | its D2H at the boundary, after the previous update was collected | CPU worker |
 

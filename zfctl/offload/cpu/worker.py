@@ -22,9 +22,12 @@ a bit (AdamW is per element: runs.py):
   update carries ``fences``, each piece with the wait for its own copy event, in copy order, so
   the update starts on the first matrix while the rest is still on the link;
 * a selection (selector.py) takes the entering columns' state while the update submitted one
-  step earlier still runs: ``prioritize`` asks the worker to update those elements first (at
-  the next piece boundary, if not done yet), returns once they are, and the worker leaves them
-  out of the pieces that follow. The selection waits for that part only, not the whole update.
+  step earlier still runs: ``request`` asks the worker to update those elements first (at the
+  next piece boundary, if not done yet), then to run the job the selection hands it (``hand``:
+  the migration's fill, which gathers those rows into the in ring, migration.py), and the worker
+  leaves them out of the pieces that follow. The selection waits for that part only
+  (``wait_request``), not the whole update; ``prioritize`` is the same without a job (the
+  data-parallel selection).
 """
 
 from __future__ import annotations
