@@ -235,3 +235,28 @@ def test_a_selection_waits_once_on_the_training_thread_and_moves_by_dma(monkeypa
         opt.pipeline.settle()  # the worker writes the leaving rows behind the update
         on_worker = [e for thread, e in syncs if thread.startswith("zenflow-cpu")]
         assert all(e in on_worker for e in d2h)
+
+
+@pytest.mark.parametrize("path", ["host-step", "device"])
+def test_the_entering_rows_are_gathered_on_the_worker_thread(monkeypatch, path) -> None:
+    """The fill (migration.py) gathers every entering row into the in ring on the CPU worker's
+    thread, never the training thread's: at the first selection (step 0, no update in flight:
+    the worker thread runs it at once) and at step 6 (inside the update in flight, right after
+    its entering columns). A selection that called the fill itself, or gathered rows in
+    ``Mover.move``, shows as a gather on MainThread."""
+    threads: list[str] = []
+    gather = migration.gather_cast
+
+    def recorded(*a: Any) -> None:
+        threads.append(threading.current_thread().name)
+        gather(*a)
+
+    monkeypatch.setattr(migration, "gather_cast", recorded)
+    model = tiny_net()
+    with ZenFlowOptimizer(model.named_parameters(), _cfg(path), **HP) as opt:
+        for t, (x, y) in enumerate(batches(SELECT + 1)):
+            threads.clear()
+            stats = _step(model, opt, x, y, False)
+            if t in (0, SELECT):
+                assert stats.selection and threads, t
+                assert all(name.startswith("zenflow-cpu") for name in threads), (t, set(threads))
