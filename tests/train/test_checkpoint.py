@@ -56,6 +56,25 @@ def test_rng_round_trip():
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
 
 
+def test_a_run_seeds_every_rng_its_checkpoint_saves():
+    """Two runs of one plan start from the same state of every RNG a checkpoint saves (torch,
+    random, numpy): otherwise their ``rng-rank*.pt`` differ, and so would any draw from them."""
+    import numpy as np
+
+    from zfctl.plan.resolve import resolve_plan
+    from zfctl.train.dist import DistEnv, process_setup
+
+    plan = resolve_plan("tiny-llama", "alpaca-sample", overrides=["train.device=cpu"])
+    states = []
+    for noise in (1, 2):
+        np.random.seed(noise); random.seed(noise); torch.manual_seed(noise)  # whatever came before
+        with process_setup(plan, DistEnv(), torch.device("cpu")):
+            states.append(ck.capture_rng())
+    a, b = states
+    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]
+    assert a["numpy"]["pos"] == b["numpy"]["pos"] and torch.equal(a["numpy"]["keys"], b["numpy"]["keys"])
+
+
 def test_rotation_keeps_last_k_and_ignores_abandoned_future(tmp_path):
     for s in (2, 4, 6, 8):
         _save(tmp_path, s, keep=2)
