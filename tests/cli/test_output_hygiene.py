@@ -32,7 +32,7 @@ def run_into_closed_pipe(args: list[str], cwd: Path) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize("args", [
-    ["finetune", "--help"],  # the case: Typer's help, written by rich
+    ["finetune", "--help"],  # the case that broke: Typer's help, written by rich
     ["plan", "tiny-llama", "--data", "alpaca-sample", "--json"],  # print(): the write zfctl makes itself
     ["presets", "ls"],
 ], ids=["finetune-help", "plan-json", "presets-ls"])

@@ -17,6 +17,8 @@ import torch
 
 from zfctl.offload import sizing
 from zfctl.offload.columns import migration
+from zfctl.offload.columns.departure import Pair
+from zfctl.offload.columns.groups import Group
 from zfctl.offload.columns.selection import ColumnState, migrate, plan_selection
 from zfctl.offload.layout import plan_layout
 from zfctl.offload.ledger import Ledger
@@ -56,10 +58,10 @@ def _groups(plan, host, device, dep):
         blk = b.block
         for d, h in zip(device[:3], host[:3]):
             rows = d[blk.off : blk.off + blk.ncols * blk.length].view(blk.ncols, blk.length)
-            groups.append(migration.Group(rows, b, tuple(migration.Pair(m.slot.host_view(h), dep) for m in b.moves)))
+            groups.append(Group(rows, b, tuple(Pair(m.slot.host_view(h), dep) for m in b.moves)))
         steps = device[3][blk.col0 : blk.col0 + blk.ncols].view(-1, 1)
-        groups.append(migration.Group(steps, b, tuple(
-            migration.Pair(host[3][m.slot.host_col0 : m.slot.host_col0 + m.slot.cols].view(-1, 1), dep) for m in b.moves)))
+        groups.append(Group(steps, b, tuple(
+            Pair(host[3][m.slot.host_col0 : m.slot.host_col0 + m.slot.cols].view(-1, 1), dep) for m in b.moves)))
     return groups
 
 

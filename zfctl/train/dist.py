@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -126,9 +125,9 @@ def process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator
     import torch.distributed as torch_dist
 
     prev_det = torch.are_deterministic_algorithms_enabled()
-    random.seed(plan.train.seed)
-    torch.manual_seed(plan.train.seed)
-    _seed_numpy(plan.train.seed)
+    from zfctl.train.checkpoint.rng import seed_rngs
+
+    seed_rngs(plan.train.seed)
     # CPU kernels are deterministic for a fixed thread count already; the flag makes any op
     # that is not warn instead of silently breaking bit-exact resume. On CUDA it would force
     # slower kernels (and needs CUBLAS_WORKSPACE_CONFIG), so it stays off there.
@@ -153,17 +152,6 @@ def process_setup(plan: RunPlan, env: DistEnv, device: torch.device) -> Iterator
         torch.use_deterministic_algorithms(prev_det)
         if own_group:
             torch_dist.destroy_process_group()
-
-
-def _seed_numpy(seed: int) -> None:
-    """numpy's global RNG from ``train.seed``, like ``random`` and torch: a checkpoint saves its state
-    (checkpoint/rng.py), so unseeded it made two identical runs' ``rng-rank*.pt`` differ, and any
-    user code or data transform that draws from it unrepeatable. numpy is optional for zfctl."""
-    try:
-        import numpy as np
-    except ImportError:
-        return
-    np.random.seed(seed % 2**32)
 
 
 def under_torchrun() -> bool:

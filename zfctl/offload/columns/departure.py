@@ -118,7 +118,7 @@ class Departure:
 @dataclass(frozen=True)
 class Pair:
     """The host side of one state tensor of one matrix (its device side is its block's rows:
-    migration.py ``Group``): host rows ``[cols, width]`` by column id; its leaving rows go to
+    groups.py ``Group``): host rows ``[cols, width]`` by column id; its leaving rows go to
     ``to``. ``scale`` (release.py's gradient: the fp16 loss scale's inverse, a power of two,
     exact): the host holds ``scale`` times the device's values."""
 

@@ -1,6 +1,6 @@
 """A selection's state migration as asynchronous DMA (one process, and each FSDP2 rank's rows).
 
-The unit is a ``Group``: one state tensor (master, a moment, the step counters, release.py's
+The unit is a ``Group`` (groups.py): one state tensor (master, a moment, the step counters, release.py's
 gradient) of one device block (layout.py ``DeviceBlock``: the device columns of one length, every
 matrix of that length side by side). Its ids come in block rows from the plan (selection.py
 ``BlockMoves``), so each device operation covers every matrix of the block at once: per group
@@ -56,16 +56,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zfctl.offload import sizing
-from zfctl.offload.columns.departure import Departure, Pair, gather_cast
-from zfctl.offload.columns.selection import BlockMoves
+from zfctl.offload.columns.departure import Departure, gather_cast
+from zfctl.offload.columns.groups import IDS, Group, GroupIds, group_ids
 from zfctl.offload.device import pinned
 from zfctl.offload.device.pcie import copy_async
 from zfctl.offload.ledger import NOWHERE, Ledger
@@ -74,54 +72,6 @@ from zfctl.offload.ledger import NOWHERE, Ledger
 # ring_elems, out_elems, staging_bytes), read through the module at call time: a test may shrink
 # sizing.STAGE_BYTES.
 IN_SLOTS = sizing.IN_SLOTS
-IDS = ("leave_pos", "stay_src", "stay_dst", "enter_dst")
-
-
-@dataclass(frozen=True)
-class Group:
-    """One state tensor of one device block: ``dev`` its block rows ``[block.ncols, width]``,
-    ``pairs`` the host side of each matrix of ``plan.moves`` (departure.py ``Pair``: host rows,
-    where leaving rows go, scale, mirror), None for a matrix this tensor does not move
-    (release.py's gradient of a matrix no hook took)."""
-
-    dev: torch.Tensor
-    plan: BlockMoves
-    pairs: tuple[Pair | None, ...]
-
-    @property
-    def width(self) -> int:
-        return self.dev.shape[1]
-
-
-@dataclass
-class _Ids:
-    """A group's ids (host tensors, block rows; ``dev`` their device copies after the upload) and,
-    per member matrix (index into ``plan.moves``), where its share starts in each."""
-
-    host: dict[str, torch.Tensor]
-    members: list[int]
-    leave0: list[int]  # cumulative: member j's leaving rows are [leave0[j], leave0[j + 1])
-    stay0: list[int]
-    enter0: list[int]
-    dev: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _ids(plan: BlockMoves, members: list[int]) -> _Ids:
-    """The ids of ``members`` of ``plan``: the block's own arrays when every matrix moves (no op),
-    else the members' slices, concatenated (release.py's gradient of some matrices only)."""
-    counts = {"leave": plan.leave_n, "stay": plan.stay_n, "enter": plan.enter_n}
-    starts = {k: [0, *itertools.accumulate(v)] for k, v in counts.items()}
-    cum = {k: [0, *itertools.accumulate(v[i] for i in members)] for k, v in counts.items()}
-    if len(members) == len(plan.moves):
-        host = {n: getattr(plan, n) for n in IDS}
-    else:
-        def part(name: str, kind: str) -> torch.Tensor:
-            src = getattr(plan, name)
-            return torch.cat([src[starts[kind][i] : starts[kind][i + 1]] for i in members] or [src[:0]])
-
-        host = {"leave_pos": part("leave_pos", "leave"), "stay_src": part("stay_src", "stay"),
-                "stay_dst": part("stay_dst", "stay"), "enter_dst": part("enter_dst", "enter")}
-    return _Ids(host, members, cum["leave"], cum["stay"], cum["enter"])
 
 
 class Mover:
@@ -218,15 +168,15 @@ class Mover:
             self._done.record(self.in_stream)
 
     # -- the ids -------------------------------------------------------------------------------
-    def _upload(self, groups: list[Group]) -> dict[int, _Ids]:
+    def _upload(self, groups: list[Group]) -> dict[int, GroupIds]:
         """Every group's block-row ids, one set per distinct (plan, members), in one H2D (in stream)."""
-        by_key: dict[tuple[int, tuple[int, ...]], _Ids] = {}
-        out: dict[int, _Ids] = {}
+        by_key: dict[tuple[int, tuple[int, ...]], GroupIds] = {}
+        out: dict[int, GroupIds] = {}
         for g in groups:
             members = [i for i, p in enumerate(g.pairs) if p is not None]
             key = (id(g.plan), tuple(members))
             if key not in by_key:
-                by_key[key] = _ids(g.plan, members)
+                by_key[key] = group_ids(g.plan, members)
             out[id(g)] = by_key[key]
         sets = list(by_key.values())
         flat = torch.cat([s.host[n] for s in sets for n in IDS])
@@ -251,7 +201,7 @@ class Mover:
         return out
 
     # -- leaving: device -> out buffer -------------------------------------------------------
-    def _out_all(self, groups: list[Group], ids: dict[int, _Ids], read: dict[int, Any],
+    def _out_all(self, groups: list[Group], ids: dict[int, GroupIds], read: dict[int, Any],
                  first: Departure | None) -> int:
         """Gather, pack and DMA every leaving row: one gather per group and piece; the groups whose
         leaving rows go to ``first`` in the first pieces (a release step's gradient, ``Selector.land``)."""
@@ -307,7 +257,7 @@ class Mover:
         self._out_at = 0
 
     def _out_flush(self, buf: torch.Tensor, fill: int, piece: list[tuple[Group, int, int, int]],
-                   ids: dict[int, _Ids]) -> int:
+                   ids: dict[int, GroupIds]) -> int:
         """One packed piece's D2H; each matrix's share of it handed to its pair's departure."""
         if fill == 0:
             return 0
@@ -335,7 +285,7 @@ class Mover:
         return 4 * fill
 
     # -- staying: inside the block -------------------------------------------------------------
-    def _stay_all(self, groups: list[Group], ids: dict[int, _Ids], read: dict[int, Any]) -> None:
+    def _stay_all(self, groups: list[Group], ids: dict[int, GroupIds], read: dict[int, Any]) -> None:
         """Before any write into a block's rows: the in stream waits until its leaving rows were
         read (out stream); then the staying columns change rows, a segment of whole matrices at a
         time (a matrix's rows are all gathered before any is rewritten)."""
@@ -357,7 +307,7 @@ class Mover:
                 a = b
 
     # -- entering: host -> in ring -> device (the CPU worker) ----------------------------------
-    def _fill(self, groups: list[Group], ids: dict[int, _Ids]) -> int:
+    def _fill(self, groups: list[Group], ids: dict[int, GroupIds]) -> int:
         """The worker: every entering row into the ring, slot by slot, each slot's H2D and one
         scatter per group part of it; then the in stream's last event (``join`` waits for it)."""
         left = sum(ids[id(g)].enter0[-1] * g.width for g in groups)
@@ -412,7 +362,7 @@ class Mover:
         return self._ring[i * self._slot_elems : i * self._slot_elems + min(self._slot_elems, left)]
 
     def _in_flush(self, slot: torch.Tensor, fill: int, piece: list[tuple[Group, int, int, int]],
-                  ids: dict[int, _Ids]) -> int:
+                  ids: dict[int, GroupIds]) -> int:
         if fill == 0:
             return 0
         src = slot[:fill]

@@ -8,6 +8,19 @@ from typing import Any
 import torch
 
 
+def seed_rngs(seed: int) -> None:
+    """Every RNG :func:`capture_rng` saves, from one seed (a run's ``train.seed``: dist.py
+    ``process_setup``), so that two runs of one plan draw alike and write the same RNG file.
+    numpy is optional for zfctl."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
 def capture_rng() -> dict[str, Any]:
     """Every RNG a training step may draw from (dropout, data augmentation, user code)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
