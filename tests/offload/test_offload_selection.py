@@ -3,12 +3,15 @@ exactly (master, both moments and its step counter) when the selection changes."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_offload_helpers import zen
 
 from zfctl.offload import ZenFlowOptimizer
-from zfctl.offload.columns.selection import stay_share
+from zfctl.offload.columns.selection import plan_moves
+from zfctl.offload.columns.selection import stay_share as share
 from zfctl.offload.columns.selector import Selector
 from zfctl.offload.layout import column_runs, num_selected
 
@@ -59,6 +62,9 @@ def test_stay_share_counts_every_column_of_every_matrix_once() -> None:
     columns weighs more, and the same column id in two matrices is two columns."""
     def ids(*c: int) -> torch.Tensor:
         return torch.tensor(c, dtype=torch.int64)
+
+    def stay_share(olds, news, cols):  # the moves plan_selection gives, per matrix of ``cols`` columns
+        return share([plan_moves(SimpleNamespace(k=n.numel(), cols=c), o, n) for o, n, c in zip(olds, news, cols)])
 
     olds = [ids(1, 5, 9, 13), ids(0, 1, 2, 3, 4, 5, 6, 7), ids(2)]
     news = [ids(2, 5, 20, 30), ids(0, 1, 2, 3, 4, 5, 6, 8), ids(3)]  # 1 + 7 + 0 of 4 + 8 + 1 stay
@@ -163,6 +169,8 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
 
     from zfctl.offload import sizing
     from zfctl.offload.columns import migration
+    from zfctl.offload.columns.departure import Pair
+    from zfctl.offload.columns.groups import Group
     from zfctl.offload.columns.selection import ColumnState, migrate, plan_selection
     from zfctl.offload.device import pinned
     from zfctl.offload.layout import plan_layout
@@ -187,7 +195,7 @@ def test_the_mover_is_exact_and_moves_every_byte_through_page_locked_memory(monk
     mover.pin, mover.ledger = True, Ledger()
     dev, host = [t.clone() for t in dev0], [t.clone() for t in host0]
     dep = migration.Departure()
-    groups = [migration.Group(d.view(k, -1), block, (migration.Pair(h.view(cols, -1), dep),)) for d, h in zip(dev, host)]
+    groups = [Group(d.view(k, -1), block, (Pair(h.view(cols, -1), dep),)) for d, h in zip(dev, host)]
     fill = mover.move(groups)
     assert fill is not None
     fill()  # the worker's part (migration.py): the entering rows, through the in ring

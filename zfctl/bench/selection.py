@@ -173,7 +173,7 @@ def _run(model: Any, stay: float, topk: float, seed: int) -> dict:
     cols, sel = _plan(layout, stay, seed)
     olds, news = [o for o, _ in cols], [n for _, n in cols]
     plan = _timed(phases, "plan_selection", lambda: plan_selection(layout, sel, olds, news))
-    _timed(phases, "stay_share", lambda: stay_share(olds, news, [s.cols for s in sel]))
+    _timed(phases, "stay_share", lambda: stay_share(plan.moves))
     old_owned = _owned(layout, sel, olds)
     priority, cuts = _priority(layout, plan.entering_runs, old_owned)
     move = _move(model, stay, topk, seed)

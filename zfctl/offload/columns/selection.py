@@ -58,26 +58,6 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-def stay_share(olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor],
-               cols: Sequence[int]) -> float | None:
-    """The share of the device's columns that stay at a selection: staying / previously selected
-    columns, over every matrix (each column counts once), from per-matrix sorted host int64 ids
-    ``olds`` (None: no selection yet) and ``news``; ``cols``: each matrix's column count. None at
-    the first selection. The ids are made global (offset by the columns of the matrices before)
-    so that one ``isin`` answers every matrix: a fixed number of ops, none per matrix or column."""
-    have = [i for i, o in enumerate(olds) if o is not None]
-    if not have:
-        return None
-    starts = torch.tensor([0, *cols[:-1]], dtype=torch.int64).cumsum(0)[have]
-
-    def glob(ids: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(ids) + starts.repeat_interleave(torch.tensor([c.numel() for c in ids]))
-
-    old = glob([o for o in olds if o is not None])
-    new = glob([news[i] for i in have])
-    return int(torch.isin(new, old, assume_unique=True).sum()) / max(old.numel(), 1)
-
-
 @dataclass(frozen=True)
 class Moves:
     """How one matrix's device columns change (host int64 ids; positions are device rows)."""
@@ -93,6 +73,17 @@ class Moves:
     @property
     def changed(self) -> bool:
         return bool(self.enter_dst.numel() or self.stay_src.numel())
+
+
+def stay_share(moves: Sequence[Moves]) -> float | None:
+    """The share of the device's columns that stay at a selection: staying / previously selected
+    columns, over every matrix (each column once), from the selection's moves (``plan_selection``):
+    a matrix's old columns are its staying ones (``k`` less the entering) and its leaving ones; one
+    with no selection yet has neither. None at the first selection. Arithmetic on the counts the
+    plan has, no torch op: the stays were found once, by the plan."""
+    stay = [m.slot.k - m.enter_cols.numel() for m in moves]
+    old = sum(stay) + sum(m.leave_cols.numel() for m in moves)
+    return sum(stay) / old if old else None
 
 
 def plan_moves(slot: ParamSlot, old: torch.Tensor | None, new: torch.Tensor) -> Moves:

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from zfctl.offload.columns.departure import Departure, Pair
-from zfctl.offload.columns.migration import Group, Mover
+from zfctl.offload.columns.groups import Group
+from zfctl.offload.columns.migration import Mover
 from zfctl.offload.columns.selection import (
     HostRows,
     Moves,
@@ -149,8 +150,7 @@ class Selector:
         self.moves = plan.moves
         # ZenFlow's premise, measured: how many device columns stay (None at the first selection).
         # Every rank chose from the same all-reduced scores (``shared``): one share for the group.
-        stats.select_stay = stay_share([dev.index_cpu[s.index] for s in self.selectable], new_h,
-                                       [s.cols for s in self.selectable])
+        stats.select_stay = stay_share(plan.moves)
         if self.part is None:
             # The update in flight updates the entering columns first, then runs the migration's
             # fill (their rows into the in ring); meanwhile this thread enqueues the leaving and

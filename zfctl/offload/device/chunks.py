@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zfctl.offload.cpu.runs import cut_runs
 from zfctl.offload.device.ring import Ring
 from zfctl.offload.layout import Layout, ParamSlot, as_matrix, column_runs
 
@@ -45,7 +46,7 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
 
     Cost: a fixed number of torch ops over the whole host column space, none per chunk but the
     ``split`` view of its runs: one ``column_runs`` of the host-owned columns, cut at the chunk
-    edges (``_cut``), gives every chunk's runs and, summed, how much of it the host owns.
+    edges, gives every chunk's runs and, summed, how much of it the host owns.
     """
     spans: list[tuple[ParamSlot, int, int]] = []  # (slot, c0, c1) of every chunk, in host column order
     edges = [0]  # flat host column ids: chunk i is [edges[i], edges[i + 1])
@@ -61,35 +62,22 @@ def plan_chunks(layout: Layout, device_owned: torch.Tensor, slot_bytes: int, ite
     if not spans:
         return []
     offs = layout.host_col_offsets.index_select(0, torch.tensor(edges, dtype=torch.int64))  # in elements
-    runs, held = _cut(column_runs(~device_owned, layout.host_col_offsets), offs)
+    off = offs.tolist()
+    # The host-owned runs cut at the chunk edges (runs.py ``cut_runs``: a run that column_runs
+    # joined across chunks or matrices becomes one segment per chunk), then made relative to
+    # each chunk's start and summed per chunk, over all chunks at once.
+    cut = [p[0] for p in cut_runs([column_runs(~device_owned, layout.host_col_offsets)],
+                                  [(off[i], off[i + 1] - off[i]) for i in range(len(spans))])]
+    counts = [p.shape[0] for p in cut]
+    seg = torch.cat(cut)
+    chunk = torch.arange(len(spans)).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+    held = torch.zeros(len(spans), dtype=torch.int64).index_add_(0, chunk, seg[:, 1])
+    runs = torch.stack([seg[:, 0] - offs.index_select(0, chunk), seg[:, 1]], dim=1).split(counts)
     # 0: skipped (the device owns it all), 1: the host owns it all (runs None), 2: partly owned.
     some = held > 0
     kinds = (some.to(torch.int8) + (some & (held < offs[1:] - offs[:-1])).to(torch.int8)).tolist()
-    off = offs.tolist()
     return [Chunk(slot, c0, c1, off[i], runs[i] if k == 2 else None)
             for i, ((slot, c0, c1), k) in enumerate(zip(spans, kinds)) if k]
-
-
-def _cut(runs: torch.Tensor, edges: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Run list ``runs`` cut at the sorted element ``edges`` (chunk i is [edges[i], edges[i + 1]),
-    the chunks tiling ``runs``' range): per chunk, its part relative to its start, and how many
-    elements that part covers. A run that spans edges (``column_runs`` joins adjacent columns
-    across chunks and matrices) becomes one segment per chunk it touches; segments come out in
-    chunk order (the runs are sorted), so one ``split`` hands each chunk its own. A fixed number
-    of ops: one ``searchsorted`` for each run's first and for its last chunk, no loop."""
-    lo = runs[:, 0].contiguous()
-    hi = lo + runs[:, 1]
-    first = torch.searchsorted(edges, lo, right=True) - 1
-    cnt = torch.searchsorted(edges, hi - 1, right=True) - first  # chunks each run touches
-    run = torch.repeat_interleave(cnt)  # each segment's run
-    chunk = first.index_select(0, run) + torch.arange(run.numel()) - (cnt.cumsum(0) - cnt).index_select(0, run)
-    start = edges.index_select(0, chunk)
-    seg_lo = torch.maximum(lo.index_select(0, run), start)
-    length = torch.minimum(hi.index_select(0, run), edges.index_select(0, chunk + 1)) - seg_lo
-    n = edges.numel() - 1
-    held = torch.zeros(n, dtype=torch.int64).index_add_(0, chunk, length)
-    parts = torch.stack([seg_lo - start, length], dim=1).split(torch.bincount(chunk, minlength=n).tolist())
-    return parts, held
 
 
 def install_params(ring: Ring, chunks: list[Chunk], source: torch.Tensor, params: list[torch.Tensor], *,
