@@ -96,6 +96,7 @@ class Mover:
         self._ids: torch.Tensor | None = None
         self._ids_event: Any = None  # the ids' H2D: the out stream's gathers wait for it
         self._done: Any = None  # the in stream's last event of the last selection: after all its H2D
+        self._to_join = False  # this selection recorded ``_done``: ``join`` has the compute stream wait for it
         self._out_at = 0  # elements of the out buffer this selection has filled
         self._deps: list[Departure] = []  # the departures that hold rows of the out buffer
         self.slot_waits = 0  # the fill's waits for an in-ring slot (tests count them)
@@ -137,7 +138,7 @@ class Mover:
         if self._done is not None and not self._done.query():  # fired a select interval ago: no wait
             with self.ledger.waiting("host.migrate_slot"):
                 self._done.synchronize()  # the last selection's H2D still reads the ring
-        self._ring_events = [None] * IN_SLOTS
+        self._ring_events, self._to_join = [None] * IN_SLOTS, False
         live = [g for g in groups if any(g.plan.enter_n) or any(g.plan.stay_n) or any(g.plan.leave_n)]
         if not live:
             return None
@@ -158,14 +159,16 @@ class Mover:
     def join(self) -> None:
         """Main thread, after the fill ran (or when there was none): the compute stream waits on
         the device for the migration's last in-stream event, before the step's device AdamW."""
-        if self.cuda and self._done is not None:
+        if self._to_join:  # nothing moved: no wait (``_done`` is an earlier selection's)
             torch.cuda.current_stream(self.device).wait_event(self._done)  # device-side wait
             self.ledger.waited("device.migrate")
+            self._to_join = False
 
     def _record_done(self) -> None:
         if self.cuda:
             self._done = torch.cuda.Event()
             self._done.record(self.in_stream)
+            self._to_join = True
 
     # -- the ids -------------------------------------------------------------------------------
     def _upload(self, groups: list[Group]) -> dict[int, GroupIds]:
